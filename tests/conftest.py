@@ -1,0 +1,44 @@
+"""Shared test set-up: backends, the `cuda` and `megatron` markers, clean tgraph state."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import tgraph
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_megatron = pytest.mark.skip(reason="needs megatron-core (pip install 'tgraph[megatron]')")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+        if "megatron" in item.keywords and not HAS_MEGATRON:
+            item.add_marker(skip_megatron)
+
+
+@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.cuda)])
+def backend(request) -> str:
+    """Every graph test runs on the emulated backend (CPU) and on real CUDA graphs."""
+    return request.param
+
+
+@pytest.fixture
+def device(backend) -> torch.device:
+    return torch.device("cuda" if backend == "cuda" else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _clean_tgraph_state():
+    """No graph, record or registered generator leaks from one test into the next."""
+    tgraph.reset()
+    yield
+    tgraph.reset()
+    for g in tgraph.rng.extra_generators():
+        tgraph.unregister_generator(g)

@@ -1,0 +1,34 @@
+"""tgraph: CUDA graphs for PyTorch training and decoding, without the silent wrong results.
+
+Per-layer graphs (:class:`GraphableModule`, :func:`enable`, :func:`create_graphs`, :func:`reset`),
+whole-step graphs (:class:`FullIterationGraph`) and graph-served decode (:mod:`tgraph.decode`).
+Importing tgraph has no side effects.
+"""
+
+from tgraph.backend import CaptureError, resolve_backend
+from tgraph.module import (
+    CaptureReport,
+    GraphableModule,
+    GraphFallbackWarning,
+    create_graphs,
+    disable,
+    enable,
+    reset,
+)
+from tgraph import rng
+from tgraph.rng import register_generator, unregister_generator
+
+__all__ = [
+    "CaptureError",
+    "CaptureReport",
+    "GraphFallbackWarning",
+    "GraphableModule",
+    "create_graphs",
+    "disable",
+    "enable",
+    "register_generator",
+    "reset",
+    "resolve_backend",
+    "unregister_generator",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,273 @@
+"""Graph backends: one interface (`capture` a callable, `replay` it) over two implementations.
+
+* ``"cuda"`` wraps :class:`torch.cuda.CUDAGraph`: kernels are recorded once and replayed on the
+  same memory addresses.
+* ``"emulated"`` is a CPU stand-in with the one property that matters for correctness: a replay
+  re-runs the captured function and writes every result into the tensors the *capture* produced
+  (its outputs and the tensors autograd saved for backward). Nothing else is refreshed. A
+  forgotten input copy, a stale buffer or an output overwritten by the next replay therefore
+  breaks a CPU test exactly as it breaks a GPU run. It also refuses host syncs during capture and
+  freezes every generator not registered with the graph, as CUDA graphs do.
+
+``"auto"`` picks ``"cuda"`` for CUDA tensors and ``"emulated"`` otherwise; the environment
+variable ``TGRAPH_BACKEND`` overrides ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+BACKENDS = ("cuda", "emulated")
+
+# Host-side sync points: illegal while a CUDA stream is capturing. The emulated backend refuses
+# them during capture so CPU tests see the same failure as the GPU.
+_HOST_SYNC_OPS = {
+    "aten::_local_scalar_dense": ".item(), float()/int()/bool() of a tensor, `if tensor:` or "
+    "printing a tensor",
+    "aten::nonzero": "torch.nonzero / boolean-mask indexing (data-dependent output shape)",
+    "aten::masked_select": "masked_select / boolean-mask indexing (data-dependent output shape)",
+    "aten::_unique2": "torch.unique (data-dependent output shape)",
+    "aten::unique_consecutive": "torch.unique_consecutive (data-dependent output shape)",
+    "aten::unique_dim": "torch.unique (data-dependent output shape)",
+}
+
+CAPTURE_HINT = (
+    "Common causes: a host sync inside the captured region (.item(), bool(tensor), printing a "
+    "tensor, torch.nonzero, boolean-mask indexing), a CPU tensor created or read inside it, or "
+    "memory allocated outside the graph's pool. Move such code out of the graphed module or "
+    "function."
+)
+
+
+class CaptureError(RuntimeError):
+    """Raised when a graph could not be captured. The message names the likely cause."""
+
+
+def resolve_backend(backend: str, device: torch.device | str | None) -> str:
+    """Turn ``"auto"`` into a concrete backend for tensors on ``device``.
+
+    Args:
+        backend: ``"auto"``, ``"cuda"`` or ``"emulated"``.
+        device: device of the tensors that will be captured.
+
+    Returns:
+        ``"cuda"`` or ``"emulated"``.
+
+    Raises:
+        ValueError: unknown backend name, or ``"cuda"`` for non-CUDA tensors.
+    """
+    if backend == "auto":
+        env = os.environ.get("TGRAPH_BACKEND", "").strip()
+        if env:
+            backend = env
+        else:
+            is_cuda = device is not None and torch.device(device).type == "cuda"
+            backend = "cuda" if is_cuda else "emulated"
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown graph backend {backend!r}; expected one of 'auto', 'cuda', 'emulated' "
+            "(check the backend= argument and the TGRAPH_BACKEND environment variable)"
+        )
+    if backend == "cuda" and (device is None or torch.device(device).type != "cuda"):
+        raise ValueError(
+            f"backend 'cuda' needs CUDA tensors, but the tensors are on {device}; move the model "
+            "to a GPU or use backend='emulated'"
+        )
+    return backend
+
+
+class _RefuseHostSync(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in _HOST_SYNC_OPS:
+            raise CaptureError(
+                f"host synchronization during graph capture: {name} ({_HOST_SYNC_OPS[name]}). "
+                "A CUDA graph cannot contain it; move it out of the captured region."
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def tree_leaves(obj: Any) -> list[Any]:
+    """Leaves of nested tuples/lists/dicts (None and non-tensors are leaves too)."""
+    if isinstance(obj, (tuple, list)):
+        return [leaf for o in obj for leaf in tree_leaves(o)]
+    if isinstance(obj, dict):
+        return [leaf for o in obj.values() for leaf in tree_leaves(o)]
+    return [obj]
+
+
+def _default_generators() -> list[torch.Generator]:
+    return [torch.default_generator]
+
+
+class EmulatedGraph:
+    """CPU stand-in for :class:`torch.cuda.CUDAGraph` (see the module docstring).
+
+    Args:
+        watch: objects (typically parameters) whose Python attributes a real graph cannot change
+            at replay; the emulated replay restores them afterwards, so Python side effects of the
+            captured code (e.g. setting ``grad_added_to_main_grad``) are skipped as on a GPU.
+    """
+
+    retains_autograd_graph = True  # replays re-run autograd.grad on the capture's graph
+
+    def __init__(self, watch: Iterable[Any] = ()) -> None:
+        self._fn: Callable[[], Any] | None = None
+        self._outputs: list[Any] = []
+        self._saved: list[torch.Tensor] = []
+        self._registered: list[torch.Generator] = []
+        self._frozen: list[tuple[torch.Generator, torch.Tensor]] = []
+        self._watch = list(watch)
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        """Let replays advance ``generator`` (fresh random numbers each replay)."""
+        if all(g is not generator for g in self._registered):
+            self._registered.append(generator)
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` once; its tensors become this graph's static memory. Returns its output."""
+        known = _default_generators()
+        from tgraph import rng  # local import: rng depends on nothing here, avoid a cycle
+
+        known += [g for g in rng.extra_generators() if g.device.type == "cpu"]
+        self._frozen = [
+            (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
+        ]
+
+        def pack(t: torch.Tensor) -> int:
+            self._saved.append(t)
+            return len(self._saved) - 1
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._saved.__getitem__):
+            with _RefuseHostSync():
+                out = fn()
+        self._fn = fn
+        self._outputs = tree_leaves(out)
+        return out
+
+    def replay(self) -> None:
+        """Re-run the captured function and write its results into the captured tensors."""
+        assert self._fn is not None, "replay() before capture()"
+        attrs = [(obj, dict(vars(obj))) for obj in self._watch]
+        live = [(g, g.get_state()) for g, _ in self._frozen]
+        for g, state in self._frozen:  # unregistered generators replay the capture's numbers
+            g.set_state(state)
+        counter = iter(range(len(self._saved)))
+
+        def pack(t: torch.Tensor) -> None:
+            dst = self._saved[next(counter)]
+            same = dst.data_ptr() == t.data_ptr() and dst.stride() == t.stride()
+            if not same:  # parameters and static inputs are saved as themselves
+                with torch.no_grad():
+                    dst.copy_(t)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+                out = self._fn()
+            with torch.no_grad():
+                for dst, src in zip(self._outputs, tree_leaves(out), strict=True):
+                    if isinstance(dst, torch.Tensor) and dst is not src:
+                        dst.copy_(src)
+        finally:
+            for g, state in live:  # an unregistered generator does not advance at replay
+                g.set_state(state)
+            for obj, saved in attrs:
+                vars(obj).clear()
+                vars(obj).update(saved)
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+class CudaGraph:
+    """Thin wrapper of :class:`torch.cuda.CUDAGraph` with tgraph's capture discipline.
+
+    Capture runs on ``stream`` into ``pool`` and never leaves a stream capturing if ``fn`` raises.
+    """
+
+    retains_autograd_graph = False
+
+    def __init__(self, pool: Any, stream: torch.cuda.Stream) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._pool = pool
+        self._stream = stream
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        self._graph.register_generator_state(generator)
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        with torch.cuda.stream(self._stream):
+            self._graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._graph.capture_end()
+                with contextlib.suppress(Exception):
+                    self._graph.reset()
+                raise
+            self._graph.capture_end()
+        return out
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+    def reset(self) -> None:
+        self._graph.reset()
+
+
+class GraphFactory:
+    """Makes graphs for one backend that share one memory pool and one capture stream.
+
+    Args:
+        backend: ``"cuda"`` or ``"emulated"`` (already resolved).
+        device: device of the captured tensors.
+    """
+
+    def __init__(self, backend: str, device: torch.device | None = None) -> None:
+        self.backend = backend
+        self.device = device
+        if backend == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=device)
+        else:
+            self.pool = None
+            self.stream = None
+
+    def new_graph(self, watch: Iterable[Any] = ()) -> EmulatedGraph | CudaGraph:
+        if self.backend == "cuda":
+            return CudaGraph(self.pool, self.stream)
+        return EmulatedGraph(watch)
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[None]:
+        """Run warmups and captures on the capture stream (CUDA); a no-op when emulated."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def synchronize(self) -> None:
+        if self.backend == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.backend == "cuda" else 0
+
+
+def explain_capture_failure(what: str, exc: BaseException) -> CaptureError:
+    """Wrap an exception raised while capturing ``what`` into a CaptureError with the cause."""
+    if isinstance(exc, CaptureError):
+        return CaptureError(f"capturing {what} failed: {exc}")
+    return CaptureError(f"capturing {what} failed: {type(exc).__name__}: {exc}. {CAPTURE_HINT}")

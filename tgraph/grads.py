@@ -1,0 +1,90 @@
+"""Side effects a graph skips, and how tgraph undoes or redoes them.
+
+**Gradient-accumulation fusion (megatron-core / TransformerEngine convention).** A parameter may
+carry ``main_grad`` (an fp32 accumulation buffer at a fixed address) and a flag
+``grad_added_to_main_grad``. Fused-wgrad kernels accumulate the weight gradient straight into
+``main_grad`` inside backward and set the flag, returning a dummy ``.grad``; Megatron's DDP hook
+then adds ``.grad`` into ``main_grad`` only when the flag is not set. Inside a graph the
+accumulation kernel is captured and replays into the same ``main_grad``, but the Python
+assignment of the flag is not: :class:`MainGradFlags` records, at capture, which parameters'
+flags the backward sets and sets them again after every replay. Parameters whose wgrad comes
+back through autograd are untouched (their hook accumulates eagerly, as in eager execution), so
+``main_grad`` and the flags end exactly as eager execution leaves them.
+
+**Warmup and capture side effects.** Warmup passes really run (and the emulated capture too):
+they advance RNG state, accumulate into ``main_grad`` and update module buffers (e.g. running
+statistics). :class:`StateSnapshot` restores all of it after ``create_graphs()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from tgraph import rng
+
+FLAG = "grad_added_to_main_grad"
+
+
+class MainGradFlags:
+    """Which parameters' ``grad_added_to_main_grad`` a captured backward sets."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._candidates = [p for p in params if hasattr(p, "main_grad") and hasattr(p, FLAG)]
+        self._before: list[bool] = []
+        self.fused: list[torch.Tensor] = []
+
+    def before_capture(self) -> None:
+        self._before = [getattr(p, FLAG) for p in self._candidates]
+        for p in self._candidates:
+            setattr(p, FLAG, False)
+
+    def after_capture(self) -> None:
+        self.fused = [p for p in self._candidates if getattr(p, FLAG)]
+        for p, flag in zip(self._candidates, self._before):
+            setattr(p, FLAG, flag)
+
+    def after_replay(self) -> None:
+        for p in self.fused:
+            setattr(p, FLAG, True)
+
+
+class StateSnapshot:
+    """Everything a warmup or an emulated capture may change, saved to be restored.
+
+    Args:
+        params: parameters whose ``main_grad`` / ``grad_added_to_main_grad`` / ``.grad`` to keep.
+        buffers: module buffers (running statistics and the like).
+        device: the device whose generators to snapshot (CPU generators always are).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        buffers: Iterable[torch.Tensor],
+        device: torch.device | None,
+    ) -> None:
+        params = list(params)
+        self._device = device
+        self._main_grads = [
+            (p, p.main_grad.detach().clone())
+            for p in params
+            if isinstance(getattr(p, "main_grad", None), torch.Tensor)
+        ]
+        self._flags = [(p, getattr(p, FLAG)) for p in params if hasattr(p, FLAG)]
+        self._grads = [(p, p.grad) for p in params]
+        self._buffers = [(b, b.detach().clone()) for b in buffers]
+        self._rng = rng.get_states(device)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, saved in self._main_grads:
+            p.main_grad.copy_(saved)
+        for p, flag in self._flags:
+            setattr(p, FLAG, flag)
+        for p, g in self._grads:
+            p.grad = g
+        for b, saved in self._buffers:
+            b.copy_(saved)
+        rng.set_states(self._rng, self._device)

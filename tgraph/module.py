@@ -1,0 +1,320 @@
+"""Per-layer graphs: ``GraphableModule``, ``enable``, ``create_graphs``, ``reset``.
+
+Life cycle::
+
+    model = GPT(cfg)                     # its blocks subclass tgraph.GraphableModule
+    tgraph.enable(model)                 # graphed modules start recording
+    train_step(model, batch)             # iteration 1 runs eagerly; forwards and backwards recorded
+    tgraph.create_graphs()               # capture every graph, in recorded order, one pool
+    train_step(model, batch)             # later iterations replay graphs inside ordinary autograd
+
+After ``create_graphs()`` a call that no graph was captured for (new shape, dtype,
+requires_grad, non-tensor value, train/eval switch, grad mode) runs eagerly and warns once,
+naming what changed; with ``strict=True`` it raises instead. A graph is never replayed for a call
+it was not captured for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from tgraph import bridge
+from tgraph.backend import GraphFactory, explain_capture_failure, resolve_backend
+from tgraph.grads import StateSnapshot
+from tgraph.record import Flight, NoteBackward, Record
+from tgraph.runner import Runner, _collect
+from tgraph.signature import call_key, difference, rebuild
+
+logger = logging.getLogger(__name__)
+
+
+class GraphFallbackWarning(UserWarning):
+    """A graphed module ran eagerly because no captured graph matched the call."""
+
+
+@dataclass
+class _ModuleState:
+    backend: str
+    strict: bool
+    warmup: int | None
+    debug: bool
+    runners: dict[tuple, list[Runner]] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+
+
+@dataclass
+class CaptureReport:
+    """What ``create_graphs()`` did."""
+
+    graphs: int
+    """Number of graphs captured (forward and backward counted separately)."""
+    runners: int
+    """Number of (module, signature) runners."""
+    seconds: float
+    """Wall time of warmup plus capture."""
+    pool_bytes: int
+    """CUDA memory held after capture minus before (0 on the emulated backend)."""
+    backends: list[str]
+    """Backends used."""
+    eager_modules: list[str]
+    """Enabled modules that stay eager, with the reason."""
+
+    def __str__(self) -> str:
+        eager = f"; eager: {', '.join(self.eager_modules)}" if self.eager_modules else ""
+        return (
+            f"tgraph: captured {self.graphs} graphs for {self.runners} runners on "
+            f"{'/'.join(self.backends)} in {self.seconds:.2f}s, pool {self.pool_bytes / 2**20:.1f} MiB"
+            f"{eager}"
+        )
+
+
+class _Manager:
+    """Process-wide state: the record, the enabled modules, and whether graphs exist."""
+
+    def __init__(self) -> None:
+        self.record = Record()
+        self.depth = 0  # >0 while a graphed module's own forward runs (inner modules stay eager)
+        self.captured = False
+        self.modules: weakref.WeakSet[GraphableModule] = weakref.WeakSet()
+        self.roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.report: CaptureReport | None = None
+
+    def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
+        tensors: list[torch.Tensor] = []
+        key = call_key(args, kwargs, module.training, tensors)
+        runners = state.runners.get(key)
+        if not self.captured:
+            runner = next((r for r in runners or () if r.flight is None), None)
+            if runner is None:
+                links = [self.record.producer(t) for t in tensors]
+                runner = Runner(module, key, args, kwargs, tensors, links)
+                state.runners.setdefault(key, []).append(runner)
+            return self._record_call(runner, args, kwargs)
+        if runners:
+            for r in runners:
+                if r.flight is None and r.captured:
+                    outs = bridge.replay(r, tensors)
+                    if outs is not None:
+                        return r.outputs(outs)
+                    reason = ("an input captured as another graphed module's output buffer "
+                              "arrived as a different tensor")
+                    break
+            else:
+                reason = ("every graph captured for this signature is awaiting its backward "
+                          "(more calls in flight than in the recorded iteration)")
+        elif state.runners:
+            reason = difference(next(iter(state.runners)), key)
+        else:
+            reason = "the module was not called during the recorded iteration"
+        return self._eager(module, state, args, kwargs, reason)
+
+    def _record_call(self, runner: Runner, args: tuple, kwargs: dict):
+        self.record.add(runner, "fwd")
+        out = self._plain_call(runner.module, args, kwargs)
+        outs: list[torch.Tensor] = []
+        _collect(out, outs)
+        idx = [i for i, o in enumerate(outs) if o.requires_grad]
+        if idx and torch.is_grad_enabled():
+            noted = NoteBackward.apply(self.record, Flight(runner), *(outs[i] for i in idx))
+            for i, t in zip(idx, noted):
+                outs[i] = t
+            out = rebuild(out, iter(outs))
+        self.record.note_outputs(runner, outs)
+        return out
+
+    def _plain_call(self, module: nn.Module, args: tuple, kwargs: dict):
+        self.depth += 1
+        try:
+            return nn.Module.__call__(module, *args, **kwargs)
+        finally:
+            self.depth -= 1
+
+    def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
+        name = type(module).__name__
+        msg = (f"no captured graph of {name} matches this call: {reason}. "
+               "Running it eagerly. To graph this case, include it in the recorded iteration "
+               "and call tgraph.reset() then tgraph.create_graphs() again.")
+        if state.strict:
+            raise RuntimeError(msg + " (strict=True turns this fallback into an error)")
+        if reason not in state.warned:
+            state.warned.add(reason)
+            warnings.warn(msg, GraphFallbackWarning, stacklevel=4)
+        return self._plain_call(module, args, kwargs)
+
+    def all_runners(self) -> list[Runner]:
+        return [r for m in self.modules for rs in m._tgraph.runners.values() for r in rs]
+
+
+_manager = _Manager()
+
+
+class GraphableModule(nn.Module):
+    """Base class of modules that tgraph may graph. Write ``forward`` as usual.
+
+    Until :func:`enable` is called on a model containing it, the module is an ordinary
+    ``nn.Module``. Requirements of a graphed ``forward``: take and return tensors (or tuples,
+    lists, dicts of them, and hashable non-tensor values), no host syncs (``.item()``), and no
+    tensors read from outside its arguments, parameters and buffers other than constants.
+    Forward hooks run at capture only, not at replay.
+    """
+
+    def __call__(self, *args, **kwargs):
+        state = self.__dict__.get("_tgraph")
+        if state is None or _manager.depth:
+            return super().__call__(*args, **kwargs)
+        return _manager.call(self, state, args, kwargs)
+
+
+def enable(
+    model: nn.Module,
+    backend: str = "auto",
+    *,
+    strict: bool = False,
+    warmup: int | None = None,
+    debug: bool = False,
+) -> nn.Module:
+    """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
+
+    Args:
+        model: any module (a DDP wrapper too); its ``GraphableModule`` descendants get graphed.
+        backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (``TGRAPH_BACKEND`` overrides auto).
+        strict: raise instead of falling back to eager when a call matches no captured graph.
+        warmup: eager warmup passes before each capture (default 2 on CUDA, 1 emulated).
+        debug: poison static buffers with NaN after each backward replay, so a stale read shows
+            up as NaN instead of plausible numbers.
+
+    Returns:
+        ``model`` (unchanged apart from the flag on its graphable modules).
+
+    Raises:
+        ValueError: no ``GraphableModule`` in ``model``, or an unknown backend.
+        RuntimeError: graphs already exist (call :func:`reset` first).
+    """
+    if backend not in ("auto", "cuda", "emulated"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
+    if _manager.captured:
+        raise RuntimeError("tgraph.enable() after tgraph.create_graphs(); call tgraph.reset() first")
+    found = [m for m in model.modules() if isinstance(m, GraphableModule)]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} contains no tgraph.GraphableModule; make the blocks to graph "
+            "subclass tgraph.GraphableModule instead of nn.Module"
+        )
+    for m in found:
+        m._tgraph = _ModuleState(backend, strict, warmup, debug)
+        _manager.modules.add(m)
+    _manager.roots.add(model)
+    return model
+
+
+def disable(model: nn.Module) -> None:
+    """Make every graphable module of ``model`` an ordinary eager module again."""
+    for m in model.modules():
+        if isinstance(m, GraphableModule) and "_tgraph" in m.__dict__:
+            for rs in m._tgraph.runners.values():
+                for r in rs:
+                    r.drop_graphs()
+            del m.__dict__["_tgraph"]
+            _manager.modules.discard(m)
+
+
+def create_graphs() -> CaptureReport:
+    """Capture every recorded runner's forward, then backward graph, in recorded order.
+
+    Returns:
+        A :class:`CaptureReport` (also logged at INFO).
+
+    Raises:
+        RuntimeError: nothing was recorded, graphs already exist, or a forward is still
+            awaiting its backward.
+        tgraph.CaptureError: a capture failed; every graph is dropped, the state of the model
+            (RNG, ``main_grad``, buffers) is restored and the modules keep running eagerly.
+    """
+    m = _manager
+    if m.captured:
+        raise RuntimeError("graphs already exist; call tgraph.reset() before create_graphs() again")
+    if not m.record.events:
+        raise RuntimeError(
+            "nothing recorded: call tgraph.enable(model), run one training iteration (forward "
+            "and backward) eagerly, then call tgraph.create_graphs()"
+        )
+    runners = list(dict.fromkeys(r for r, _ in m.record.events))
+    if any(r.flight is not None for r in runners):
+        raise RuntimeError(
+            "create_graphs() was called while a graphed forward still awaits its backward; "
+            "call it between iterations"
+        )
+    start = time.perf_counter()
+    factories: dict[tuple[str, torch.device], GraphFactory] = {}
+    for r in runners:
+        st = r.module._tgraph
+        k = (resolve_backend(st.backend, r.device), r.device)
+        if k not in factories:
+            factories[k] = GraphFactory(*k)
+        r.debug = st.debug
+    params = {id(p): p for root in m.roots for p in root.parameters()}
+    buffers = {id(b): b for mod in m.modules for b in mod.buffers()}
+    snaps = [StateSnapshot(params.values(), buffers.values(), dev) for _, dev in factories]
+    before = sum(f.memory_allocated() for f in factories.values())
+    for f in factories.values():
+        f.synchronize()
+    current = None
+    try:
+        for current, phase in m.record.events:
+            f = factories[(resolve_backend(current.module._tgraph.backend, current.device),
+                           current.device)]
+            if phase == "fwd" and current.fwd_graph is None:
+                warm = current.module._tgraph.warmup
+                current.capture_forward(f, warm if warm is not None else
+                                        (2 if f.backend == "cuda" else 1))
+            elif phase == "bwd" and current.needs_backward and current.bwd_graph is None:
+                current.capture_backward(f)
+        for current in runners:  # forwards whose backward never ran in the recorded iteration
+            if current.needs_backward and current.bwd_graph is None:
+                f = factories[(resolve_backend(current.module._tgraph.backend, current.device),
+                               current.device)]
+                current.capture_backward(f)
+    except BaseException as exc:
+        for f in factories.values():
+            f.synchronize()
+        reset()  # modules run (and record) eagerly again; create_graphs() may be retried
+        raise explain_capture_failure(f"{current}", exc) from exc
+    finally:
+        for s in snaps:
+            s.restore()
+    for f in factories.values():
+        f.synchronize()
+    m.captured = True
+    m.record.clear()
+    called = {id(r.module) for r in runners}
+    eager = [f"{type(mod).__name__} (not called in the recorded iteration)"
+             for mod in m.modules if id(mod) not in called]
+    m.report = CaptureReport(
+        graphs=sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in runners),
+        runners=len(runners),
+        seconds=time.perf_counter() - start,
+        pool_bytes=sum(f.memory_allocated() for f in factories.values()) - before,
+        backends=sorted({f.backend for f in factories.values()}),
+        eager_modules=eager,
+    )
+    logger.info("%s", m.report)
+    return m.report
+
+
+def reset() -> None:
+    """Drop every graph and the record; enabled modules run eagerly and record again."""
+    for r in _manager.all_runners():
+        r.drop_graphs()
+    for mod in _manager.modules:
+        mod._tgraph.runners.clear()
+        mod._tgraph.warned.clear()
+    _manager.record.clear()
+    _manager.captured = False
+    _manager.report = None

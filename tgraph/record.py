@@ -1,0 +1,85 @@
+"""The process-wide record of graphed forwards and backwards, in true execution order.
+
+During the first (eager) iteration every graphed call appends ``(runner, "fwd")``; a no-op
+autograd node placed on its outputs appends ``(runner, "bwd")`` when the backward pass reaches
+it. The record therefore holds the real interleaving of forwards and backwards (microbatches,
+1F1B pipeline schedules), and ``create_graphs()`` captures in exactly that order: that is what
+makes one shared memory pool safe (a graph only reuses memory that, in the real schedule, is dead
+by the time it runs).
+
+A runner is *in flight* from its forward until its backward has run (or its autograd graph has
+been freed without one). :class:`Flight` tokens implement that; a call never reuses a runner in
+flight, because its buffers still hold the activations its backward needs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from tgraph.runner import Runner
+
+Phase = Literal["fwd", "bwd"]
+
+
+class Flight:
+    """Marks ``runner`` in flight while this token (held by an autograd node) is alive."""
+
+    __slots__ = ("runner", "__weakref__")
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        runner.flight = id(self)
+
+    def land(self) -> None:
+        if self.runner.flight == id(self):
+            self.runner.flight = None
+
+    def __del__(self) -> None:  # autograd graph freed without a backward
+        self.land()
+
+
+class Record:
+    """Ordered forward/backward events plus which runner produced which tensor."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Runner, Phase]] = []
+        self._producers: dict[int, tuple[weakref.ref, Runner, int]] = {}
+
+    def add(self, runner: Runner, phase: Phase) -> None:
+        self.events.append((runner, phase))
+
+    def note_outputs(self, runner: Runner, outputs: list[torch.Tensor]) -> None:
+        """Remember that ``outputs[j]`` came from ``runner`` (to share buffers later)."""
+        for j, t in enumerate(outputs):
+            self._producers[id(t)] = (weakref.ref(t), runner, j)
+
+    def producer(self, t: torch.Tensor) -> tuple[Runner, int] | None:
+        """``(runner, j)`` if ``t`` is output ``j`` of a recorded call, else None."""
+        entry = self._producers.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1], entry[2]
+
+    def clear(self) -> None:
+        self.events.clear()
+        self._producers.clear()
+
+
+class NoteBackward(torch.autograd.Function):
+    """Identity on the outputs of a recorded call; its backward logs ``(runner, "bwd")``."""
+
+    @staticmethod
+    def forward(ctx, record: Record, flight: Flight, *outputs: torch.Tensor):
+        ctx.record = record
+        ctx.flight = flight
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.record.add(ctx.flight.runner, "bwd")
+        ctx.flight.land()
+        return (None, None, *grads)

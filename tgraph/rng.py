@@ -1,0 +1,76 @@
+"""Random-number generators that graphs must register.
+
+A CUDA graph bakes the generator's seed and offset of its capture into its kernels unless the
+generator is registered with the graph (``CUDAGraph.register_generator_state``); then each replay
+draws fresh numbers and advances the generator, as eager code would. PyTorch registers the
+default CUDA generator by itself. tgraph registers, for every graph it captures:
+
+* the default CPU generator (for the emulated backend), and
+* every generator added with :func:`register_generator` -- e.g. the generator behind a
+  model-parallel RNG tracker (megatron-core's ``CudaRNGStatesTracker`` built with
+  ``use_cudagraphable_rng=True``), or any ``torch.Generator`` your layers pass to ``torch.rand``.
+
+Example::
+
+    g = torch.Generator(device="cuda")
+    tgraph.register_generator(g)     # before tgraph.create_graphs()
+"""
+
+from __future__ import annotations
+
+import torch
+
+_extra: list[torch.Generator] = []
+
+
+def register_generator(generator: torch.Generator) -> None:
+    """Register ``generator`` with every graph tgraph captures from now on.
+
+    Args:
+        generator: a ``torch.Generator`` that code inside graphed modules draws from.
+
+    Raises:
+        TypeError: ``generator`` is not a ``torch.Generator``.
+    """
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"register_generator expects a torch.Generator, got {type(generator)}")
+    if all(g is not generator for g in _extra):
+        _extra.append(generator)
+
+
+def unregister_generator(generator: torch.Generator) -> None:
+    """Undo :func:`register_generator` (no error if it was not registered)."""
+    _extra[:] = [g for g in _extra if g is not generator]
+
+
+def extra_generators() -> list[torch.Generator]:
+    """The generators added with :func:`register_generator`."""
+    return list(_extra)
+
+
+def graph_generators(device: torch.device) -> list[torch.Generator]:
+    """Generators to register with a graph on ``device`` (the default CUDA one is implicit)."""
+    gens = [g for g in _extra if g.device.type == device.type]
+    if device.type != "cuda":
+        gens.insert(0, torch.default_generator)
+    return gens
+
+
+def get_states(device: torch.device | None) -> list[tuple[torch.Generator | None, torch.Tensor]]:
+    """Snapshot every generator a capture may advance (to undo warmup and capture)."""
+    states: list[tuple[torch.Generator | None, torch.Tensor]] = [
+        (torch.default_generator, torch.default_generator.get_state())
+    ]
+    if device is not None and device.type == "cuda":
+        states.append((None, torch.cuda.get_rng_state(device)))
+    states += [(g, g.get_state()) for g in _extra]
+    return states
+
+
+def set_states(states: list[tuple[torch.Generator | None, torch.Tensor]], device) -> None:
+    """Restore a snapshot taken by :func:`get_states`."""
+    for g, state in states:
+        if g is None:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            g.set_state(state)

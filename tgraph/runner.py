@@ -1,0 +1,258 @@
+"""A runner: one graphed module called with one signature, and its two graphs.
+
+Ownership and aliasing (what a user of the outputs must know):
+
+* ``static_inputs`` are the buffers the forward graph reads. Every replay first copies the live
+  inputs into them, unless the live tensor already *is* the buffer (layer i's returned output is
+  layer i+1's static input, so the copy is skipped by pointer identity).
+* ``static_outputs`` are written by every forward replay. The tensors a graphed call returns are
+  views of them: valid until this runner's next forward replay, which cannot happen while the
+  runner is in flight (awaiting its backward). Clone an output you keep across steps.
+* ``static_grads`` (input and parameter gradients) are written by every backward replay. They
+  are handed to autograd while the runner still holds a reference, so autograd's AccumulateGrad
+  never adopts the buffer as ``param.grad`` (it clones it, or adds it into an existing
+  ``.grad``). ``torch.cuda.make_graphed_callables`` hands autograd ``detach()``-ed aliases
+  instead, which autograd may adopt, so the next replay overwrites accumulated gradients
+  (pytorch issue 181723). Gradient accumulation through a runner is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+
+from tgraph import rng
+from tgraph.backend import GraphFactory
+from tgraph.grads import MainGradFlags
+from tgraph.signature import rebuild
+
+
+def _reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf tensors requiring grad that ``outputs``' autograd graph reaches (AccumulateGrad)."""
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    leaves: list[torch.Tensor] = []
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            leaves.append(var)
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return leaves
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(math.nan)
+
+
+class Runner:
+    """Graphs of ``module`` for calls with key ``key`` (see :mod:`tgraph.signature`).
+
+    Args:
+        module: the graphed module.
+        key: call key from :func:`tgraph.signature.call_key`.
+        args, kwargs: the first call's arguments (their tensors are cloned as capture samples).
+        tensors: the first call's tensors, in the order of ``key``.
+        links: per tensor, ``(producer runner, output index)`` when that tensor was a recorded
+            output of another graphed call (its static output becomes this static input).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        key: tuple,
+        args: tuple,
+        kwargs: dict,
+        tensors: list[torch.Tensor],
+        links: list[tuple[Runner, int] | None],
+    ) -> None:
+        self.module = module
+        self.key = key
+        self.flight: int | None = None
+        self.links = links
+        self._args, self._kwargs = _strip(args), _strip(kwargs)
+        self.device = tensors[0].device if tensors else next(module.parameters()).device
+        self.samples = [t.detach().clone() for t in tensors]
+        self._requires_grad = [t.requires_grad for t in tensors]
+        self.grad_mode = key[3]
+        self.fwd_graph = None
+        self.bwd_graph = None
+        self.static_inputs: list[torch.Tensor] = []
+        self.static_outputs: list[torch.Tensor] = []
+        self.out_template: Any = None
+        self.params: list[torch.Tensor] = []
+        self.static_grads: list[torch.Tensor | None] = []
+        self.static_grad_outputs: list[torch.Tensor] = []
+        self.needs_backward = False
+        self.debug = False
+        self._out_rg: list[int] = []
+        self._in_rg: list[int] = []
+        self._flags: MainGradFlags | None = None
+
+    # ----------------------------------------------------------------- capture
+    @property
+    def captured(self) -> bool:
+        return self.fwd_graph is not None and (self.bwd_graph is not None or not self.needs_backward)
+
+    def _static_input(self, i: int, sample: torch.Tensor) -> torch.Tensor:
+        link = self.links[i]
+        if link is not None and link[0].fwd_graph is not None:
+            producer, j = link
+            buf = producer.static_outputs[j].detach()
+        else:
+            buf = torch.empty_like(sample)
+        with torch.no_grad():
+            buf.copy_(sample)  # realistic values for warmup (indices must be valid)
+        return buf.requires_grad_(self._requires_grad[i])
+
+    def _run_forward(self) -> list[torch.Tensor]:
+        args = rebuild(self._args, iter(self.static_inputs))
+        kwargs = rebuild(self._kwargs, iter(self.static_inputs[self._n_args_tensors :]))
+        with torch.set_grad_enabled(self.grad_mode):
+            out = torch.nn.Module.__call__(self.module, *args, **kwargs)
+        if self.fwd_graph is None:  # warmup and capture; replays keep the capture's template
+            self.out_template = _strip(out)
+        tensors: list[torch.Tensor] = []
+        rebuild_out = _collect(out, tensors)
+        if not rebuild_out:
+            raise TypeError(
+                f"{type(self.module).__name__}.forward must return tensors (or tuples, lists or "
+                f"dicts of tensors) to be graphed; got {type(out).__name__}"
+            )
+        return tensors
+
+    def _run_backward(self) -> tuple:
+        outs = [self.static_outputs[i] for i in self._out_rg]
+        ins = [self.static_inputs[i] for i in self._in_rg] + self.params
+        return torch.autograd.grad(
+            outs,
+            ins,
+            grad_outputs=self.static_grad_outputs,
+            retain_graph=self.fwd_graph.retains_autograd_graph,
+            allow_unused=True,
+        )
+
+    def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
+        """Warm up, then capture the forward graph (and find the parameters it reaches)."""
+        self._n_args_tensors = _count_tensors(self._args)
+        self.static_inputs = [self._static_input(i, s) for i, s in enumerate(self.samples)]
+        self._in_rg = [i for i, t in enumerate(self.static_inputs) if t.requires_grad]
+        graph = factory.new_graph(watch=self.module.parameters())
+        for g in rng.graph_generators(self.device):
+            graph.register_generator_state(g)
+        with factory.side_stream():
+            for _ in range(warmup):
+                outs = self._run_forward()
+                rg = [o for o in outs if o.requires_grad]
+                if rg:
+                    ins = [self.static_inputs[i] for i in self._in_rg]
+                    ins += [p for p in _reached_leaves(rg) if all(p is not x for x in ins)]
+                    torch.autograd.grad(rg, ins, [torch.ones_like(o) for o in rg], allow_unused=True)
+                del outs, rg
+            self.static_outputs = graph.capture(self._run_forward)
+        self.fwd_graph = graph
+        self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
+        self.needs_backward = self.grad_mode and bool(self._out_rg)
+        if self.needs_backward:
+            static_in = self.static_inputs
+            reached = [p for p in _reached_leaves([self.static_outputs[i] for i in self._out_rg])
+                       if all(p is not x for x in static_in)]
+            own = list(self.module.parameters())
+            self.params = [p for p in own if any(p is r for r in reached)]
+            self.params += [r for r in reached if all(r is not p for p in own)]
+
+    def capture_backward(self, factory: GraphFactory) -> None:
+        """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph."""
+        self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
+        graph = factory.new_graph(watch=self.module.parameters())
+        self._flags = MainGradFlags(self.params)
+        self._flags.before_capture()
+        try:
+            with factory.side_stream():
+                grads = graph.capture(self._run_backward)
+        finally:
+            self._flags.after_capture()
+        self.bwd_graph = graph
+        n_in = len(self.static_inputs)
+        self.static_grads = [None] * n_in + list(grads[len(self._in_rg) :])
+        for k, i in enumerate(self._in_rg):
+            self.static_grads[i] = grads[k]
+        self.samples = []
+
+    def drop_graphs(self) -> None:
+        """Forget every graph and buffer (after a failed capture or on reset)."""
+        self.fwd_graph = self.bwd_graph = None
+        self.static_inputs, self.static_outputs, self.static_grads = [], [], []
+        self.static_grad_outputs, self.params = [], []
+        self.out_template = None
+
+    # ------------------------------------------------------------------ replay
+    def copy_inputs(self, tensors: tuple[torch.Tensor, ...]) -> bool:
+        """Copy live inputs into the static buffers. False if a shared buffer would be clobbered."""
+        for i, (buf, x) in enumerate(zip(self.static_inputs, tensors)):
+            if x.data_ptr() == buf.data_ptr() and x.stride() == buf.stride():
+                continue  # already the buffer: layer i's output is layer i+1's input
+            if self.links[i] is not None:
+                return False  # the buffer is another runner's output; writing it would corrupt it
+            buf.detach().copy_(x)
+        return True
+
+    def copy_grad_outputs(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        for buf, i in zip(self.static_grad_outputs, self._out_rg):
+            g = grads[i]
+            if g is None:
+                buf.zero_()
+            elif g.data_ptr() != buf.data_ptr():
+                buf.copy_(g)
+
+    def after_backward(self) -> None:
+        self._flags.after_replay()
+        if self.debug:  # stale reads show up as NaN instead of plausible numbers
+            for i, buf in enumerate(self.static_inputs):
+                if self.links[i] is None:
+                    _poison(buf.detach())
+            for buf in self.static_grad_outputs:
+                _poison(buf)
+
+    def outputs(self, tensors: list[torch.Tensor]) -> Any:
+        """The call's return value, in the structure the module returned."""
+        if isinstance(self.out_template, torch.Tensor):
+            return tensors[0]
+        return rebuild(self.out_template, iter(tensors))
+
+    def __repr__(self) -> str:
+        shapes = [tuple(s.shape) for s in self.samples or self.static_inputs]
+        return f"Runner({type(self.module).__name__}, inputs={shapes}, grad={self.grad_mode})"
+
+
+_PLACEHOLDER = torch.empty(0)
+
+
+def _strip(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a placeholder (a template that pins no memory)."""
+    return rebuild(obj, itertools.repeat(_PLACEHOLDER))
+
+
+def _count_tensors(obj: Any) -> int:
+    found: list[torch.Tensor] = []
+    _collect(obj, found)
+    return len(found)
+
+
+def _collect(obj: Any, tensors: list[torch.Tensor]) -> bool:
+    """Append ``obj``'s tensors to ``tensors``; False if it holds no tensor at all."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any([_collect(o, tensors) for o in obj])
+    if isinstance(obj, dict):
+        return any([_collect(v, tensors) for v in obj.values()])
+    return False
