@@ -16,6 +16,16 @@ from tgraph.record import Flight
 from tgraph.runner import Runner
 
 
+def hand_to_autograd(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Gradients as handed to autograd: the static buffers themselves, never detached aliases.
+
+    This is the gradient protection (module docstring of :mod:`tgraph.runner`): while the runner
+    holds a reference, AccumulateGrad cannot adopt a buffer as ``.grad``, so the next replay
+    cannot overwrite an accumulated gradient. Tests plant the bug by replacing this function.
+    """
+    return grads
+
+
 class GraphedCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: Runner, flight: Flight, n_inputs: int, *tensors: torch.Tensor):
@@ -41,9 +51,7 @@ class GraphedCall(torch.autograd.Function):
         runner.bwd_graph.replay()
         runner.after_backward()
         flight.land()
-        # Handing autograd the static buffers themselves (not detached aliases) is the gradient
-        # protection: see the module docstring of tgraph.runner.
-        return (None, None, None, *runner.static_grads)
+        return (None, None, None, *hand_to_autograd(runner.static_grads))
 
 
 def replay(runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:

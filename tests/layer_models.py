@@ -1,0 +1,92 @@
+"""Small models and training loops shared by the per-layer graph tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tgraph
+from tgraph.models.gpt import GPT, GPTConfig
+
+# Graphed and eager runs execute the same kernels on the same values in the same order, so on
+# the emulated backend results are bitwise equal in practice; on CUDA a graph may pick another
+# cuBLAS/cuDNN algorithm than the eager call on the default stream, which perturbs fp32 results
+# by a few ulps that compound over steps. 1e-5 relative (about 80 fp32 ulps) covers that and
+# still catches any real bug (a stale input or a lost gradient moves values by >= 1e-3).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def tiny_gpt(device, dropout: float = 0.0, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16, dropout=dropout)
+    return GPT(cfg).to(device)
+
+
+class MLPBlock(tgraph.GraphableModule):
+    """A non-transformer block: residual two-layer MLP with LayerNorm."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class MLPNet(nn.Module):
+    def __init__(self, d: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(MLPBlock(d) for _ in range(n))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        pred = self.out(h)
+        return pred, F.mse_loss(pred, y)
+
+
+def gpt_batches(device, n: int, batch: int = 4, seq: int = 16, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, 256, (batch, seq), generator=g).to(device),
+         torch.randint(0, 256, (batch, seq), generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
+def mlp_batches(device, n: int, batch: int = 5, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 8, generator=g).to(device),
+             torch.randn(batch, 1, generator=g).to(device)) for _ in range(n)]
+
+
+def train(model: nn.Module, batches, *, graphed: bool, backend: str = "auto", lr: float = 1e-2):
+    """AdamW steps over ``batches``; with ``graphed``, graphs are created after step 1.
+
+    Returns the per-step losses (floats) and the model.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if graphed:
+        tgraph.enable(model, backend=backend, strict=True)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if graphed and i == 0:
+            tgraph.create_graphs()
+    return losses, model
+
+
+def twin(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
