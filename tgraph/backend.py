@@ -3,8 +3,8 @@
 * ``"cuda"`` wraps :class:`torch.cuda.CUDAGraph`: kernels are recorded once and replayed on the
   same memory addresses.
 * ``"emulated"`` is a CPU stand-in with the one property that matters for correctness: a replay
-  re-runs the captured function and writes every result into the tensors the *capture* produced
-  (its outputs and the tensors autograd saved for backward). Nothing else is refreshed. A
+  re-runs the captured function on the captured static buffers and writes every result into the
+  output tensors the *capture* produced. Nothing else is refreshed. A
   forgotten input copy, a stale buffer or an output overwritten by the next replay therefore
   breaks a CPU test exactly as it breaks a GPU run. It also refuses host syncs during capture and
   freezes every generator not registered with the graph, as CUDA graphs do.
@@ -115,15 +115,18 @@ class EmulatedGraph:
             captured code (e.g. setting ``grad_added_to_main_grad``) are skipped as on a GPU.
     """
 
-    retains_autograd_graph = True  # replays re-run autograd.grad on the capture's graph
+    retains_autograd_graph = True
 
     def __init__(self, watch: Iterable[Any] = ()) -> None:
         self._fn: Callable[[], Any] | None = None
         self._outputs: list[Any] = []
-        self._saved: list[torch.Tensor] = []
         self._registered: list[torch.Generator] = []
         self._frozen: list[tuple[torch.Generator, torch.Tensor]] = []
         self._watch = list(watch)
+        self.live_outputs: list[Any] | None = None
+        """Outputs of the latest run, with their autograd graph. A real graph's backward
+        differentiates the capture's graph, whose saved activations every replay overwrites in
+        place; differentiating the latest run's graph is the same computation on CPU."""
 
     def register_generator_state(self, generator: torch.Generator) -> None:
         """Let replays advance ``generator`` (fresh random numbers each replay)."""
@@ -131,7 +134,7 @@ class EmulatedGraph:
             self._registered.append(generator)
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` once; its tensors become this graph's static memory. Returns its output."""
+        """Run ``fn`` once; its outputs become this graph's static memory. Returns its output."""
         known = _default_generators()
         from tgraph import rng  # local import: rng depends on nothing here, avoid a cycle
 
@@ -139,41 +142,28 @@ class EmulatedGraph:
         self._frozen = [
             (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
         ]
-
-        def pack(t: torch.Tensor) -> int:
-            self._saved.append(t)
-            return len(self._saved) - 1
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._saved.__getitem__):
-            with _RefuseHostSync():
-                out = fn()
+        with _RefuseHostSync():
+            out = fn()
         self._fn = fn
         self._outputs = tree_leaves(out)
+        self.live_outputs = self._outputs
         return out
 
     def replay(self) -> None:
-        """Re-run the captured function and write its results into the captured tensors."""
+        """Re-run the captured function and write its results into the captured outputs."""
         assert self._fn is not None, "replay() before capture()"
         attrs = [(obj, dict(vars(obj))) for obj in self._watch]
         live = [(g, g.get_state()) for g, _ in self._frozen]
         for g, state in self._frozen:  # unregistered generators replay the capture's numbers
             g.set_state(state)
-        counter = iter(range(len(self._saved)))
-
-        def pack(t: torch.Tensor) -> None:
-            dst = self._saved[next(counter)]
-            same = dst.data_ptr() == t.data_ptr() and dst.stride() == t.stride()
-            if not same:  # parameters and static inputs are saved as themselves
-                with torch.no_grad():
-                    dst.copy_(t)
-
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-                out = self._fn()
+            self.live_outputs = None
+            new = tree_leaves(self._fn())
             with torch.no_grad():
-                for dst, src in zip(self._outputs, tree_leaves(out), strict=True):
+                for dst, src in zip(self._outputs, new, strict=True):
                     if isinstance(dst, torch.Tensor) and dst is not src:
                         dst.copy_(src)
+            self.live_outputs = new
         finally:
             for g, state in live:  # an unregistered generator does not advance at replay
                 g.set_state(state)
@@ -192,6 +182,7 @@ class CudaGraph:
     """
 
     retains_autograd_graph = False
+    live_outputs = None  # the backward differentiates the capture's graph (static memory)
 
     def __init__(self, pool: Any, stream: torch.cuda.Stream) -> None:
         self._graph = torch.cuda.CUDAGraph()

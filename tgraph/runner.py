@@ -129,7 +129,8 @@ class Runner:
         return tensors
 
     def _run_backward(self) -> tuple:
-        outs = [self.static_outputs[i] for i in self._out_rg]
+        graph_outs = self.fwd_graph.live_outputs or self.static_outputs
+        outs = [graph_outs[i] for i in self._out_rg]
         ins = [self.static_inputs[i] for i in self._in_rg] + self.params
         return torch.autograd.grad(
             outs,

@@ -1,0 +1,146 @@
+"""The megatron-core / TransformerEngine gradient-accumulation-fusion convention.
+
+A parameter may carry ``main_grad`` (fp32 buffer) and ``grad_added_to_main_grad``. TE's fused
+wgrad kernels accumulate into ``main_grad`` and set the flag, returning a dummy wgrad; Megatron's
+DDP hook adds ``.grad`` into ``main_grad`` only if the flag is unset, then drops ``.grad``.
+TransformerEngine cannot be installed here, so :class:`FusedWgradLinear` plays its part.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from layer_models import ATOL, RTOL
+
+import tgraph
+from tgraph.grads import MainGradFlags
+
+
+class _FusedWgrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        gx = gy @ weight
+        # as TE's fuse_wgrad_accumulation: GEMM accumulates into main_grad, flag set, dummy wgrad
+        weight.main_grad.add_(gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+        weight.grad_added_to_main_grad = True
+        return gx, torch.zeros_like(weight), gy.reshape(-1, gy.shape[-1]).sum(0)
+
+
+class FusedWgradLinear(nn.Linear):
+    def forward(self, x):
+        return _FusedWgrad.apply(x, self.weight, self.bias)
+
+
+class Block(tgraph.GraphableModule):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fused = FusedWgradLinear(d, d)  # wgrad accumulated inside backward
+        self.plain = nn.Linear(d, d)  # wgrad accumulated by the DDP hook
+
+    def forward(self, x):
+        return x + self.plain(torch.relu(self.fused(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+class MegatronLikeDDP:
+    """The part of megatron-core's DDP the convention is about: main_grad buffers and hooks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self._accumulators = []
+        for p in self.params:
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            p.grad_added_to_main_grad = False
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(self._hook(p))
+            self._accumulators.append(acc)  # keep the AccumulateGrad nodes alive
+
+    @staticmethod
+    def _hook(p):
+        def hook(*_):
+            if p.grad is not None and not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad)
+            p.grad = None
+
+        return hook
+
+    def zero_grad_buffer(self) -> None:
+        for p in self.params:
+            p.main_grad.zero_()
+            p.grad_added_to_main_grad = False
+
+
+def state(ddp: MegatronLikeDDP):
+    return [(p.main_grad.clone(), p.grad_added_to_main_grad, p.grad) for p in ddp.params]
+
+
+def check_main_grad_convention(backend, device):
+    torch.manual_seed(0)
+    model = Net().to(device)
+    eager = copy.deepcopy(model)
+    ddp, ddp_eager = MegatronLikeDDP(model), MegatronLikeDDP(eager)
+    tgraph.enable(model, backend=backend, strict=True)
+    xs = torch.randn(4, 3, 5, 16, device=device)
+
+    def step(m, d, micro):
+        d.zero_grad_buffer()
+        for x in micro:  # gradient accumulation over microbatches into main_grad
+            m(x).backward()
+        return state(d)
+
+    step(model, ddp, xs[:1])
+    tgraph.create_graphs()
+    for i in range(2):
+        got = step(model, ddp, xs[i : i + 3])
+        want = step(eager, ddp_eager, xs[i : i + 3])
+        for (g_mg, g_flag, g_grad), (w_mg, w_flag, w_grad), p in zip(got, want, ddp.params):
+            torch.testing.assert_close(g_mg, w_mg, rtol=RTOL, atol=ATOL)
+            assert g_flag == w_flag, f"grad_added_to_main_grad {g_flag} != eager {w_flag}"
+            assert g_grad is None and w_grad is None
+    fused = [b.fused.weight for b in model.blocks]
+    assert all(p.grad_added_to_main_grad for p in fused)
+    assert not any(b.plain.weight.grad_added_to_main_grad for b in model.blocks)
+
+
+def test_main_grad_and_flags_match_eager(backend, device):
+    check_main_grad_convention(backend, device)
+
+
+def test_planted_bug_flag_not_redone_is_caught(backend, device, monkeypatch):
+    monkeypatch.setattr(MainGradFlags, "after_replay", lambda self: None)
+    with pytest.raises(AssertionError, match="grad_added_to_main_grad"):
+        check_main_grad_convention(backend, device)
+
+
+def test_warmup_and_capture_leave_main_grad_untouched(backend, device):
+    torch.manual_seed(0)
+    model = Net().to(device)
+    ddp = MegatronLikeDDP(model)
+    tgraph.enable(model, backend=backend)
+    x = torch.randn(3, 5, 16, device=device)
+    model(x).backward()
+    before = state(ddp)
+    tgraph.create_graphs()
+    for (mg, flag, _), (mg2, flag2, _) in zip(before, state(ddp)):
+        assert torch.equal(mg, mg2) and flag == flag2
