@@ -1,0 +1,167 @@
+"""Shared plumbing of the benchmark scripts: environment facts, step timing, output files.
+
+Imported by ``bench_train.py`` and ``bench_decode.py`` (both put ``scripts/`` on ``sys.path``
+when run as ``python scripts/bench_*.py``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class Skip(Exception):
+    """A mode cannot run here; the message says why (it is printed and stored, never a number)."""
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Date, GPU, driver, torch and CUDA versions: the facts a benchmark number needs."""
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "driver": None,
+        "git_commit": None,
+    }
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            info["driver"] = out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
+        if out.returncode == 0:
+            info["git_commit"] = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def summarize(times_ms: list[float]) -> dict[str, float | int | None]:
+    """Median, p10, p90 and mean of per-step times (ms)."""
+    if not times_ms:
+        return {"ms_median": None, "ms_p10": None, "ms_p90": None, "ms_mean": None, "n": 0}
+    s = sorted(times_ms)
+
+    def q(p: float) -> float:
+        return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
+
+    return {
+        "ms_median": statistics.median(s),
+        "ms_p10": q(0.10),
+        "ms_p90": q(0.90),
+        "ms_mean": statistics.fmean(s),
+        "n": len(s),
+    }
+
+
+class StepTimer:
+    """Per-step times: CUDA events on the current stream (GPU), ``perf_counter`` on CPU.
+
+    Events are recorded without synchronizing, so CPU and GPU overlap as in real training; the
+    time between a step's two events is what the GPU timeline spent on it, idle gaps waiting for
+    Python launches included (which is exactly the cost graphs remove).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pairs: list[tuple[Any, Any]] = []
+        self._cpu: list[float] = []
+        self._open: Any = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._open = torch.cuda.Event(enable_timing=True)
+            self._open.record()
+        else:
+            self._open = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pairs.append((self._open, end))
+        else:
+            self._cpu.append((time.perf_counter() - self._open) * 1e3)
+
+    def times_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in self._pairs]
+        return list(self._cpu)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fresh_memory(device: torch.device) -> None:
+    """Free what the previous mode left and restart the peak-memory counter."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_outputs(
+    out_dir: str | Path, name: str, payload: dict, markdown: str
+) -> tuple[Path, Path]:
+    """Write ``name.json`` and ``name.md`` under ``out_dir``; return both paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / f"{name}.json", out / f"{name}.md"
+    js.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    md.write_text(markdown + "\n")
+    return js, md
+
+
+def environment_markdown(env: dict[str, Any]) -> str:
+    keys = ("date", "gpu", "driver", "torch", "cuda", "python", "git_commit")
+    return ", ".join(f"{k}: {env.get(k)}" for k in keys)

@@ -1,0 +1,586 @@
+"""Training-step benchmark: eager vs. the CUDA-graph peers vs. tgraph, side by side, one process.
+
+Every mode trains a deep copy of ONE toy GPT (same initial weights) on the same fixed batches for
+the same number of steps; the first ``--warmup`` steps (capture, compilation) are not timed.
+The final losses must agree: the benchmark doubles as a parity check (column ``parity``).
+
+    python scripts/bench_train.py --configs tiny --dtypes fp32 --steps 100 --out bench_out
+    python scripts/bench_train.py --smoke --out /tmp/smoke     # seconds, CPU, emulated graphs
+
+Modes: eager, graphed_callables (``torch.cuda.make_graphed_callables`` on every block), compile
+(``torch.compile(mode="reduce-overhead")`` on the model, optimizer eager), floor (one hand-written
+``torch.cuda.CUDAGraph`` of forward+backward+AdamW, PyTorch's "whole network capture" recipe),
+tgraph_layer (per-layer graphs), tgraph_full (``tgraph.FullIterationGraph``), megatron_none /
+megatron_local (megatron-core GPTModel of the same dims, when importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import (  # noqa: E402
+    Skip,
+    StepTimer,
+    environment,
+    environment_markdown,
+    fresh_memory,
+    markdown_table,
+    peak_memory_mib,
+    summarize,
+    synchronize,
+    write_outputs,
+)
+
+import tgraph  # noqa: E402
+from tgraph.models.gpt import GPT, GPTConfig  # noqa: E402
+
+VOCAB = 1024  # DESIGN.md reference configuration
+CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=12, n_embd=256, n_head=4, seq=128, batch=8),
+    "small": dict(n_layer=24, n_embd=512, n_head=8, seq=256, batch=8),
+    "medium": dict(n_layer=12, n_embd=1024, n_head=16, seq=512, batch=8),
+    "smoke": dict(n_layer=2, n_embd=32, n_head=2, seq=16, batch=2),
+}
+MODES = [
+    "eager",
+    "graphed_callables",
+    "compile",
+    "floor",
+    "tgraph_layer",
+    "tgraph_full",
+    "megatron_none",
+    "megatron_local",
+]
+CPU_MODES = ["eager", "tgraph_layer", "tgraph_full"]
+LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
+# Final-loss agreement. The graph modes run the same kernels as eager, so they agree to ~1e-6;
+# torch.compile fuses kernels (other reduction orders) and Adam's normalised update amplifies
+# those last-bit differences over the steps, so allow 2e-3 relative in fp32. bf16 autocast
+# rounds every matmul to 8 mantissa bits: 3e-2.
+PARITY_RTOL = {"fp32": 2e-3, "bf16": 3e-2}
+NUM_BATCHES = 4
+
+
+@dataclass
+class Setup:
+    """One (config, dtype) cell: the shared initial model and batches, and the step counts."""
+
+    name: str
+    dtype: str
+    device: torch.device
+    backend: str
+    steps: int
+    warmup: int
+    dims: dict[str, int]
+    base: GPT
+    batches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.steps
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches[i % len(self.batches)]
+
+    def autocast(self):
+        # bf16 = autocast over fp32 master weights (same optimizer state in every mode). The
+        # autocast weight cache must be off under graph capture (make_graphed_callables asserts).
+        if self.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
+        return contextlib.nullcontext()
+
+    def fresh(self) -> tuple[GPT, torch.optim.Optimizer]:
+        model = copy.deepcopy(self.base).to(self.device).train()
+        return model, make_optimizer(model.parameters(), self.device)
+
+
+def make_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
+    # capturable=True in every mode (a graph needs it; eager pays its small cost too, so the
+    # comparison is fair); foreach kernels everywhere. CPU AdamW refuses capturable=True.
+    return torch.optim.AdamW(
+        params,
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WEIGHT_DECAY,
+        foreach=True,
+        capturable=device.type == "cuda",
+    )
+
+
+def optimizer_description(device: torch.device) -> str:
+    cap = device.type == "cuda"
+    return (
+        f"AdamW(lr={LR}, betas={BETAS}, weight_decay={WEIGHT_DECAY}, foreach=True, "
+        f"capturable={cap}); zero_grad(set_to_none=True) each step"
+    )
+
+
+def make_setup(
+    name: str, dtype: str, device: torch.device, backend: str, steps: int, warmup: int, seed: int
+) -> Setup:
+    d = CONFIGS[name]
+    torch.manual_seed(seed)
+    cfg = GPTConfig(
+        vocab_size=VOCAB,
+        block_size=d["seq"],
+        n_layer=d["n_layer"],
+        n_head=d["n_head"],
+        n_embd=d["n_embd"],
+        dropout=0.0,
+    )
+    base = GPT(cfg)  # kept on CPU: every mode deep-copies it onto the device
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(NUM_BATCHES):  # a few sequences the model can memorise: the loss moves
+        seq = torch.randint(0, VOCAB, (d["batch"], d["seq"] + 1), generator=g)
+        batches.append((seq[:, :-1].contiguous().to(device), seq[:, 1:].contiguous().to(device)))
+    return Setup(name, dtype, device, backend, steps, warmup, d, base, batches)
+
+
+def eager_step(model, opt, x, y, s: Setup) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    with s.autocast():
+        _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def drive(s: Setup, step: Callable, start: int = 0) -> tuple[list[float], torch.Tensor]:
+    """Run steps ``start .. total-1``; time those at index >= warmup. Returns (ms, last loss)."""
+    timer = StepTimer(s.device)
+    loss = None
+    for i in range(start, s.total):
+        x, y = s.batch(i)
+        if i >= s.warmup:
+            timer.start()
+        loss = step(x, y)
+        if i >= s.warmup:
+            timer.stop()
+    return timer.times_ms(), loss
+
+
+def need_cuda(s: Setup) -> None:
+    if s.device.type != "cuda":
+        raise Skip("needs a CUDA GPU")
+
+
+# ------------------------------------------------------------------------------------ modes
+# Each returns (per-step ms, final loss tensor, capture seconds or None, note).
+
+
+def mode_eager(s: Setup):
+    model, opt = s.fresh()
+    times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s))
+    return times, loss, None, ""
+
+
+def mode_graphed_callables(s: Setup):
+    need_cuda(s)
+    model, opt = s.fresh()
+    B, T, C = s.dims["batch"], s.dims["seq"], s.dims["n_embd"]
+    # Block inputs are the fp32 residual stream (autocast keeps x + bf16 in fp32) and require
+    # grad; make_graphed_callables needs samples whose requires_grad matches the real calls.
+    samples = tuple((torch.randn(B, T, C, device=s.device, requires_grad=True),) for _ in model.h)
+    synchronize(s.device)
+    t0 = time.perf_counter()
+    with s.autocast():
+        torch.cuda.make_graphed_callables(tuple(model.h), samples)  # replaces each block's forward
+    synchronize(s.device)
+    capture = time.perf_counter() - t0
+    times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s))
+    return (
+        times,
+        loss,
+        capture,
+        "all blocks in one call (shared pool); embeddings, head, loss, AdamW eager",
+    )
+
+
+def mode_compile(s: Setup):
+    need_cuda(s)
+    model, opt = s.fresh()
+    try:
+        cmodel = torch.compile(model, mode="reduce-overhead")
+    except Exception as exc:  # noqa: BLE001 - any compile failure is a skip reason
+        raise Skip(f"torch.compile failed: {type(exc).__name__}: {exc}") from exc
+    mark = getattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+
+    def step(x, y):
+        mark()
+        return eager_step(cmodel, opt, x, y, s)
+
+    synchronize(s.device)
+    t0 = time.perf_counter()
+    try:
+        for i in range(s.warmup):  # compilation + cudagraph-tree recording happen here
+            step(*s.batch(i))
+        synchronize(s.device)
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"torch.compile failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+    capture = time.perf_counter() - t0
+    times, loss = drive(s, step, start=s.warmup)
+    torch._dynamo.reset()
+    return (
+        times,
+        loss,
+        capture,
+        "model compiled; AdamW eager; capture_s = all warmup steps (compile+record)",
+    )
+
+
+def mode_floor(s: Setup):
+    need_cuda(s)
+    model, opt = s.fresh()
+    # PyTorch CUDA-graphs docs, "Whole-network capture": warm up on a side stream (AdamW state
+    # is created lazily at the first step), capture fwd+bwd+step with grads set to None so the
+    # backward allocates them from the graph's pool, then copy batches into static buffers.
+    x0, y0 = s.batch(0)
+    static_x, static_y = x0.clone(), y0.clone()
+    n_eager = s.warmup - 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n_eager):
+            eager_step(model, opt, *s.batch(i), s)
+    torch.cuda.current_stream().wait_stream(side)
+    synchronize(s.device)
+    t0 = time.perf_counter()
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        with s.autocast():
+            _, static_loss = model(static_x, static_y)
+        static_loss.backward()
+        opt.step()
+    synchronize(s.device)
+    capture = time.perf_counter() - t0
+
+    def step(x, y):
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        return static_loss
+
+    times, loss = drive(s, step, start=n_eager)
+    return times, loss, capture, "one CUDAGraph: forward+backward+AdamW step"
+
+
+def mode_tgraph_layer(s: Setup):
+    model, opt = s.fresh()
+    tgraph.enable(model, backend=s.backend)
+    try:
+        eager_step(model, opt, *s.batch(0), s)  # recorded iteration (a real training step)
+        synchronize(s.device)
+        t0 = time.perf_counter()
+        # Capture under the same autocast state as the recorded calls: the call signature does
+        # not include autocast, so capturing outside it would graph fp32 blocks.
+        with s.autocast():
+            report = tgraph.create_graphs()
+        capture = time.perf_counter() - t0
+        times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s), start=1)
+        return times, loss, capture, str(report)
+    finally:
+        tgraph.reset()
+        tgraph.disable(model)
+
+
+def mode_tgraph_full(s: Setup):
+    FullIterationGraph = getattr(tgraph, "FullIterationGraph", None)
+    if FullIterationGraph is None:
+        raise Skip("tgraph.FullIterationGraph is not importable yet (full-iteration issue)")
+    model, opt = s.fresh()
+
+    def train_step(batch):
+        x, y = batch
+        return eager_step(model, opt, x, y, s).detach()
+
+    # warmup_steps eager calls, then the call that captures (and runs) the step.
+    step_graph = FullIterationGraph(train_step, warmup_steps=s.warmup - 1, backend=s.backend)
+    for i in range(s.warmup - 1):
+        step_graph(s.batch(i))
+    synchronize(s.device)
+    t0 = time.perf_counter()
+    step_graph(s.batch(s.warmup - 1))
+    synchronize(s.device)
+    capture = time.perf_counter() - t0
+    times, loss = drive(s, lambda x, y: step_graph((x, y)), start=s.warmup)
+    return times, loss, capture, "capture_s = the capturing call (capture + its step)"
+
+
+def mode_megatron(s: Setup, impl: str):
+    need_cuda(s)
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError as exc:
+        raise Skip(f"megatron-core not importable ({exc}); pip install 'tgraph[megatron]'") from exc
+    if s.dtype != "fp32":
+        raise Skip("megatron modes are measured in fp32 only here (the megatron issue covers bf16)")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
+    d = s.dims
+    config = TransformerConfig(
+        num_layers=d["n_layer"],
+        hidden_size=d["n_embd"],
+        num_attention_heads=d["n_head"],
+        ffn_hidden_size=4 * d["n_embd"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        cuda_graph_impl=impl,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=d["seq"],
+    ).to(s.device)
+    opt = make_optimizer(model.parameters(), s.device)
+    B, T = d["batch"], d["seq"]
+    pos = torch.arange(T, device=s.device).expand(B, T)
+    mask = ~torch.tril(torch.ones(T, T, dtype=torch.bool, device=s.device)).view(1, 1, T, T)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, pos, mask, labels=y).float().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    capture = None
+    try:
+        step(*s.batch(0))
+        if impl == "local":
+            from megatron.core.transformer import cuda_graphs
+
+            synchronize(s.device)
+            t0 = time.perf_counter()
+            record = getattr(cuda_graphs, "_CudagraphGlobalRecord", None)
+            if record is not None and hasattr(record, "create_cudagraphs"):
+                record.create_cudagraphs()
+            synchronize(s.device)
+            capture = time.perf_counter() - t0
+        times, loss = drive(s, step, start=1)
+    finally:
+        if impl == "local":
+            with contextlib.suppress(Exception):
+                from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+                delete_cuda_graphs()
+    return times, loss, capture, "megatron-core GPTModel (local spec), own init: parity n/a"
+
+
+MODE_FUNCS: dict[str, Callable] = {
+    "eager": mode_eager,
+    "graphed_callables": mode_graphed_callables,
+    "compile": mode_compile,
+    "floor": mode_floor,
+    "tgraph_layer": mode_tgraph_layer,
+    "tgraph_full": mode_tgraph_full,
+    "megatron_none": lambda s: mode_megatron(s, "none"),
+    "megatron_local": lambda s: mode_megatron(s, "local"),
+}
+
+
+def run_mode(mode: str, s: Setup) -> dict:
+    row: dict = {"config": s.name, "dtype": s.dtype, "mode": mode, "status": "ok", "reason": ""}
+    fresh_memory(s.device)
+    try:
+        times, loss, capture, note = MODE_FUNCS[mode](s)
+        synchronize(s.device)
+        row.update(summarize(times))
+        row.update(
+            capture_s=capture,
+            final_loss=float(loss.detach().float()),
+            note=note,
+            peak_mem_mib=peak_memory_mib(s.device),
+            steps_trained=s.total,
+        )
+    except Skip as exc:
+        row.update(status="skipped", reason=str(exc))
+    except Exception as exc:  # noqa: BLE001 - one failing mode must not hide the others
+        row.update(status="error", reason=f"{type(exc).__name__}: {str(exc)[:400]}")
+    if row["status"] != "ok":
+        print(f"  {mode}: {row['status']}: {row['reason']}", flush=True)
+    else:
+        print(f"  {mode}: {row['ms_median']:.3f} ms/step, loss {row['final_loss']:.6f}", flush=True)
+    fresh_memory(s.device)
+    return row
+
+
+def add_comparisons(rows: list[dict], dtype: str) -> None:
+    """Ratios to the floor and to eager, and the parity verdict against eager's final loss."""
+    ok = {r["mode"]: r for r in rows if r["status"] == "ok"}
+    floor = ok.get("floor", {}).get("ms_median")
+    eager = ok.get("eager", {}).get("ms_median")
+    ref_row = ok.get("eager") or next(iter(ok.values()), None)
+    ref = ref_row["final_loss"] if ref_row else None
+    tol = PARITY_RTOL[dtype]
+    for r in rows:
+        r["ratio_floor"] = r["ms_median"] / floor if floor and r.get("ms_median") else None
+        r["ratio_eager"] = r["ms_median"] / eager if eager and r.get("ms_median") else None
+        if r["status"] != "ok":
+            r["parity"] = None
+        elif r["mode"].startswith("megatron"):
+            r["parity"] = "n/a"
+        else:
+            r["loss_rel_diff"] = abs(r["final_loss"] - ref) / max(1.0, abs(ref))
+            r["parity"] = "ok" if r["loss_rel_diff"] <= tol else "MISMATCH"
+
+
+def markdown(payload: dict) -> str:
+    meta = payload["meta"]
+    parts = [
+        "# Training-step benchmark",
+        "",
+        environment_markdown(meta["env"]),
+        "",
+        f"Optimizer: {meta['optimizer']}. Precision: {meta['precision']}. "
+        f"{meta['steps']} timed steps after {meta['warmup']} untimed warmup steps; "
+        f"{meta['timing']}. Parity: final loss vs eager, rtol {meta['parity_rtol']}.",
+    ]
+    headers = [
+        "mode",
+        "ms/step (median)",
+        "p10",
+        "p90",
+        "x floor",
+        "x eager",
+        "peak MiB",
+        "capture s",
+        "final loss",
+        "parity",
+        "status",
+    ]
+    cells = list(dict.fromkeys((r["config"], r["dtype"]) for r in payload["results"]))
+    for cfg, dt in cells:
+        rows = [r for r in payload["results"] if (r["config"], r["dtype"]) == (cfg, dt)]
+        d = CONFIGS[cfg]
+        parts += [
+            "",
+            f"## {cfg} ({d['n_layer']} layers, d={d['n_embd']}, {d['n_head']} heads, "
+            f"seq {d['seq']}, batch {d['batch']}, vocab {VOCAB}), {dt}",
+            "",
+        ]
+        table = [
+            [
+                r["mode"],
+                r.get("ms_median"),
+                r.get("ms_p10"),
+                r.get("ms_p90"),
+                r.get("ratio_floor"),
+                r.get("ratio_eager"),
+                r.get("peak_mem_mib"),
+                r.get("capture_s"),
+                None if r.get("final_loss") is None else f"{r['final_loss']:.6f}",
+                r.get("parity"),
+                r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}",
+            ]
+            for r in rows
+        ]
+        parts.append(markdown_table(headers, table))
+    mism = [r for r in payload["results"] if r.get("parity") == "MISMATCH"]
+    if mism:
+        parts += [
+            "",
+            "**PARITY MISMATCH**: "
+            + ", ".join(f"{r['config']}/{r['dtype']}/{r['mode']}" for r in mism),
+        ]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="tiny", help=f"comma list of {list(CONFIGS)}")
+    p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per mode")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode (>= 2)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--backend", default="auto", help="tgraph backend: auto, cuda, emulated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, emulated graphs, tiny dims, 3 steps: keeps the script alive in CI",
+    )
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.configs, a.dtypes, a.steps, a.warmup = "smoke", "fp32", 3, 3
+        a.device, a.backend = "cpu", "emulated"
+        a.modes = ",".join(m for m in a.modes.split(",") if m in CPU_MODES)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    configs, dtypes, modes = a.configs.split(","), a.dtypes.split(","), a.modes.split(",")
+    for name, allowed, given in (
+        ("config", CONFIGS, configs),
+        ("dtype", PARITY_RTOL, dtypes),
+        ("mode", MODES, modes),
+    ):
+        bad = [g for g in given if g not in allowed]
+        if bad:
+            p.error(f"unknown {name} {bad}; expected some of {list(allowed)}")
+    if a.warmup < 2:
+        p.error("--warmup must be >= 2 (the floor needs an eager AdamW step before capture)")
+    env = environment(device)
+    print(
+        f"bench_train: {env['gpu'] or 'cpu'}, torch {env['torch']}, cuda {env['cuda']}", flush=True
+    )
+    results = []
+    for cfg in configs:
+        for dt in dtypes:
+            print(f"[{cfg} {dt}]", flush=True)
+            s = make_setup(cfg, dt, device, a.backend, a.steps, a.warmup, a.seed)
+            rows = [run_mode(m, s) for m in modes]
+            add_comparisons(rows, dt)
+            results += rows
+    payload = {
+        "meta": {
+            "env": env,
+            "optimizer": optimizer_description(device),
+            "precision": "fp32 weights; bf16 = torch.autocast(bfloat16, cache_enabled=False) "
+            "over fp32 master weights",
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "timing": (
+                "CUDA events around each step, no per-step sync"
+                if device.type == "cuda"
+                else "perf_counter around each step"
+            ),
+            "parity_rtol": PARITY_RTOL,
+            "backend": a.backend,
+            "smoke": a.smoke,
+            "vocab": VOCAB,
+        },
+        "results": results,
+    }
+    md = markdown(payload)
+    js, mdp = write_outputs(a.out, "bench_train", payload, md)
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    return 1 if any(r.get("parity") == "MISMATCH" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
