@@ -1,0 +1,624 @@
+"""Decode benchmark: ms per decode step and tokens/s, eager vs. graphs vs. Hugging Face, one process.
+
+    python scripts/bench_decode.py --batches 1,8,64 --steps 100 --out bench_out
+    python scripts/bench_decode.py --smoke --out /tmp/smoke   # seconds, CPU, emulated graphs
+
+Fixed-batch modes (same toy GPT, same prompts, greedy, one token per step):
+  hand_eager   a static-KV decode step written in this script, run eagerly
+  hand_graph   the same step captured by hand in one ``torch.cuda.CUDAGraph`` per batch size
+  engine_eager / engine_graphs   ``tgraph.decode.DecodeEngine(use_graphs=False / True)``
+  hf_generate  ``transformers`` LlamaForCausalLM of the same size, ``generate`` (eager)
+Mixed workload: requests with different prompt and output lengths arriving over time, served by
+continuous batching (hand-written slots over one max-batch graph, and DecodeEngine): tokens/s,
+ms per step, padding waste, peak memory.
+
+Token parity: hand_graph must give exactly hand_eager's tokens; engine modes are compared with
+hand_eager (fraction of equal tokens; greedy argmax of a random model can flip on last-bit ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import (  # noqa: E402
+    Skip,
+    StepTimer,
+    environment,
+    environment_markdown,
+    fresh_memory,
+    markdown_table,
+    peak_memory_mib,
+    summarize,
+    synchronize,
+    write_outputs,
+)
+
+from tgraph.backend import GraphFactory  # noqa: E402
+from tgraph.models.gpt import GPT, GPTConfig  # noqa: E402
+
+VOCAB = 1024
+DIMS = {
+    "full": dict(n_layer=12, n_embd=256, n_head=4),
+    "smoke": dict(n_layer=2, n_embd=32, n_head=2),
+}
+FIXED_MODES = ["hand_eager", "hand_graph", "engine_eager", "engine_graphs", "hf_generate"]
+MIXED_MODES = ["hand_continuous_eager", "hand_continuous_graph", "engine_eager", "engine_graphs"]
+
+
+# --------------------------------------------------------------------- static-KV decode by hand
+class StaticKV:
+    """A preallocated KV cache for ``batch`` rows plus static token/position buffers.
+
+    ``step()`` reads only ``tokens`` (B,), ``pos`` (B,) and the cache, writes this step's k/v at
+    ``pos`` and returns logits (B, V): a function a CUDA graph can capture as is.
+    """
+
+    def __init__(self, model: GPT, batch: int, max_seq: int) -> None:
+        cfg, p = model.config, next(model.parameters())
+        self.model, self.batch, self.max_seq = model, batch, max_seq
+        hs = cfg.n_embd // cfg.n_head
+        shape = (cfg.n_layer, batch, cfg.n_head, max_seq, hs)
+        self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.v = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=p.device)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=p.device)
+        self.rows = torch.arange(batch, device=p.device)
+        self.slots = torch.arange(max_seq, device=p.device)
+        self.active = torch.ones(batch, dtype=torch.bool, device=p.device)
+
+    @torch.no_grad()
+    def prefill_row(self, row: int, prompt: list[int]) -> None:
+        """Run ``prompt`` through the model (eager), fill row ``row``'s cache, set its next token."""
+        m, T = self.model, len(prompt)
+        idx = torch.tensor(prompt, device=self.tokens.device)
+        x = m.wte(idx)[None] + m.wpe(self.slots[:T])[None]  # (1, T, C)
+        for layer, block in enumerate(m.h):
+            q, k, v = block.attn.split_heads(block.ln_1(x))  # (1, nh, T, hs)
+            self.k[layer, row, :, :T] = k[0]
+            self.v[layer, row, :, :T] = v[0]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + block.attn.c_proj(y.transpose(1, 2).reshape(1, T, -1))
+            x = x + block.mlp(block.ln_2(x))
+        logits = m.lm_head(m.ln_f(x[:, -1]))  # (1, V)
+        self.tokens[row] = logits.argmax(-1)[0]
+        self.pos[row] = T
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        m, B = self.model, self.batch
+        x = (m.wte(self.tokens) + m.wpe(self.pos))[:, None]  # (B, 1, C)
+        mask = (self.slots[None, :] <= self.pos[:, None])[:, None, None, :]  # (B, 1, 1, S)
+        for layer, block in enumerate(m.h):
+            q, k, v = block.attn.split_heads(block.ln_1(x))  # (B, nh, 1, hs)
+            self.k[layer][self.rows, :, self.pos] = k[:, :, 0]  # (B, nh, hs) at each row's pos
+            self.v[layer][self.rows, :, self.pos] = v[:, :, 0]
+            y = F.scaled_dot_product_attention(q, self.k[layer], self.v[layer], attn_mask=mask)
+            x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, 1, -1))
+            x = x + block.mlp(block.ln_2(x))
+        return m.lm_head(m.ln_f(x))[:, 0]  # (B, V)
+
+    def advance(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy sampling outside the graph; idle rows park at position 0 of their own row."""
+        nxt = logits.argmax(-1)
+        self.tokens.copy_(nxt)
+        self.pos.copy_(torch.where(self.active, self.pos + 1, 0))
+        return nxt
+
+
+class HandStep:
+    """``StaticKV.step`` run eagerly, or captured once and replayed (CUDA or emulated graph)."""
+
+    def __init__(self, kv: StaticKV, graphed: bool, device: torch.device) -> None:
+        self.kv, self.graph, self.capture_s = kv, None, None
+        if not graphed:
+            return
+        factory = GraphFactory("cuda" if device.type == "cuda" else "emulated", device)
+        synchronize(device)
+        t0 = time.perf_counter()
+        with factory.side_stream():
+            for _ in range(2):  # warmup (cuBLAS handles, SDPA kernel selection)
+                kv.step()
+        pos, tokens = kv.pos.clone(), kv.tokens.clone()
+        self.graph = factory.new_graph()
+        with factory.side_stream():
+            self.logits = self.graph.capture(kv.step)
+        kv.pos.copy_(pos)  # the emulated capture ran the step once; its k/v write is redone
+        kv.tokens.copy_(tokens)
+        synchronize(device)
+        self.capture_s = time.perf_counter() - t0
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph is None:
+            return self.kv.step()
+        self.graph.replay()
+        return self.logits
+
+
+# ----------------------------------------------------------------------------- fixed batch
+@dataclass
+class Bench:
+    model: GPT
+    device: torch.device
+    steps: int
+    warmup: int
+    prompt_len: int
+    max_seq: int
+    seed: int
+
+    def prompts(self, batch: int) -> list[list[int]]:
+        g = random.Random(self.seed + batch)
+        return [[g.randrange(VOCAB) for _ in range(self.prompt_len)] for _ in range(batch)]
+
+
+def fixed_hand(b: Bench, batch: int, graphed: bool) -> dict:
+    kv = StaticKV(b.model, batch, b.max_seq)
+    prompts = b.prompts(batch)
+    for row, p in enumerate(prompts):
+        kv.prefill_row(row, p)
+    first = kv.tokens.clone()
+    step = HandStep(kv, graphed, b.device)
+    timer, hist = StepTimer(b.device), [first]
+    for i in range(b.warmup + b.steps - 1):
+        if i >= b.warmup:
+            timer.start()
+        hist.append(kv.advance(step()))
+        if i >= b.warmup:
+            timer.stop()
+    times = timer.times_ms()
+    tokens = torch.stack(hist, 1).tolist()  # (B, steps)
+    return {
+        **summarize(times),
+        "capture_s": step.capture_s,
+        "tokens": tokens,
+        "method": "CUDA events per step" if b.device.type == "cuda" else "perf_counter per step",
+    }
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    walls = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls)
+
+
+def _per_step_ms(run, n: int, device: torch.device, repeats: int) -> float:
+    """(T(n tokens) - T(1 token)) / (n - 1): decode steps only, prefill cancels out."""
+    t_n = _timed(lambda: run(n), device, repeats)
+    t_1 = _timed(lambda: run(1), device, repeats)
+    return (t_n - t_1) / (n - 1) * 1e3
+
+
+def make_engine(b: Bench, max_batch: int, use_graphs: bool):
+    try:
+        from tgraph.decode import DecodeEngine
+    except ImportError as exc:
+        raise Skip(f"tgraph.decode.DecodeEngine is not importable yet ({exc})") from exc
+    synchronize(b.device)
+    t0 = time.perf_counter()
+    kwargs = dict(max_batch_size=max_batch, max_seq_len=b.max_seq, use_graphs=use_graphs)
+    try:
+        engine = DecodeEngine(b.model, **kwargs, progress=False)
+    except TypeError:  # an engine without the progress option
+        engine = DecodeEngine(b.model, **kwargs)
+    synchronize(b.device)
+    return engine, time.perf_counter() - t0
+
+
+def engine_stats(engine) -> dict | None:
+    stats = getattr(engine, "stats", None)
+    if callable(stats):
+        stats = stats()
+    if stats is None:
+        return None
+    if hasattr(stats, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        props = ("ms_per_step", "tokens_per_s", "padding_waste")
+        extra = {k: getattr(stats, k) for k in props if hasattr(stats, k)}
+        stats = {**asdict(stats), **extra}
+    return dict(stats) if isinstance(stats, dict) else {"repr": repr(stats)}
+
+
+def fixed_engine(b: Bench, batch: int, use_graphs: bool, repeats: int) -> dict:
+    engine, setup_s = make_engine(b, batch, use_graphs)
+    prompts = b.prompts(batch)
+    n = b.steps
+    tokens = engine.generate(prompts, n)  # also the warmup
+    ms = _per_step_ms(lambda k: engine.generate(prompts, k), n, b.device, repeats)
+    stats = engine_stats(engine) or {}
+    return {
+        "ms_median": ms,
+        "capture_s": stats.get("capture_seconds", setup_s),
+        "tokens": [list(t)[-n:] for t in tokens],
+        "engine_stats": stats,
+        "engine_ms_per_step": stats.get("ms_per_step"),
+        "method": "(T(n)-T(1))/(n-1) of generate, wall, median of repeats; "
+        "capture_s = engine stats (warmup + capture of every bucket)",
+    }
+
+
+def fixed_hf(b: Bench, batch: int, repeats: int) -> dict:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise Skip(f"transformers not importable ({exc})") from exc
+    d = DIMS["smoke" if b.model.config.n_layer == 2 else "full"]
+    cfg = LlamaConfig(
+        hidden_size=d["n_embd"],
+        intermediate_size=4 * d["n_embd"],
+        num_hidden_layers=d["n_layer"],
+        num_attention_heads=d["n_head"],
+        num_key_value_heads=d["n_head"],
+        vocab_size=VOCAB,
+        max_position_embeddings=b.max_seq,
+    )
+    torch.manual_seed(b.seed)
+    model = LlamaForCausalLM(cfg).to(b.device).eval()
+    model.generation_config.eos_token_id = None  # never stop early: every call decodes n tokens
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor(b.prompts(batch), device=b.device)
+    mask = torch.ones_like(ids)
+
+    def run(k: int):
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=k, do_sample=False
+            )
+
+    run(b.steps)  # warmup
+    ms = _per_step_ms(run, b.steps, b.device, repeats)
+    return {
+        "ms_median": ms,
+        "capture_s": None,
+        "method": "(T(n)-T(1))/(n-1) of generate, wall; LlamaForCausalLM, own init",
+    }
+
+
+def run_fixed(b: Bench, mode: str, batch: int, repeats: int) -> dict:
+    row = {"workload": f"batch {batch}", "batch": batch, "mode": mode, "status": "ok", "reason": ""}
+    fresh_memory(b.device)
+    try:
+        if mode in ("hand_eager", "hand_graph"):
+            res = fixed_hand(b, batch, mode == "hand_graph")
+        elif mode in ("engine_eager", "engine_graphs"):
+            res = fixed_engine(b, batch, mode == "engine_graphs", repeats)
+        else:
+            res = fixed_hf(b, batch, repeats)
+        synchronize(b.device)
+        row.update(res, peak_mem_mib=peak_memory_mib(b.device))
+        row["tokens_per_s"] = batch * 1e3 / row["ms_median"] if row["ms_median"] else None
+    except Skip as exc:
+        row.update(status="skipped", reason=str(exc))
+    except Exception as exc:  # noqa: BLE001 - one failing mode must not hide the others
+        row.update(status="error", reason=f"{type(exc).__name__}: {str(exc)[:400]}")
+    _print_row(row)
+    return row
+
+
+def _print_row(row: dict) -> None:
+    if row["status"] != "ok":
+        print(f"  {row['workload']} {row['mode']}: {row['status']}: {row['reason']}", flush=True)
+    else:
+        print(
+            f"  {row['workload']} {row['mode']}: {row['ms_median']:.3f} ms/step, "
+            f"{row['tokens_per_s']:.0f} tok/s",
+            flush=True,
+        )
+
+
+# ---------------------------------------------------------------------- mixed workload
+@dataclass(frozen=True)
+class Request:
+    arrival: int  # decode step at which the request arrives
+    prompt: list[int]
+    new_tokens: int
+
+
+def mixed_requests(n: int, max_prompt: int, max_new: int, seed: int) -> list[Request]:
+    g = random.Random(seed)
+    reqs, t = [], 0
+    for _ in range(n):
+        t += g.choice((0, 0, 1, 2))  # bursts and gaps: ~1 arrival per decode step
+        prompt = [g.randrange(VOCAB) for _ in range(g.randint(4, max_prompt))]
+        reqs.append(Request(t, prompt, g.randint(8, max_new)))
+    return reqs
+
+
+def continuous_hand(b: Bench, reqs: list[Request], max_batch: int, graphed: bool) -> dict:
+    """Continuous batching over one max-batch step: finished rows free their slot at once."""
+    kv = StaticKV(b.model, max_batch, b.max_seq)
+    kv.active.fill_(False)
+    kv.pos.zero_()
+    step = HandStep(kv, graphed, b.device)
+    queue, slots = (
+        deque(sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)),
+        [None] * max_batch,
+    )
+    left = [0] * max_batch
+    hist, owners, firsts = [], [], {}
+    timer, now, busy, total = StepTimer(b.device), 0, 0, 0
+    synchronize(b.device)
+    t0 = time.perf_counter()
+    while queue or any(s is not None for s in slots):
+        changed = False
+        for row in range(max_batch):
+            if slots[row] is None and queue and reqs[queue[0]].arrival <= now:
+                i = queue.popleft()
+                kv.prefill_row(row, reqs[i].prompt)
+                firsts[i] = kv.tokens[row].clone()
+                slots[row], left[row], changed = i, reqs[i].new_tokens - 1, True
+        if changed:
+            kv.active.copy_(torch.tensor([s is not None for s in slots]), non_blocking=True)
+        if all(s is None for s in slots):
+            now = reqs[queue[0]].arrival  # idle until the next arrival
+            continue
+        timer.start()
+        hist.append(kv.advance(step()))
+        timer.stop()
+        owners.append(list(slots))
+        busy += sum(s is not None and left[r] > 0 for r, s in enumerate(slots))
+        total += max_batch
+        for row, s in enumerate(slots):
+            if s is not None:
+                left[row] -= 1
+                if left[row] <= 0:
+                    slots[row] = None
+                    kv.active[row] = False
+        now += 1
+    synchronize(b.device)
+    wall = time.perf_counter() - t0
+    out = {i: [int(t)] for i, t in firsts.items()}
+    steps = torch.stack(hist).tolist() if hist else []
+    for toks, own in zip(steps, owners):
+        for row, i in enumerate(own):
+            if i is not None and len(out[i]) < reqs[i].new_tokens:
+                out[i].append(toks[row])
+    return _mixed_result(
+        timer.times_ms(),
+        wall,
+        reqs,
+        [out[i] for i in range(len(reqs))],
+        1 - busy / total if total else None,
+        step.capture_s,
+        "requests join at their arrival step; one max-batch step",
+    )
+
+
+def _mixed_result(times, wall, reqs, tokens, waste, capture, note) -> dict:
+    generated = sum(len(t) for t in tokens)
+    return {
+        **summarize(times),
+        "tokens_per_s": generated / wall,
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "padding_waste": waste,
+        "capture_s": capture,
+        "tokens": tokens,
+        "note": note,
+    }
+
+
+def continuous_engine(b: Bench, reqs: list[Request], max_batch: int, use_graphs: bool) -> dict:
+    engine, setup_s = make_engine(b, max_batch, use_graphs)
+    prompts, news = [r.prompt for r in reqs], [r.new_tokens for r in reqs]
+    engine.generate(prompts[:2], 4)  # warmup
+    synchronize(b.device)
+    t0 = time.perf_counter()
+    tokens = engine.generate(prompts, news)  # per-request max_new_tokens
+    synchronize(b.device)
+    wall = time.perf_counter() - t0
+    stats = engine_stats(engine) or {}
+    waste = next(
+        (stats[k] for k in ("padding_waste", "padding_fraction", "padding") if k in stats), None
+    )
+    res = _mixed_result(
+        [],
+        wall,
+        reqs,
+        [list(t)[-n:] for t, n in zip(tokens, news)],
+        waste,
+        stats.get("capture_seconds", setup_s),
+        "all requests submitted at t=0 (generate() has no arrival times); "
+        "waiting ones join as slots free",
+    )
+    res["engine_stats"] = stats
+    ms = next(
+        (
+            stats[k]
+            for k in ("ms_per_step", "decode_ms_per_step", "ms_per_decode_step")
+            if k in stats
+        ),
+        None,
+    )
+    res["ms_median"] = ms
+    return res
+
+
+def run_mixed(b: Bench, mode: str, reqs: list[Request], max_batch: int) -> dict:
+    row = {"workload": "mixed", "batch": max_batch, "mode": mode, "status": "ok", "reason": ""}
+    fresh_memory(b.device)
+    try:
+        if mode.startswith("hand"):
+            res = continuous_hand(b, reqs, max_batch, mode.endswith("graph"))
+        else:
+            res = continuous_engine(b, reqs, max_batch, mode == "engine_graphs")
+        row.update(res, peak_mem_mib=peak_memory_mib(b.device))
+    except Skip as exc:
+        row.update(status="skipped", reason=str(exc))
+    except Exception as exc:  # noqa: BLE001
+        row.update(status="error", reason=f"{type(exc).__name__}: {str(exc)[:400]}")
+    if row["status"] == "ok":
+        print(
+            f"  mixed {mode}: {row['tokens_per_s']:.0f} tok/s, waste {row['padding_waste']}",
+            flush=True,
+        )
+    else:
+        _print_row(row)
+    return row
+
+
+# ----------------------------------------------------------------------------- report
+def add_parity(rows: list[dict]) -> None:
+    """Token agreement with hand_eager of the same workload (hf: different model, n/a)."""
+    for r in rows:
+        ref = next(
+            (
+                x
+                for x in rows
+                if x["workload"] == r["workload"]
+                and x["status"] == "ok"
+                and x["mode"] in ("hand_eager", "hand_continuous_eager")
+            ),
+            None,
+        )
+        if r["status"] != "ok" or "tokens" not in r or ref is None:
+            r["token_agreement"] = None
+            continue
+        pairs = [(a, c) for ta, tc in zip(r["tokens"], ref["tokens"]) for a, c in zip(ta, tc)]
+        r["token_agreement"] = sum(a == c for a, c in pairs) / len(pairs) if pairs else None
+    for r in rows:
+        r.pop("tokens", None)  # keep the JSON small
+
+
+def markdown(payload: dict) -> str:
+    meta = payload["meta"]
+    parts = [
+        "# Decode benchmark",
+        "",
+        environment_markdown(meta["env"]),
+        "",
+        f"Model: {meta['model']}. Prompt length {meta['prompt_len']}, {meta['steps']} "
+        f"decode steps after {meta['warmup']} warmup steps; greedy. {meta['notes']}",
+    ]
+    headers = [
+        "mode",
+        "ms/step",
+        "tokens/s",
+        "x hand_graph",
+        "peak MiB",
+        "capture s",
+        "token agreement",
+        "status",
+    ]
+    for wl in dict.fromkeys(r["workload"] for r in payload["results"]):
+        rows = [r for r in payload["results"] if r["workload"] == wl]
+        graph = next(
+            (r.get("ms_median") for r in rows if r["mode"] == "hand_graph" and r["status"] == "ok"),
+            None,
+        )
+        parts += ["", f"## {wl}", ""]
+        h = headers if wl != "mixed" else headers[:3] + ["padding waste"] + headers[4:]
+        table = []
+        for r in rows:
+            third = (
+                r.get("padding_waste")
+                if wl == "mixed"
+                else (r["ms_median"] / graph if graph and r.get("ms_median") else None)
+            )
+            table.append(
+                [
+                    r["mode"],
+                    r.get("ms_median"),
+                    r.get("tokens_per_s"),
+                    third,
+                    r.get("peak_mem_mib"),
+                    r.get("capture_s"),
+                    r.get("token_agreement"),
+                    "ok" if r["status"] == "ok" else f"{r['status']}: {r['reason']}",
+                ]
+            )
+        parts.append(markdown_table(h, table))
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--modes", default=",".join(FIXED_MODES))
+    p.add_argument("--mixed-modes", default=",".join(MIXED_MODES))
+    p.add_argument("--no-mixed", action="store_true")
+    p.add_argument("--mixed-requests", type=int, default=96)
+    p.add_argument("--mixed-max-batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=100, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="generate() timings per mode (median)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--smoke", action="store_true", help="CPU, emulated graphs, tiny dims")
+    a = p.parse_args(argv)
+    dims = DIMS["full"]
+    if a.smoke:
+        dims, a.device, a.batches, a.steps, a.warmup = DIMS["smoke"], "cpu", "1,3", 4, 2
+        a.prompt_len, a.mixed_requests, a.mixed_max_batch, a.repeats = 5, 6, 2, 1
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    max_prompt, max_new = max(a.prompt_len, 48), 96 if not a.smoke else 8
+    max_seq = max(a.prompt_len + a.warmup + a.steps, max_prompt + max_new) + 8
+    torch.manual_seed(a.seed)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=max_seq, dropout=0.0, **dims)
+    model = GPT(cfg).to(device).eval()
+    b = Bench(model, device, a.steps, a.warmup, a.prompt_len, max_seq, a.seed)
+    env = environment(device)
+    print(f"bench_decode: {env['gpu'] or 'cpu'}, torch {env['torch']}", flush=True)
+    results = []
+    for batch in (int(x) for x in a.batches.split(",")):
+        print(f"[batch {batch}]", flush=True)
+        results += [run_fixed(b, m, batch, a.repeats) for m in a.modes.split(",")]
+    if not a.no_mixed:
+        print(f"[mixed: {a.mixed_requests} requests, max batch {a.mixed_max_batch}]", flush=True)
+        reqs = mixed_requests(a.mixed_requests, max_prompt if not a.smoke else 6, max_new, a.seed)
+        results += [run_mixed(b, m, reqs, a.mixed_max_batch) for m in a.mixed_modes.split(",")]
+    add_parity(results)
+    payload = {
+        "meta": {
+            "env": env,
+            "model": f"toy GPT {dims}, vocab {VOCAB}, max_seq {max_seq}, fp32",
+            "prompt_len": a.prompt_len,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "mixed": {
+                "requests": a.mixed_requests,
+                "max_batch": a.mixed_max_batch,
+                "prompt_len": [4, max_prompt],
+                "new_tokens": [8, max_new],
+            },
+            "notes": "hand modes: per-step time of one decode step (step + greedy argmax + buffer "
+            "refresh); engine/hf: (T(n)-T(1))/(n-1) of generate(); padding waste = "
+            "idle row-steps / computed row-steps.",
+            "smoke": a.smoke,
+        },
+        "results": results,
+    }
+    md = markdown(payload)
+    js, mdp = write_outputs(a.out, "bench_decode", payload, md)
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    bad = [
+        r
+        for r in results
+        if r["mode"] in ("hand_graph", "hand_continuous_graph")
+        and r["status"] == "ok"
+        and r.get("token_agreement") != 1.0
+    ]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
