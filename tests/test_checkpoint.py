@@ -1,0 +1,145 @@
+"""Checkpoint IO: round trips (eager <-> graphed), atomic writes, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import tgraph
+from tgraph import checkpoint
+from tgraph.checkpoint import CheckpointError
+from tgraph.models.gpt import GPT, GPTConfig
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**CFG, **overrides}))
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:  # a copy through a file: bitwise equal, hence zero tolerance
+        torch.testing.assert_close(sa[k].cpu(), sb[k].cpu(), atol=0, rtol=0)
+
+
+def test_round_trip(tmp_path):
+    model = tiny_gpt()
+    checkpoint.save(model, tmp_path, extra={"step": 7, "note": "x"})
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]  # no temp files
+    loaded = checkpoint.load(tmp_path)
+    assert loaded.config == model.config and not loaded.training
+    assert_same_weights(model, loaded)
+    cfg, extra = checkpoint.read_config(tmp_path)
+    assert cfg == model.config and extra == {"step": 7, "note": "x"}
+    idx = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(loaded(idx)[0], model.eval()(idx)[0], atol=0, rtol=0)
+
+
+def test_keeps_dtype_and_unwraps_wrappers(tmp_path):
+    model = tiny_gpt().to(torch.bfloat16)
+
+    class Wrapper(torch.nn.Module):  # DDP-style: the model under .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    checkpoint.save(Wrapper(model), tmp_path)
+    loaded = checkpoint.load(tmp_path)
+    assert loaded.wte.weight.dtype == torch.bfloat16
+    assert_same_weights(model, loaded)
+    assert checkpoint.load(tmp_path, dtype=torch.float32).wte.weight.dtype == torch.float32
+
+
+def test_graphed_model_checkpoint_moves_to_eager_and_back(backend, device, tmp_path):
+    """Per-layer graphs on (recorded, captured, replayed): same keys and weights both ways."""
+    graphed = tiny_gpt(seed=1).to(device)
+    tgraph.enable(graphed, backend=backend)
+    idx = torch.randint(0, 64, (2, 8), device=device)
+    for _ in range(2):  # record, then replay
+        graphed(idx, idx)[1].backward()
+        if _ == 0:
+            tgraph.create_graphs()
+    checkpoint.save(graphed, tmp_path / "from_graphed")
+    eager = checkpoint.load(tmp_path / "from_graphed", device=device)
+    assert_same_weights(graphed, eager)
+
+    other = tiny_gpt(seed=2).to(device)
+    checkpoint.save(other, tmp_path / "from_eager")
+    checkpoint.load_into(graphed, tmp_path / "from_eager")
+    assert_same_weights(other, graphed)
+
+
+def test_atomic_writer_keeps_old_file_on_failure(tmp_path):
+    target = tmp_path / "state.bin"
+    checkpoint.atomic_write_bytes(target, b"old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with checkpoint.atomic_writer(target) as f:
+            f.write(b"new, half written")
+            raise RuntimeError("boom")
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["state.bin"]  # the temp file is gone
+    with checkpoint.atomic_writer(tmp_path / "notes.txt", "w") as f:
+        f.write("text")
+    assert (tmp_path / "notes.txt").read_text() == "text"
+
+
+def test_missing_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.load(tmp_path / "nope")
+    checkpoint.save(tiny_gpt(), tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+        checkpoint.load(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_weights(tmp_path, damage):
+    checkpoint.save(tiny_gpt(), tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(b"\x00not safetensors" if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        checkpoint.load(tmp_path)
+
+
+def test_corrupt_config(tmp_path):
+    checkpoint.save(tiny_gpt(), tmp_path)
+    (tmp_path / "config.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        checkpoint.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"format": "tgraph-gpt", "model": {"x": 1}}))
+    with pytest.raises(CheckpointError, match=r"unknown GPTConfig fields \['x'\]"):
+        checkpoint.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"n_layer": 3}, r"missing keys \['h\.2\."),
+        ({"n_layer": 1}, r"unexpected keys \['h\.1\."),
+        ({"vocab_size": 65}, r"shape mismatch \['lm_head.weight: checkpoint \(64, 16\)"),
+    ],
+)
+def test_config_mismatch(tmp_path, change, match):
+    checkpoint.save(tiny_gpt(), tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["model"].update(change)
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load(tmp_path)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load_into(tiny_gpt(**change), tmp_path)
+
+
+def test_save_rejects_bad_input(tmp_path):
+    with pytest.raises(TypeError, match="expects a tgraph GPT"):
+        checkpoint.save(torch.nn.Linear(2, 2), tmp_path)
+    with pytest.raises(TypeError, match="JSON-serializable"):
+        checkpoint.save(tiny_gpt(), tmp_path, extra={"t": torch.zeros(1)})

@@ -1,0 +1,291 @@
+"""Checkpoint IO for the toy GPT: ``model.safetensors`` + ``config.json``, written atomically.
+
+A checkpoint is a directory::
+
+    ckpt/
+      model.safetensors   # the model's state_dict (tgraph wrappers never change its keys)
+      config.json         # {"format": "tgraph-gpt", "version": 1, "model": GPTConfig, "extra": ...}
+
+Every file is written atomically with :func:`atomic_write_bytes` / :func:`atomic_writer`: the
+bytes go to a temporary file in the same directory, are flushed and fsynced, and the temporary
+file is renamed over the target with :func:`os.replace`. A crash mid-write leaves the previous
+file intact, never a truncated one. A training recipe adds its own files next to the model's
+the same way, for example::
+
+    checkpoint.save(model, "ckpt", extra={"step": step})
+    with checkpoint.atomic_writer("ckpt/optimizer.pt") as f:
+        torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, f)
+
+``save``/``load`` unwrap DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers, and a
+model with ``tgraph.enable`` applied has the same keys as an eager one, so a checkpoint moves
+freely between graphed and eager models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.nn as nn
+
+from tgraph.models.gpt import GPT, GPTConfig
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+FORMAT = "tgraph-gpt"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint exists but cannot be used: corrupt file or a mismatch with the model."""
+
+
+# -- atomic writes ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary file next to ``path``; on success fsync it and rename it onto ``path``.
+
+    Args:
+        path: the final file; its directory must exist.
+        mode: ``"wb"`` (bytes) or ``"w"`` (text, UTF-8).
+
+    Yields:
+        The open temporary file. If the block raises, the temporary file is removed and
+        ``path`` is left untouched.
+
+    Raises:
+        ValueError: ``mode`` is not ``"wb"`` or ``"w"``.
+        FileNotFoundError: the directory of ``path`` does not exist.
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_writer mode must be 'wb' or 'w', got {mode!r}")
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename)."""
+    with atomic_writer(path, "wb") as f:
+        f.write(data)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Make the rename itself durable (POSIX); not possible on every platform, so best effort.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# -- save -------------------------------------------------------------------------------------
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP/FSDP-style (``.module``) and ``torch.compile`` wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def save(model: nn.Module, directory: str | os.PathLike, *, extra: dict | None = None) -> Path:
+    """Save a GPT's weights and config to ``directory`` (created if needed), atomically.
+
+    Args:
+        model: a :class:`~tgraph.models.gpt.GPT`, possibly wrapped (DDP, torch.compile) or with
+            ``tgraph.enable`` applied.
+        directory: checkpoint directory.
+        extra: JSON-serializable metadata stored under ``"extra"`` in ``config.json`` (e.g.
+            the training step); read it back with :func:`read_config`.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        TypeError: ``model`` is not a GPT, or ``extra`` is not JSON-serializable.
+    """
+    from safetensors.torch import save as st_save
+
+    model = unwrap(model)
+    if not isinstance(model, GPT):
+        raise TypeError(f"checkpoint.save expects a tgraph GPT, got {type(model).__name__}")
+    try:
+        config = json.dumps(
+            {"format": FORMAT, "version": VERSION, "model": model.config.to_dict(), "extra": extra},
+            indent=2,
+        )
+    except TypeError as exc:
+        raise TypeError(f"checkpoint extra= must be JSON-serializable: {exc}") from exc
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, seen = {}, set()
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:  # safetensors refuses shared memory (tied weights): copy
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    # Weights first, config last: a directory with a config.json has complete weights.
+    atomic_write_bytes(directory / WEIGHTS_NAME, st_save(tensors, metadata={"format": FORMAT}))
+    with atomic_writer(directory / CONFIG_NAME, "w") as f:
+        f.write(config + "\n")
+    return directory
+
+
+# -- load -------------------------------------------------------------------------------------
+
+
+def _require(directory: Path, name: str) -> Path:
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint directory {str(directory)!r} does not exist; pass the directory "
+            "written by tgraph.checkpoint.save (e.g. the training recipe's --out)"
+        )
+    path = directory / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {str(directory)!r} has no {name}; expected {WEIGHTS_NAME} and "
+            f"{CONFIG_NAME} written by tgraph.checkpoint.save (was the save interrupted?)"
+        )
+    return path
+
+
+def read_config(directory: str | os.PathLike) -> tuple[GPTConfig, dict | None]:
+    """Read ``config.json``: the model config and the ``extra`` metadata.
+
+    Raises:
+        FileNotFoundError: missing directory or file.
+        CheckpointError: invalid JSON, another format, or fields GPTConfig does not accept.
+    """
+    path = _require(Path(directory), CONFIG_NAME)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); the file is corrupt") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT or "model" not in data:
+        raise CheckpointError(
+            f"{path} is not a tgraph GPT config (expected a JSON object with format "
+            f"{FORMAT!r} and a 'model' entry)"
+        )
+    known = set(GPTConfig.__dataclass_fields__)
+    unknown = sorted(set(data["model"]) - known)
+    if unknown:
+        raise CheckpointError(
+            f"{path}: unknown GPTConfig fields {unknown}; expected a subset of {sorted(known)} "
+            "(written by a newer tgraph?)"
+        )
+    try:
+        cfg = GPTConfig(**data["model"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: invalid model config: {exc}") from exc
+    return cfg, data.get("extra")
+
+
+def load_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read ``model.safetensors`` into CPU tensors.
+
+    Raises:
+        FileNotFoundError: missing directory or file.
+        CheckpointError: the file is not a readable safetensors file.
+    """
+    from safetensors.torch import load_file
+
+    path = _require(Path(directory), WEIGHTS_NAME)
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc}); the "
+            "checkpoint is corrupt or truncated: save it again"
+        ) from exc
+
+
+def load_into(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
+    """Load a checkpoint's weights into an existing model (graphed or eager), strictly.
+
+    Args:
+        model: a GPT (possibly wrapped) with the checkpoint's architecture.
+        directory: checkpoint directory.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        FileNotFoundError: missing directory or file.
+        CheckpointError: corrupt file, or missing/unexpected keys or shape mismatches (all listed).
+    """
+    _load_checked(unwrap(model), load_state_dict(directory), directory)
+    return model
+
+
+def _load_checked(target: nn.Module, state: dict, directory: str | os.PathLike) -> None:
+    own = target.state_dict()
+    missing = sorted(own.keys() - state.keys())
+    unexpected = sorted(state.keys() - own.keys())
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in sorted(own.keys() & state.keys())
+        if state[k].shape != own[k].shape
+    ]
+    if missing or unexpected or shapes:
+        parts = [f"missing keys {missing}"] * bool(missing)
+        parts += [f"unexpected keys {unexpected}"] * bool(unexpected)
+        parts += [f"shape mismatch {shapes}"] * bool(shapes)
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} does not match {type(target).__name__}: "
+            f"{'; '.join(parts)}. Build the model from the checkpoint's config.json "
+            "(tgraph.checkpoint.load) instead"
+        )
+    target.load_state_dict(state, strict=True)
+
+
+def load(
+    directory: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> GPT:
+    """Build a GPT from a checkpoint's config and load its weights.
+
+    Args:
+        directory: checkpoint directory written by :func:`save`.
+        device: where the model goes.
+        dtype: convert the weights to this dtype; None keeps the saved dtype.
+
+    Returns:
+        An eager GPT in eval mode.
+
+    Raises:
+        FileNotFoundError: missing directory or file.
+        CheckpointError: corrupt files or weights that do not match the config.
+    """
+    cfg, _ = read_config(directory)
+    state = load_state_dict(directory)
+    model = GPT(cfg)
+    saved = state.get("wte.weight")
+    if saved is not None and saved.is_floating_point():
+        model.to(saved.dtype)  # load the weights at their saved precision
+    _load_checked(model, state, directory)
+    return model.to(device=device, dtype=dtype).eval()

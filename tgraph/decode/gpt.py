@@ -1,0 +1,85 @@
+"""KV-cache prefill and decode step for the toy GPT, reusing its own submodules and weights.
+
+:class:`GPTDecoder` implements :class:`tgraph.decode.interface.DecodeModel` for
+:class:`tgraph.models.gpt.GPT` without changing the model: it calls ``wte``, ``wpe``, each
+block's ``ln_1``, ``attn.split_heads`` (``c_attn``), ``attn.c_proj``, ``ln_2``, ``mlp``, then
+``ln_f`` and ``lm_head``, exactly as ``GPT.forward`` does, but attends to cached keys and values
+instead of recomputing the whole sequence. Dropout is skipped (the model is put in eval mode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tgraph.decode.buffers import StepInputs
+from tgraph.decode.kv_cache import KVCache
+from tgraph.models import gpt as gpt_model
+
+
+class GPTDecoder:
+    """Serve a :class:`~tgraph.models.gpt.GPT` through the decode interface.
+
+    Args:
+        model: the GPT; switched to eval mode (dropout off). Its weights are used in place, so
+            later weight updates are seen by the decoder (but not by graphs captured earlier if
+            parameters are reallocated, e.g. by ``model.to(...)``).
+    """
+
+    def __init__(self, model: gpt_model.GPT) -> None:
+        cfg = model.config
+        model.eval()
+        self.model = model
+        self.n_layer = cfg.n_layer
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = cfg.block_size
+        weight = model.wte.weight
+        self.dtype = weight.dtype
+        self.device = weight.device
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        """Byte tokenizer of the toy GPT."""
+        return gpt_model.encode(text)
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        """Inverse of :meth:`encode`."""
+        return gpt_model.decode(ids)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, slot: int, cache: KVCache) -> torch.Tensor:
+        """Run the prompt, store its keys/values in ``slot``; return last-position logits (V,)."""
+        m = self.model
+        T = tokens.shape[0]
+        pos = torch.arange(T, device=tokens.device)
+        x = (m.wte(tokens) + m.wpe(pos))[None]  # (1, T, C)
+        C = x.shape[-1]
+        for layer, block in enumerate(m.h):
+            q, k, v = block.attn.split_heads(block.ln_1(x))  # (1, nh, T, hs)
+            cache.write_prefill(layer, slot, k[0], v[0])
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (1, nh, T, hs)
+            x = x + block.attn.c_proj(y.transpose(1, 2).reshape(1, T, C))
+            x = x + block.mlp(block.ln_2(x))
+        return m.lm_head(m.ln_f(x[0, -1]))  # (V,)
+
+    @torch.no_grad()
+    def decode_step(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
+        """One token per row against the cache; returns logits (B, V). Graph-safe."""
+        m = self.model
+        B = inputs.rows
+        x = (m.wte(inputs.tokens) + m.wpe(inputs.positions))[:, None]  # (B, 1, C)
+        C = x.shape[-1]
+        # Row i sees keys 0..lengths[i]-1 of its slot; stale keys past that are masked out.
+        mask = cache.key_positions[None, :] < inputs.lengths[:, None]  # (B, S)
+        mask = mask[:, None, None, :]  # (B, 1, 1, S), broadcast over heads and the query
+        for layer, block in enumerate(m.h):
+            q, k, v = block.attn.split_heads(block.ln_1(x))  # (B, nh, 1, hs)
+            cache.write_step(layer, inputs.slots, inputs.positions, k[:, :, 0], v[:, :, 0])
+            keys, values = cache.read(layer, inputs.slots)  # (B, nh, S, hs)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, nh, 1, hs)
+            x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, 1, C))
+            x = x + block.mlp(block.ln_2(x))
+        return m.lm_head(m.ln_f(x[:, 0]))  # (B, V)
