@@ -82,7 +82,9 @@ def resolve_backend(backend: str, device: torch.device | str | None) -> str:
     return backend
 
 
-class _RefuseHostSync(TorchDispatchMode):
+class RefuseHostSync(TorchDispatchMode):
+    """Raise CaptureError on host-sync ops (run around a warmup pass to fail before capture)."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         if name in _HOST_SYNC_OPS:
@@ -100,6 +102,9 @@ def tree_leaves(obj: Any) -> list[Any]:
     if isinstance(obj, dict):
         return [leaf for o in obj.values() for leaf in tree_leaves(o)]
     return [obj]
+
+
+_RefuseHostSync = RefuseHostSync  # old private name, still imported by full_iteration
 
 
 def _default_generators() -> list[torch.Generator]:
@@ -142,7 +147,7 @@ class EmulatedGraph:
         self._frozen = [
             (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
         ]
-        with _RefuseHostSync():
+        with RefuseHostSync():
             out = fn()
         self._fn = fn
         self._outputs = tree_leaves(out)
@@ -202,6 +207,7 @@ class CudaGraph:
                     self._graph.capture_end()
                 with contextlib.suppress(Exception):
                     self._graph.reset()
+                _unstick_generators(self._stream.device)
                 raise
             self._graph.capture_end()
         return out
@@ -211,6 +217,22 @@ class CudaGraph:
 
     def reset(self) -> None:
         self._graph.reset()
+
+
+def _unstick_generators(device: torch.device) -> None:
+    """After an aborted capture, give CUDA generators a fresh state object.
+
+    ``capture_end`` raises before it ends the generators' capture mode when the capture was
+    invalidated, leaving them "capturing" ("Offset increment outside graph capture encountered
+    unexpectedly" at the next random op). A cloned state carries seed and offset, not the flag.
+    """
+    from tgraph import rng
+
+    gens = [torch.cuda.default_generators[device.index or 0]]
+    gens += [g for g in rng.extra_generators() if g.device.type == "cuda"]
+    for g in gens:
+        with contextlib.suppress(Exception):
+            g.graphsafe_set_state(g.clone_state())
 
 
 class GraphFactory:

@@ -272,8 +272,10 @@ def create_graphs() -> CaptureReport:
                            current.device)]
             if phase == "fwd" and current.fwd_graph is None:
                 warm = current.module._tgraph.warmup
-                current.capture_forward(f, warm if warm is not None else
-                                        (2 if f.backend == "cuda" else 1))
+                # CUDA needs >= 1 eager warmup (lazy init, and the host-sync check runs there)
+                default = 2 if f.backend == "cuda" else 1
+                warm = default if warm is None else max(warm, 1 if f.backend == "cuda" else 0)
+                current.capture_forward(f, warm)
             elif phase == "bwd" and current.needs_backward and current.bwd_graph is None:
                 current.capture_backward(f)
         for current in runners:  # forwards whose backward never ran in the recorded iteration

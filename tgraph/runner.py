@@ -18,6 +18,7 @@ Ownership and aliasing (what a user of the outputs must know):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from typing import Any
@@ -25,21 +26,23 @@ from typing import Any
 import torch
 
 from tgraph import rng
-from tgraph.backend import GraphFactory
+from tgraph.backend import GraphFactory, RefuseHostSync
 from tgraph.grads import MainGradFlags
 from tgraph.signature import rebuild
 
 
 def _reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Leaf tensors requiring grad that ``outputs``' autograd graph reaches (AccumulateGrad)."""
-    seen: set[int] = set()
+    # Python wrappers of autograd nodes live only while referenced and their ids are recycled:
+    # keep every visited wrapper alive, so the same node keeps its wrapper and id-dedup holds.
+    seen: dict[int, object] = {}
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
     leaves: list[torch.Tensor] = []
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         var = getattr(fn, "variable", None)
         if var is not None:
             leaves.append(var)
@@ -149,8 +152,10 @@ class Runner:
         for g in rng.graph_generators(self.device):
             graph.register_generator_state(g)
         with factory.side_stream():
-            for _ in range(warmup):
-                outs = self._run_forward()
+            for i in range(warmup):
+                # the first warmup refuses host syncs, so they fail here, before any capture
+                with RefuseHostSync() if i == 0 else contextlib.nullcontext():
+                    outs = self._run_forward()
                 rg = [o for o in outs if o.requires_grad]
                 if rg:
                     ins = [self.static_inputs[i] for i in self._in_rg]
