@@ -6,6 +6,7 @@ Importing tgraph has no side effects.
 """
 
 from tgraph.backend import CaptureError, resolve_backend
+from tgraph.full_iteration import FullIterationGraph
 from tgraph.module import (
     CaptureReport,
     GraphableModule,
@@ -21,6 +22,7 @@ from tgraph.rng import register_generator, unregister_generator
 __all__ = [
     "CaptureError",
     "CaptureReport",
+    "FullIterationGraph",
     "GraphFallbackWarning",
     "GraphableModule",
     "create_graphs",

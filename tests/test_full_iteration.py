@@ -1,0 +1,292 @@
+"""FullIterationGraph: the whole training step as one graph, against eager training.
+
+Tolerance: graphed and eager runs execute the same kernels in the same order on the same
+numbers, so on the emulated backend they agree to the last bit or nearly. Two sources of tiny
+differences remain: a learning rate held in a float32 tensor instead of a Python double (one
+rounding, ~1e-7 relative, fed through 10 optimizer steps) and, on CUDA, reduction order in
+backward kernels. ``rtol=1e-4, atol=1e-5`` covers both with margin, while every planted bug below
+(a frozen learning rate, a hidden extra step, kept outputs overwritten) moves losses or parameters
+by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tgraph
+from tgraph import full_iteration
+from tgraph.models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TOL = dict(rtol=1e-4, atol=1e-5)
+STEPS = 10
+WARMUP = 3
+
+
+def make_model(device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG).to(device)
+
+
+def make_optimizer(kind: str, model: GPT, device: torch.device) -> torch.optim.Optimizer:
+    cuda = device.type == "cuda"
+    if kind == "sgd":  # default implementation: its float lr is baked, fine without a schedule
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    if kind == "sgd_fused":  # reads a tensor lr without a host sync: schedules reach the graph
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, fused=True)
+    if kind == "adamw":  # capturable is CUDA-only; on the CPU the fused kernel avoids .item()
+        extra = {"capturable": True} if cuda else {"fused": True}
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, **extra)
+    raise ValueError(kind)
+
+
+def make_batches(device: torch.device, n: int = STEPS, micro: int = 0, batch_size: int = 4):
+    g = torch.Generator().manual_seed(1)
+
+    def one(bs):
+        x = torch.randint(0, CFG.vocab_size, (bs, CFG.block_size), generator=g)
+        y = torch.randint(0, CFG.vocab_size, (bs, CFG.block_size), generator=g)
+        return x.to(device), y.to(device)
+
+    if micro:
+        return [[one(batch_size) for _ in range(micro)] for _ in range(n)]
+    return [one(batch_size) for _ in range(n)]
+
+
+def make_step(model: GPT, opt: torch.optim.Optimizer, clip: bool = False, sync: str = ""):
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        micro = batch if isinstance(batch, list) else [batch]
+        total = torch.zeros((), device=micro[0][0].device)
+        for x, y in micro:
+            _, loss = model(x, y)
+            (loss / len(micro)).backward()
+            total = total + loss.detach() / len(micro)
+        if clip:  # foreach on CUDA; neither path syncs with the host
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        if sync == "item":
+            loss.item()
+        elif sync == "print":
+            print(loss)
+        return total
+
+    return step
+
+
+def make_schedule(kind: str | None, opt: torch.optim.Optimizer):
+    if kind == "step":
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    if kind == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.0)
+    return None
+
+
+def train(step, batches, sched=None, after_step=None):
+    losses = []
+    for i, b in enumerate(batches):
+        losses.append(step(b))
+        if sched is not None:
+            sched.step()
+        if after_step is not None:
+            after_step(i)
+    return torch.stack([loss.detach().float().reshape(()) for loss in losses])
+
+
+def run_pair(backend, device, opt_kind="adamw", micro=0, clip=False, sched=None, after_step=None):
+    """Eager training and FullIterationGraph training from the same start; their losses/params."""
+    batches = make_batches(device, micro=micro)
+    results = []
+    for graphed in (False, True):
+        model = make_model(device)
+        opt = make_optimizer(opt_kind, model, device)
+        step = make_step(model, opt, clip=clip)
+        if graphed:
+            step = tgraph.FullIterationGraph(step, warmup_steps=WARMUP, backend=backend)
+        hook = (lambda i, opt=opt: after_step(opt, i)) if after_step else None
+        losses = train(step, batches, make_schedule(sched, opt), hook)
+        results.append((losses, [p.detach().clone() for p in model.parameters()], step))
+    return results
+
+
+def assert_same(results):
+    (eager_losses, eager_params, _), (graph_losses, graph_params, _) = results
+    torch.testing.assert_close(graph_losses, eager_losses, **TOL)
+    torch.testing.assert_close(graph_params, eager_params, **TOL)
+
+
+@pytest.mark.parametrize("micro", [0, 2], ids=["one_batch", "microbatches"])
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
+def test_parity_with_eager(backend, device, opt_kind, micro):
+    results = run_pair(backend, device, opt_kind, micro=micro)
+    assert_same(results)
+    assert results[1][2].num_graphs == 1
+
+
+@pytest.mark.parametrize("sched", ["step", "cosine"])
+@pytest.mark.parametrize("opt_kind", ["sgd_fused", "adamw"])
+def test_lr_schedule_reaches_the_graph(backend, device, opt_kind, sched):
+    assert_same(run_pair(backend, device, opt_kind, sched=sched))
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd_fused", "adamw"])
+def test_planted_frozen_lr_is_caught(backend, device, opt_kind, monkeypatch):
+    # The naive implementation: lr stays a Python float (baked at capture), nobody checks it.
+    monkeypatch.setattr(full_iteration, "_holds_tensor_lr", lambda group: False)
+    monkeypatch.setattr(full_iteration._HyperParams, "_check_baked", lambda self: None)
+    with pytest.raises(AssertionError):
+        assert_same(run_pair(backend, device, opt_kind, sched="step"))
+
+
+def _assign_float_lr(opt, i):
+    """A scheduler of older PyTorch: replaces the lr (a tensor after capture) with a float."""
+    for g in opt.param_groups:
+        g["lr"] = (
+            0.5 * 0.7 ** (i + 1) if isinstance(opt, torch.optim.SGD) else 3e-3 * 0.7 ** (i + 1)
+        )
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd_fused", "adamw"])
+def test_lr_replaced_by_a_float_is_copied_into_the_graph(backend, device, opt_kind, monkeypatch):
+    assert_same(run_pair(backend, device, opt_kind, after_step=_assign_float_lr))
+    monkeypatch.setattr(full_iteration._HyperParams, "_refresh_tensor_lrs", lambda self: None)
+    with pytest.raises(AssertionError):  # planted: the float never reaches the tensor
+        assert_same(run_pair(backend, device, opt_kind, after_step=_assign_float_lr))
+
+
+def test_baked_lr_change_raises(backend, device):
+    with pytest.raises(ValueError, match=r"'lr' changed .*fused=True"):
+        run_pair(backend, device, "sgd", sched="step")
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
+def test_clip_grad_norm_inside_the_graph(backend, device, opt_kind):
+    assert_same(run_pair(backend, device, opt_kind, clip=True))
+
+
+def test_planted_hidden_capture_step_is_caught(backend, device, monkeypatch):
+    if backend == "cuda":
+        pytest.skip("a CUDA capture executes nothing; the bug is specific to the emulated capture")
+    monkeypatch.setattr(full_iteration._StepSnapshot, "restore", lambda self: None)
+    with pytest.raises(AssertionError):
+        assert_same(run_pair(backend, device, "sgd"))
+
+
+def test_kept_outputs_hold_their_own_step(backend, device, monkeypatch):
+    (eager_losses, _, _), (graph_losses, _, _) = run_pair(backend, device, "sgd")
+    torch.testing.assert_close(graph_losses, eager_losses, **TOL)
+    assert len(set(graph_losses.tolist())) == STEPS  # every step kept a different value
+    # Planted: return the static output itself; every kept loss becomes the last replay's.
+    monkeypatch.setattr(full_iteration, "_detach_clone", lambda t: t)
+    (eager_losses, _, _), (graph_losses, _, _) = run_pair(backend, device, "sgd")
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(graph_losses, eager_losses, **TOL)
+
+
+def test_new_batch_shape_gets_its_own_graph(backend, device):
+    big = make_batches(device, n=STEPS, batch_size=4)
+    small = make_batches(device, n=STEPS, batch_size=2)
+    batches = [b for pair in zip(big, small) for b in pair]  # alternate shapes
+    runs = []
+    for graphed in (False, True):
+        model = make_model(device)
+        opt = make_optimizer("adamw", model, device)
+        step = make_step(model, opt)
+        if graphed:
+            step = tgraph.FullIterationGraph(step, warmup_steps=WARMUP, backend=backend)
+        runs.append((train(step, batches), step))
+    torch.testing.assert_close(runs[1][0], runs[0][0], **TOL)
+    assert runs[1][1].num_graphs == 2
+
+
+def test_shape_beyond_max_graphs_raises(backend, device):
+    model = make_model(device)
+    step = tgraph.FullIterationGraph(
+        make_step(model, make_optimizer("sgd", model, device)), backend=backend, max_graphs=1
+    )
+    for b in make_batches(device, n=WARMUP + 2):
+        step(b)
+    (x, y) = make_batches(device, n=1, batch_size=2)[0]
+    with pytest.raises(
+        RuntimeError, match=r"batch\[0\] changed from \(4, 16\) int64 .* to \(2, 16\)"
+    ):
+        step((x, y))
+
+
+@pytest.mark.parametrize("sync", ["item", "print"])
+def test_host_sync_raises_and_leaves_clean_state(backend, device, sync, capsys):
+    batches = make_batches(device, n=WARMUP + 4)
+    model = make_model(device)
+    opt = make_optimizer("adamw", model, device)
+    step = tgraph.FullIterationGraph(make_step(model, opt, sync=sync), WARMUP, backend=backend)
+    eager_model = make_model(device)
+    eager_opt = make_optimizer("adamw", eager_model, device)
+    eager_step = make_step(eager_model, eager_opt)
+    for b in batches[:WARMUP]:
+        step(b)
+        eager_step(b)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(tgraph.CaptureError, match=r"\.item\(\)|printing a tensor"):
+        step(batches[WARMUP])
+    # Clean: no stream left capturing, no training step taken, learning rates floats again.
+    if device.type == "cuda":
+        assert not torch.cuda.is_current_stream_capturing()
+    torch.testing.assert_close([p.detach() for p in model.parameters()], before, rtol=0, atol=0)
+    assert all(isinstance(g["lr"], float) for g in opt.param_groups)
+    # The next calls run eagerly (with one warning) and train as eager training does.
+    with pytest.warns(tgraph.GraphFallbackWarning, match="eagerly"):
+        losses = [step(b) for b in batches[WARMUP + 1 :]]
+    eager_losses = [eager_step(b) for b in batches[WARMUP + 1 :]]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), **TOL)
+    assert step.num_graphs == 0
+
+
+def test_per_layer_graphs_do_not_nest(backend, device):
+    model = make_model(device)
+    step = tgraph.FullIterationGraph(
+        make_step(model, make_optimizer("sgd", model, device)), backend=backend
+    )
+    batches = make_batches(device, n=WARMUP + 3)
+    tgraph.enable(model, backend=backend)
+    with pytest.raises(ValueError, match=r"do not nest.*tgraph\.disable\(model\)"):
+        step(batches[0])
+    tgraph.disable(model)
+    for b in batches[: WARMUP + 2]:
+        step(b)
+    assert step.num_graphs == 1
+    tgraph.enable(model, backend=backend)  # enabling after capture is caught at the next call
+    with pytest.raises(ValueError, match="do not nest"):
+        step(batches[-1])
+
+
+def test_optimizer_that_syncs_with_the_host_is_refused(backend, device):
+    model = make_model(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # neither capturable nor fused
+    step = tgraph.FullIterationGraph(make_step(model, opt), backend=backend)
+    batches = make_batches(device, n=WARMUP + 1)
+    for b in batches[:WARMUP]:
+        step(b)
+    fix = "capturable=True" if device.type == "cuda" else "fused=True"
+    with pytest.raises(ValueError, match=rf"AdamW param_group 0 .*{fix}"):
+        step(batches[WARMUP])
+
+
+def test_non_tensor_output_is_refused(backend, device):
+    model = make_model(device)
+    inner = make_step(model, make_optimizer("sgd", model, device))
+    step = tgraph.FullIterationGraph(lambda b: (inner(b), 3), WARMUP, backend=backend)
+    batches = make_batches(device, n=WARMUP + 1)
+    for b in batches[:WARMUP]:
+        step(b)
+    with pytest.raises(ValueError, match="non-tensor values"):
+        step(batches[WARMUP])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        tgraph.FullIterationGraph(lambda b: b, warmup_steps=0)
+    with pytest.raises(ValueError, match="backend"):
+        tgraph.FullIterationGraph(lambda b: b, backend="tpu")
+    with pytest.raises(TypeError):
+        tgraph.FullIterationGraph(None)

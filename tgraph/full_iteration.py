@@ -1,0 +1,628 @@
+"""Full-iteration graphs: one graph for the whole training step (forward, backward, optimizer).
+
+Usage::
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # no host sync: fine
+        opt.step()
+        return loss
+
+    step = tgraph.FullIterationGraph(train_step)
+    for batch in loader:
+        loss = step(batch)          # calls 1..3 eager, call 4 captures (and steps), later replay
+        sched.step()                # a changing learning rate reaches the graph (see below)
+
+Life cycle, per batch *signature* (shapes, dtypes, devices and structure of the batch, keyed like
+:func:`tgraph.signature.call_key`): the first ``warmup_steps`` calls run ``fn`` eagerly (on the
+capture side stream on CUDA, as PyTorch's whole-network capture recipe requires); they are real
+training steps and update the parameters. The next call copies the batch into *static* buffers,
+captures one call of ``fn`` on them and replays the graph once: that replay is this call's
+training step (a CUDA capture executes nothing; the emulated capture executes ``fn`` once, so its
+effects on parameters, gradients, optimizer state, buffers and RNG are undone before the replay).
+Later calls copy the live batch into the static buffers and replay. A batch of another signature
+gets its own warmups and graph (at most ``max_graphs``), never a replay of the wrong shapes.
+
+Ownership and aliasing:
+
+* The static batch buffers belong to the graph; live batches are copied into them before each
+  replay. A list of microbatches gets one static buffer per microbatch.
+* Returned outputs are fresh, detached clones of the graph's static outputs: safe to keep (a
+  list of losses holds each step's value). The clone costs one small copy per output tensor.
+* ``param.grad`` after a replay on CUDA is the gradient tensor the graph writes.
+
+Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` runs inside
+``fn`` during the warmup calls):
+
+* A graph bakes every Python number it reads. Before capture, each param_group's float ``lr`` is
+  moved into a 0-dim float32 device tensor when the optimizer can read a tensor learning rate
+  without a host sync: ``fused=True`` (SGD, Adam, AdamW) or ``capturable=True`` (Adam, AdamW).
+  PyTorch's LR schedulers update such a tensor in place (``fill_``); a scheduler or user that
+  assigns a new float instead is caught at the next call and the value copied into the tensor.
+  Any other hyper-parameter that changes after capture (a float ``lr`` of a plain SGD, momentum,
+  betas, ...) raises a ``ValueError`` instead of being silently ignored.
+* Adam/AdamW on CUDA need ``capturable=True`` (their default step reads the step count on the
+  host); on the CPU (emulated backend) they need ``fused=True`` (``capturable`` is CUDA-only).
+
+torch DDP inside ``fn`` works. PyTorch's CUDA-graph notes ("Usage with DistributedDataParallel")
+require at least 11 DDP-enabled eager iterations before capture (the reducer rebuilds its buckets
+after the first iteration and samples runtime statistics, with host syncs, during the first ten);
+``warmup_steps`` below 11 raises when a ``DistributedDataParallel`` runs inside ``fn``. On CUDA,
+also construct DDP under ``torch.cuda.stream(side_stream)`` and, on old PyTorch, set
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` before ``init_process_group``.
+
+Full-iteration graphs and per-layer graphs (:func:`tgraph.enable`) do not nest: a model with
+enabled ``GraphableModule`` s inside ``fn`` raises; call ``tgraph.disable(model)`` first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
+
+from tgraph import rng
+from tgraph.backend import (
+    CaptureError,
+    EmulatedGraph,
+    GraphFactory,
+    _default_generators,
+    _RefuseHostSync,
+    explain_capture_failure,
+    resolve_backend,
+    tree_leaves,
+)
+from tgraph.module import GraphFallbackWarning, _manager
+from tgraph.signature import call_key, rebuild
+
+logger = logging.getLogger(__name__)
+
+DDP_MIN_WARMUP = 11
+"""Eager DDP iterations PyTorch requires before a capture (CUDA notes, DDP section)."""
+
+
+def _holds_tensor_lr(group: dict) -> bool:
+    """Whether this param_group's optimizer reads a tensor ``lr`` without a host sync."""
+    return bool(group.get("fused") or group.get("capturable"))
+
+
+def _detach_clone(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+class _HyperParams:
+    """The optimizer hyper-parameters a captured step reads, and how they reach the graph."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._groups = [
+            (type(o).__name__, i, g) for o in optimizers for i, g in enumerate(o.param_groups)
+        ]
+        self._converted: list[tuple[dict, torch.Tensor, float]] = []
+        self._tensor_lrs: list[tuple[dict, torch.Tensor]] = []
+        self._baked: list[tuple[str, int, dict, str, Any]] = []
+
+    def prepare(self) -> None:
+        """Move float learning rates into device tensors; remember the values a graph bakes."""
+        for _, _, g in self._groups:
+            lr = g["lr"]
+            if not isinstance(lr, torch.Tensor) and _holds_tensor_lr(g):
+                # float32: the fused kernels read the tensor lr as float (FusedAdamKernel.cu).
+                t = torch.tensor(float(lr), dtype=torch.float32, device=g["params"][0].device)
+                self._converted.append((g, t, lr))
+                g["lr"] = t
+        self._tensor_lrs = [
+            (g, g["lr"]) for _, _, g in self._groups if isinstance(g["lr"], torch.Tensor)
+        ]
+        self._baked = [
+            (name, i, g, k, v)
+            for name, i, g in self._groups
+            for k, v in g.items()
+            if k not in ("params", "initial_lr") and not isinstance(v, torch.Tensor)
+        ]
+
+    def refresh(self) -> None:
+        """Before a replay: bring replaced learning rates into their tensors; refuse baked changes."""
+        self._refresh_tensor_lrs()
+        self._check_baked()
+
+    def _refresh_tensor_lrs(self) -> None:
+        for g, t in self._tensor_lrs:
+            live = g["lr"]
+            if live is not t:  # a scheduler (older PyTorch) or the user assigned a new value
+                with torch.no_grad():
+                    t.copy_(live) if isinstance(live, torch.Tensor) else t.fill_(float(live))
+                g["lr"] = t
+
+    def _check_baked(self) -> None:
+        for name, i, g, k, v in self._baked:
+            if g.get(k, v) != v:
+                fix = (
+                    f"build {name} with fused=True (or capturable=True for Adam/AdamW) so tgraph "
+                    "holds the learning rate in a device tensor"
+                    if k == "lr"
+                    else "call step.reset() to capture again with the new value"
+                )
+                raise ValueError(
+                    f"{name} param_group {i}: {k!r} changed from {v!r} to {g[k]!r} after capture, "
+                    f"but the captured graph baked {v!r} into its kernels. To fix: {fix}."
+                )
+
+    def restore(self) -> None:
+        """Undo :meth:`prepare`: float learning rates again (current values)."""
+        for g, t, _ in self._converted:
+            if g["lr"] is t:
+                g["lr"] = float(t)
+        self._converted.clear()
+
+
+# Tensor methods that read a tensor's values on the host without `_local_scalar_dense` (printing
+# disables dispatch modes, so the backend's host-sync guard cannot see it): illegal in a CUDA graph.
+_HOST_READS = {
+    torch.Tensor.__repr__: "printing a tensor (repr)",
+    torch.Tensor.__str__: "printing a tensor (str)",
+    torch.Tensor.__format__: "formatting a tensor (f-string)",
+    torch.Tensor.tolist: ".tolist()",
+    torch.Tensor.numpy: ".numpy()",
+}
+
+
+class _RefuseHostReads(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_READS:
+            raise CaptureError(
+                f"host synchronization during graph capture: {_HOST_READS[func]} (reads the "
+                "tensor on the host, like .item()). A CUDA graph cannot contain it; move it out "
+                "of the captured step."
+            )
+        return func(*args, **(kwargs or {}))
+
+
+class _EmulatedStepGraph(EmulatedGraph):
+    """Emulated graph of a whole step (backward inside the captured function).
+
+    Replays re-run the function as :class:`~tgraph.backend.EmulatedGraph` does, without its
+    saved-tensor bookkeeping (the backward runs inside the function), and with every Python value
+    of the optimizers' param_groups set to its capture value for the duration of the replay: a
+    CUDA graph bakes those floats into its kernels, so a learning rate that did not reach a
+    tensor is frozen here exactly as on a GPU.
+    """
+
+    def __init__(self, groups: list[dict]) -> None:
+        super().__init__()
+        self._groups = groups
+        self._frozen_hparams: list[tuple[dict, dict]] = []
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        known = _default_generators() + [
+            g for g in rng.extra_generators() if g.device.type == "cpu"
+        ]
+        self._frozen = [
+            (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
+        ]
+        with _RefuseHostSync(), _RefuseHostReads():
+            out = fn()
+        self._fn = fn
+        self._outputs = tree_leaves(out)
+        self._frozen_hparams = [
+            (g, {k: v for k, v in g.items() if k != "params"}) for g in self._groups
+        ]
+        return out
+
+    def replay(self) -> None:
+        assert self._fn is not None, "replay() before capture()"
+        live_rng = [(g, g.get_state()) for g, _ in self._frozen]
+        live_hparams = [
+            (g, {k: g[k] for k in frozen if k in g}) for g, frozen in self._frozen_hparams
+        ]
+        try:
+            for g, state in self._frozen:
+                g.set_state(state)
+            for g, frozen in self._frozen_hparams:
+                g.update(frozen)
+            out = self._fn()
+            with torch.no_grad():
+                for dst, src in zip(self._outputs, tree_leaves(out), strict=True):
+                    if isinstance(dst, torch.Tensor) and dst is not src:
+                        dst.copy_(src)
+        finally:
+            for g, state in live_rng:
+                g.set_state(state)
+            for g, live in live_hparams:
+                g.update(live)
+
+
+class _StepSnapshot:
+    """Training state a capture may change: restored after an emulated capture or a failure.
+
+    Args:
+        values: also clone tensor values (parameters, gradients, optimizer state, buffers);
+            needed when the capture really executes (emulated). A CUDA capture executes nothing,
+            so only Python references (``.grad``) and RNG states are kept.
+    """
+
+    def __init__(self, params, optimizers, buffers, device: torch.device, values: bool) -> None:
+        clone = _detach_clone if values else (lambda t: None)
+        self._device = device
+        self._params = [(p, clone(p)) for p in params]
+        self._grads = [(p, p.grad, None if p.grad is None else clone(p.grad)) for p in params]
+        self._states = []
+        for opt in optimizers:
+            per_param = [
+                (st, dict(st), {k: clone(v) for k, v in st.items() if isinstance(v, torch.Tensor)})
+                for st in opt.state.values()
+            ]
+            self._states.append((opt, set(opt.state), per_param))
+        self._buffers = [(b, clone(b)) for b in buffers]
+        self._rng = rng.get_states(device)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, saved in self._params:
+            if saved is not None:
+                p.copy_(saved)
+        for p, grad, saved in self._grads:
+            p.grad = grad
+            if saved is not None:
+                grad.copy_(saved)
+        for opt, keys, per_param in self._states:
+            for k in [k for k in opt.state if k not in keys]:
+                del opt.state[k]
+            for st, shallow, tensors in per_param:
+                st.clear()
+                st.update(shallow)
+                for k, saved in tensors.items():
+                    if saved is not None:
+                        st[k].copy_(saved)
+        for b, saved in self._buffers:
+            if saved is not None:
+                b.copy_(saved)
+        rng.set_states(self._rng, self._device)
+
+
+@dataclass
+class _Entry:
+    """One batch signature: its warmup count, static buffers and graph."""
+
+    key: tuple
+    factory: GraphFactory
+    eager_calls: int = 0
+    failed: bool = False
+    warned: bool = False
+    graph: Any = None
+    static: list[torch.Tensor] = field(default_factory=list)
+    out: Any = None
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    capture_seconds: float = 0.0
+    pool_bytes: int = 0
+
+
+def _describe_leaf(d: Any) -> str:
+    if isinstance(d, tuple) and len(d) == 4 and isinstance(d[0], torch.Size):
+        return f"{tuple(d[0])} {str(d[1]).removeprefix('torch.')} {d[2]}"
+    return repr(d)
+
+
+def _first_difference(old: Any, new: Any, path: str = "batch") -> str:
+    """Where two described batches first differ, as ``batch[0][1] changed from ... to ...``."""
+    nested = (list, tuple, dict)
+    if (
+        isinstance(old, tuple)
+        and len(old) == 2
+        and old[0] in nested
+        and isinstance(new, tuple)
+        and len(new) == 2
+        and new[0] is old[0]
+        and len(old[1]) == len(new[1])
+    ):
+        for i, (a, b) in enumerate(zip(old[1], new[1])):
+            if old[0] is dict:
+                if a[0] != b[0]:
+                    return f"{path} keys changed from {[k for k, _ in old[1]]} to {[k for k, _ in new[1]]}"
+                a, b, i = a[1], b[1], repr(a[0])
+            if a != b:
+                return _first_difference(a, b, f"{path}[{i}]")
+    return f"{path} changed from {_describe_leaf(old)} to {_describe_leaf(new)}"
+
+
+class FullIterationGraph:
+    """The whole training step ``fn(batch)`` as one graph (see the module docstring).
+
+    Args:
+        fn: the training step; takes a batch (a tensor or nested list/tuple/dict of tensors) and
+            returns tensors (nested list/tuple/dict, or None). No host syncs (``.item()``,
+            printing a tensor) inside it.
+        warmup_steps: eager calls per batch signature before capture (>= 1; >= 11 with DDP).
+        backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (resolved from the batch's device;
+            ``TGRAPH_BACKEND`` overrides ``"auto"``).
+        max_graphs: most batch signatures to capture; a call with yet another signature raises.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: ``warmup_steps`` < 1, ``max_graphs`` < 1 or an unknown backend.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        warmup_steps: int = 3,
+        backend: str = "auto",
+        *,
+        max_graphs: int = 4,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(
+                f"FullIterationGraph needs a callable training step, got {type(fn).__name__}"
+            )
+        if warmup_steps < 1:
+            raise ValueError(
+                f"warmup_steps must be >= 1 (PyTorch requires eager warmup before capture), got {warmup_steps}"
+            )
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        if backend not in ("auto", "cuda", "emulated"):
+            raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
+        self.fn = fn
+        self.warmup_steps = warmup_steps
+        self.backend = backend
+        self.max_graphs = max_graphs
+        self._entries: dict[tuple, _Entry] = {}
+        self._optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._modules: dict[int, nn.Module] = {}
+        self._hparams: _HyperParams | None = None
+        self._last: _Entry | None = None
+
+    @property
+    def num_graphs(self) -> int:
+        """Number of captured graphs (one per batch signature)."""
+        return sum(e.graph is not None for e in self._entries.values())
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Optimizers whose ``step`` ran inside ``fn`` (found during the eager calls)."""
+        return list(self._optimizers.values())
+
+    def __call__(self, batch: Any) -> Any:
+        """Run one training step on ``batch``: eagerly, by capture, or by replay.
+
+        Returns:
+            ``fn``'s outputs; after capture, detached clones of the graph's outputs (safe to keep).
+
+        Raises:
+            ValueError: a misconfigured optimizer, a hyper-parameter baked into the graph changed,
+                per-layer graphs enabled inside ``fn``, or DDP with too few warmup steps.
+            RuntimeError: a batch signature beyond ``max_graphs``.
+            tgraph.CaptureError: capture failed (e.g. a host sync inside ``fn``); the call made no
+                training step, and later calls of that signature run eagerly.
+        """
+        if _manager.modules:  # per-layer graphs exist somewhere: were they enabled inside fn?
+            self._check_not_nested(self._modules.values(), recurse=False)
+        tensors: list[torch.Tensor] = []
+        key = call_key((batch,), {}, False, tensors)
+        entry = self._entries.get(key)
+        if entry is not None and entry.graph is not None:
+            return self._replay(entry, tensors)
+        if entry is None:
+            entry = self._new_entry(key, tensors)
+        if entry.failed or entry.eager_calls < self.warmup_steps:
+            return self._eager(entry, batch)
+        return self._capture(entry, batch, tensors)
+
+    def reset(self) -> None:
+        """Drop every graph; learning rates become Python floats again; calls warm up anew."""
+        for e in self._entries.values():
+            if e.graph is not None:
+                e.graph.reset()
+        self._entries.clear()
+        if self._hparams is not None:
+            self._hparams.restore()
+        self._hparams = None
+        self._last = None
+
+    # -- the three kinds of call ------------------------------------------------------------
+
+    def _new_entry(self, key: tuple, tensors: list[torch.Tensor]) -> _Entry:
+        if not tensors:
+            raise ValueError(
+                "FullIterationGraph needs a batch with at least one tensor (its device picks the backend)"
+            )
+        if len(self._entries) >= self.max_graphs:
+            old = next(iter(self._entries))
+            raise RuntimeError(
+                f"FullIterationGraph already holds {len(self._entries)} batch signature(s) "
+                f"(max_graphs={self.max_graphs}) and this batch matches none: "
+                f"{_first_difference(old[0][0], key[0][0])}. Pad batches to a fixed shape, or "
+                "raise max_graphs (each signature costs its own warmups and graph memory)."
+            )
+        device = tensors[0].device
+        entry = _Entry(key, GraphFactory(resolve_backend(self.backend, device), device))
+        self._entries[key] = entry
+        return entry
+
+    def _eager(self, entry: _Entry, batch: Any) -> Any:
+        if entry.failed and not entry.warned:
+            entry.warned = True
+            warnings.warn(
+                "FullIterationGraph: capture failed for this batch signature; running "
+                "the step eagerly from now on",
+                GraphFallbackWarning,
+                stacklevel=3,
+            )
+        self._last = None
+        with self._watch(), entry.factory.side_stream():
+            out = self.fn(batch)
+        entry.eager_calls += 1
+        return out
+
+    def _capture(self, entry: _Entry, batch: Any, tensors: list[torch.Tensor]) -> Any:
+        f = entry.factory
+        self._check_optimizers(f.device)
+        fresh = self._hparams is None
+        if fresh:
+            self._hparams = _HyperParams(self.optimizers)
+            self._hparams.prepare()
+        entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        static_batch = rebuild(batch, iter(entry.static))
+        groups = [g for o in self.optimizers for g in o.param_groups]
+        graph = f.new_graph() if f.backend == "cuda" else _EmulatedStepGraph(groups)
+        for g in rng.graph_generators(f.device):
+            graph.register_generator_state(g)
+        params = self._params()
+        buffers = {id(b): b for m in self._modules.values() for b in m.buffers()}.values()
+        snap = _StepSnapshot(params, self.optimizers, buffers, f.device, values=f.backend != "cuda")
+        f.synchronize()
+        before, start = f.memory_allocated(), time.perf_counter()
+        try:
+            with f.side_stream():
+                out = graph.capture(lambda: self.fn(static_batch))
+            bad = [
+                type(x).__name__
+                for x in tree_leaves(out)
+                if x is not None and not isinstance(x, torch.Tensor)
+            ]
+            if bad:
+                raise ValueError(
+                    f"fn returned non-tensor values ({', '.join(bad)}); a graph replays kernels, "
+                    "not Python, so they would keep their capture-time value. Return tensors only."
+                )
+        except BaseException as exc:
+            f.synchronize()
+            snap.restore()
+            if fresh:
+                self._hparams.restore()
+                self._hparams = None
+            entry.failed = True
+            if isinstance(exc, ValueError):
+                raise
+            raise explain_capture_failure("the training step of FullIterationGraph", exc) from exc
+        f.synchronize()
+        if f.backend != "cuda":
+            snap.restore()  # the emulated capture really stepped; the replay below is this call's step
+        entry.capture_seconds = time.perf_counter() - start
+        entry.pool_bytes = f.memory_allocated() - before
+        entry.graph, entry.out = graph, out
+        entry.outputs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if f.backend == "cuda":
+            entry.grads = [(p, p.grad) for p in params]
+        logger.info(
+            "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
+            f.backend,
+            entry.capture_seconds,
+            entry.pool_bytes / 2**20,
+        )
+        return self._replay(entry, tensors)
+
+    def _replay(self, entry: _Entry, tensors: list[torch.Tensor]) -> Any:
+        self._hparams.refresh()
+        with torch.no_grad():
+            for s, t in zip(entry.static, tensors):
+                if s.data_ptr() != t.data_ptr():
+                    s.copy_(t)
+        entry.graph.replay()
+        if self._last is not entry:
+            for p, grad in entry.grads:  # another graph's capture or an eager call moved .grad
+                p.grad = grad
+            self._last = entry
+        return rebuild(entry.out, iter([_detach_clone(t) for t in entry.outputs]))
+
+    # -- what fn touches ---------------------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        params = {id(p): p for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        params.update(
+            (id(p), p) for m in self._modules.values() for p in m.parameters(recurse=False)
+        )
+        return list(params.values())
+
+    def _watch(self) -> _Watch:
+        return _Watch(self)
+
+    def _check_not_nested(self, modules: Iterable[nn.Module], recurse: bool = True) -> None:
+        for m in modules:
+            for sub in m.modules() if recurse else (m,):
+                if "_tgraph" in sub.__dict__:
+                    raise ValueError(
+                        f"FullIterationGraph: {type(sub).__name__} inside the training step has "
+                        "per-layer graphs enabled (tgraph.enable). The two modes do not nest: a "
+                        "whole-step graph cannot contain per-layer graph replays. Call "
+                        "tgraph.disable(model) before using FullIterationGraph, or keep the "
+                        "per-layer graphs and call the step without FullIterationGraph."
+                    )
+
+    def _check_optimizers(self, device: torch.device) -> None:
+        for opt in self.optimizers:
+            name = type(opt).__name__
+            for i, g in enumerate(opt.param_groups):
+                devices = {p.device for p in g["params"]}
+                if devices != {device}:
+                    raise ValueError(
+                        f"{name} param_group {i} holds parameters on {sorted(map(str, devices))} "
+                        f"but the batch is on {device}; move the batch to the parameters' device "
+                        "before calling the step (a graph reads static device buffers only)"
+                    )
+                if "capturable" in g and not g["capturable"]:
+                    if device.type == "cuda":
+                        raise ValueError(
+                            f"{name} param_group {i} has capturable=False: its step reads the step "
+                            f"count on the host, which a CUDA graph cannot contain. Construct it "
+                            f"with torch.optim.{name}(..., capturable=True)."
+                        )
+                    if not g.get("fused"):
+                        raise ValueError(
+                            f"{name} param_group {i} has capturable=False and fused=False: its "
+                            f"step reads the step count on the host (.item()). On {device.type} "
+                            f"construct it with torch.optim.{name}(..., fused=True) "
+                            "(capturable=True is CUDA-only)."
+                        )
+
+
+class _Watch:
+    """During an eager call: note the optimizers that step and the modules that run in ``fn``."""
+
+    def __init__(self, owner: FullIterationGraph) -> None:
+        self._owner = owner
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _Watch:
+        self._handles = [
+            register_optimizer_step_pre_hook(self._on_step),
+            nn.modules.module.register_module_forward_pre_hook(self._on_forward),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._owner._optimizers.setdefault(id(opt), opt)
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        owner = self._owner
+        if id(module) in owner._modules:
+            return
+        if _manager.modules:
+            owner._check_not_nested([module])
+        if isinstance(module, DistributedDataParallel) and owner.warmup_steps < DDP_MIN_WARMUP:
+            raise ValueError(
+                f"FullIterationGraph(warmup_steps={owner.warmup_steps}) around a "
+                f"DistributedDataParallel model: PyTorch requires at least {DDP_MIN_WARMUP} "
+                "DDP-enabled eager iterations before capture (CUDA notes, 'Usage with "
+                f"DistributedDataParallel'). Pass warmup_steps={DDP_MIN_WARMUP} or more."
+            )
+        owner._modules[id(module)] = module
+
+
+__all__ = ["DDP_MIN_WARMUP", "FullIterationGraph"]
