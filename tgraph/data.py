@@ -233,7 +233,7 @@ class BatchSampler:
         n = self.data.numel() - self.block_size - 1
         starts = torch.randint(0, n + 1, (self.batch_size,), generator=self.generator)
         chunk = self.data[starts[:, None] + self._span].long()  # (B, T + 1)
-        return chunk[:, :-1], chunk[:, 1:]
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"generator": self.generator.get_state()}
@@ -262,7 +262,7 @@ def fixed_batches(
     count = batch_size * num_batches
     starts = torch.linspace(0, data.numel() - block_size - 1, count).long()
     chunk = data[starts[:, None] + torch.arange(block_size + 1)].long()  # (count, T + 1)
-    x, y = chunk[:, :-1], chunk[:, 1:]
+    x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
     return list(zip(x.split(batch_size), y.split(batch_size)))
 
 

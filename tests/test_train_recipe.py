@@ -1,0 +1,306 @@
+"""recipes/train_gpt.py: config, graph modes, exact kill-and-resume, bad checkpoints, torchrun."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tgraph
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_gpt.py"
+HAS_FULL = hasattr(tgraph, "FullIterationGraph")
+NEEDS_FULL = pytest.mark.skipif(
+    not HAS_FULL, reason="tgraph.FullIterationGraph has not landed yet (full-iteration issue)"
+)
+GRAPHS = ["none", "layer", pytest.param("full", marks=NEEDS_FULL)]
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("train_gpt", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_gpt"] = module  # dataclasses and inspect look classes up by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+tg = _load_recipe()
+
+# A model and run small enough for a few seconds on 2 CPU cores; the learning rate is high so
+# that 8 steps move the parameters far from their initial values (a missed update shows).
+TINY = dict(batch_size=4, block_size=32, n_layer=2, n_head=2, n_embd=32, steps=8,
+            warmup_steps=2, lr=1e-2, min_lr=1e-3, eval_every=4, eval_batches=2, ckpt_every=4,
+            log_every=2, progress=False)  # fmt: skip
+
+
+@pytest.fixture
+def run_cfg(tmp_path, backend, device):
+    """Build TrainConfigs for the backend under test; restore global determinism afterwards."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+
+    def make(name: str, **overrides) -> tg.TrainConfig:
+        kw = dict(TINY, out=str(tmp_path / name), device=device.type, backend=backend)
+        # On a GPU, deterministic kernels (embedding backward without atomics) make two runs
+        # comparable bit for bit; the CPU kernels used here are deterministic already.
+        kw["deterministic"] = device.type == "cuda"
+        kw.update(overrides)
+        return tg.TrainConfig(**kw)
+
+    yield make
+    torch.use_deterministic_algorithms(was_deterministic)
+
+
+def _final_params(cfg) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(cfg.out) / "checkpoints" / "latest" / "model.safetensors"))
+
+
+def _tolerance(device: torch.device) -> dict:
+    # CPU (emulated graphs): the same kernels run in the same order on the same thread count,
+    # so runs agree bit for bit. CUDA: deterministic kernels should agree bit for bit too, but
+    # AdamW's normalized update can turn a last-bit difference of a near-zero gradient into a
+    # step of up to lr, so leave room for a few such elements.
+    return dict(rtol=0, atol=0) if device.type == "cpu" else dict(rtol=1e-4, atol=1e-4)
+
+
+def _assert_same_params(a: dict, b: dict, device: torch.device) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **_tolerance(device), msg=lambda m, k=k: f"{k}: {m}")
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing in the recipe catches it."""
+
+
+def _kill_at_step(monkeypatch, step: int) -> None:
+    """Make the recipe die while drawing the batch of (1-based) step ``step``."""
+    calls = {"n": 0}
+    real = tg.BatchSampler.next
+
+    def next_or_die(self):
+        calls["n"] += 1
+        if calls["n"] == step:
+            raise _Killed
+        return real(self)
+
+    monkeypatch.setattr(tg.BatchSampler, "next", next_or_die)
+
+
+# -- config -----------------------------------------------------------------------------------
+
+
+def test_cli_is_generated_from_the_dataclass():
+    cfg = tg.parse_config(["--batch-size", "8", "--graph", "full", "--no-progress", "--lr=3e-3"])
+    assert (cfg.batch_size, cfg.graph, cfg.progress, cfg.lr) == (8, "full", False, 3e-3)
+    assert tg.parse_config(["--batch_size", "2"]).batch_size == 2
+    docs = tg._field_docs(tg.TrainConfig)
+    assert set(docs) == set(tg.TrainConfig.__dataclass_fields__)  # one docstring per field
+    with pytest.raises(SystemExit):
+        tg.parse_config(["--graph", "fulll"])
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [({"graph": "all"}, "graph"), ({"n_head": 3}, "n_head"), ({"steps": 0}, "steps"),
+     ({"val_fraction": 1.0}, "val_fraction"), ({"min_lr": 1.0}, "min_lr"),
+     ({"device": "tpu"}, "device")],
+)  # fmt: skip
+def test_config_errors_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"TrainConfig.{field}="):
+        tg.TrainConfig(**overrides)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    cfg = tg.TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
+    lrs = [tg.lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+# -- graph modes agree; kill and resume is exact ----------------------------------------------
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_graph_modes_train_the_same_parameters(graph, run_cfg, device):
+    eager = run_cfg("none", graph="none")
+    tg.train(eager)
+    cfg = run_cfg(graph, graph=graph)
+    with warnings.catch_warnings():
+        # Validation in eval mode / no_grad replays graphs recorded for it: no eager fallback.
+        warnings.simplefilter("error", tgraph.GraphFallbackWarning)
+        summary = tg.train(cfg)
+    _assert_same_params(_final_params(cfg), _final_params(eager), device)
+    rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().split("\n")
+            if line]  # fmt: skip
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [2, 4, 6, 8]
+    assert {"loss", "lr", "ms_per_step", "tokens_per_s", "peak_mem_mb", "graph",
+            "capture_s"} <= train_rows[-1].keys()  # fmt: skip
+    assert [r["step"] for r in rows if r["kind"] == "val"] == [4, 8]
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    assert (summary["capture_s"] > 0) == (graph != "none")
+    assert (Path(cfg.out) / "loss.png").stat().st_size > 0
+    saved = json.loads((Path(cfg.out) / "config.json").read_text())
+    assert saved["train"]["graph"] == graph and saved["resolved"]["corpus"]["bytes"]["train"] > 0
+
+
+def test_validation_without_recorded_eval_forward_falls_back(run_cfg, monkeypatch):
+    """Planted bug: skip the recorded validation forward; validation then misses every graph."""
+    real = tg.evaluate
+    monkeypatch.setattr(tg, "evaluate", lambda m, b, env: 0.0 if len(b) == 1 else real(m, b, env))
+    with pytest.warns(tgraph.GraphFallbackWarning, match="training changed from True to False"):
+        tg.train(run_cfg("layer", graph="layer"))
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_killed_and_resumed_run_ends_with_the_same_parameters(graph, run_cfg, device, monkeypatch):
+    full = run_cfg("uninterrupted", graph=graph)
+    tg.train(full)
+    killed = run_cfg("killed", graph=graph)
+    _kill_at_step(monkeypatch, 7)  # after the checkpoint of step 4, before the one of step 8
+    with pytest.raises(_Killed):
+        tg.train(killed)
+    monkeypatch.undo()
+    ckpts = Path(killed.out) / "checkpoints"
+    assert os.readlink(ckpts / "latest") == "step_000004"
+    summary = tg.train(run_cfg("killed", graph=graph, resume="latest"))
+    assert summary["resumed_at"] == 4
+    _assert_same_params(_final_params(killed), _final_params(full), device)
+    # The metrics file continues the killed run's, without duplicate steps.
+    rows = [json.loads(x) for x in (ckpts.parent / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["kind"] == "train"]
+    assert steps == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("forget", ["data", "optimizer"])
+def test_resume_check_fails_when_state_is_not_restored(forget, run_cfg, device, monkeypatch):
+    """Planted bugs: a resume that forgets the data generator or the optimizer state diverges."""
+    full = run_cfg("uninterrupted", graph="none")
+    tg.train(full)
+    if forget == "data":
+        monkeypatch.setattr(tg.BatchSampler, "load_state_dict", lambda self, state: None)
+    else:
+        monkeypatch.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None)
+    resumed = run_cfg("resumed", graph="none", resume=str(Path(full.out) / "checkpoints" /
+                                                          "step_000004"))  # fmt: skip
+    tg.train(resumed)
+    with pytest.raises(AssertionError):
+        _assert_same_params(_final_params(resumed), _final_params(full), device)
+
+
+# -- bad checkpoints ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("good")
+    kw = dict(TINY, out=str(out), device="cpu", graph="none")
+    tg.train(tg.TrainConfig(**kw))
+    return kw, out / "checkpoints" / "step_000004"
+
+
+def _copy(ckpt: Path, dst: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(ckpt, dst / "ckpt"))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("missing", "no checkpoint at"),
+        ("no_trainer", "incomplete: trainer.pt is missing"),
+        ("truncated_trainer", "damaged: .*trainer.pt cannot be read"),
+        ("truncated_model", "cannot resume from .*safetensors"),
+        ("no_model", "has no model.safetensors"),
+        ("other_model", "n_layer=2 in the checkpoint but 3 now"),
+        ("other_world", "world size 2 in the checkpoint but 1 now"),
+        ("latest_empty", "no checkpoint under"),
+    ],
+)
+def test_bad_checkpoints_give_clear_errors(damage, message, good_run, tmp_path):
+    kw, ckpt = good_run
+    kw = dict(kw, out=str(tmp_path / "out"))
+    ckpt = _copy(ckpt, tmp_path)
+    resume = str(ckpt)
+    if damage == "missing":
+        resume = str(tmp_path / "nowhere")
+    elif damage == "no_trainer":
+        (ckpt / "trainer.pt").unlink()
+    elif damage == "truncated_trainer":
+        data = (ckpt / "trainer.pt").read_bytes()
+        (ckpt / "trainer.pt").write_bytes(data[: len(data) // 2])
+    elif damage == "truncated_model":
+        data = (ckpt / "model.safetensors").read_bytes()
+        (ckpt / "model.safetensors").write_bytes(data[:100])
+    elif damage == "no_model":
+        (ckpt / "model.safetensors").unlink()
+    elif damage == "other_model":
+        kw["n_layer"] = 3
+    elif damage == "other_world":
+        state = torch.load(ckpt / "trainer.pt", weights_only=True)
+        state["world_size"] = 2
+        state["rng"] = state["rng"] * 2
+        torch.save(state, ckpt / "trainer.pt")
+    elif damage == "latest_empty":
+        resume = "latest"
+    with pytest.raises(tg.CheckpointError, match=message):
+        tg.train(tg.TrainConfig(**kw, resume=resume))
+
+
+def test_cli_reports_a_bad_checkpoint_without_a_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(RECIPE), "--out", str(tmp_path), "--resume", "latest", "--device",
+         "cpu", "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "error: --resume latest: no checkpoint under" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# -- two processes under torchrun (gloo) --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torchrun_eager(tmp_path_factory) -> Path:
+    return _torchrun("none", tmp_path_factory.mktemp("torchrun_none"))
+
+
+def _torchrun(graph: str, out: Path) -> Path:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(RECIPE), *args, "--steps=6", "--no-progress", "--device=cpu", f"--graph={graph}",
+           f"--out={out}"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_torchrun_two_processes_each_graph_mode(graph, torchrun_eager, tmp_path):
+    out = torchrun_eager if graph == "none" else _torchrun(graph, tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["graph"] == graph
+    assert summary["tokens_per_step"] == 2 * TINY["batch_size"] * TINY["block_size"]
+    state = torch.load(out / "checkpoints" / "latest" / "trainer.pt", weights_only=True)
+    assert len(state["rng"]) == 2  # each rank's generators, for an exact resume
+    assert not torch.equal(state["rng"][0]["data"], state["rng"][1]["data"])
+    # Per-layer graphs under DDP and the full-iteration graph's own all-reduce train the same
+    # parameters as eager DDP. Tolerance: DDP divides gradients before gloo sums them, the full
+    # graph after, so the last bits differ and AdamW's normalized step may amplify them.
+    a = load_file(str(out / "checkpoints" / "latest" / "model.safetensors"))
+    b = load_file(str(torchrun_eager / "checkpoints" / "latest" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
