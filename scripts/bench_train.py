@@ -547,15 +547,29 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bench_train: {env['gpu'] or 'cpu'}, torch {env['torch']}, cuda {env['cuda']}", flush=True
     )
-    results = []
+    results: list[dict] = []
     for cfg in configs:
         for dt in dtypes:
             print(f"[{cfg} {dt}]", flush=True)
             s = make_setup(cfg, dt, device, a.backend, a.steps, a.warmup, a.seed)
-            rows = [run_mode(m, s) for m in modes]
-            add_comparisons(rows, dt)
+            rows: list[dict] = []
+            for m in modes:
+                rows.append(run_mode(m, s))
+                add_comparisons(rows, dt)
+                # written after every mode: a run killed by a time limit keeps what it measured
+                partial = _payload(a, device, env, results + rows)
+                write_outputs(a.out, "bench_train", partial, markdown(partial))
             results += rows
-    payload = {
+    payload = _payload(a, device, env, results)
+    md = markdown(payload)
+    js, mdp = write_outputs(a.out, "bench_train", payload, md)
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    return 1 if any(r.get("parity") == "MISMATCH" for r in results) else 0
+
+
+def _payload(a: argparse.Namespace, device: torch.device, env: dict, results: list[dict]) -> dict:
+    return {
         "meta": {
             "env": env,
             "optimizer": optimizer_description(device),
@@ -575,11 +589,6 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": results,
     }
-    md = markdown(payload)
-    js, mdp = write_outputs(a.out, "bench_train", payload, md)
-    print(md)
-    print(f"wrote {js} and {mdp}")
-    return 1 if any(r.get("parity") == "MISMATCH" for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""Bar charts of the benchmark JSONs: training ms/step per mode per config, decode tokens/s.
+
+    python scripts/plot_bench.py bench_out/bench_train.json bench_out/bench_decode.json --out bench_out
+
+Writes ``bench_train.png`` (one panel per config/dtype, ms/step per mode, lower is better) and
+``bench_decode.png`` (tokens/s per mode, grouped by batch size and the mixed workload).
+Modes that were skipped or failed are left out of the bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on CI or the GPU machine
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _title(meta: dict) -> str:
+    env = meta.get("env", {})
+    return f"{env.get('gpu') or 'CPU'}, torch {env.get('torch')}, {env.get('date', '')[:10]}"
+
+
+def plot_train(payload: dict, out: Path) -> Path:
+    rows = [r for r in payload["results"] if r["status"] == "ok" and r.get("ms_median")]
+    cells = list(dict.fromkeys((r["config"], r["dtype"]) for r in payload["results"]))
+    fig, axes = plt.subplots(
+        1, max(len(cells), 1), figsize=(5 * max(len(cells), 1), 4.5), squeeze=False
+    )
+    for ax, (cfg, dt) in zip(axes[0], cells):
+        sel = [r for r in rows if (r["config"], r["dtype"]) == (cfg, dt)]
+        names = [r["mode"] for r in sel]
+        vals = [r["ms_median"] for r in sel]
+        bars = ax.bar(range(len(sel)), vals, color="tab:blue")
+        for bar, v in zip(bars, vals):
+            ax.annotate(
+                f"{v:.2f}",
+                (bar.get_x() + bar.get_width() / 2, v),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_xticks(range(len(sel)), names, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("ms per training step (median, lower is better)")
+        ax.set_title(f"{cfg} {dt}")
+    fig.suptitle("Training step: " + _title(payload["meta"]))
+    fig.tight_layout()
+    path = out / "bench_train.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_decode(payload: dict, out: Path) -> Path:
+    rows = [r for r in payload["results"] if r["status"] == "ok" and r.get("tokens_per_s")]
+    workloads = list(dict.fromkeys(r["workload"] for r in payload["results"]))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(workloads)), 4.5))
+    width = 0.8 / max(len(modes), 1)
+    for k, mode in enumerate(modes):
+        xs, vals = [], []
+        for i, wl in enumerate(workloads):
+            r = next((r for r in rows if r["workload"] == wl and r["mode"] == mode), None)
+            if r is not None:
+                xs.append(i + k * width)
+                vals.append(r["tokens_per_s"])
+        ax.bar(xs, vals, width, label=mode)
+    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(workloads))], workloads)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s (log scale, higher is better)")
+    ax.legend(fontsize=8)
+    ax.set_title("Decode: " + _title(payload["meta"]))
+    fig.tight_layout()
+    path = out / "bench_decode.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("jsons", nargs="+", help="bench_train.json and/or bench_decode.json")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default: next to the JSON)")
+    a = p.parse_args(argv)
+    for name in a.jsons:
+        payload = json.loads(Path(name).read_text())
+        out = Path(a.out) if a.out else Path(name).parent
+        out.mkdir(parents=True, exist_ok=True)
+        kind = "decode" if any("workload" in r for r in payload.get("results", [])) else "train"
+        path = plot_decode(payload, out) if kind == "decode" else plot_train(payload, out)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
