@@ -70,6 +70,8 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp creates the file 0600; keep the target's mode, or use the usual 0644.
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
             yield f
             f.flush()
@@ -104,7 +106,9 @@ def _fsync_dir(directory: Path) -> None:
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside DDP/FSDP-style (``.module``) and ``torch.compile`` wrappers."""
     while True:
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
         if not isinstance(inner, nn.Module):
             return model
         model = inner

@@ -163,9 +163,13 @@ class DecodeEngine:
         if use_graphs:
             buffers = DecodeBuffers(self.buckets[-1], self.cache.dummy_slot, self.device)
             self.runner = DecodeGraphRunner(
-                self._step, buffers, self.buckets, backend=resolved, device=self.device,
+                self._step,
+                buffers,
+                self.buckets,
+                backend=resolved,
+                device=self.device,
                 progress=progress,
-            )  # fmt: skip
+            )
             self.runner.capture()
             self.stats.capture_seconds = self.runner.capture_seconds
             self.stats.pool_bytes = self.runner.pool_bytes

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from tgraph.backend import GraphFactory, explain_capture_failure
+from tgraph.backend import GraphFactory, RefuseHostSync, explain_capture_failure
 from tgraph.decode.buffers import DecodeBuffers, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -117,8 +117,10 @@ class DecodeGraphRunner:
         bucket = order[0]
         try:
             with torch.no_grad(), factory.side_stream():
-                for _ in range(self.warmup):
-                    self.step(self.buffers.set_batch(bucket))
+                # Host syncs fail here with a clear error, before a CUDA capture is invalidated.
+                with RefuseHostSync():
+                    for _ in range(self.warmup):
+                        self.step(self.buffers.set_batch(bucket))
                 bar = tqdm(order, desc="capture decode graphs", disable=not self.progress)
                 for bucket in bar:
                     bar.set_postfix(batch=bucket)
