@@ -28,22 +28,28 @@ FLAG = "grad_added_to_main_grad"
 
 
 class MainGradFlags:
-    """Which parameters' ``grad_added_to_main_grad`` a captured backward sets."""
+    """Which parameters' ``grad_added_to_main_grad`` a captured backward sets.
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._candidates = [p for p in params if hasattr(p, "main_grad") and hasattr(p, FLAG)]
+    Args:
+        pairs: ``(leaf, param)``: the leaf the graph differentiates (an alias of ``param``
+            whose attributes the captured code sees and sets) and the parameter whose flag
+            eager execution would have set.
+    """
+
+    def __init__(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._pairs = [(leaf, p) for leaf, p in pairs if hasattr(p, "main_grad") and hasattr(leaf, FLAG)]
         self._before: list[bool] = []
         self.fused: list[torch.Tensor] = []
 
     def before_capture(self) -> None:
-        self._before = [getattr(p, FLAG) for p in self._candidates]
-        for p in self._candidates:
-            setattr(p, FLAG, False)
+        self._before = [getattr(leaf, FLAG) for leaf, _ in self._pairs]
+        for leaf, _ in self._pairs:
+            setattr(leaf, FLAG, False)
 
     def after_capture(self) -> None:
-        self.fused = [p for p in self._candidates if getattr(p, FLAG)]
-        for p, flag in zip(self._candidates, self._before):
-            setattr(p, FLAG, flag)
+        self.fused = [p for leaf, p in self._pairs if getattr(leaf, FLAG)]
+        for (leaf, _), flag in zip(self._pairs, self._before):
+            setattr(leaf, FLAG, flag)
 
     def after_replay(self) -> None:
         for p in self.fused:

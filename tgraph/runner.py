@@ -98,6 +98,8 @@ class Runner:
         self._out_rg: list[int] = []
         self._in_rg: list[int] = []
         self._flags: MainGradFlags | None = None
+        self._aliases: dict[int, torch.Tensor] = {}  # id(param) -> alias leaf used in graphs
+        self._leaves: list[torch.Tensor] = []  # what the backward differentiates (aliases)
 
     # ----------------------------------------------------------------- capture
     @property
@@ -115,10 +117,40 @@ class Runner:
             buf.copy_(sample)  # realistic values for warmup (indices must be valid)
         return buf.requires_grad_(self._requires_grad[i])
 
+    def _make_aliases(self) -> None:
+        """One alias leaf per parameter: same storage, its own autograd identity.
+
+        Graphs differentiate with respect to aliases, not the parameters themselves. A
+        parameter's AccumulateGrad node, kept alive by any earlier autograd graph (e.g. the
+        recorded iteration's ``loss``), remembers the eager stream it was created on, and the
+        autograd engine's end-of-backward sync with that stream invalidates a capture
+        (cudaErrorStreamCaptureImplicit). Aliases get fresh nodes on the capture stream. Their
+        Python attributes start as copies of the parameter's (``main_grad`` is shared).
+        """
+        self._aliases = {}
+        for p in self.module.parameters():
+            alias = p.detach().requires_grad_(p.requires_grad)
+            alias.__dict__.update(vars(p))
+            self._aliases[id(p)] = alias
+
+    @contextlib.contextmanager
+    def _parameters_aliased(self):
+        swapped = []
+        for mod in self.module.modules():
+            for name, p in mod._parameters.items():
+                if p is not None and id(p) in self._aliases:
+                    swapped.append((mod, name, p))
+                    mod._parameters[name] = self._aliases[id(p)]
+        try:
+            yield
+        finally:
+            for mod, name, p in swapped:
+                mod._parameters[name] = p
+
     def _run_forward(self) -> list[torch.Tensor]:
         args = rebuild(self._args, iter(self.static_inputs))
         kwargs = rebuild(self._kwargs, iter(self.static_inputs[self._n_args_tensors :]))
-        with torch.set_grad_enabled(self.grad_mode):
+        with torch.set_grad_enabled(self.grad_mode), self._parameters_aliased():
             out = torch.nn.Module.__call__(self.module, *args, **kwargs)
         if self.fwd_graph is None:  # warmup and capture; replays keep the capture's template
             self.out_template = _strip(out)
@@ -134,7 +166,7 @@ class Runner:
     def _run_backward(self) -> tuple:
         graph_outs = self.fwd_graph.live_outputs or self.static_outputs
         outs = [graph_outs[i] for i in self._out_rg]
-        ins = [self.static_inputs[i] for i in self._in_rg] + self.params
+        ins = [self.static_inputs[i] for i in self._in_rg] + self._leaves
         return torch.autograd.grad(
             outs,
             ins,
@@ -148,7 +180,8 @@ class Runner:
         self._n_args_tensors = _count_tensors(self._args)
         self.static_inputs = [self._static_input(i, s) for i, s in enumerate(self.samples)]
         self._in_rg = [i for i, t in enumerate(self.static_inputs) if t.requires_grad]
-        graph = factory.new_graph(watch=self.module.parameters())
+        self._make_aliases()
+        graph = factory.new_graph(watch=self._aliases.values())
         for g in rng.graph_generators(self.device):
             graph.register_generator_state(g)
         with factory.side_stream():
@@ -170,15 +203,18 @@ class Runner:
             static_in = self.static_inputs
             reached = [p for p in _reached_leaves([self.static_outputs[i] for i in self._out_rg])
                        if all(p is not x for x in static_in)]
-            own = list(self.module.parameters())
-            self.params = [p for p in own if any(p is r for r in reached)]
-            self.params += [r for r in reached if all(r is not p for p in own)]
+            reached_ids = {id(r) for r in reached}
+            own = [p for p in self.module.parameters() if id(self._aliases[id(p)]) in reached_ids]
+            alias_ids = {id(a) for a in self._aliases.values()}
+            foreign = [r for r in reached if id(r) not in alias_ids]  # e.g. weights tied from outside
+            self.params = own + foreign
+            self._leaves = [self._aliases[id(p)] for p in own] + foreign
 
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph."""
         self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
-        graph = factory.new_graph(watch=self.module.parameters())
-        self._flags = MainGradFlags(self.params)
+        graph = factory.new_graph(watch=self._aliases.values())
+        self._flags = MainGradFlags(zip(self._leaves, self.params))
         self._flags.before_capture()
         try:
             with factory.side_stream():
@@ -196,7 +232,8 @@ class Runner:
         """Forget every graph and buffer (after a failed capture or on reset)."""
         self.fwd_graph = self.bwd_graph = None
         self.static_inputs, self.static_outputs, self.static_grads = [], [], []
-        self.static_grad_outputs, self.params = [], []
+        self.static_grad_outputs, self.params, self._leaves = [], [], []
+        self._aliases = {}
         self.out_template = None
 
     # ------------------------------------------------------------------ replay
