@@ -83,11 +83,25 @@ def resolve_backend(backend: str, device: torch.device | str | None) -> str:
 
 
 class RefuseHostSync(TorchDispatchMode):
-    """Raise CaptureError on host-sync ops (run around a warmup pass to fail before capture)."""
+    """Raise CaptureError on host-sync ops (run around a warmup pass to fail before capture).
+
+    Args:
+        device_type: refuse only syncs on tensors of this device type (``"cuda"`` for a CUDA
+            warmup: ``.item()`` of a CPU tensor is harmless there, and megatron-core's RNG
+            tracker does one); None refuses every sync (the emulated backend, whose "device"
+            tensors live on the CPU).
+    """
+
+    def __init__(self, device_type: str | None = None) -> None:
+        super().__init__()
+        self._device_type = device_type
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        if name in _HOST_SYNC_OPS:
+        if name in _HOST_SYNC_OPS and (
+            self._device_type is None
+            or any(isinstance(a, torch.Tensor) and a.device.type == self._device_type for a in args)
+        ):
             raise CaptureError(
                 f"host synchronization during graph capture: {name} ({_HOST_SYNC_OPS[name]}). "
                 "A CUDA graph cannot contain it; move it out of the captured region."
@@ -102,9 +116,6 @@ def tree_leaves(obj: Any) -> list[Any]:
     if isinstance(obj, dict):
         return [leaf for o in obj.values() for leaf in tree_leaves(o)]
     return [obj]
-
-
-_RefuseHostSync = RefuseHostSync  # old private name, still imported by full_iteration
 
 
 def _default_generators() -> list[torch.Generator]:

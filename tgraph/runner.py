@@ -187,7 +187,7 @@ class Runner:
         with factory.side_stream():
             for i in range(warmup):
                 # the first warmup refuses host syncs, so they fail here, before any capture
-                with RefuseHostSync() if i == 0 else contextlib.nullcontext():
+                with RefuseHostSync(self.device.type) if i == 0 else contextlib.nullcontext():
                     outs = self._run_forward()
                 rg = [o for o in outs if o.requires_grad]
                 if rg:
