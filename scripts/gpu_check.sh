@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU check (run from the repository root on the GPU machine; < 9 minutes):
 #   bash scripts/gpu_check.sh            # writes into $OUT (default ./gpu_check_out)
-# Stages: environment, `pytest -m cuda`, training benchmark (tiny, fp32, all modes), decode
+# Stage limits add up to 500 s (8.3 min). Stages: environment, `pytest -m cuda`, training benchmark (tiny, fp32, all modes), decode
 # benchmark (batch 1/8/64 + mixed workload), plots, then a summary table. Every stage runs even
 # when an earlier one failed; each is bounded by `timeout` and its exit code is recorded.
 # Files in $OUT (7, flat): log.txt, bench_train.{json,md,png}, bench_decode.{json,md,png}.
@@ -25,24 +25,24 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, tee into the
   echo "=== [$name] exit $rc after $((SECONDS - t0))s ===" | tee -a "$LOG"
 }
 
-stage env 60 bash -c '
+stage env 30 bash -c '
   date -u; uname -a
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi unavailable"
   python -c "import torch, sys; print(\"python\", sys.version.split()[0]); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); print(\"gpu\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
   python -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in (\"transformers\", \"megatron\", \"tqdm\", \"safetensors\", \"matplotlib\")})"
   git log --oneline -1 2>/dev/null || true'
 
-stage pytest-cuda 200 python -m pytest -m cuda -q -x -p no:cacheprovider
+stage pytest-cuda 180 python -m pytest -m cuda -q -x -p no:cacheprovider
 
 # compile last: a cold inductor cache may be slow; results are written after every mode, so a
 # time limit only loses the mode it interrupts.
-stage bench-train 170 python scripts/bench_train.py --configs tiny --dtypes fp32 --steps 100 \
+stage bench-train 160 python scripts/bench_train.py --configs tiny --dtypes fp32 --steps 100 \
   --warmup 5 --out "$OUT" \
   --modes eager,floor,graphed_callables,tgraph_layer,tgraph_full,megatron_none,megatron_local,compile
 
-stage bench-decode 120 python scripts/bench_decode.py --batches 1,8,64 --steps 100 --out "$OUT"
+stage bench-decode 110 python scripts/bench_decode.py --batches 1,8,64 --steps 100 --out "$OUT"
 
-stage plot 30 python scripts/plot_bench.py "$OUT/bench_train.json" "$OUT/bench_decode.json" --out "$OUT"
+stage plot 20 python scripts/plot_bench.py "$OUT/bench_train.json" "$OUT/bench_decode.json" --out "$OUT"
 
 {
   echo "=== summary ==="
