@@ -95,7 +95,7 @@ class DecodeBuffers:
     def __init__(self, max_rows: int, dummy_slot: int, device: torch.device | str) -> None:
         self.max_rows = max_rows
         self.dummy_slot = dummy_slot
-        self.data = torch.empty(4, max_rows, dtype=torch.int64, device=device)
+        self.data = torch.zeros(4, max_rows, dtype=torch.int64, device=device)
         self.reset()
 
     @property
