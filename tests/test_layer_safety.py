@@ -228,3 +228,22 @@ def test_capture_failure_is_clear_and_leaves_no_state(backend, device):
     torch.testing.assert_close(y, torch.nn.Module.__call__(mod, x))
     y.sum().backward()
     assert mod.lin.weight.grad is not None
+
+
+def test_autocast_is_part_of_the_signature(backend, device):
+    """A graph recorded under autocast is captured under it; a call without it runs eagerly."""
+    torch.manual_seed(0)
+    mod = Scaled().to(device)
+    tgraph.enable(mod, backend=backend)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        mod(x).sum().backward()
+    tgraph.create_graphs()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        got = mod(x)
+        want = torch.nn.Module.__call__(mod, x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    with pytest.warns(tgraph.GraphFallbackWarning, match="autocast changed"):
+        plain = mod(x)
+    assert plain.dtype == torch.float32

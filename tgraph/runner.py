@@ -150,7 +150,11 @@ class Runner:
     def _run_forward(self) -> list[torch.Tensor]:
         args = rebuild(self._args, iter(self.static_inputs))
         kwargs = rebuild(self._kwargs, iter(self.static_inputs[self._n_args_tensors :]))
-        with torch.set_grad_enabled(self.grad_mode), self._parameters_aliased():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad_mode))
+            for device_type, dtype in self.key[4]:  # capture under the recorded autocast
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+            stack.enter_context(self._parameters_aliased())
             out = torch.nn.Module.__call__(self.module, *args, **kwargs)
         if self.fwd_graph is None:  # warmup and capture; replays keep the capture's template
             self.out_template = _strip(out)

@@ -48,17 +48,29 @@ def rebuild(obj: Any, tensors: Any) -> Any:
     return obj
 
 
+def autocast_state() -> tuple:
+    """``((device_type, dtype), ...)`` of the autocast regions active now; () when none."""
+    if not torch._C._is_any_autocast_enabled():
+        return ()
+    return tuple(
+        (dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)
+    )
+
+
 def call_key(
     args: tuple, kwargs: dict, training: bool, tensors: list[torch.Tensor]
 ) -> tuple:
-    """Key of one call of a module. The fast path covers ``forward(tensor, ...)``."""
-    if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
+    """Key of one call: (args, kwargs, module.training, grad mode, autocast state).
+
+    The fast path covers ``forward(tensor, ...)`` without keyword arguments.
+    """
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         tensors.extend(args)
         arg_key = tuple((a.shape, a.dtype, a.device, a.requires_grad) for a in args)
-        return (arg_key, (), training, torch.is_grad_enabled())
+        return (arg_key, (), training, torch.is_grad_enabled(), autocast_state())
     arg_key = tuple(describe(a, tensors) for a in args)
     kw_key = tuple((k, describe(v, tensors)) for k, v in kwargs.items())
-    return (arg_key, kw_key, training, torch.is_grad_enabled())
+    return (arg_key, kw_key, training, torch.is_grad_enabled(), autocast_state())
 
 
 def _fmt(desc: Any) -> str:
@@ -75,13 +87,15 @@ def _fmt(desc: Any) -> str:
 
 def difference(old: tuple, new: tuple) -> str:
     """One sentence naming the first field in which call key ``new`` differs from ``old``."""
-    (old_args, old_kw, old_train, old_grad) = old
-    (new_args, new_kw, new_train, new_grad) = new
+    (old_args, old_kw, old_train, old_grad, old_amp) = old
+    (new_args, new_kw, new_train, new_grad, new_amp) = new
     if old_train != new_train:
         mode = {True: "train", False: "eval"}
         return f"module.training changed from {old_train} to {new_train} ({mode[old_train]} -> {mode[new_train]})"
     if old_grad != new_grad:
         return f"grad mode changed from {'enabled' if old_grad else 'disabled'} to {'enabled' if new_grad else 'disabled'}"
+    if old_amp != new_amp:
+        return f"autocast changed from {old_amp or 'off'} to {new_amp or 'off'}"
     if len(old_args) != len(new_args):
         return f"number of positional arguments changed from {len(old_args)} to {len(new_args)}"
     for i, (a, b) in enumerate(zip(old_args, new_args)):
