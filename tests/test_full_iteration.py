@@ -24,6 +24,15 @@ STEPS = 10
 WARMUP = 3
 
 
+@pytest.fixture(autouse=True)
+def _one_cpu_thread():
+    """Tiny models: one intra-op thread is faster, and robust on a loaded 2-core CI machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_model(device: torch.device) -> GPT:
     torch.manual_seed(0)
     return GPT(CFG).to(device)

@@ -78,8 +78,8 @@ from tgraph.backend import (
     CaptureError,
     EmulatedGraph,
     GraphFactory,
+    RefuseHostSync,
     _default_generators,
-    _RefuseHostSync,
     explain_capture_failure,
     resolve_backend,
     tree_leaves,
@@ -211,7 +211,7 @@ class _EmulatedStepGraph(EmulatedGraph):
         self._frozen = [
             (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
         ]
-        with _RefuseHostSync(), _RefuseHostReads():
+        with RefuseHostSync(), _RefuseHostReads():
             out = fn()
         self._fn = fn
         self._outputs = tree_leaves(out)
