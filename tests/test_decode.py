@@ -158,7 +158,8 @@ def test_padded_rows_never_touch_live_slots(backend, device, monkeypatch, plant_
     The dummy slot is poisoned with NaN, so a live row that reads it shows NaN. The planted bug
     points padded rows at slot 0 (a live request): its keys at position 0 are overwritten and
     its logits change, which the comparison with the unpadded eager run must catch. Tolerance:
-    the reference runs 3 rows instead of a padded 4, fp32 rounding only.
+    the reference runs 3 rows instead of a padded 4, so kernels may round differently (fp32,
+    seen ~4e-6 on CPU); 1e-4 is far below the planted bug's effect (logits off by ~4).
     """
     model = tiny_gpt(device)
     ps = prompts(3)
@@ -178,9 +179,9 @@ def test_padded_rows_never_touch_live_slots(backend, device, monkeypatch, plant_
     assert engine.stats.bucket_steps == {4: 3} and engine.stats.padded_rows == 3
     if plant_bug:
         with pytest.raises(AssertionError):
-            torch.testing.assert_close(live, reference, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(live, reference, atol=1e-4, rtol=1e-4)
     else:
-        torch.testing.assert_close(live, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(live, reference, atol=1e-4, rtol=1e-4)
 
 
 def test_more_requests_than_slots_all_complete(backend, device):
@@ -337,3 +338,14 @@ def test_generate_recipe(backend, device, tmp_path, capsys, monkeypatch):
     assert graphed == eager
     out = capsys.readouterr().out
     assert "tokens/s" in out and "ms per decode step" in out and f"[{backend}]" in out
+
+
+def test_serves_model_with_per_layer_graphs_enabled(backend, device):
+    """The decoder calls the blocks' submodules, never the graphed blocks: same tokens."""
+    import tgraph
+
+    model, plain = tiny_gpt(device), tiny_gpt(device)
+    tgraph.enable(model, backend=backend)
+    ps = prompts(3)
+    kw = dict(max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
+    assert DecodeEngine(model, **kw).generate(ps, 10) == DecodeEngine(plain, **kw).generate(ps, 10)
