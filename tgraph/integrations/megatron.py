@@ -106,3 +106,113 @@ def enable_layer_graphs(model: nn.Module, **options) -> nn.Module:
             layer.__class__ = _graphable(type(layer))
     register_rng_tracker()
     return tgraph.enable(model, **options)
+
+
+def init_single_gpu(seed: int = 1234, port: int = 29512) -> None:
+    """World-size-1 setup that megatron-core needs on one GPU (idempotent).
+
+    A process group (nccl) of one rank, ``parallel_state.initialize_model_parallel(1, 1)``, and
+    megatron's RNG tracker seeded with graph-safe generators
+    (``use_cudagraphable_rng=True, force_reset_rng=True``), as verified on an H200.
+    """
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        torch.cuda.set_device(0)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
+
+
+def build_gpt(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    vocab_size: int,
+    seq_length: int,
+    dropout: float = 0.0,
+    seed: int = 1234,
+) -> nn.Module:
+    """megatron-core GPTModel (local spec, fp32, ``cuda_graph_impl="none"``) wrapped in its DDP.
+
+    Every parameter gets ``main_grad`` (megatron-core DDP's contiguous fp32 grad buffer).
+    Weights are initialized on the CPU from ``seed``, so two calls build identical models.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        use_cpu_initialization=True,
+        cuda_graph_impl="none",
+    )
+    gpt = GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=seq_length
+    ).cuda()
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    return DistributedDataParallel(config, ddp_config, gpt)
+
+
+def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``position_ids`` (B, S) and the boolean causal ``attention_mask`` (1, 1, S, S) for GPTModel."""
+    B, S = tokens.shape
+    position_ids = torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S)
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device=tokens.device), diagonal=1)
+    return position_ids, mask[None, None]
+
+
+def forward_backward(model: nn.Module, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """One step's forward and backward through megatron-core's schedule; returns the mean loss.
+
+    ``main_grad`` is zeroed first and synchronized after (megatron DDP), so this function is
+    the whole gradient computation of a step: eager, per-layer graphed, or inside a
+    :class:`tgraph.FullIterationGraph`.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad_buffer()
+    data = iter(microbatches)
+    losses: list[torch.Tensor] = []
+
+    def forward_step(data_iterator, m):
+        tokens, labels = next(data_iterator)
+        position_ids, mask = causal_inputs(tokens)
+        per_token = m(tokens, position_ids, mask, labels=labels)  # (B, S)
+
+        def loss_func(output):
+            loss = output.float().mean()
+            losses.append(loss.detach())
+            return loss, {"lm loss": loss.detach()}
+
+        return per_token, loss_func
+
+    tokens = microbatches[0][0]
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=tokens.shape[1],
+        micro_batch_size=tokens.shape[0],
+        forward_only=False,
+    )
+    model.finish_grad_sync()
+    return torch.stack(losses).mean()
