@@ -32,7 +32,7 @@ stage env 30 bash -c '
   python -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in (\"transformers\", \"megatron\", \"tqdm\", \"safetensors\", \"matplotlib\")})"
   git log --oneline -1 2>/dev/null || true'
 
-stage pytest-cuda 180 python -m pytest -m cuda -q -x -p no:cacheprovider
+stage pytest-cuda 200 python -m pytest -m cuda -q -p no:cacheprovider -rf
 
 # compile last: a cold inductor cache may be slow; results are written after every mode, so a
 # time limit only loses the mode it interrupts.
