@@ -34,6 +34,15 @@ def device(backend) -> torch.device:
     return torch.device("cuda" if backend == "cuda" else "cpu")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_cpu_thread():
+    """CI has 2 cores and some tests run 2 processes: intra-op threads would oversubscribe."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(autouse=True)
 def _clean_tgraph_state():
     """No graph, record or registered generator leaks from one test into the next."""

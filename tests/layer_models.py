@@ -56,16 +56,23 @@ class MLPNet(nn.Module):
 def gpt_batches(device, n: int, batch: int = 4, seq: int = 16, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randint(0, 256, (batch, seq), generator=g).to(device),
-         torch.randint(0, 256, (batch, seq), generator=g).to(device))
+        (
+            torch.randint(0, 256, (batch, seq), generator=g).to(device),
+            torch.randint(0, 256, (batch, seq), generator=g).to(device),
+        )
         for _ in range(n)
     ]
 
 
 def mlp_batches(device, n: int, batch: int = 5, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 8, generator=g).to(device),
-             torch.randn(batch, 1, generator=g).to(device)) for _ in range(n)]
+    return [
+        (
+            torch.randn(batch, 8, generator=g).to(device),
+            torch.randn(batch, 1, generator=g).to(device),
+        )
+        for _ in range(n)
+    ]
 
 
 def train(model: nn.Module, batches, *, graphed: bool, backend: str = "auto", lr: float = 0.1):

@@ -33,7 +33,9 @@ def test_ten_steps_match_eager(backend, device, which):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
     for r in tgraph.module._manager.all_runners():  # every block parameter gets its gradient
         assert [id(p) for p in r.params] == [id(p) for p in r.module.parameters()]
-    assert tgraph.module._manager.report.graphs == 2 * len(model.h if which == "gpt" else model.blocks)
+    assert tgraph.module._manager.report.graphs == 2 * len(
+        model.h if which == "gpt" else model.blocks
+    )
 
 
 def _grads(model):

@@ -105,7 +105,9 @@ def test_gpt_dropout_is_random_and_eval_never_replays_training_graph(backend, de
     assert not torch.equal(a, b)
     model.eval()
     eager.eval()
-    with pytest.warns(tgraph.GraphFallbackWarning, match="module.training changed from True to False"):
+    with pytest.warns(
+        tgraph.GraphFallbackWarning, match="module.training changed from True to False"
+    ):
         got = model(x, y)[0]
     torch.testing.assert_close(got, eager(x, y)[0], rtol=RTOL, atol=ATOL)
 
@@ -142,7 +144,9 @@ def test_unmatched_call_runs_eagerly_and_warns_once(backend, device, change):
     args, kwargs = make(x)
     if change == "dtype":
         mod.double()
-    with pytest.warns(tgraph.GraphFallbackWarning, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.warns(
+        tgraph.GraphFallbackWarning, match=message.replace("(", r"\(").replace(")", r"\)")
+    ):
         got = mod(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: the second identical call is silent
@@ -161,7 +165,10 @@ def test_strict_mode_raises_naming_the_field(backend, device):
     tgraph.create_graphs()
     with pytest.raises(RuntimeError, match=r"argument 0 changed from \(4, 8\)"):
         mod(torch.randn(3, 8, device=device, requires_grad=True))
-    with pytest.raises(RuntimeError, match="keyword argument 'scale' changed from 2.0 to 3.0|keyword arguments changed"):
+    with pytest.raises(
+        RuntimeError,
+        match="keyword argument 'scale' changed from 2.0 to 3.0|keyword arguments changed",
+    ):
         mod(x, scale=3.0)
 
 
@@ -216,7 +223,9 @@ def test_capture_failure_is_clear_and_leaves_no_state(backend, device):
     x = torch.randn(4, 8, device=device, requires_grad=True)
     mod(x).sum().backward()
     rng_before = torch.get_rng_state()
-    with pytest.raises(tgraph.CaptureError, match=r"capturing Runner\(HostSync.*(\.item\(\)|host sync)"):
+    with pytest.raises(
+        tgraph.CaptureError, match=r"capturing Runner\(HostSync.*(\.item\(\)|host sync)"
+    ):
         tgraph.create_graphs()
     assert not tgraph.module._manager.captured
     assert torch.equal(torch.get_rng_state(), rng_before)

@@ -114,7 +114,7 @@ def check_main_grad_convention(backend, device):
     for i in range(2):
         got = step(model, ddp, xs[i : i + 3])
         want = step(eager, ddp_eager, xs[i : i + 3])
-        for (g_mg, g_flag, g_grad), (w_mg, w_flag, w_grad), p in zip(got, want, ddp.params):
+        for (g_mg, g_flag, g_grad), (w_mg, w_flag, w_grad) in zip(got, want):
             torch.testing.assert_close(g_mg, w_mg, rtol=RTOL, atol=ATOL)
             assert g_flag == w_flag, f"grad_added_to_main_grad {g_flag} != eager {w_flag}"
             assert g_grad is None and w_grad is None

@@ -24,8 +24,13 @@ def megatron_env():
 def _batches(n, micro=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [
-        [(torch.randint(0, 256, (4, 32), generator=g).cuda(),
-          torch.randint(0, 256, (4, 32), generator=g).cuda()) for _ in range(micro)]
+        [
+            (
+                torch.randint(0, 256, (4, 32), generator=g).cuda(),
+                torch.randint(0, 256, (4, 32), generator=g).cuda(),
+            )
+            for _ in range(micro)
+        ]
         for _ in range(n)
     ]
 
@@ -43,8 +48,11 @@ def _train(mode: str, steps: int, dropout: float = 0.0):
     losses, main_grads = [], None
     if mode == "layer":
         tm.enable_layer_graphs(model, strict=True)
-    step = (tgraph.FullIterationGraph(lambda mb: tm.forward_backward(model, mb), warmup_steps=3)
-            if mode == "full" else (lambda mb: tm.forward_backward(model, mb)))
+    step = (
+        tgraph.FullIterationGraph(lambda mb: tm.forward_backward(model, mb), warmup_steps=3)
+        if mode == "full"
+        else (lambda mb: tm.forward_backward(model, mb))
+    )
     for i, mb in enumerate(_batches(steps)):
         loss = step(mb)
         if i == 0:

@@ -5,6 +5,7 @@ whole-step graphs (:class:`FullIterationGraph`) and graph-served decode (:mod:`t
 Importing tgraph has no side effects.
 """
 
+from tgraph import checkpoint, decode, rng
 from tgraph.backend import CaptureError, resolve_backend
 from tgraph.full_iteration import FullIterationGraph
 from tgraph.module import (
@@ -16,12 +17,13 @@ from tgraph.module import (
     enable,
     reset,
 )
-from tgraph import rng
 from tgraph.rng import register_generator, unregister_generator
 
 __all__ = [
     "CaptureError",
     "CaptureReport",
+    "checkpoint",
+    "decode",
     "FullIterationGraph",
     "GraphFallbackWarning",
     "GraphableModule",
@@ -29,6 +31,7 @@ __all__ = [
     "disable",
     "enable",
     "register_generator",
+    "rng",
     "reset",
     "resolve_backend",
     "unregister_generator",

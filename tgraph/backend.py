@@ -16,6 +16,7 @@ variable ``TGRAPH_BACKEND`` overrides ``"auto"``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -209,6 +210,17 @@ class CudaGraph:
         self._graph.register_generator_state(generator)
 
     def capture(self, fn: Callable[[], Any]) -> Any:
+        # A garbage collection inside the capture could free CUDA memory of unrelated tensors
+        # and invalidate it; GraphFactory collects once up front, and the capture runs without.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._capture(fn)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _capture(self, fn: Callable[[], Any]) -> Any:
         with torch.cuda.stream(self._stream):
             self._graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
@@ -258,6 +270,7 @@ class GraphFactory:
         self.backend = backend
         self.device = device
         if backend == "cuda":
+            gc.collect()  # see CudaGraph.capture
             self.pool = torch.cuda.graph_pool_handle()
             self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=device)
         else:

@@ -480,7 +480,7 @@ class FullIterationGraph:
         for g in rng.graph_generators(f.device):
             graph.register_generator_state(g)
         params = self._params()
-        buffers = {id(b): b for m in self._modules.values() for b in m.buffers()}.values()
+        buffers = {id(b): b for m in self._modules.values() for b in nn.Module.buffers(m)}.values()
         snap = _StepSnapshot(params, self.optimizers, buffers, f.device, values=f.backend != "cuda")
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()

@@ -37,7 +37,9 @@ class MainGradFlags:
     """
 
     def __init__(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._pairs = [(leaf, p) for leaf, p in pairs if hasattr(p, "main_grad") and hasattr(leaf, FLAG)]
+        self._pairs = [
+            (leaf, p) for leaf, p in pairs if hasattr(p, "main_grad") and hasattr(leaf, FLAG)
+        ]
         self._before: list[bool] = []
         self.fused: list[torch.Tensor] = []
 

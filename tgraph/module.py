@@ -103,12 +103,16 @@ class _Manager:
                     outs = bridge.replay(r, tensors)
                     if outs is not None:
                         return r.outputs(outs)
-                    reason = ("an input captured as another graphed module's output buffer "
-                              "arrived as a different tensor")
+                    reason = (
+                        "an input captured as another graphed module's output buffer "
+                        "arrived as a different tensor"
+                    )
                     break
             else:
-                reason = ("every graph captured for this signature is awaiting its backward "
-                          "(more calls in flight than in the recorded iteration)")
+                reason = (
+                    "every graph captured for this signature is awaiting its backward "
+                    "(more calls in flight than in the recorded iteration)"
+                )
         elif state.runners:
             reason = difference(next(iter(state.runners)), key)
         else:
@@ -138,9 +142,11 @@ class _Manager:
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
         name = type(module).__name__
-        msg = (f"no captured graph of {name} matches this call: {reason}. "
-               "Running it eagerly. To graph this case, include it in the recorded iteration "
-               "and call tgraph.reset() then tgraph.create_graphs() again.")
+        msg = (
+            f"no captured graph of {name} matches this call: {reason}. "
+            "Running it eagerly. To graph this case, include it in the recorded iteration "
+            "and call tgraph.reset() then tgraph.create_graphs() again."
+        )
         if state.strict:
             raise RuntimeError(msg + " (strict=True turns this fallback into an error)")
         if reason not in state.warned:
@@ -200,7 +206,9 @@ def enable(
     if backend not in ("auto", "cuda", "emulated"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
     if _manager.captured:
-        raise RuntimeError("tgraph.enable() after tgraph.create_graphs(); call tgraph.reset() first")
+        raise RuntimeError(
+            "tgraph.enable() after tgraph.create_graphs(); call tgraph.reset() first"
+        )
     found = [m for m in model.modules() if isinstance(m, GraphableModule)]
     if not found:
         raise ValueError(
@@ -260,7 +268,7 @@ def create_graphs() -> CaptureReport:
             factories[k] = GraphFactory(*k)
         r.debug = st.debug
     params = {id(p): p for root in m.roots for p in root.parameters()}
-    buffers = {id(b): b for mod in m.modules for b in mod.buffers()}
+    buffers = {id(b): b for mod in m.modules for b in nn.Module.buffers(mod)}
     snaps = [StateSnapshot(params.values(), buffers.values(), dev) for _, dev in factories]
     before = sum(f.memory_allocated() for f in factories.values())
     for f in factories.values():
@@ -268,8 +276,9 @@ def create_graphs() -> CaptureReport:
     current = None
     try:
         for current, phase in m.record.events:
-            f = factories[(resolve_backend(current.module._tgraph.backend, current.device),
-                           current.device)]
+            f = factories[
+                (resolve_backend(current.module._tgraph.backend, current.device), current.device)
+            ]
             if phase == "fwd" and current.fwd_graph is None:
                 warm = current.module._tgraph.warmup
                 # CUDA needs >= 1 eager warmup (lazy init, and the host-sync check runs there)
@@ -280,8 +289,12 @@ def create_graphs() -> CaptureReport:
                 current.capture_backward(f)
         for current in runners:  # forwards whose backward never ran in the recorded iteration
             if current.needs_backward and current.bwd_graph is None:
-                f = factories[(resolve_backend(current.module._tgraph.backend, current.device),
-                               current.device)]
+                f = factories[
+                    (
+                        resolve_backend(current.module._tgraph.backend, current.device),
+                        current.device,
+                    )
+                ]
                 current.capture_backward(f)
     except BaseException as exc:
         for f in factories.values():
@@ -296,8 +309,11 @@ def create_graphs() -> CaptureReport:
     m.captured = True
     m.record.clear()
     called = {id(r.module) for r in runners}
-    eager = [f"{type(mod).__name__} (not called in the recorded iteration)"
-             for mod in m.modules if id(mod) not in called]
+    eager = [
+        f"{type(mod).__name__} (not called in the recorded iteration)"
+        for mod in m.modules
+        if id(mod) not in called
+    ]
     m.report = CaptureReport(
         graphs=sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in runners),
         runners=len(runners),

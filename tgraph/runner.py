@@ -104,7 +104,9 @@ class Runner:
     # ----------------------------------------------------------------- capture
     @property
     def captured(self) -> bool:
-        return self.fwd_graph is not None and (self.bwd_graph is not None or not self.needs_backward)
+        return self.fwd_graph is not None and (
+            self.bwd_graph is not None or not self.needs_backward
+        )
 
     def _static_input(self, i: int, sample: torch.Tensor) -> torch.Tensor:
         link = self.links[i]
@@ -197,7 +199,9 @@ class Runner:
                 if rg:
                     ins = [self.static_inputs[i] for i in self._in_rg]
                     ins += [p for p in _reached_leaves(rg) if all(p is not x for x in ins)]
-                    torch.autograd.grad(rg, ins, [torch.ones_like(o) for o in rg], allow_unused=True)
+                    torch.autograd.grad(
+                        rg, ins, [torch.ones_like(o) for o in rg], allow_unused=True
+                    )
                 del outs, rg
             self.static_outputs = graph.capture(self._run_forward)
         self.fwd_graph = graph
@@ -205,12 +209,17 @@ class Runner:
         self.needs_backward = self.grad_mode and bool(self._out_rg)
         if self.needs_backward:
             static_in = self.static_inputs
-            reached = [p for p in _reached_leaves([self.static_outputs[i] for i in self._out_rg])
-                       if all(p is not x for x in static_in)]
+            reached = [
+                p
+                for p in _reached_leaves([self.static_outputs[i] for i in self._out_rg])
+                if all(p is not x for x in static_in)
+            ]
             reached_ids = {id(r) for r in reached}
             own = [p for p in self.module.parameters() if id(self._aliases[id(p)]) in reached_ids]
             alias_ids = {id(a) for a in self._aliases.values()}
-            foreign = [r for r in reached if id(r) not in alias_ids]  # e.g. weights tied from outside
+            foreign = [
+                r for r in reached if id(r) not in alias_ids
+            ]  # e.g. weights tied from outside
             self.params = own + foreign
             self._leaves = [self._aliases[id(p)] for p in own] + foreign
 

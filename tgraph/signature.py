@@ -53,13 +53,13 @@ def autocast_state() -> tuple:
     if not torch._C._is_any_autocast_enabled():
         return ()
     return tuple(
-        (dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)
+        (dt, torch.get_autocast_dtype(dt))
+        for dt in ("cuda", "cpu")
+        if torch.is_autocast_enabled(dt)
     )
 
 
-def call_key(
-    args: tuple, kwargs: dict, training: bool, tensors: list[torch.Tensor]
-) -> tuple:
+def call_key(args: tuple, kwargs: dict, training: bool, tensors: list[torch.Tensor]) -> tuple:
     """Key of one call: (args, kwargs, module.training, grad mode, autocast state).
 
     The fast path covers ``forward(tensor, ...)`` without keyword arguments.
