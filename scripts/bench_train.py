@@ -61,6 +61,8 @@ MODES = [
     "tgraph_full",
     "megatron_none",
     "megatron_local",
+    "megatron_tgraph_layer",
+    "megatron_tgraph_full",
 ]
 CPU_MODES = ["eager", "tgraph_layer", "tgraph_full"]
 LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
@@ -315,76 +317,80 @@ def mode_tgraph_full(s: Setup):
     return times, loss, capture, "capture_s = the capturing call (capture + its step)"
 
 
-def mode_megatron(s: Setup, impl: str):
+def mode_megatron(s: Setup, variant: str):
+    """megatron-core GPTModel + its DDP (main_grad), same dims; fused AdamW on main_grad.
+
+    variant: "none" (megatron eager), "local" (megatron-core's own per-layer graphs),
+    "tgraph_layer" (tgraph per-layer graphs on megatron's TransformerLayers) or
+    "tgraph_full" (forward_backward_func + optimizer step in one tgraph.FullIterationGraph).
+    """
     need_cuda(s)
     try:
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from megatron.core.transformer.transformer_config import TransformerConfig
+        from tgraph.integrations import megatron as tm
+
+        tm._transformer_layer_class()
     except ImportError as exc:
         raise Skip(f"megatron-core not importable ({exc}); pip install 'tgraph[megatron]'") from exc
     if s.dtype != "fp32":
-        raise Skip("megatron modes are measured in fp32 only here (the megatron issue covers bf16)")
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
+        raise Skip("megatron modes are measured in fp32 only")
+    tm.init_single_gpu()
     d = s.dims
-    config = TransformerConfig(
+    model = tm.build_gpt(
         num_layers=d["n_layer"],
         hidden_size=d["n_embd"],
         num_attention_heads=d["n_head"],
-        ffn_hidden_size=4 * d["n_embd"],
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        cuda_graph_impl=impl,
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
-        max_sequence_length=d["seq"],
-    ).to(s.device)
-    opt = make_optimizer(model.parameters(), s.device)
-    B, T = d["batch"], d["seq"]
-    pos = torch.arange(T, device=s.device).expand(B, T)
-    mask = ~torch.tril(torch.ones(T, T, dtype=torch.bool, device=s.device)).view(1, 1, T, T)
+        seq_length=d["seq"],
+        cuda_graph_impl="local" if variant == "local" else "none",
+    )
+    params = list(model.parameters())
+    opt = make_optimizer(params, s.device)
 
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, pos, mask, labels=y).float().mean()
-        loss.backward()
+    def train_step(batch):
+        loss = tm.forward_backward(model, [batch])
+        for p in params:  # the optimizer reads megatron DDP's fp32 main_grad buffers
+            p.grad = p.main_grad
         opt.step()
-        return loss
+        return loss.detach()
 
     capture = None
+    note = "megatron-core GPTModel (local spec) + megatron DDP, own init: parity n/a"
     try:
-        step(*s.batch(0))
-        if impl == "local":
-            from megatron.core.transformer import cuda_graphs
-
+        if variant == "tgraph_full":
+            graph = tgraph.FullIterationGraph(train_step, warmup_steps=s.warmup - 1)
+            for i in range(s.warmup - 1):
+                graph(s.batch(i))
             synchronize(s.device)
             t0 = time.perf_counter()
-            record = getattr(cuda_graphs, "_CudagraphGlobalRecord", None)
-            if record is not None and hasattr(record, "create_cudagraphs"):
-                record.create_cudagraphs()
+            graph(s.batch(s.warmup - 1))
             synchronize(s.device)
             capture = time.perf_counter() - t0
-        times, loss = drive(s, step, start=1)
+            times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
+            return times, loss, capture, note
+        if variant == "tgraph_layer":
+            tm.enable_layer_graphs(model)
+        train_step(s.batch(0))  # recorded / warmup iteration
+        synchronize(s.device)
+        t0 = time.perf_counter()
+        if variant == "tgraph_layer":
+            note += f"; {tgraph.create_graphs()}"
+        elif variant == "local":
+            from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+            _CudagraphGlobalRecord.create_cudagraphs()
+        synchronize(s.device)
+        capture = time.perf_counter() - t0 if variant != "none" else None
+        times, loss = drive(s, lambda x, y: train_step((x, y)), start=1)
+        return times, loss, capture, note
     finally:
-        if impl == "local":
+        if variant == "tgraph_layer":
+            tgraph.reset()
+            tgraph.disable(model)
+        if variant == "local":
             with contextlib.suppress(Exception):
                 from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
                 delete_cuda_graphs()
-    return times, loss, capture, "megatron-core GPTModel (local spec), own init: parity n/a"
 
 
 MODE_FUNCS: dict[str, Callable] = {
@@ -396,6 +402,8 @@ MODE_FUNCS: dict[str, Callable] = {
     "tgraph_full": mode_tgraph_full,
     "megatron_none": lambda s: mode_megatron(s, "none"),
     "megatron_local": lambda s: mode_megatron(s, "local"),
+    "megatron_tgraph_layer": lambda s: mode_megatron(s, "tgraph_layer"),
+    "megatron_tgraph_full": lambda s: mode_megatron(s, "tgraph_full"),
 }
 
 
@@ -431,17 +439,21 @@ def add_comparisons(rows: list[dict], dtype: str) -> None:
     floor = ok.get("floor", {}).get("ms_median")
     eager = ok.get("eager", {}).get("ms_median")
     ref_row = ok.get("eager") or next(iter(ok.values()), None)
-    ref = ref_row["final_loss"] if ref_row else None
     tol = PARITY_RTOL[dtype]
     for r in rows:
         r["ratio_floor"] = r["ms_median"] / floor if floor and r.get("ms_median") else None
         r["ratio_eager"] = r["ms_median"] / eager if eager and r.get("ms_median") else None
         if r["status"] != "ok":
             r["parity"] = None
-        elif r["mode"].startswith("megatron"):
-            r["parity"] = "n/a"
         else:
-            r["loss_rel_diff"] = abs(r["final_loss"] - ref) / max(1.0, abs(ref))
+            # megatron modes have their own init: they are checked against megatron eager
+            base = ok.get("megatron_none") if r["mode"].startswith("megatron") else ref_row
+            if not base:
+                r["parity"] = "n/a"
+                continue
+            r["loss_rel_diff"] = abs(r["final_loss"] - base["final_loss"]) / max(
+                1.0, abs(base["final_loss"])
+            )
             r["parity"] = "ok" if r["loss_rel_diff"] <= tol else "MISMATCH"
 
 

@@ -141,8 +141,12 @@ def build_gpt(
     seq_length: int,
     dropout: float = 0.0,
     seed: int = 1234,
+    cuda_graph_impl: str = "none",
 ) -> nn.Module:
-    """megatron-core GPTModel (local spec, fp32, ``cuda_graph_impl="none"``) wrapped in its DDP.
+    """megatron-core GPTModel (local spec, fp32) wrapped in its DDP.
+
+    ``cuda_graph_impl`` stays ``"none"`` for tgraph; ``"local"`` builds megatron-core's own
+    per-layer graphs (for side-by-side benchmarks).
 
     Every parameter gets ``main_grad`` (megatron-core DDP's contiguous fp32 grad buffer).
     Weights are initialized on the CPU from ``seed``, so two calls build identical models.
@@ -162,7 +166,7 @@ def build_gpt(
         hidden_dropout=dropout,
         attention_dropout=dropout,
         use_cpu_initialization=True,
-        cuda_graph_impl="none",
+        cuda_graph_impl=cuda_graph_impl,
     )
     gpt = GPTModel(
         config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=seq_length
