@@ -44,7 +44,8 @@ TINY = dict(batch_size=4, block_size=32, n_layer=2, n_head=2, n_embd=32, steps=8
 @pytest.fixture
 def run_cfg(tmp_path, backend, device):
     """Build TrainConfigs for the backend under test; restore global determinism afterwards."""
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
 
     def make(name: str, **overrides) -> tg.TrainConfig:
         kw = dict(TINY, out=str(tmp_path / name), device=device.type, backend=backend)
@@ -55,7 +56,7 @@ def run_cfg(tmp_path, backend, device):
         return tg.TrainConfig(**kw)
 
     yield make
-    torch.use_deterministic_algorithms(was_deterministic)
+    torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
 
 
 def _final_params(cfg) -> dict[str, torch.Tensor]:
@@ -304,3 +305,17 @@ def test_torchrun_two_processes_each_graph_mode(graph, torchrun_eager, tmp_path)
     b = load_file(str(torchrun_eager / "checkpoints" / "latest" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_compare_script_tables_and_plots_runs(good_run, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "compare_train_runs", RECIPE.parents[1] / "scripts" / "compare_train_runs.py"
+    )
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    run = Path(good_run[0]["out"])
+    compare.main([str(run), str(run), "--plot", str(tmp_path / "p.png"),
+                  "--table", str(tmp_path / "t.md")])  # fmt: skip
+    table = (tmp_path / "t.md").read_text()
+    assert table.count("| none |") == 2 and "0.00e+00" in table
+    assert (tmp_path / "p.png").stat().st_size > 0
