@@ -75,7 +75,15 @@ def mlp_batches(device, n: int, batch: int = 5, seed: int = 1):
     ]
 
 
-def train(model: nn.Module, batches, *, graphed: bool, backend: str = "auto", lr: float = 0.1):
+def train(
+    model: nn.Module,
+    batches,
+    *,
+    graphed: bool,
+    backend: str = "auto",
+    lr: float = 0.1,
+    merge: bool = True,
+):
     """SGD-with-momentum steps over ``batches``; with ``graphed``, graphs are created after step 1.
 
     SGD, not Adam: Adam divides by sqrt(v), so a gradient element that is ~0 turns a last-ulp
@@ -87,7 +95,7 @@ def train(model: nn.Module, batches, *, graphed: bool, backend: str = "auto", lr
     """
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if graphed:
-        tgraph.enable(model, backend=backend, strict=True)
+        tgraph.enable(model, backend=backend, strict=True, merge=merge)
     losses = []
     for i, (x, y) in enumerate(batches):
         _, loss = model(x, y)

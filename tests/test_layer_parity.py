@@ -18,24 +18,28 @@ from layer_models import (
 import tgraph
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per-block"])
 @pytest.mark.parametrize("which", ["gpt", "mlp"])
-def test_ten_steps_match_eager(backend, device, which):
+def test_ten_steps_match_eager(backend, device, which, merge):
     if which == "gpt":
         model, batches = tiny_gpt(device), gpt_batches(device, 10)
     else:
         torch.manual_seed(0)
         model, batches = MLPNet().to(device), mlp_batches(device, 10)
     eager = twin(model)
-    losses, model = train(model, batches, graphed=True, backend=backend)
+    losses, model = train(model, batches, graphed=True, backend=backend, merge=merge)
     ref, eager = train(eager, batches, graphed=False)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=RTOL, atol=ATOL)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
-    for r in tgraph.module._manager.all_runners():  # every block parameter gets its gradient
-        assert [id(p) for p in r.params] == [id(p) for p in r.module.parameters()]
-    assert tgraph.module._manager.report.graphs == 2 * len(
-        model.h if which == "gpt" else model.blocks
-    )
+    blocks = list(model.h if which == "gpt" else model.blocks)
+    units = {id(r.segment or r): r.segment or r for r in tgraph.module._manager.all_runners()}
+    for u in units.values():  # every block parameter gets its gradient from the backward graph
+        members = u.runners if merge else [u]
+        assert [id(p) for p in u.params] == [id(p) for r in members for p in r.module.parameters()]
+    report = tgraph.module._manager.report
+    assert report.graphs == (2 if merge else 2 * len(blocks))
+    assert report.segments == (1 if merge else 0)
 
 
 def _grads(model):

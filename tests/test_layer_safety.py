@@ -256,3 +256,17 @@ def test_autocast_is_part_of_the_signature(backend, device):
     with pytest.warns(tgraph.GraphFallbackWarning, match="autocast changed"):
         plain = mod(x)
     assert plain.dtype == torch.float32
+
+
+def test_inplace_change_of_an_output_before_backward_is_an_error(backend, device):
+    torch.manual_seed(0)
+    mod = Scaled().to(device)
+    tgraph.enable(mod, backend=backend)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    mod(x).sum().backward()
+    tgraph.create_graphs()
+    y = mod(x)
+    with torch.no_grad():
+        y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place after its forward"):
+        y.sum().backward()

@@ -32,6 +32,8 @@ class GraphedCall(torch.autograd.Function):
         runner.fwd_graph.replay()
         ctx.runner, ctx.flight = runner, flight
         outs = tuple(o.detach() for o in runner.static_outputs)
+        ctx.outs = outs  # the backward graph may read them as saved activations
+        ctx.versions = [o._version for o in outs]
         ctx.mark_non_differentiable(
             *(o for o, s in zip(outs, runner.static_outputs) if not s.requires_grad)
         )
@@ -46,6 +48,12 @@ class GraphedCall(torch.autograd.Function):
                 f"backward through {runner} ran after its graph buffers were reused by a newer "
                 "forward (a second backward with retain_graph=True, or a backward of an old step). "
                 "Graphed modules support one backward per forward; use tgraph.reset() to go eager."
+            )
+        if any(o._version != v for o, v in zip(ctx.outs, ctx.versions)):
+            raise RuntimeError(
+                f"an output of {runner} was modified in place after its forward; its backward "
+                "graph reads the graph's static outputs, so the gradient would be wrong. Clone "
+                "the output before modifying it (y = block(x).clone())."
             )
         runner.copy_grad_outputs(grads)
         runner.bwd_graph.replay()

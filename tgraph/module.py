@@ -30,6 +30,7 @@ from tgraph.backend import GraphFactory, explain_capture_failure, resolve_backen
 from tgraph.grads import StateSnapshot
 from tgraph.record import Flight, NoteBackward, Record
 from tgraph.runner import Runner, _collect
+from tgraph.segment import Segment, mergeable_chains
 from tgraph.signature import call_key, difference, rebuild
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class _ModuleState:
     strict: bool
     warmup: int | None
     debug: bool
+    merge: bool = True
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
 
@@ -57,6 +59,8 @@ class CaptureReport:
     """Number of graphs captured (forward and backward counted separately)."""
     runners: int
     """Number of (module, signature) runners."""
+    segments: int
+    """Number of merged stacks (each one forward and one backward graph for several runners)."""
     seconds: float
     """Wall time of warmup plus capture."""
     pool_bytes: int
@@ -69,7 +73,8 @@ class CaptureReport:
     def __str__(self) -> str:
         eager = f"; eager: {', '.join(self.eager_modules)}" if self.eager_modules else ""
         return (
-            f"tgraph: captured {self.graphs} graphs for {self.runners} runners on "
+            f"tgraph: captured {self.graphs} graphs for {self.runners} runners "
+            f"({self.segments} merged stacks) on "
             f"{'/'.join(self.backends)} in {self.seconds:.2f}s, pool {self.pool_bytes / 2**20:.1f} MiB"
             f"{eager}"
         )
@@ -85,6 +90,7 @@ class _Manager:
         self.modules: weakref.WeakSet[GraphableModule] = weakref.WeakSet()
         self.roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.report: CaptureReport | None = None
+        self.segments: list[Segment] = []
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         tensors: list[torch.Tensor] = []
@@ -95,24 +101,43 @@ class _Manager:
             if runner is None:
                 links = [self.record.producer(t) for t in tensors]
                 runner = Runner(module, key, args, kwargs, tensors, links)
+                runner.merge = state.merge
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs)
         if runners:
+            reason = (
+                "every graph captured for this signature is awaiting its backward "
+                "(more calls in flight than in the recorded iteration)"
+            )
             for r in runners:
-                if r.flight is None and r.captured:
-                    outs = bridge.replay(r, tensors)
+                seg = r.segment
+                if seg is None:
+                    if r.flight is None and r.captured:
+                        outs = bridge.replay(r, tensors)
+                        if outs is not None:
+                            return r.outputs(outs)
+                        reason = (
+                            "an input captured as another graphed module's output buffer "
+                            "arrived as a different tensor"
+                        )
+                elif r.seg_index == 0:
+                    if seg.flight is None and seg.captured:
+                        outs = bridge.replay(seg, tensors)
+                        if outs is not None:
+                            return r.outputs(seg.start(outs))
+                        reason = (
+                            "an input captured as another graphed module's output buffer "
+                            "arrived as a different tensor"
+                        )
+                else:
+                    outs = seg.take(r, tensors)
                     if outs is not None:
                         return r.outputs(outs)
                     reason = (
-                        "an input captured as another graphed module's output buffer "
-                        "arrived as a different tensor"
+                        f"it was captured as module {r.seg_index} of a merged stack ({seg}) but "
+                        "was not called right after the previous module with that module's "
+                        "unmodified output (pass merge=False to tgraph.enable to graph it alone)"
                     )
-                    break
-            else:
-                reason = (
-                    "every graph captured for this signature is awaiting its backward "
-                    "(more calls in flight than in the recorded iteration)"
-                )
         elif state.runners:
             reason = difference(next(iter(state.runners)), key)
         else:
@@ -155,6 +180,7 @@ class _Manager:
         return self._plain_call(module, args, kwargs)
 
     def all_runners(self) -> list[Runner]:
+        """Every runner of every enabled module."""
         return [r for m in self.modules for rs in m._tgraph.runners.values() for r in rs]
 
 
@@ -185,6 +211,7 @@ def enable(
     strict: bool = False,
     warmup: int | None = None,
     debug: bool = False,
+    merge: bool = True,
 ) -> nn.Module:
     """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
 
@@ -195,6 +222,9 @@ def enable(
         warmup: eager warmup passes before each capture (default 2 on CUDA, 1 emulated).
         debug: poison static buffers with NaN after each backward replay, so a stale read shows
             up as NaN instead of plausible numbers.
+        merge: capture a stack of graphed modules called back to back (each taking the previous
+            one's output, backed through in reverse order) as one forward and one backward
+            graph (:mod:`tgraph.segment`); False graphs every call on its own.
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).
@@ -216,7 +246,7 @@ def enable(
             "subclass tgraph.GraphableModule instead of nn.Module"
         )
     for m in found:
-        m._tgraph = _ModuleState(backend, strict, warmup, debug)
+        m._tgraph = _ModuleState(backend, strict, warmup, debug, merge)
         _manager.modules.add(m)
     _manager.roots.add(model)
     return model
@@ -273,29 +303,37 @@ def create_graphs() -> CaptureReport:
     before = sum(f.memory_allocated() for f in factories.values())
     for f in factories.values():
         f.synchronize()
+    m.segments = [Segment(chain) for chain in mergeable_chains(m.record.events)]
+    for seg in m.segments:
+        seg.debug = seg.head.debug
+    units = list(dict.fromkeys(r.segment or r for r in runners))
+
+    def factory_of(r: Runner) -> GraphFactory:
+        return factories[(resolve_backend(r.module._tgraph.backend, r.device), r.device)]
+
+    def warmup_of(r: Runner, f: GraphFactory) -> int:
+        # CUDA needs >= 1 eager warmup (lazy init, and the host-sync check runs there)
+        warm, default = r.module._tgraph.warmup, (2 if f.backend == "cuda" else 1)
+        return default if warm is None else max(warm, 1 if f.backend == "cuda" else 0)
+
     current = None
     try:
-        for current, phase in m.record.events:
-            f = factories[
-                (resolve_backend(current.module._tgraph.backend, current.device), current.device)
-            ]
-            if phase == "fwd" and current.fwd_graph is None:
-                warm = current.module._tgraph.warmup
-                # CUDA needs >= 1 eager warmup (lazy init, and the host-sync check runs there)
-                default = 2 if f.backend == "cuda" else 1
-                warm = default if warm is None else max(warm, 1 if f.backend == "cuda" else 0)
-                current.capture_forward(f, warm)
-            elif phase == "bwd" and current.needs_backward and current.bwd_graph is None:
+        for r, phase in m.record.events:
+            current = r.segment or r
+            f = factory_of(r)
+            if phase == "fwd" and current.fwd_graph is None and r.seg_index == 0:
+                current.capture_forward(f, warmup_of(r, f))
+            elif (
+                phase == "bwd"
+                and current.fwd_graph is not None
+                and current.needs_backward
+                and current.bwd_graph is None
+            ):
                 current.capture_backward(f)
-        for current in runners:  # forwards whose backward never ran in the recorded iteration
+        for current in units:  # forwards whose backward never ran in the recorded iteration
             if current.needs_backward and current.bwd_graph is None:
-                f = factories[
-                    (
-                        resolve_backend(current.module._tgraph.backend, current.device),
-                        current.device,
-                    )
-                ]
-                current.capture_backward(f)
+                head = current.head if isinstance(current, Segment) else current
+                current.capture_backward(factory_of(head))
     except BaseException as exc:
         for f in factories.values():
             f.synchronize()
@@ -315,8 +353,9 @@ def create_graphs() -> CaptureReport:
         if id(mod) not in called
     ]
     m.report = CaptureReport(
-        graphs=sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in runners),
+        graphs=sum((u.fwd_graph is not None) + (u.bwd_graph is not None) for u in units),
         runners=len(runners),
+        segments=len(m.segments),
         seconds=time.perf_counter() - start,
         pool_bytes=sum(f.memory_allocated() for f in factories.values()) - before,
         backends=sorted({f.backend for f in factories.values()}),
@@ -328,6 +367,9 @@ def create_graphs() -> CaptureReport:
 
 def reset() -> None:
     """Drop every graph and the record; enabled modules run eagerly and record again."""
+    for seg in _manager.segments:
+        seg.drop_graphs()
+    _manager.segments = []
     for r in _manager.all_runners():
         r.drop_graphs()
     for mod in _manager.modules:

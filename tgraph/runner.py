@@ -31,7 +31,7 @@ from tgraph.grads import MainGradFlags
 from tgraph.signature import rebuild
 
 
-def _reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Leaf tensors requiring grad that ``outputs``' autograd graph reaches (AccumulateGrad)."""
     # Python wrappers of autograd nodes live only while referenced and their ids are recycled:
     # keep every visited wrapper alive, so the same node keeps its wrapper and id-dedup holds.
@@ -48,6 +48,23 @@ def _reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
             leaves.append(var)
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return leaves
+
+
+def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.device) -> None:
+    """Eager passes of ``fn`` (forward, plus backward where outputs need grad) before capture.
+
+    The first pass refuses host syncs on ``device``'s tensors, so they fail here with a clear
+    error instead of invalidating a CUDA capture.
+    """
+    for i in range(warmup):
+        with RefuseHostSync(device.type) if i == 0 else contextlib.nullcontext():
+            outs = fn()
+        rg = [o for o in outs if o.requires_grad]
+        if rg:
+            ins = list(input_leaves)
+            ins += [p for p in reached_leaves(rg) if all(p is not x for x in ins)]
+            torch.autograd.grad(rg, ins, [torch.ones_like(o) for o in rg], allow_unused=True)
+        del outs, rg
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -98,6 +115,9 @@ class Runner:
         self._out_rg: list[int] = []
         self._in_rg: list[int] = []
         self._flags: MainGradFlags | None = None
+        self.merge = True  # may be captured together with its neighbours (tgraph.segment)
+        self.segment = None  # the Segment this runner belongs to, if merged
+        self.seg_index = 0
         self._aliases: dict[int, torch.Tensor] = {}  # id(param) -> alias leaf used in graphs
         self._leaves: list[torch.Tensor] = []  # what the backward differentiates (aliases)
 
@@ -110,11 +130,13 @@ class Runner:
 
     def _static_input(self, i: int, sample: torch.Tensor) -> torch.Tensor:
         link = self.links[i]
-        if link is not None and link[0].fwd_graph is not None:
+        shared = link is not None and bool(link[0].static_outputs)
+        if shared:  # the producer's static output is this static input: no copy at replay
             producer, j = link
             buf = producer.static_outputs[j].detach()
         else:
             buf = torch.empty_like(sample)
+        self._shared_inputs.append(shared)
         with torch.no_grad():
             buf.copy_(sample)  # realistic values for warmup (indices must be valid)
         return buf.requires_grad_(self._requires_grad[i])
@@ -181,28 +203,30 @@ class Runner:
             allow_unused=True,
         )
 
+    def prepare_capture(self, static_inputs: bool = True) -> None:
+        """Static input buffers (unless a segment feeds them) and parameter aliases."""
+        self._n_args_tensors = _count_tensors(self._args)
+        if static_inputs:
+            self._shared_inputs: list[bool] = []
+            self.static_inputs = [self._static_input(i, s) for i, s in enumerate(self.samples)]
+            self._in_rg = [i for i, t in enumerate(self.static_inputs) if t.requires_grad]
+        self._make_aliases()
+
+    def out_template_tensors(self) -> list[torch.Tensor]:
+        found: list[torch.Tensor] = []
+        _collect(self.out_template, found)
+        return found
+
     def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
         """Warm up, then capture the forward graph (and find the parameters it reaches)."""
-        self._n_args_tensors = _count_tensors(self._args)
-        self.static_inputs = [self._static_input(i, s) for i, s in enumerate(self.samples)]
-        self._in_rg = [i for i, t in enumerate(self.static_inputs) if t.requires_grad]
-        self._make_aliases()
+        self.prepare_capture()
         graph = factory.new_graph(watch=self._aliases.values())
         for g in rng.graph_generators(self.device):
             graph.register_generator_state(g)
         with factory.side_stream():
-            for i in range(warmup):
-                # the first warmup refuses host syncs, so they fail here, before any capture
-                with RefuseHostSync(self.device.type) if i == 0 else contextlib.nullcontext():
-                    outs = self._run_forward()
-                rg = [o for o in outs if o.requires_grad]
-                if rg:
-                    ins = [self.static_inputs[i] for i in self._in_rg]
-                    ins += [p for p in _reached_leaves(rg) if all(p is not x for x in ins)]
-                    torch.autograd.grad(
-                        rg, ins, [torch.ones_like(o) for o in rg], allow_unused=True
-                    )
-                del outs, rg
+            run_warmup(
+                self._run_forward, [self.static_inputs[i] for i in self._in_rg], warmup, self.device
+            )
             self.static_outputs = graph.capture(self._run_forward)
         self.fwd_graph = graph
         self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
@@ -211,7 +235,7 @@ class Runner:
             static_in = self.static_inputs
             reached = [
                 p
-                for p in _reached_leaves([self.static_outputs[i] for i in self._out_rg])
+                for p in reached_leaves([self.static_outputs[i] for i in self._out_rg])
                 if all(p is not x for x in static_in)
             ]
             reached_ids = {id(r) for r in reached}
@@ -255,7 +279,7 @@ class Runner:
         for i, (buf, x) in enumerate(zip(self.static_inputs, tensors)):
             if x.data_ptr() == buf.data_ptr() and x.stride() == buf.stride():
                 continue  # already the buffer: layer i's output is layer i+1's input
-            if self.links[i] is not None:
+            if self._shared_inputs[i]:
                 return False  # the buffer is another runner's output; writing it would corrupt it
             buf.detach().copy_(x)
         return True
@@ -270,9 +294,12 @@ class Runner:
 
     def after_backward(self) -> None:
         self._flags.after_replay()
+        self.after_backward_debug()
+
+    def after_backward_debug(self) -> None:
         if self.debug:  # stale reads show up as NaN instead of plausible numbers
             for i, buf in enumerate(self.static_inputs):
-                if self.links[i] is None:
+                if not self._shared_inputs[i]:
                     _poison(buf.detach())
             for buf in self.static_grad_outputs:
                 _poison(buf)

@@ -1,0 +1,223 @@
+"""Merged neighbours: a stack of graphed calls captured as one forward and one backward graph.
+
+When the record shows runners r0, r1, ..., rk called back to back (rj's forward right after
+r(j-1)'s, every tensor input of rj being an output of r(j-1)) and backed through in exactly the
+reverse order, nothing eager can sit between them that the graphs would need to see. They are
+then captured as one *segment*: one forward graph running all k+1 modules and one backward graph
+(``autograd.grad`` of every module's outputs), bridged into autograd as one node. A step then
+pays two replays and one autograd node for the whole stack instead of 2(k+1) of each.
+
+At replay, r0's call replays the segment's forward and returns r0's outputs; the calls of
+r1..rk return their outputs, already computed, after checking that each gets exactly the tensor
+the previous call returned, unmodified (same object, same version counter). Any other call
+(out of order, a modified or different input) runs eagerly with a warning: the merged graph
+never answers a call it did not compute. Every module's outputs are outputs of the node, so a
+caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
+added in the backward graph.
+
+A segment quacks like a :class:`tgraph.runner.Runner` for :mod:`tgraph.bridge`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tgraph import rng
+from tgraph.backend import GraphFactory
+from tgraph.grads import MainGradFlags
+from tgraph.runner import Runner, reached_leaves, run_warmup
+
+
+def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
+    """Chains of at least two runners that may be merged (see the module docstring)."""
+    first: dict[tuple[int, str], int] = {}
+    for i, (r, phase) in enumerate(events):
+        first.setdefault((id(r), phase), i)
+    order = sorted({id(r): r for r, _ in events}.values(), key=lambda r: first[(id(r), "fwd")])
+
+    def follows(prev: Runner, nxt: Runner) -> bool:
+        if not (nxt.merge and prev.merge and nxt.links and nxt.device == prev.device):
+            return False
+        if nxt.grad_mode != prev.grad_mode or nxt.key[4] != prev.key[4]:
+            return False
+        if first[(id(nxt), "fwd")] != first[(id(prev), "fwd")] + 1:
+            return False
+        if any(link is None or link[0] is not prev for link in nxt.links):
+            return False
+        bp, bn = first.get((id(prev), "bwd")), first.get((id(nxt), "bwd"))
+        if bp is None and bn is None:
+            return not prev.grad_mode
+        return bp is not None and bn is not None and bp == bn + 1
+
+    chains: list[list[Runner]] = []
+    for r in order:
+        if chains and follows(chains[-1][-1], r):
+            chains[-1].append(r)
+        else:
+            chains.append([r])
+    return [c for c in chains if len(c) > 1]
+
+
+class Segment:
+    """Runners ``runners[0..k]`` captured as one forward and one backward graph."""
+
+    def __init__(self, runners: list[Runner]) -> None:
+        self.runners = runners
+        for j, r in enumerate(runners):
+            r.segment, r.seg_index = self, j
+        self.head = runners[0]
+        self.key = self.head.key
+        self.device = self.head.device
+        self.flight: int | None = None
+        self.debug = False
+        self.fwd_graph = None
+        self.bwd_graph = None
+        self.static_outputs: list[torch.Tensor] = []
+        self.static_grads: list[torch.Tensor | None] = []
+        self.static_grad_outputs: list[torch.Tensor] = []
+        self.params: list[torch.Tensor] = []
+        self.needs_backward = False
+        self._slices: list[slice] = []
+        self._out_rg: list[int] = []
+        self._leaves: list[torch.Tensor] = []
+        self._flags: MainGradFlags | None = None
+        self.pending: list[list[torch.Tensor]] | None = None
+        self._next = 0
+        self._versions: list[int] = []
+
+    def __repr__(self) -> str:
+        return f"Segment({len(self.runners)} x {type(self.head.module).__name__})"
+
+    @property
+    def captured(self) -> bool:
+        return self.fwd_graph is not None and (
+            self.bwd_graph is not None or not self.needs_backward
+        )
+
+    # ----------------------------------------------------------------- capture
+    def _run_forward(self) -> list[torch.Tensor]:
+        outs = self.head._run_forward()
+        flat = list(outs)
+        for r in self.runners[1:]:
+            # rj reads r(j-1)'s outputs of this very run: one autograd graph for the stack
+            r.static_inputs = [outs[link[1]] for link in r.links]
+            outs = r._run_forward()
+            flat += outs
+        return flat
+
+    def _run_backward(self) -> tuple:
+        graph_outs = self.fwd_graph.live_outputs or self.static_outputs
+        head = self.head
+        ins = [head.static_inputs[i] for i in head._in_rg] + self._leaves
+        return torch.autograd.grad(
+            [graph_outs[i] for i in self._out_rg],
+            ins,
+            grad_outputs=self.static_grad_outputs,
+            retain_graph=self.fwd_graph.retains_autograd_graph,
+            allow_unused=True,
+        )
+
+    def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
+        head = self.head
+        head.prepare_capture()
+        for r in self.runners[1:]:
+            r.prepare_capture(static_inputs=False)
+        aliases = [a for r in self.runners for a in r._aliases.values()]
+        graph = factory.new_graph(watch=aliases)
+        for g in rng.graph_generators(self.device):
+            graph.register_generator_state(g)
+        with factory.side_stream():
+            run_warmup(
+                self._run_forward, [head.static_inputs[i] for i in head._in_rg], warmup, self.device
+            )
+            self.static_outputs = graph.capture(self._run_forward)
+        self.fwd_graph = graph
+        start = 0
+        for r in self.runners:
+            n = len(r.out_template_tensors())
+            self._slices.append(slice(start, start + n))
+            r.static_outputs = self.static_outputs[start : start + n]
+            start += n
+        self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
+        self.needs_backward = head.grad_mode and bool(self._out_rg)
+        if self.needs_backward:
+            rg_outs = [self.static_outputs[i] for i in self._out_rg]
+            static_in = {id(t) for t in head.static_inputs}
+            reached = [t for t in reached_leaves(rg_outs) if id(t) not in static_in]
+            reached_ids = {id(t) for t in reached}
+            for r in self.runners:  # module order, then leaves from outside (tied weights)
+                for p in r.module.parameters():
+                    alias = r._aliases[id(p)]
+                    if id(alias) in reached_ids:
+                        self._leaves.append(alias)
+                        self.params.append(p)
+            aliases = {id(a) for r in self.runners for a in r._aliases.values()}
+            foreign = [t for t in reached if id(t) not in aliases]
+            self._leaves += foreign
+            self.params += foreign
+
+    def capture_backward(self, factory: GraphFactory) -> None:
+        self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
+        aliases = [a for r in self.runners for a in r._aliases.values()]
+        graph = factory.new_graph(watch=aliases)
+        self._flags = MainGradFlags(zip(self._leaves, self.params))
+        self._flags.before_capture()
+        try:
+            with factory.side_stream():
+                grads = graph.capture(self._run_backward)
+        finally:
+            self._flags.after_capture()
+        self.bwd_graph = graph
+        head = self.head
+        self.static_grads = [None] * len(head.static_inputs) + list(grads[len(head._in_rg) :])
+        for k, i in enumerate(head._in_rg):
+            self.static_grads[i] = grads[k]
+        for r in self.runners:
+            r.samples = []
+
+    def drop_graphs(self) -> None:
+        self.fwd_graph = self.bwd_graph = None
+        self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
+        self.params, self._leaves, self.pending = [], [], None
+        for r in self.runners:
+            r.segment = None
+            r.drop_graphs()
+
+    # ------------------------------------------------------------------ replay
+    def copy_inputs(self, tensors) -> bool:
+        return self.head.copy_inputs(tensors)
+
+    def copy_grad_outputs(self, grads) -> None:
+        for buf, i in zip(self.static_grad_outputs, self._out_rg):
+            g = grads[i]
+            if g is None:
+                buf.zero_()
+            elif g.data_ptr() != buf.data_ptr():
+                buf.copy_(g)
+
+    def after_backward(self) -> None:
+        self._flags.after_replay()
+        self.head.after_backward_debug()
+
+    def start(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """After the forward replay: keep every module's outputs; return the head's."""
+        self.pending = [outs[s] for s in self._slices]
+        self._versions = [t._version for t in outs]
+        self._next = 1
+        return self.pending[0]
+
+    def take(self, runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Outputs of ``runner`` if this call continues the replayed stack as captured."""
+        j = runner.seg_index
+        if self.pending is None or j != self._next:
+            return None
+        prev = self.pending[j - 1]
+        for t, link in zip(tensors, runner.links):
+            src = prev[link[1]]
+            if t is not src or t._version != self._versions[self._slices[j - 1].start + link[1]]:
+                return None
+        self._next += 1
+        out = self.pending[j]
+        if self._next == len(self.runners):
+            self.pending = None
+        return out
