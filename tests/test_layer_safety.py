@@ -36,9 +36,7 @@ def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
 def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypatch):
     # What torch.cuda.make_graphed_callables does (pytorch issue 181723): detached aliases let
     # AccumulateGrad adopt the static buffer as .grad; the next microbatch overwrites it.
-    monkeypatch.setattr(
-        bridge, "hand_to_autograd", lambda gs: [g.detach() if g is not None else None for g in gs]
-    )
+    monkeypatch.setattr(bridge, "hand_to_autograd", lambda r: r.grads_for_autograd(clone=False))
     with pytest.raises(AssertionError):
         check_gradient_accumulation(backend, device)
 

@@ -242,6 +242,40 @@ class CudaGraph:
         self._graph.reset()
 
 
+@contextlib.contextmanager
+def stale_stream_override() -> Iterator[None]:
+    """Let autograd redirect stale AccumulateGrad streams during a capture (newer PyTorch).
+
+    An AccumulateGrad node remembers the stream it was created on. Nodes created eagerly on the
+    default stream and kept alive (by DDP's reducer, megatron-core DDP's hooks, or a live
+    ``loss``) make a captured backward sync with the default stream, which invalidates the
+    capture (cudaErrorStreamCaptureImplicit). PyTorch versions with
+    ``torch.autograd.graph.set_override_stale_capture_stream`` can redirect those syncs to the
+    capturing stream; this enables it for the duration of the capture only. Per-layer graphs
+    avoid the problem altogether (they differentiate fresh parameter aliases).
+    """
+    setter = getattr(torch._C, "_set_override_stale_capture_stream", None)
+    getter = getattr(torch._C, "_override_stale_capture_stream", None)
+    if setter is None or getter is None:
+        yield
+        return
+    before = getter()
+    setter(True)
+    try:
+        yield
+    finally:
+        setter(before)
+
+
+STALE_STREAM_HINT = (
+    " A captured backward synchronized with the default stream: an AccumulateGrad node created "
+    "on it before capture is still alive (DDP and megatron-core DDP keep them; so does a live "
+    "loss of an eager step). Upgrade PyTorch (set_override_stale_capture_stream lets tgraph "
+    "redirect it), build the DDP wrapper under torch.cuda.stream(side_stream), or use per-layer "
+    "graphs (tgraph.enable), which do not have this problem."
+)
+
+
 def _unstick_generators(device: torch.device) -> None:
     """After an aborted capture, give CUDA generators a fresh state object.
 
@@ -307,4 +341,7 @@ def explain_capture_failure(what: str, exc: BaseException) -> CaptureError:
     """Wrap an exception raised while capturing ``what`` into a CaptureError with the cause."""
     if isinstance(exc, CaptureError):
         return CaptureError(f"capturing {what} failed: {exc}")
-    return CaptureError(f"capturing {what} failed: {type(exc).__name__}: {exc}. {CAPTURE_HINT}")
+    hint = CAPTURE_HINT
+    if "legacy stream depend on a capturing" in str(exc):
+        hint += STALE_STREAM_HINT
+    return CaptureError(f"capturing {what} failed: {type(exc).__name__}: {exc}. {hint}")

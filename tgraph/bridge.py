@@ -16,14 +16,14 @@ from tgraph.record import Flight
 from tgraph.runner import Runner
 
 
-def hand_to_autograd(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """Gradients as handed to autograd: the static buffers themselves, never detached aliases.
+def hand_to_autograd(runner: Runner) -> list[torch.Tensor | None]:
+    """Gradients as handed to autograd: never the static parameter-gradient memory itself.
 
-    This is the gradient protection (module docstring of :mod:`tgraph.runner`): while the runner
-    holds a reference, AccumulateGrad cannot adopt a buffer as ``.grad``, so the next replay
-    cannot overwrite an accumulated gradient. Tests plant the bug by replacing this function.
+    This is the gradient protection (:class:`tgraph.grads.ParamGradPacking`): parameter
+    gradients are views of a fresh clone, so the next replay cannot overwrite a gradient that
+    autograd accumulated. Tests plant the bug by replacing this function.
     """
-    return grads
+    return runner.grads_for_autograd()
 
 
 class GraphedCall(torch.autograd.Function):
@@ -32,8 +32,10 @@ class GraphedCall(torch.autograd.Function):
         runner.fwd_graph.replay()
         ctx.runner, ctx.flight = runner, flight
         outs = tuple(o.detach() for o in runner.static_outputs)
-        ctx.outs = outs  # the backward graph may read them as saved activations
-        ctx.versions = [o._version for o in outs]
+        # The backward graph may read the outputs as saved activations: saving them lets
+        # autograd check their version counters (an in-place change raises, as in eager).
+        # Keeping them on ctx instead would make a reference cycle through the autograd node.
+        ctx.save_for_backward(*outs)
         ctx.mark_non_differentiable(
             *(o for o, s in zip(outs, runner.static_outputs) if not s.requires_grad)
         )
@@ -49,17 +51,19 @@ class GraphedCall(torch.autograd.Function):
                 "forward (a second backward with retain_graph=True, or a backward of an old step). "
                 "Graphed modules support one backward per forward; use tgraph.reset() to go eager."
             )
-        if any(o._version != v for o, v in zip(ctx.outs, ctx.versions)):
+        try:
+            ctx.saved_tensors  # noqa: B018 - unpacking checks the version counters
+        except RuntimeError as exc:
             raise RuntimeError(
                 f"an output of {runner} was modified in place after its forward; its backward "
                 "graph reads the graph's static outputs, so the gradient would be wrong. Clone "
                 "the output before modifying it (y = block(x).clone())."
-            )
+            ) from exc
         runner.copy_grad_outputs(grads)
         runner.bwd_graph.replay()
         runner.after_backward()
         flight.land()
-        return (None, None, None, *hand_to_autograd(runner.static_grads))
+        return (None, None, None, *hand_to_autograd(runner))
 
 
 def replay(runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:

@@ -82,6 +82,7 @@ from tgraph.backend import (
     _default_generators,
     explain_capture_failure,
     resolve_backend,
+    stale_stream_override,
     tree_leaves,
 )
 from tgraph.module import GraphFallbackWarning, _manager
@@ -485,7 +486,7 @@ class FullIterationGraph:
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
         try:
-            with f.side_stream():
+            with f.side_stream(), stale_stream_override():
                 out = graph.capture(lambda: self.fn(static_batch))
             bad = [
                 type(x).__name__

@@ -96,3 +96,51 @@ class StateSnapshot:
         for b, saved in self._buffers:
             b.copy_(saved)
         rng.set_states(self._rng, self._device)
+
+
+class ParamGradPacking:
+    """Parameter gradients leave a backward graph in one flat static buffer.
+
+    The backward graph writes every parameter gradient into static memory that its next
+    replay overwrites, so autograd must not keep those buffers as ``.grad``
+    (``make_graphed_callables`` lets it: pytorch issue 181723). Handing autograd the static
+    buffers while holding a reference makes AccumulateGrad clone each one: one allocation and
+    one copy kernel per parameter per step. Instead, the captured backward packs all
+    gradients into one flat buffer (one in-graph copy), and each replay clones that buffer once
+    and hands autograd views of the clone, which AccumulateGrad adopts without copying. Exact
+    under gradient accumulation; one kernel launch instead of one per parameter.
+    """
+
+    def __init__(self) -> None:
+        self.flat: torch.Tensor | None = None
+        self._n = 0
+        self._index: list[int] = []
+        self._shapes: list[torch.Tensor] = []  # meta tensors: the shapes to unflatten into
+
+    def pack(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Inside the captured function: gradients -> [flat] (or unchanged if not packable)."""
+        present = [(i, g) for i, g in enumerate(grads) if g is not None]
+        self._n = len(grads)
+        if not present or len({(g.dtype, g.device) for _, g in present}) != 1:
+            self._index = []
+            return list(grads)
+        self._index = [i for i, _ in present]
+        self._shapes = [torch.empty(g.shape, device="meta") for _, g in present]
+        return [torch.cat([g.reshape(-1) for _, g in present])]
+
+    @property
+    def packed(self) -> bool:
+        return bool(self._index)
+
+    def for_autograd(self, unpacked: list[torch.Tensor | None], clone: bool = True) -> list:
+        """Per-parameter gradients for autograd after a replay (views of one fresh clone)."""
+        if not self.packed:
+            return unpacked  # held references make AccumulateGrad clone them
+        flat = self.flat.clone() if clone else self.flat
+        views = torch._C._nn.unflatten_dense_tensors(flat, self._shapes)  # one C++ call
+        if len(views) == self._n:
+            return views
+        out: list[torch.Tensor | None] = [None] * self._n
+        for i, view in zip(self._index, views):
+            out[i] = view
+        return out

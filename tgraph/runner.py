@@ -8,12 +8,13 @@ Ownership and aliasing (what a user of the outputs must know):
 * ``static_outputs`` are written by every forward replay. The tensors a graphed call returns are
   views of them: valid until this runner's next forward replay, which cannot happen while the
   runner is in flight (awaiting its backward). Clone an output you keep across steps.
-* ``static_grads`` (input and parameter gradients) are written by every backward replay. They
-  are handed to autograd while the runner still holds a reference, so autograd's AccumulateGrad
-  never adopts the buffer as ``param.grad`` (it clones it, or adds it into an existing
-  ``.grad``). ``torch.cuda.make_graphed_callables`` hands autograd ``detach()``-ed aliases
-  instead, which autograd may adopt, so the next replay overwrites accumulated gradients
-  (pytorch issue 181723). Gradient accumulation through a runner is exact.
+* ``static_grads`` (input gradients) are written by every backward replay and handed to
+  autograd, which consumes them before this runner's next backward. Parameter gradients are
+  packed into one flat static buffer inside the graph; each backward hands autograd views of a
+  fresh clone of it (:class:`tgraph.grads.ParamGradPacking`), never the static memory itself.
+  ``torch.cuda.make_graphed_callables`` hands autograd ``detach()``-ed aliases of its static
+  buffers, which AccumulateGrad adopts as ``.grad``, so the next replay overwrites accumulated
+  gradients (pytorch issue 181723). Gradient accumulation through a runner is exact.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from tgraph import rng
 from tgraph.backend import GraphFactory, RefuseHostSync
-from tgraph.grads import MainGradFlags
+from tgraph.grads import MainGradFlags, ParamGradPacking
 from tgraph.signature import rebuild
 
 
@@ -48,6 +49,18 @@ def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
             leaves.append(var)
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return leaves
+
+
+def split_grads(grads, n_inputs: int, in_rg: list[int], packing: ParamGradPacking):
+    """Captured backward outputs -> (per-input static grads, unpacked static param grads)."""
+    n = len(in_rg)
+    input_grads: list[torch.Tensor | None] = [None] * n_inputs
+    for k, i in enumerate(in_rg):
+        input_grads[i] = grads[k]
+    if packing.packed:
+        packing.flat = grads[n]
+        return input_grads, []
+    return input_grads, list(grads[n:])
 
 
 def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.device) -> None:
@@ -120,6 +133,8 @@ class Runner:
         self.seg_index = 0
         self._aliases: dict[int, torch.Tensor] = {}  # id(param) -> alias leaf used in graphs
         self._leaves: list[torch.Tensor] = []  # what the backward differentiates (aliases)
+        self.packing = ParamGradPacking()
+        self._param_grads: list[torch.Tensor | None] = []
 
     # ----------------------------------------------------------------- capture
     @property
@@ -195,13 +210,15 @@ class Runner:
         graph_outs = self.fwd_graph.live_outputs or self.static_outputs
         outs = [graph_outs[i] for i in self._out_rg]
         ins = [self.static_inputs[i] for i in self._in_rg] + self._leaves
-        return torch.autograd.grad(
+        grads = torch.autograd.grad(
             outs,
             ins,
             grad_outputs=self.static_grad_outputs,
             retain_graph=self.fwd_graph.retains_autograd_graph,
             allow_unused=True,
         )
+        n = len(self._in_rg)
+        return (*grads[:n], *self.packing.pack(list(grads[n:])))
 
     def prepare_capture(self, static_inputs: bool = True) -> None:
         """Static input buffers (unless a segment feeds them) and parameter aliases."""
@@ -259,10 +276,9 @@ class Runner:
         finally:
             self._flags.after_capture()
         self.bwd_graph = graph
-        n_in = len(self.static_inputs)
-        self.static_grads = [None] * n_in + list(grads[len(self._in_rg) :])
-        for k, i in enumerate(self._in_rg):
-            self.static_grads[i] = grads[k]
+        self.static_grads, self._param_grads = split_grads(
+            grads, len(self.static_inputs), self._in_rg, self.packing
+        )
         self.samples = []
 
     def drop_graphs(self) -> None:
@@ -270,6 +286,7 @@ class Runner:
         self.fwd_graph = self.bwd_graph = None
         self.static_inputs, self.static_outputs, self.static_grads = [], [], []
         self.static_grad_outputs, self.params, self._leaves = [], [], []
+        self._param_grads, self.packing = [], ParamGradPacking()
         self._aliases = {}
         self.out_template = None
 
@@ -283,6 +300,10 @@ class Runner:
                 return False  # the buffer is another runner's output; writing it would corrupt it
             buf.detach().copy_(x)
         return True
+
+    def grads_for_autograd(self, clone: bool = True) -> list[torch.Tensor | None]:
+        """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking)."""
+        return self.static_grads + self.packing.for_autograd(self._param_grads, clone)
 
     def copy_grad_outputs(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         for buf, i in zip(self.static_grad_outputs, self._out_rg):

@@ -24,8 +24,8 @@ import torch
 
 from tgraph import rng
 from tgraph.backend import GraphFactory
-from tgraph.grads import MainGradFlags
-from tgraph.runner import Runner, reached_leaves, run_warmup
+from tgraph.grads import MainGradFlags, ParamGradPacking
+from tgraph.runner import Runner, reached_leaves, run_warmup, split_grads
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
@@ -80,6 +80,8 @@ class Segment:
         self._slices: list[slice] = []
         self._out_rg: list[int] = []
         self._leaves: list[torch.Tensor] = []
+        self.packing = ParamGradPacking()
+        self._param_grads: list[torch.Tensor | None] = []
         self._flags: MainGradFlags | None = None
         self.pending: list[list[torch.Tensor]] | None = None
         self._next = 0
@@ -109,13 +111,15 @@ class Segment:
         graph_outs = self.fwd_graph.live_outputs or self.static_outputs
         head = self.head
         ins = [head.static_inputs[i] for i in head._in_rg] + self._leaves
-        return torch.autograd.grad(
+        grads = torch.autograd.grad(
             [graph_outs[i] for i in self._out_rg],
             ins,
             grad_outputs=self.static_grad_outputs,
             retain_graph=self.fwd_graph.retains_autograd_graph,
             allow_unused=True,
         )
+        n = len(head._in_rg)
+        return (*grads[:n], *self.packing.pack(list(grads[n:])))
 
     def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
         head = self.head
@@ -169,9 +173,9 @@ class Segment:
             self._flags.after_capture()
         self.bwd_graph = graph
         head = self.head
-        self.static_grads = [None] * len(head.static_inputs) + list(grads[len(head._in_rg) :])
-        for k, i in enumerate(head._in_rg):
-            self.static_grads[i] = grads[k]
+        self.static_grads, self._param_grads = split_grads(
+            grads, len(head.static_inputs), head._in_rg, self.packing
+        )
         for r in self.runners:
             r.samples = []
 
@@ -186,6 +190,8 @@ class Segment:
     # ------------------------------------------------------------------ replay
     def copy_inputs(self, tensors) -> bool:
         return self.head.copy_inputs(tensors)
+
+    grads_for_autograd = Runner.grads_for_autograd
 
     def copy_grad_outputs(self, grads) -> None:
         for buf, i in zip(self.static_grad_outputs, self._out_rg):
