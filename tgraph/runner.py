@@ -303,7 +303,7 @@ class Runner:
 
     def grads_for_autograd(self, clone: bool = True) -> list[torch.Tensor | None]:
         """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking)."""
-        return self.static_grads + self.packing.for_autograd(self._param_grads, clone)
+        return [*self.static_grads, *self.packing.for_autograd(self._param_grads, clone)]
 
     def copy_grad_outputs(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         for buf, i in zip(self.static_grad_outputs, self._out_rg):
