@@ -6,7 +6,7 @@ Importing tgraph has no side effects.
 """
 
 from tgraph import checkpoint, decode, rng
-from tgraph.backend import CaptureError, resolve_backend
+from tgraph.backend import CaptureError, capture_stream, resolve_backend
 from tgraph.full_iteration import FullIterationGraph
 from tgraph.module import (
     CaptureReport,
@@ -22,6 +22,7 @@ from tgraph.rng import register_generator, unregister_generator
 __all__ = [
     "CaptureError",
     "CaptureReport",
+    "capture_stream",
     "checkpoint",
     "decode",
     "FullIterationGraph",

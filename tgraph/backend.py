@@ -270,9 +270,9 @@ def stale_stream_override() -> Iterator[None]:
 STALE_STREAM_HINT = (
     " A captured backward synchronized with the default stream: an AccumulateGrad node created "
     "on it before capture is still alive (DDP and megatron-core DDP keep them; so does a live "
-    "loss of an eager step). Upgrade PyTorch (set_override_stale_capture_stream lets tgraph "
-    "redirect it), build the DDP wrapper under torch.cuda.stream(side_stream), or use per-layer "
-    "graphs (tgraph.enable), which do not have this problem."
+    "loss of an eager step). Build the DDP wrapper under torch.cuda.stream(tgraph.capture_stream()), "
+    "upgrade PyTorch (set_override_stale_capture_stream lets tgraph redirect the sync), or use "
+    "per-layer graphs (tgraph.enable), which do not have this problem."
 )
 
 
@@ -292,6 +292,29 @@ def _unstick_generators(device: torch.device) -> None:
             g.graphsafe_set_state(g.clone_state())
 
 
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
+    """The side stream on which tgraph warms up and captures every graph on ``device``.
+
+    One stream per device for the whole process. Build a DDP wrapper (torch or megatron-core)
+    under it when you capture whole steps with :class:`tgraph.FullIterationGraph`: DDP keeps
+    the parameters' AccumulateGrad nodes alive, and a node created on the default stream makes
+    a captured backward sync with that stream, which invalidates the capture::
+
+        with torch.cuda.stream(tgraph.capture_stream()):
+            model = DistributedDataParallel(model)
+    """
+    index = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    index = torch.device(index).index if not isinstance(index, int) else index
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _capture_streams:
+        _capture_streams[index] = torch.cuda.Stream(device=index)
+    return _capture_streams[index]
+
+
 class GraphFactory:
     """Makes graphs for one backend that share one memory pool and one capture stream.
 
@@ -306,7 +329,7 @@ class GraphFactory:
         if backend == "cuda":
             gc.collect()  # see CudaGraph.capture
             self.pool = torch.cuda.graph_pool_handle()
-            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=device)
+            self.stream: torch.cuda.Stream | None = capture_stream(device)
         else:
             self.pool = None
             self.stream = None

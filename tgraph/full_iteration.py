@@ -51,7 +51,7 @@ torch DDP inside ``fn`` works. PyTorch's CUDA-graph notes ("Usage with Distribut
 require at least 11 DDP-enabled eager iterations before capture (the reducer rebuilds its buckets
 after the first iteration and samples runtime statistics, with host syncs, during the first ten);
 ``warmup_steps`` below 11 raises when a ``DistributedDataParallel`` runs inside ``fn``. On CUDA,
-also construct DDP under ``torch.cuda.stream(side_stream)`` and, on old PyTorch, set
+also construct DDP under ``torch.cuda.stream(tgraph.capture_stream())`` and, on old PyTorch, set
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` before ``init_process_group``.
 
 Full-iteration graphs and per-layer graphs (:func:`tgraph.enable`) do not nest: a model with

@@ -128,6 +128,7 @@ class Runner:
         self._out_rg: list[int] = []
         self._in_rg: list[int] = []
         self._flags: MainGradFlags | None = None
+        self._grad_out_zero: list[bool] = []
         self.merge = True  # may be captured together with its neighbours (tgraph.segment)
         self.segment = None  # the Segment this runner belongs to, if merged
         self.seg_index = 0
@@ -305,13 +306,24 @@ class Runner:
         """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking)."""
         return [*self.static_grads, *self.packing.for_autograd(self._param_grads, clone)]
 
-    def copy_grad_outputs(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        for buf, i in zip(self.static_grad_outputs, self._out_rg):
+    def copy_grad_outputs(self, grads) -> None:
+        """Refresh the static grad-output buffers; a None gradient means zeros.
+
+        A buffer already known to hold zeros is not zeroed again (outputs whose gradient is
+        always None, e.g. the inner outputs of a merged stack, cost no kernel per step).
+        """
+        if len(self._grad_out_zero) != len(self.static_grad_outputs):
+            self._grad_out_zero = [False] * len(self.static_grad_outputs)
+        for k, (buf, i) in enumerate(zip(self.static_grad_outputs, self._out_rg)):
             g = grads[i]
             if g is None:
-                buf.zero_()
-            elif g.data_ptr() != buf.data_ptr():
-                buf.copy_(g)
+                if not self._grad_out_zero[k]:
+                    buf.zero_()
+                    self._grad_out_zero[k] = True
+            else:
+                if g.data_ptr() != buf.data_ptr():
+                    buf.copy_(g)
+                self._grad_out_zero[k] = False
 
     def after_backward(self) -> None:
         self._flags.after_replay()
@@ -324,6 +336,7 @@ class Runner:
                     _poison(buf.detach())
             for buf in self.static_grad_outputs:
                 _poison(buf)
+            self._grad_out_zero = []
 
     def outputs(self, tensors: list[torch.Tensor]) -> Any:
         """The call's return value, in the structure the module returned."""

@@ -83,6 +83,7 @@ class Segment:
         self.packing = ParamGradPacking()
         self._param_grads: list[torch.Tensor | None] = []
         self._flags: MainGradFlags | None = None
+        self._grad_out_zero: list[bool] = []
         self.pending: list[list[torch.Tensor]] | None = None
         self._next = 0
         self._versions: list[int] = []
@@ -193,13 +194,7 @@ class Segment:
 
     grads_for_autograd = Runner.grads_for_autograd
 
-    def copy_grad_outputs(self, grads) -> None:
-        for buf, i in zip(self.static_grad_outputs, self._out_rg):
-            g = grads[i]
-            if g is None:
-                buf.zero_()
-            elif g.data_ptr() != buf.data_ptr():
-                buf.copy_(g)
+    copy_grad_outputs = Runner.copy_grad_outputs
 
     def after_backward(self) -> None:
         self._flags.after_replay()

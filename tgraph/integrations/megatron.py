@@ -172,7 +172,14 @@ def build_gpt(
         config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=seq_length
     ).cuda()
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
-    return DistributedDataParallel(config, ddp_config, gpt)
+    # DDP creates (and keeps) the AccumulateGrad nodes its hooks hang on: create them on the
+    # capture stream, so a whole-step capture never syncs with the default stream.
+    side = tgraph.capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model = DistributedDataParallel(config, ddp_config, gpt)
+    torch.cuda.current_stream().wait_stream(side)
+    return model
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
