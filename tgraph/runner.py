@@ -80,6 +80,31 @@ def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.
         del outs, rg
 
 
+def capture_forward_graph(
+    factory: GraphFactory, device: torch.device, watch, fn, input_leaves, warmup: int
+):
+    """Warm ``fn`` up, then capture it on the capture stream. Returns (graph, outputs)."""
+    graph = factory.new_graph(watch=watch)
+    for g in rng.graph_generators(device):
+        graph.register_generator_state(g)
+    with factory.side_stream():
+        run_warmup(fn, input_leaves, warmup, device)
+        outputs = graph.capture(fn)
+    return graph, outputs
+
+
+def capture_backward_graph(factory: GraphFactory, watch, fn, flags: MainGradFlags):
+    """Capture the backward ``fn``, noting which ``main_grad`` flags it sets. (graph, grads)."""
+    graph = factory.new_graph(watch=watch)
+    flags.before_capture()
+    try:
+        with factory.side_stream():
+            grads = graph.capture(fn)
+    finally:
+        flags.after_capture()
+    return graph, grads
+
+
 def _poison(t: torch.Tensor) -> None:
     if t.is_floating_point():
         t.fill_(math.nan)
@@ -238,15 +263,10 @@ class Runner:
     def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
         """Warm up, then capture the forward graph (and find the parameters it reaches)."""
         self.prepare_capture()
-        graph = factory.new_graph(watch=self._aliases.values())
-        for g in rng.graph_generators(self.device):
-            graph.register_generator_state(g)
-        with factory.side_stream():
-            run_warmup(
-                self._run_forward, [self.static_inputs[i] for i in self._in_rg], warmup, self.device
-            )
-            self.static_outputs = graph.capture(self._run_forward)
-        self.fwd_graph = graph
+        inputs = [self.static_inputs[i] for i in self._in_rg]
+        self.fwd_graph, self.static_outputs = capture_forward_graph(
+            factory, self.device, self._aliases.values(), self._run_forward, inputs, warmup
+        )
         self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
         self.needs_backward = self.grad_mode and bool(self._out_rg)
         if self.needs_backward:
@@ -268,15 +288,10 @@ class Runner:
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph."""
         self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
-        graph = factory.new_graph(watch=self._aliases.values())
         self._flags = MainGradFlags(zip(self._leaves, self.params))
-        self._flags.before_capture()
-        try:
-            with factory.side_stream():
-                grads = graph.capture(self._run_backward)
-        finally:
-            self._flags.after_capture()
-        self.bwd_graph = graph
+        self.bwd_graph, grads = capture_backward_graph(
+            factory, self._aliases.values(), self._run_backward, self._flags
+        )
         self.static_grads, self._param_grads = split_grads(
             grads, len(self.static_inputs), self._in_rg, self.packing
         )

@@ -22,10 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.grads import MainGradFlags, ParamGradPacking
-from tgraph.runner import Runner, reached_leaves, run_warmup, split_grads
+from tgraph.runner import (
+    Runner,
+    capture_backward_graph,
+    capture_forward_graph,
+    reached_leaves,
+    split_grads,
+)
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
@@ -98,6 +103,9 @@ class Segment:
         )
 
     # ----------------------------------------------------------------- capture
+    def _aliases(self) -> list[torch.Tensor]:
+        return [a for r in self.runners for a in r._aliases.values()]
+
     def _run_forward(self) -> list[torch.Tensor]:
         outs = self.head._run_forward()
         flat = list(outs)
@@ -127,16 +135,10 @@ class Segment:
         head.prepare_capture()
         for r in self.runners[1:]:
             r.prepare_capture(static_inputs=False)
-        aliases = [a for r in self.runners for a in r._aliases.values()]
-        graph = factory.new_graph(watch=aliases)
-        for g in rng.graph_generators(self.device):
-            graph.register_generator_state(g)
-        with factory.side_stream():
-            run_warmup(
-                self._run_forward, [head.static_inputs[i] for i in head._in_rg], warmup, self.device
-            )
-            self.static_outputs = graph.capture(self._run_forward)
-        self.fwd_graph = graph
+        inputs = [head.static_inputs[i] for i in head._in_rg]
+        self.fwd_graph, self.static_outputs = capture_forward_graph(
+            factory, self.device, self._aliases(), self._run_forward, inputs, warmup
+        )
         start = 0
         for r in self.runners:
             n = len(r.out_template_tensors())
@@ -163,16 +165,10 @@ class Segment:
 
     def capture_backward(self, factory: GraphFactory) -> None:
         self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
-        aliases = [a for r in self.runners for a in r._aliases.values()]
-        graph = factory.new_graph(watch=aliases)
         self._flags = MainGradFlags(zip(self._leaves, self.params))
-        self._flags.before_capture()
-        try:
-            with factory.side_stream():
-                grads = graph.capture(self._run_backward)
-        finally:
-            self._flags.after_capture()
-        self.bwd_graph = graph
+        self.bwd_graph, grads = capture_backward_graph(
+            factory, self._aliases(), self._run_backward, self._flags
+        )
         head = self.head
         self.static_grads, self._param_grads = split_grads(
             grads, len(head.static_inputs), head._in_rg, self.packing
