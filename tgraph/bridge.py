@@ -66,12 +66,29 @@ class GraphedCall(torch.autograd.Function):
         return (None, None, None, *hand_to_autograd(runner))
 
 
+def hold_while_alive(runner: Runner, outputs: list[torch.Tensor]) -> None:
+    """Keep ``runner`` in flight while any of ``outputs`` is alive.
+
+    A call without backward (no_grad, frozen or parameter-free modules) has no backward to wait
+    for, yet its outputs are the static buffers the next replay overwrites: ``a = enc(x1);
+    b = enc(x2)`` must not make ``a`` equal ``b``. While an output lives, the next call gets
+    another runner (recording) or runs eagerly with a warning (after capture). Views taken
+    of an output and kept after the output itself is dropped are not tracked.
+    """
+    if outputs:
+        flight = Flight(runner)
+        for o in outputs:
+            o._tgraph_flight = flight
+
+
 def replay(runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """Replay ``runner`` on live ``tensors``; None when the call must run eagerly instead."""
     if not runner.copy_inputs(tensors):
         return None
     if not runner.needs_backward:
         runner.fwd_graph.replay()
-        return [o.detach() for o in runner.static_outputs]
+        outs = [o.detach() for o in runner.static_outputs]
+        hold_while_alive(runner, outs)
+        return outs
     flight = Flight(runner)
     return list(GraphedCall.apply(runner, flight, len(tensors), *tensors, *runner.params))

@@ -28,7 +28,7 @@ import torch.nn as nn
 from tgraph import bridge
 from tgraph.backend import GraphFactory, explain_capture_failure, resolve_backend
 from tgraph.grads import StateSnapshot
-from tgraph.record import Flight, NoteBackward, Record
+from tgraph.record import Flight, NoteBackward, Record, graphed_region, inside_graphed_region
 from tgraph.runner import Runner, _collect
 from tgraph.segment import Segment, mergeable_chains
 from tgraph.signature import call_key, difference, rebuild
@@ -47,6 +47,7 @@ class _ModuleState:
     warmup: int | None
     debug: bool
     merge: bool = True
+    params: tuple = ()  # the module's parameters (their requires_grad is part of every key)
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
 
@@ -85,7 +86,6 @@ class _Manager:
 
     def __init__(self) -> None:
         self.record = Record()
-        self.depth = 0  # >0 while a graphed module's own forward runs (inner modules stay eager)
         self.captured = False
         self.modules: weakref.WeakSet[GraphableModule] = weakref.WeakSet()
         self.roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -94,7 +94,7 @@ class _Manager:
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         tensors: list[torch.Tensor] = []
-        key = call_key(args, kwargs, module.training, tensors)
+        key = call_key(args, kwargs, module.training, tensors, state.params)
         runners = state.runners.get(key)
         if not self.captured:
             runner = next((r for r in runners or () if r.flight is None), None)
@@ -103,7 +103,7 @@ class _Manager:
                 runner = Runner(module, key, args, kwargs, tensors, links)
                 runner.merge = state.merge
                 state.runners.setdefault(key, []).append(runner)
-            return self._record_call(runner, args, kwargs)
+            return self._record_call(runner, args, kwargs, tensors)
         if runners:
             reason = (
                 "every graph captured for this signature is awaiting its backward "
@@ -129,7 +129,7 @@ class _Manager:
                             "an input captured as another graphed module's output buffer "
                             "arrived as a different tensor"
                         )
-                else:
+                elif seg.captured:
                     outs = seg.take(r, tensors)
                     if outs is not None:
                         return r.outputs(outs)
@@ -144,7 +144,7 @@ class _Manager:
             reason = "the module was not called during the recorded iteration"
         return self._eager(module, state, args, kwargs, reason)
 
-    def _record_call(self, runner: Runner, args: tuple, kwargs: dict):
+    def _record_call(self, runner: Runner, args: tuple, kwargs: dict, inputs: list):
         self.record.add(runner, "fwd")
         out = self._plain_call(runner.module, args, kwargs)
         outs: list[torch.Tensor] = []
@@ -155,15 +155,14 @@ class _Manager:
             for i, t in zip(idx, noted):
                 outs[i] = t
             out = rebuild(out, iter(outs))
+        else:  # no backward: the runner stays busy while its outputs live (see bridge.replay)
+            bridge.hold_while_alive(runner, [o for o in outs if all(o is not t for t in inputs)])
         self.record.note_outputs(runner, outs)
         return out
 
     def _plain_call(self, module: nn.Module, args: tuple, kwargs: dict):
-        self.depth += 1
-        try:
+        with graphed_region():
             return nn.Module.__call__(module, *args, **kwargs)
-        finally:
-            self.depth -= 1
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
         name = type(module).__name__
@@ -199,7 +198,7 @@ class GraphableModule(nn.Module):
 
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get("_tgraph")
-        if state is None or _manager.depth:
+        if state is None or inside_graphed_region():
             return super().__call__(*args, **kwargs)
         return _manager.call(self, state, args, kwargs)
 
@@ -246,21 +245,28 @@ def enable(
             "subclass tgraph.GraphableModule instead of nn.Module"
         )
     for m in found:
-        m._tgraph = _ModuleState(backend, strict, warmup, debug, merge)
+        old = m.__dict__.get("_tgraph")
+        m._tgraph = _ModuleState(backend, strict, warmup, debug, merge, tuple(m.parameters()))
+        if old is not None:  # enabled again: new options, same recorded runners
+            m._tgraph.runners = old.runners
         _manager.modules.add(m)
     _manager.roots.add(model)
     return model
 
 
 def disable(model: nn.Module) -> None:
-    """Make every graphable module of ``model`` an ordinary eager module again."""
+    """Make every graphable module of ``model`` an ordinary eager module again.
+
+    Graphs and the record are process-wide (one pool, one recorded order), so this also drops
+    the graphs and the record of every other enabled model, as :func:`reset` does; they record
+    again on their next iteration.
+    """
+    reset()
     for m in model.modules():
         if isinstance(m, GraphableModule) and "_tgraph" in m.__dict__:
-            for rs in m._tgraph.runners.values():
-                for r in rs:
-                    r.drop_graphs()
             del m.__dict__["_tgraph"]
             _manager.modules.discard(m)
+    _manager.roots.discard(model)
 
 
 def create_graphs() -> CaptureReport:

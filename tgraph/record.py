@@ -14,7 +14,9 @@ flight, because its buffers still hold the activations its backward needs.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -23,6 +25,23 @@ if TYPE_CHECKING:
     from tgraph.runner import Runner
 
 Phase = Literal["fwd", "bwd"]
+
+_depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
+
+
+@contextlib.contextmanager
+def graphed_region() -> Iterator[None]:
+    """Inside, GraphableModules run as plain modules: they are part of the enclosing graph."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+def inside_graphed_region() -> bool:
+    return _depth > 0
 
 
 class Flight:
@@ -76,7 +95,8 @@ class NoteBackward(torch.autograd.Function):
     def forward(ctx, record: Record, flight: Flight, *outputs: torch.Tensor):
         ctx.record = record
         ctx.flight = flight
-        return tuple(o.view_as(o) for o in outputs)
+        # clones, not views: the caller may modify a recorded output in place, as in eager mode
+        return tuple(o.clone() for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -29,6 +29,7 @@ import torch
 from tgraph import rng
 from tgraph.backend import GraphFactory, RefuseHostSync
 from tgraph.grads import MainGradFlags, ParamGradPacking
+from tgraph.record import graphed_region
 from tgraph.signature import rebuild
 
 
@@ -171,15 +172,22 @@ class Runner:
 
     def _static_input(self, i: int, sample: torch.Tensor) -> torch.Tensor:
         link = self.links[i]
-        shared = link is not None and bool(link[0].static_outputs)
+        producer = link[0] if link is not None else None
+        # Share the producer's static output only if the producer has a backward: then it
+        # stays in flight (cannot replay again) until after this runner's backward, which may
+        # read this buffer as a saved activation.
+        shared = (
+            producer is not None
+            and bool(producer.static_outputs)
+            and (producer.segment or producer).needs_backward
+        )
+        self._shared_inputs.append(shared)
         if shared:  # the producer's static output is this static input: no copy at replay
-            producer, j = link
-            buf = producer.static_outputs[j].detach()
+            buf = producer.static_outputs[link[1]].detach()
         else:
             buf = torch.empty_like(sample)
-        self._shared_inputs.append(shared)
-        with torch.no_grad():
-            buf.copy_(sample)  # realistic values for warmup (indices must be valid)
+            with torch.no_grad():
+                buf.copy_(sample)  # realistic values for warmup (indices must be valid)
         return buf.requires_grad_(self._requires_grad[i])
 
     def _make_aliases(self) -> None:
@@ -220,6 +228,7 @@ class Runner:
             for device_type, dtype in self.key[4]:  # capture under the recorded autocast
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             stack.enter_context(self._parameters_aliased())
+            stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
             out = torch.nn.Module.__call__(self.module, *args, **kwargs)
         if self.fwd_graph is None:  # warmup and capture; replays keep the capture's template
             self.out_template = _strip(out)
@@ -269,6 +278,8 @@ class Runner:
         )
         self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
         self.needs_backward = self.grad_mode and bool(self._out_rg)
+        if not self.needs_backward:
+            self.samples = []
         if self.needs_backward:
             static_in = self.static_inputs
             reached = [

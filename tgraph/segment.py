@@ -43,6 +43,10 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
     def follows(prev: Runner, nxt: Runner) -> bool:
         if not (nxt.merge and prev.merge and nxt.links and nxt.device == prev.device):
             return False
+        # Modules with buffers (e.g. BatchNorm statistics) stay apart: if a merged member
+        # falls back to eager, the segment's replay would already have updated its buffers.
+        if any(True for _ in nxt.module.buffers()) or any(True for _ in prev.module.buffers()):
+            return False
         if nxt.grad_mode != prev.grad_mode or nxt.key[4] != prev.key[4]:
             return False
         if first[(id(nxt), "fwd")] != first[(id(prev), "fwd")] + 1:
@@ -180,6 +184,7 @@ class Segment:
         self.fwd_graph = self.bwd_graph = None
         self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
         self.params, self._leaves, self.pending = [], [], None
+        self.packing, self._param_grads, self._flags = ParamGradPacking(), [], None
         for r in self.runners:
             r.segment = None
             r.drop_graphs()
@@ -194,7 +199,12 @@ class Segment:
 
     def after_backward(self) -> None:
         self._flags.after_replay()
-        self.head.after_backward_debug()
+        if self.debug:
+            self.head.debug = True
+            self.head.after_backward_debug()  # the head's static inputs
+            for buf in self.static_grad_outputs:
+                buf.fill_(float("nan"))
+            self._grad_out_zero = []
 
     def start(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
         """After the forward replay: keep every module's outputs; return the head's."""
@@ -212,6 +222,7 @@ class Segment:
         for t, link in zip(tensors, runner.links):
             src = prev[link[1]]
             if t is not src or t._version != self._versions[self._slices[j - 1].start + link[1]]:
+                self.pending = None  # the stack was left: release its outputs
                 return None
         self._next += 1
         out = self.pending[j]

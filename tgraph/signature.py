@@ -41,10 +41,18 @@ def rebuild(obj: Any, tensors: Any) -> Any:
     """Inverse of :func:`describe`: ``obj`` with its tensors replaced from the iterator."""
     if isinstance(obj, torch.Tensor):
         return next(tensors)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(rebuild(o, tensors) for o in obj))
     if isinstance(obj, (tuple, list)):
         return type(obj)(rebuild(o, tensors) for o in obj)
     if isinstance(obj, dict):
-        return {k: rebuild(v, tensors) for k, v in obj.items()}
+        items = {k: rebuild(v, tensors) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:  # OrderedDict, ModelOutput-like dict subclasses keep their type
+            return type(obj)(items)
+        except TypeError:
+            return items
     return obj
 
 
@@ -59,18 +67,27 @@ def autocast_state() -> tuple:
     )
 
 
-def call_key(args: tuple, kwargs: dict, training: bool, tensors: list[torch.Tensor]) -> tuple:
-    """Key of one call: (args, kwargs, module.training, grad mode, autocast state).
+def call_key(
+    args: tuple,
+    kwargs: dict,
+    training: bool,
+    tensors: list[torch.Tensor],
+    params: tuple[torch.Tensor, ...] = (),
+) -> tuple:
+    """Key of one call: (args, kwargs, module.training, grad mode, autocast state,
+    requires_grad of ``params``: a frozen or unfrozen parameter needs another backward graph).
 
+    Keyword arguments are keyed in the order given (their tensors are matched by position).
     The fast path covers ``forward(tensor, ...)`` without keyword arguments.
     """
+    frozen = tuple(p.requires_grad for p in params)
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         tensors.extend(args)
         arg_key = tuple((a.shape, a.dtype, a.device, a.requires_grad) for a in args)
-        return (arg_key, (), training, torch.is_grad_enabled(), autocast_state())
+        return (arg_key, (), training, torch.is_grad_enabled(), autocast_state(), frozen)
     arg_key = tuple(describe(a, tensors) for a in args)
     kw_key = tuple((k, describe(v, tensors)) for k, v in kwargs.items())
-    return (arg_key, kw_key, training, torch.is_grad_enabled(), autocast_state())
+    return (arg_key, kw_key, training, torch.is_grad_enabled(), autocast_state(), frozen)
 
 
 def _fmt(desc: Any) -> str:
@@ -87,13 +104,19 @@ def _fmt(desc: Any) -> str:
 
 def difference(old: tuple, new: tuple) -> str:
     """One sentence naming the first field in which call key ``new`` differs from ``old``."""
-    (old_args, old_kw, old_train, old_grad, old_amp) = old
-    (new_args, new_kw, new_train, new_grad, new_amp) = new
+    (old_args, old_kw, old_train, old_grad, old_amp, old_frozen) = old
+    (new_args, new_kw, new_train, new_grad, new_amp, new_frozen) = new
     if old_train != new_train:
         mode = {True: "train", False: "eval"}
         return f"module.training changed from {old_train} to {new_train} ({mode[old_train]} -> {mode[new_train]})"
     if old_grad != new_grad:
         return f"grad mode changed from {'enabled' if old_grad else 'disabled'} to {'enabled' if new_grad else 'disabled'}"
+    if old_frozen != new_frozen:
+        changed = [i for i, (a, b) in enumerate(zip(old_frozen, new_frozen)) if a != b]
+        return (
+            f"requires_grad of the module's parameters {changed} changed (frozen or unfrozen "
+            "since the recorded iteration)"
+        )
     if old_amp != new_amp:
         return f"autocast changed from {old_amp or 'off'} to {new_amp or 'off'}"
     if len(old_args) != len(new_args):
@@ -107,4 +130,6 @@ def difference(old: tuple, new: tuple) -> str:
     for k in old_d:
         if old_d[k] != new_d[k]:
             return f"keyword argument {k!r} changed from {_fmt(old_d[k])} to {_fmt(new_d[k])}"
+    if list(old_d) != list(new_d):
+        return f"keyword arguments were passed in another order ({list(old_d)} -> {list(new_d)})"
     return "no difference in signature (every matching graph is still awaiting its backward)"
