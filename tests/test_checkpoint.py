@@ -143,3 +143,17 @@ def test_save_rejects_bad_input(tmp_path):
         checkpoint.save(torch.nn.Linear(2, 2), tmp_path)
     with pytest.raises(TypeError, match="JSON-serializable"):
         checkpoint.save(tiny_gpt(), tmp_path, extra={"t": torch.zeros(1)})
+
+
+def test_torn_save_is_detected(tmp_path):
+    """New weights under an old config (a save killed between the two renames): clear error."""
+    from tgraph import checkpoint
+    from tgraph.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
+    checkpoint.save(model, tmp_path / "a", extra={"step": 100})
+    checkpoint.save(model, tmp_path / "b", extra={"step": 200})
+    (tmp_path / "b" / "config.json").replace(tmp_path / "a" / "config.json")  # torn pair
+    with pytest.raises(checkpoint.CheckpointError, match="different saves"):
+        checkpoint.load(tmp_path / "a")

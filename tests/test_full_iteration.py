@@ -174,12 +174,71 @@ def test_clip_grad_norm_inside_the_graph(backend, device, opt_kind):
     assert_same(run_pair(backend, device, opt_kind, clip=True))
 
 
-def test_planted_hidden_capture_step_is_caught(backend, device, monkeypatch):
+def check_side_effects_happen_once_per_call(backend, device):
+    """State fn updates in place (a step counter, EMA weights) advances once per call."""
+    torch.manual_seed(0)
+    w = torch.randn(8, device=device, requires_grad=True)
+    ema = torch.zeros(8, device=device)
+    count = torch.zeros((), device=device)
+
+    def fn(x):
+        loss = (w * x).sum().pow(2)
+        loss.backward()
+        with torch.no_grad():
+            w.sub_(0.01 * w.grad)
+            w.grad = None
+            ema.mul_(0.9).add_(0.1 * w)
+            count.add_(1)
+        return loss.detach()
+
+    step = tgraph.FullIterationGraph(fn, warmup_steps=2, backend=backend)
+    xs = torch.randn(6, 8, device=device)
+    for x in xs:
+        step(x)
+    assert count.item() == len(xs), (
+        f"fn's side effects ran {count.item():.0f} times for {len(xs)} calls"
+    )
+
+
+def test_side_effects_happen_once_per_call(backend, device):
+    check_side_effects_happen_once_per_call(backend, device)
+
+
+def test_planted_extra_step_at_capture_is_caught(backend, device, monkeypatch):
     if backend == "cuda":
         pytest.skip("a CUDA capture executes nothing; the bug is specific to the emulated capture")
-    monkeypatch.setattr(full_iteration._StepSnapshot, "restore", lambda self: None)
-    with pytest.raises(AssertionError):
-        assert_same(run_pair(backend, device, "sgd"))
+    real = full_iteration.FullIterationGraph._capture
+
+    def capture_then_replay(self, entry, batch, tensors):  # the old capture-restore-replay bug
+        out = real(self, entry, batch, tensors)
+        entry.graph.replay()
+        return out
+
+    monkeypatch.setattr(full_iteration.FullIterationGraph, "_capture", capture_then_replay)
+    with pytest.raises(AssertionError, match="side effects ran"):
+        check_side_effects_happen_once_per_call(backend, device)
+
+
+def test_scheduler_stepping_inside_fn_is_refused(backend, device):
+    model = make_model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def fn(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        sched.step()  # inside the graphed step: would be frozen at its capture value
+        return loss.detach()
+
+    step = tgraph.FullIterationGraph(fn, warmup_steps=2, backend=backend)
+    batches = make_batches(device, n=3)
+    step(batches[0])
+    step(batches[1])
+    with pytest.raises(tgraph.CaptureError, match="learning-rate tensor was written inside"):
+        step(batches[2])
 
 
 def test_kept_outputs_hold_their_own_step(backend, device, monkeypatch):
@@ -299,3 +358,66 @@ def test_bad_arguments():
         tgraph.FullIterationGraph(lambda b: b, backend="tpu")
     with pytest.raises(TypeError):
         tgraph.FullIterationGraph(None)
+
+
+def test_optimizer_step_outside_fn_sees_each_steps_gradients(backend, device):
+    """fn = forward + backward only; the optimizer steps outside with zero_grad(set_to_none).
+
+    On CUDA the graph writes gradients into its own buffers: they must be the params' .grad
+    after every replay, not only after the capture (the optimizer would skip None grads).
+    """
+    batches = make_batches(device, n=STEPS)
+    finals = []
+    for graphed in (False, True):
+        model = make_model(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+
+        def fn(batch, model=model):
+            loss = model(*batch)[1]
+            loss.backward()
+            return loss.detach()
+
+        step = tgraph.FullIterationGraph(fn, warmup_steps=2, backend=backend) if graphed else fn
+        for b in batches:
+            step(b)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*finals):
+        torch.testing.assert_close(b, a, **TOL)
+
+
+def test_optimizer_first_seen_at_a_later_capture_keeps_its_schedule(backend, device):
+    """A second batch shape brings a second optimizer; its learning rate must reach the graph."""
+    finals = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        a = torch.nn.Linear(8, 8).to(device)
+        b = torch.nn.Linear(8, 8).to(device)
+        opt_a = torch.optim.SGD(a.parameters(), lr=0.1, fused=True)
+        opt_b = torch.optim.SGD(b.parameters(), lr=0.1, fused=True)
+        sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=1, gamma=0.5)
+
+        def fn(x, a=a, b=b, opt_a=opt_a, opt_b=opt_b):
+            if x.shape[0] == 4:  # phase 1: only a trains
+                loss = a(x).pow(2).mean()
+                opts = [opt_a]
+            else:  # phase 2: a and b train
+                loss = b(a(x)).pow(2).mean()
+                opts = [opt_a, opt_b]
+            loss.backward()
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        step = tgraph.FullIterationGraph(fn, warmup_steps=2, backend=backend) if graphed else fn
+        g = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            step(torch.randn(4, 8, generator=g).to(device))
+        for _ in range(6):
+            step(torch.randn(2, 8, generator=g).to(device))
+            sched_b.step()  # outside fn: must reach the phase-2 graph
+        finals.append([p.detach().clone() for p in [*a.parameters(), *b.parameters()]])
+    for x, y in zip(*finals):
+        torch.testing.assert_close(y, x, **TOL)

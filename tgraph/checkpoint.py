@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -135,9 +136,18 @@ def save(model: nn.Module, directory: str | os.PathLike, *, extra: dict | None =
     model = unwrap(model)
     if not isinstance(model, GPT):
         raise TypeError(f"checkpoint.save expects a tgraph GPT, got {type(model).__name__}")
+    # One id in both files: a save interrupted between the two renames (new weights, old
+    # config) is detected at load instead of pairing weights with another save's metadata.
+    save_id = uuid.uuid4().hex
     try:
         config = json.dumps(
-            {"format": FORMAT, "version": VERSION, "model": model.config.to_dict(), "extra": extra},
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "save_id": save_id,
+                "model": model.config.to_dict(),
+                "extra": extra,
+            },
             indent=2,
         )
     except TypeError as exc:
@@ -152,7 +162,9 @@ def save(model: nn.Module, directory: str | os.PathLike, *, extra: dict | None =
         seen.add(t.data_ptr())
         tensors[name] = t
     # Weights first, config last: a directory with a config.json has complete weights.
-    atomic_write_bytes(directory / WEIGHTS_NAME, st_save(tensors, metadata={"format": FORMAT}))
+    atomic_write_bytes(
+        directory / WEIGHTS_NAME, st_save(tensors, metadata={"format": FORMAT, "save_id": save_id})
+    )
     with atomic_writer(directory / CONFIG_NAME, "w") as f:
         f.write(config + "\n")
     return directory
@@ -214,16 +226,32 @@ def load_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
         FileNotFoundError: missing directory or file.
         CheckpointError: the file is not a readable safetensors file.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     path = _require(Path(directory), WEIGHTS_NAME)
     try:
-        return load_file(str(path), device="cpu")
+        state = load_file(str(path), device="cpu")
+        with safe_open(str(path), framework="pt") as f:
+            weights_id = (f.metadata() or {}).get("save_id")
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise CheckpointError(
             f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc}); the "
             "checkpoint is corrupt or truncated: save it again"
         ) from exc
+    config_path = Path(directory) / CONFIG_NAME
+    if weights_id is not None and config_path.is_file():
+        try:
+            config_id = json.loads(config_path.read_text(encoding="utf-8")).get("save_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            config_id = None  # read_config reports a corrupt config with its own error
+        if config_id is not None and config_id != weights_id:
+            raise CheckpointError(
+                f"{path} and {config_path} come from different saves (a save interrupted between "
+                "writing the two files?); save the checkpoint again, or write each checkpoint to "
+                "a fresh directory and rename it into place"
+            )
+    return state
 
 
 def load_into(model: nn.Module, directory: str | os.PathLike) -> nn.Module:

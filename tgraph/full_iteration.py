@@ -190,6 +190,26 @@ class _RefuseHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _RefuseLrWrites(TorchFunctionMode):
+    """During capture: an in-place write into a learning-rate tensor means a scheduler steps
+    inside ``fn``; a graph would replay the capture-time value forever."""
+
+    def __init__(self, lr_tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._ids = {id(t) for t in lr_tensors}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") and args and id(args[0]) in self._ids:
+            raise CaptureError(
+                "a learning-rate tensor was written inside the captured step (an LR scheduler's "
+                "step() inside fn?): the graph would replay that capture-time value at every "
+                "step. Call scheduler.step() outside fn, after each step(batch); the new value "
+                "reaches the graph through the learning-rate tensor."
+            )
+        return func(*args, **(kwargs or {}))
+
+
 class _EmulatedStepGraph(EmulatedGraph):
     """Emulated graph of a whole step (backward inside the captured function).
 
@@ -305,7 +325,7 @@ class _Entry:
     static: list[torch.Tensor] = field(default_factory=list)
     out: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
-    grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
     capture_seconds: float = 0.0
     pool_bytes: int = 0
 
@@ -382,8 +402,7 @@ class FullIterationGraph:
         self._entries: dict[tuple, _Entry] = {}
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._modules: dict[int, nn.Module] = {}
-        self._hparams: _HyperParams | None = None
-        self._last: _Entry | None = None
+        self._hparams: list[_HyperParams] = []  # one per batch of optimizers seen at a capture
 
     @property
     def num_graphs(self) -> int:
@@ -427,10 +446,9 @@ class FullIterationGraph:
             if e.graph is not None:
                 e.graph.reset()
         self._entries.clear()
-        if self._hparams is not None:
-            self._hparams.restore()
-        self._hparams = None
-        self._last = None
+        for hp in self._hparams:
+            hp.restore()
+        self._hparams = []
 
     # -- the three kinds of call ------------------------------------------------------------
 
@@ -461,7 +479,6 @@ class FullIterationGraph:
                 GraphFallbackWarning,
                 stacklevel=3,
             )
-        self._last = None
         with self._watch(), entry.factory.side_stream():
             out = self.fn(batch)
         entry.eager_calls += 1
@@ -470,10 +487,18 @@ class FullIterationGraph:
     def _capture(self, entry: _Entry, batch: Any, tensors: list[torch.Tensor]) -> Any:
         f = entry.factory
         self._check_optimizers(f.device)
-        fresh = self._hparams is None
-        if fresh:
-            self._hparams = _HyperParams(self.optimizers)
-            self._hparams.prepare()
+        covered = {id(g) for hp in self._hparams for _, _, g in hp._groups}
+        new = [o for o in self.optimizers if any(id(g) not in covered for g in o.param_groups)]
+        fresh = _HyperParams(new) if new else None  # optimizers first seen in this warmup
+        if fresh is not None:
+            fresh.prepare()
+            self._hparams.append(fresh)
+        lr_tensors = [
+            g["lr"]
+            for hp in self._hparams
+            for _, _, g in hp._groups
+            if isinstance(g["lr"], torch.Tensor)
+        ]
         entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
         static_batch = rebuild(batch, iter(entry.static))
         groups = [g for o in self.optimizers for g in o.param_groups]
@@ -485,8 +510,9 @@ class FullIterationGraph:
         snap = _StepSnapshot(params, self.optimizers, buffers, f.device, values=f.backend != "cuda")
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
+        grads_before = {id(p): p.grad for p in params}
         try:
-            with f.side_stream(), stale_stream_override():
+            with f.side_stream(), stale_stream_override(), _RefuseLrWrites(lr_tensors):
                 out = graph.capture(lambda: self.fn(static_batch))
             bad = [
                 type(x).__name__
@@ -501,42 +527,71 @@ class FullIterationGraph:
         except BaseException as exc:
             f.synchronize()
             snap.restore()
-            if fresh:
-                self._hparams.restore()
-                self._hparams = None
+            if fresh is not None:
+                fresh.restore()
+                self._hparams.remove(fresh)
             entry.failed = True
             if isinstance(exc, ValueError):
                 raise
             raise explain_capture_failure("the training step of FullIterationGraph", exc) from exc
         f.synchronize()
-        if f.backend != "cuda":
-            snap.restore()  # the emulated capture really stepped; the replay below is this call's step
         entry.capture_seconds = time.perf_counter() - start
         entry.pool_bytes = f.memory_allocated() - before
         entry.graph, entry.out = graph, out
         entry.outputs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
-        if f.backend == "cuda":
-            entry.grads = [(p, p.grad) for p in params]
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
             f.backend,
             entry.capture_seconds,
             entry.pool_bytes / 2**20,
         )
-        return self._replay(entry, tensors)
+        if f.backend != "cuda":
+            # The emulated capture really executed fn once: that was this call's step (running
+            # it again would apply every side effect twice: EMA weights, counters, ...).
+            return rebuild(out, iter([_detach_clone(t) for t in entry.outputs]))
+        # CUDA: how each .grad relates to the graph. "add": the graph accumulates into the
+        # .grad that existed at capture; "assign": it writes fresh gradients (zero_grad with
+        # set_to_none=True ran before the capture, "cleared" when it ran inside fn).
+        entry.grads = []
+        for p in params:
+            g0, g = grads_before[id(p)], p.grad
+            if g is None:
+                continue
+            mode = "add" if g is g0 else ("cleared" if g0 is not None else "assign")
+            entry.grads.append((p, g, mode))
+        return self._replay(entry, tensors, first=True)
 
-    def _replay(self, entry: _Entry, tensors: list[torch.Tensor]) -> Any:
-        self._hparams.refresh()
+    def _replay(self, entry: _Entry, tensors: list[torch.Tensor], first: bool = False) -> Any:
+        for hp in self._hparams:
+            hp.refresh()
         with torch.no_grad():
             for s, t in zip(entry.static, tensors):
                 if s.data_ptr() != t.data_ptr():
                     s.copy_(t)
+            if not first:
+                self._sync_grads_in(entry)
         entry.graph.replay()
-        if self._last is not entry:
-            for p, grad in entry.grads:  # another graph's capture or an eager call moved .grad
-                p.grad = grad
-            self._last = entry
+        for p, grad, _ in entry.grads:  # the gradients the graph wrote are the params' .grad
+            p.grad = grad
         return rebuild(entry.out, iter([_detach_clone(t) for t in entry.outputs]))
+
+    @staticmethod
+    def _sync_grads_in(entry: _Entry) -> None:
+        """Make the graph see the ``.grad`` that eager execution would accumulate into."""
+        for p, g, mode in entry.grads:
+            live = p.grad
+            if live is g or mode == "cleared":
+                continue  # as left by the last replay, or fn clears .grad itself
+            if mode == "add":  # the graph adds into g: give it the live starting value
+                g.zero_() if live is None else g.copy_(live)
+            elif live is not None:  # mode "assign": the graph cannot add to an existing .grad
+                raise ValueError(
+                    "FullIterationGraph: a parameter's .grad holds a gradient before this step, "
+                    "but the step was captured with .grad set to None, so the graph overwrites "
+                    "it instead of accumulating into it as eager execution would. Call "
+                    "optimizer.zero_grad(set_to_none=True) before each step, or accumulate "
+                    "inside fn (pass a list of microbatches)."
+                )
 
     # -- what fn touches ---------------------------------------------------------------------
 
