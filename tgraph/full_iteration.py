@@ -20,9 +20,9 @@ Life cycle, per batch *signature* (shapes, dtypes, devices and structure of the 
 :func:`tgraph.signature.call_key`): the first ``warmup_steps`` calls run ``fn`` eagerly (on the
 capture side stream on CUDA, as PyTorch's whole-network capture recipe requires); they are real
 training steps and update the parameters. The next call copies the batch into *static* buffers,
-captures one call of ``fn`` on them and replays the graph once: that replay is this call's
-training step (a CUDA capture executes nothing; the emulated capture executes ``fn`` once, so its
-effects on parameters, gradients, optimizer state, buffers and RNG are undone before the replay).
+captures one call of ``fn`` on them; that call's training step is the first replay on CUDA (a
+CUDA capture executes nothing) and the capture itself on the emulated backend (which executes
+``fn`` once): either way ``fn``'s effects happen exactly once per call.
 Later calls copy the live batch into the static buffers and replay. A batch of another signature
 gets its own warmups and graph (at most ``max_graphs``), never a replay of the wrong shapes.
 
@@ -32,7 +32,11 @@ Ownership and aliasing:
   replay. A list of microbatches gets one static buffer per microbatch.
 * Returned outputs are fresh, detached clones of the graph's static outputs: safe to keep (a
   list of losses holds each step's value). The clone costs one small copy per output tensor.
-* ``param.grad`` after a replay on CUDA is the gradient tensor the graph writes.
+* ``param.grad`` after a replay on CUDA is the gradient tensor the graph writes. With the
+  optimizer outside ``fn``, zero gradients with ``set_to_none=True`` between calls (or inside
+  ``fn``): a graph captured with ``.grad`` None overwrites gradients and refuses to run when one
+  is left over; a graph captured with ``.grad`` present accumulates exactly as eager code.
+* An LR scheduler must step outside ``fn``; stepping inside it is refused at capture.
 
 Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` runs inside
 ``fn`` during the warmup calls):
