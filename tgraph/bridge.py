@@ -28,7 +28,7 @@ def hand_to_autograd(runner: Runner) -> list[torch.Tensor | None]:
 
 class GraphedCall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner: Runner, flight: Flight, n_inputs: int, *tensors: torch.Tensor):
+    def forward(ctx, runner: Runner, flight: Flight, *tensors: torch.Tensor):
         runner.fwd_graph.replay()
         ctx.runner, ctx.flight = runner, flight
         outs = tuple(o.detach() for o in runner.static_outputs)
@@ -36,9 +36,7 @@ class GraphedCall(torch.autograd.Function):
         # autograd check their version counters (an in-place change raises, as in eager).
         # Keeping them on ctx instead would make a reference cycle through the autograd node.
         ctx.save_for_backward(*outs)
-        ctx.mark_non_differentiable(
-            *(o for o, s in zip(outs, runner.static_outputs) if not s.requires_grad)
-        )
+        ctx.mark_non_differentiable(*(outs[i] for i in runner._out_nodiff))
         return outs
 
     @staticmethod
@@ -63,7 +61,7 @@ class GraphedCall(torch.autograd.Function):
         runner.bwd_graph.replay()
         runner.after_backward()
         flight.land()
-        return (None, None, None, *hand_to_autograd(runner))
+        return (None, None, *hand_to_autograd(runner))
 
 
 def hold_while_alive(runner: Runner, outputs: list[torch.Tensor]) -> None:
@@ -91,4 +89,4 @@ def replay(runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | 
         hold_while_alive(runner, outs)
         return outs
     flight = Flight(runner)
-    return list(GraphedCall.apply(runner, flight, len(tensors), *tensors, *runner.params))
+    return list(GraphedCall.apply(runner, flight, *tensors, *runner.params))

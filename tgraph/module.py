@@ -81,6 +81,11 @@ class CaptureReport:
         )
 
 
+_SHARED_INPUT_MISMATCH = (
+    "an input captured as another graphed module's output buffer arrived as a different tensor"
+)
+
+
 class _Manager:
     """Process-wide state: the record, the enabled modules, and whether graphs exist."""
 
@@ -116,19 +121,13 @@ class _Manager:
                         outs = bridge.replay(r, tensors)
                         if outs is not None:
                             return r.outputs(outs)
-                        reason = (
-                            "an input captured as another graphed module's output buffer "
-                            "arrived as a different tensor"
-                        )
+                        reason = _SHARED_INPUT_MISMATCH
                 elif r.seg_index == 0:
                     if seg.flight is None and seg.captured:
                         outs = bridge.replay(seg, tensors)
                         if outs is not None:
                             return r.outputs(seg.start(outs))
-                        reason = (
-                            "an input captured as another graphed module's output buffer "
-                            "arrived as a different tensor"
-                        )
+                        reason = _SHARED_INPUT_MISMATCH
                 elif seg.captured:
                     outs = seg.take(r, tensors)
                     if outs is not None:

@@ -153,6 +153,7 @@ class Runner:
         self.debug = False
         self._out_rg: list[int] = []
         self._in_rg: list[int] = []
+        self._out_nodiff: list[int] = []
         self._flags: MainGradFlags | None = None
         self._grad_out_zero: list[bool] = []
         self.merge = True  # may be captured together with its neighbours (tgraph.segment)
@@ -277,6 +278,7 @@ class Runner:
             factory, self.device, self._aliases.values(), self._run_forward, inputs, warmup
         )
         self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
+        self._out_nodiff = [i for i, o in enumerate(self.static_outputs) if not o.requires_grad]
         self.needs_backward = self.grad_mode and bool(self._out_rg)
         if not self.needs_backward:
             self.samples = []
@@ -299,6 +301,7 @@ class Runner:
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph."""
         self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
+        self._grad_out_zero = [True] * len(self.static_grad_outputs)
         self._flags = MainGradFlags(zip(self._leaves, self.params))
         self.bwd_graph, grads = capture_backward_graph(
             factory, self._aliases.values(), self._run_backward, self._flags
@@ -338,8 +341,6 @@ class Runner:
         A buffer already known to hold zeros is not zeroed again (outputs whose gradient is
         always None, e.g. the inner outputs of a merged stack, cost no kernel per step).
         """
-        if len(self._grad_out_zero) != len(self.static_grad_outputs):
-            self._grad_out_zero = [False] * len(self.static_grad_outputs)
         for k, (buf, i) in enumerate(zip(self.static_grad_outputs, self._out_rg)):
             g = grads[i]
             if g is None:
@@ -362,7 +363,7 @@ class Runner:
                     _poison(buf.detach())
             for buf in self.static_grad_outputs:
                 _poison(buf)
-            self._grad_out_zero = []
+            self._grad_out_zero = [False] * len(self.static_grad_outputs)
 
     def outputs(self, tensors: list[torch.Tensor]) -> Any:
         """The call's return value, in the structure the module returned."""

@@ -88,6 +88,7 @@ class Segment:
         self.needs_backward = False
         self._slices: list[slice] = []
         self._out_rg: list[int] = []
+        self._out_nodiff: list[int] = []
         self._leaves: list[torch.Tensor] = []
         self.packing = ParamGradPacking()
         self._param_grads: list[torch.Tensor | None] = []
@@ -150,6 +151,7 @@ class Segment:
             r.static_outputs = self.static_outputs[start : start + n]
             start += n
         self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
+        self._out_nodiff = [i for i, o in enumerate(self.static_outputs) if not o.requires_grad]
         self.needs_backward = head.grad_mode and bool(self._out_rg)
         if self.needs_backward:
             rg_outs = [self.static_outputs[i] for i in self._out_rg]
@@ -169,6 +171,7 @@ class Segment:
 
     def capture_backward(self, factory: GraphFactory) -> None:
         self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
+        self._grad_out_zero = [True] * len(self.static_grad_outputs)
         self._flags = MainGradFlags(zip(self._leaves, self.params))
         self.bwd_graph, grads = capture_backward_graph(
             factory, self._aliases(), self._run_backward, self._flags
@@ -200,11 +203,10 @@ class Segment:
     def after_backward(self) -> None:
         self._flags.after_replay()
         if self.debug:
-            self.head.debug = True
             self.head.after_backward_debug()  # the head's static inputs
             for buf in self.static_grad_outputs:
                 buf.fill_(float("nan"))
-            self._grad_out_zero = []
+            self._grad_out_zero = [False] * len(self.static_grad_outputs)
 
     def start(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
         """After the forward replay: keep every module's outputs; return the head's."""
