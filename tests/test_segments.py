@@ -111,3 +111,81 @@ def test_merge_false_graphs_each_block(backend, device):
     model(x, y)[1].backward()
     report = tgraph.create_graphs()
     assert report.segments == 0 and report.graphs == 2 * len(model.blocks)
+
+
+class GatedBlock(tgraph.GraphableModule):
+    """Takes the stream ``x`` plus ``gate``, one tensor passed to every block (like a mask)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x)) * gate
+
+
+class GatedNet(torch.nn.Module):
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, d)
+        self.blocks = torch.nn.ModuleList(GatedBlock(d) for _ in range(n))
+
+    def forward(self, x, gate, gates=None):
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h, gate if gates is None else gates[i])
+        return h.pow(2).mean()
+
+
+def _gate_batches(device, n, gate_requires_grad):
+    g = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(5, 8, generator=g).to(device),
+            torch.rand(16, generator=g).to(device).requires_grad_(gate_requires_grad),
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("gate_grad", [False, True], ids=["mask-like", "differentiable"])
+def test_input_shared_by_every_block_is_merged_and_fresh(backend, device, gate_grad):
+    """An input passed to every block (a new tensor each step) keeps the stack one segment;
+    each replay reads this step's values (a stale shared input changes the loss) and, when it
+    requires grad, its gradient sums every block's use."""
+    torch.manual_seed(0)
+    model = GatedNet().to(device)
+    eager = twin(model)
+    batches = _gate_batches(device, 4, gate_grad)
+    tgraph.enable(model, backend=backend, strict=True)
+    for i, (x, gate) in enumerate(batches):
+        gate_e = gate.detach().clone().requires_grad_(gate_grad)
+        got, want = model(x, gate), eager(x, gate_e)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=n)
+        if gate_grad:
+            torch.testing.assert_close(gate.grad, gate_e.grad, rtol=RTOL, atol=ATOL)
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        if i == 0:
+            report = tgraph.create_graphs()
+            assert report.segments == 1 and report.graphs == 2
+
+
+def test_block_given_another_shared_tensor_runs_eagerly(backend, device):
+    """A later block that gets a different tensor than the first block did (same shape) is not
+    answered by the merged graph, which computed it with the first block's tensor."""
+    torch.manual_seed(0)
+    model = GatedNet().to(device)
+    eager = twin(model)
+    (x, gate), (x2, gate2) = _gate_batches(device, 2, False)
+    tgraph.enable(model, backend=backend)
+    model(x, gate).backward()
+    assert tgraph.create_graphs().segments == 1
+    gates = [gate2, gate2, gate2.flip(0), gate2]  # block 2 gets another tensor
+    with pytest.warns(tgraph.GraphFallbackWarning, match="module 2 of a merged stack"):
+        got = model(x2, None, gates)
+    torch.testing.assert_close(got, eager(x2, None, gates), rtol=RTOL, atol=ATOL)

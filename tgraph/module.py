@@ -106,6 +106,7 @@ class _Manager:
             if runner is None:
                 links = [self.record.producer(t) for t in tensors]
                 runner = Runner(module, key, args, kwargs, tensors, links)
+                runner.shared_with = [self.record.consumers(t) for t in tensors]
                 runner.merge = state.merge
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
@@ -126,7 +127,7 @@ class _Manager:
                     if seg.flight is None and seg.captured:
                         outs = bridge.replay(seg, tensors)
                         if outs is not None:
-                            return r.outputs(seg.start(outs))
+                            return r.outputs(seg.start(outs, tensors))
                         reason = _SHARED_INPUT_MISMATCH
                 elif seg.captured:
                     outs = seg.take(r, tensors)
@@ -135,7 +136,8 @@ class _Manager:
                     reason = (
                         f"it was captured as module {r.seg_index} of a merged stack ({seg}) but "
                         "was not called right after the previous module with that module's "
-                        "unmodified output (pass merge=False to tgraph.enable to graph it alone)"
+                        "unmodified output and the inputs shared with the first module (pass "
+                        "merge=False to tgraph.enable to graph it alone)"
                     )
         elif state.runners:
             reason = difference(next(iter(state.runners)), key)
@@ -145,6 +147,7 @@ class _Manager:
 
     def _record_call(self, runner: Runner, args: tuple, kwargs: dict, inputs: list):
         self.record.add(runner, "fwd")
+        self.record.note_inputs(runner, inputs)
         out = self._plain_call(runner.module, args, kwargs)
         outs: list[torch.Tensor] = []
         _collect(out, outs)

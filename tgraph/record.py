@@ -67,6 +67,7 @@ class Record:
     def __init__(self) -> None:
         self.events: list[tuple[Runner, Phase]] = []
         self._producers: dict[int, tuple[weakref.ref, Runner, int]] = {}
+        self._consumers: dict[int, tuple[weakref.ref, list[tuple[Runner, int]]]] = {}
 
     def add(self, runner: Runner, phase: Phase) -> None:
         self.events.append((runner, phase))
@@ -83,9 +84,25 @@ class Record:
             return None
         return entry[1], entry[2]
 
+    def note_inputs(self, runner: Runner, inputs: list[torch.Tensor]) -> None:
+        """Remember that ``runner`` took ``inputs[i]`` (to merge calls sharing an input)."""
+        for i, t in enumerate(inputs):
+            entry = self._consumers.get(id(t))
+            if entry is None or entry[0]() is not t:
+                entry = self._consumers[id(t)] = (weakref.ref(t), [])
+            entry[1].append((runner, i))
+
+    def consumers(self, t: torch.Tensor) -> list[tuple[Runner, int]]:
+        """``(runner, i)`` for every recorded call so far that took ``t`` as its input ``i``."""
+        entry = self._consumers.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return []
+        return list(entry[1])
+
     def clear(self) -> None:
         self.events.clear()
         self._producers.clear()
+        self._consumers.clear()
 
 
 class NoteBackward(torch.autograd.Function):

@@ -136,6 +136,8 @@ class Runner:
         self.key = key
         self.flight: int | None = None
         self.links = links
+        # per tensor, the earlier recorded calls that took the very same tensor (tgraph.segment)
+        self.shared_with: list[list[tuple[Runner, int]]] = [[] for _ in tensors]
         self._args, self._kwargs = _strip(args), _strip(kwargs)
         self.device = tensors[0].device if tensors else next(module.parameters()).device
         self.samples = [t.detach().clone() for t in tensors]

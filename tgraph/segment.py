@@ -1,15 +1,18 @@
 """Merged neighbours: a stack of graphed calls captured as one forward and one backward graph.
 
 When the record shows runners r0, r1, ..., rk called back to back (rj's forward right after
-r(j-1)'s, every tensor input of rj being an output of r(j-1)) and backed through in exactly the
-reverse order, nothing eager can sit between them that the graphs would need to see. They are
+r(j-1)'s, every tensor input of rj being either an output of r(j-1) or the very tensor r0 also
+took, such as an attention mask passed to every layer, and at least one being an output of
+r(j-1)) and backed through in exactly the reverse order, nothing eager can sit between them that
+the graphs would need to see. They are
 then captured as one *segment*: one forward graph running all k+1 modules and one backward graph
 (``autograd.grad`` of every module's outputs), bridged into autograd as one node. A step then
 pays two replays and one autograd node for the whole stack instead of 2(k+1) of each.
 
 At replay, r0's call replays the segment's forward and returns r0's outputs; the calls of
-r1..rk return their outputs, already computed, after checking that each gets exactly the tensor
-the previous call returned, unmodified (same object, same version counter). Any other call
+r1..rk return their outputs, already computed, after checking that each gets exactly the tensors
+the previous call returned and the shared tensors r0 got, unmodified (same objects, same version
+counters). Any other call
 (out of order, a modified or different input) runs eagerly with a warning: the merged graph
 never answers a call it did not compute. Every module's outputs are outputs of the node, so a
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
@@ -40,7 +43,7 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
         first.setdefault((id(r), phase), i)
     order = sorted({id(r): r for r, _ in events}.values(), key=lambda r: first[(id(r), "fwd")])
 
-    def follows(prev: Runner, nxt: Runner) -> bool:
+    def follows(head: Runner, prev: Runner, nxt: Runner) -> bool:
         if not (nxt.merge and prev.merge and nxt.links and nxt.device == prev.device):
             return False
         # Modules with buffers (e.g. BatchNorm statistics) stay apart: if a merged member
@@ -51,7 +54,7 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
             return False
         if first[(id(nxt), "fwd")] != first[(id(prev), "fwd")] + 1:
             return False
-        if any(link is None or link[0] is not prev for link in nxt.links):
+        if sources(head, prev, nxt) is None:
             return False
         bp, bn = first.get((id(prev), "bwd")), first.get((id(nxt), "bwd"))
         if bp is None and bn is None:
@@ -60,11 +63,29 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
 
     chains: list[list[Runner]] = []
     for r in order:
-        if chains and follows(chains[-1][-1], r):
+        if chains and follows(chains[-1][0], chains[-1][-1], r):
             chains[-1].append(r)
         else:
             chains.append([r])
     return [c for c in chains if len(c) > 1]
+
+
+def sources(head: Runner, prev: Runner, nxt: Runner) -> list[tuple[bool, int]] | None:
+    """Where each tensor input of ``nxt`` comes from in a stack starting at ``head``.
+
+    ``(True, k)``: output ``k`` of ``prev``; ``(False, j)``: the tensor ``head`` took as its
+    input ``j``. None when some input is neither, or when no input comes from ``prev``.
+    """
+    found = []
+    for link, shared in zip(nxt.links, nxt.shared_with):
+        if link is not None and link[0] is prev:
+            found.append((True, link[1]))
+            continue
+        j = next((j for r, j in shared if r is head), None)
+        if j is None:
+            return None
+        found.append((False, j))
+    return found if any(from_prev for from_prev, _ in found) else None
 
 
 class Segment:
@@ -75,6 +96,9 @@ class Segment:
         for j, r in enumerate(runners):
             r.segment, r.seg_index = self, j
         self.head = runners[0]
+        self._sources = [[]] + [
+            sources(self.head, prev, r) for prev, r in zip(runners, runners[1:])
+        ]
         self.key = self.head.key
         self.device = self.head.device
         self.flight: int | None = None
@@ -97,6 +121,8 @@ class Segment:
         self.pending: list[list[torch.Tensor]] | None = None
         self._next = 0
         self._versions: list[int] = []
+        self._head_inputs: list[torch.Tensor] = []
+        self._head_versions: list[int] = []
 
     def __repr__(self) -> str:
         return f"Segment({len(self.runners)} x {type(self.head.module).__name__})"
@@ -112,11 +138,12 @@ class Segment:
         return [a for r in self.runners for a in r._aliases.values()]
 
     def _run_forward(self) -> list[torch.Tensor]:
+        head_in = self.head.static_inputs
         outs = self.head._run_forward()
         flat = list(outs)
-        for r in self.runners[1:]:
+        for r, src in zip(self.runners[1:], self._sources[1:]):
             # rj reads r(j-1)'s outputs of this very run: one autograd graph for the stack
-            r.static_inputs = [outs[link[1]] for link in r.links]
+            r.static_inputs = [outs[k] if from_prev else head_in[k] for from_prev, k in src]
             outs = r._run_forward()
             flat += outs
         return flat
@@ -208,10 +235,13 @@ class Segment:
                 buf.fill_(float("nan"))
             self._grad_out_zero = [False] * len(self.static_grad_outputs)
 
-    def start(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """After the forward replay: keep every module's outputs; return the head's."""
+    def start(self, outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """After the forward replay on the head's ``inputs``: keep every module's outputs
+        (and the inputs, which later modules may share); return the head's outputs."""
         self.pending = [outs[s] for s in self._slices]
         self._versions = [t._version for t in outs]
+        self._head_inputs = list(inputs)
+        self._head_versions = [t._version for t in inputs]
         self._next = 1
         return self.pending[0]
 
@@ -220,14 +250,18 @@ class Segment:
         j = runner.seg_index
         if self.pending is None or j != self._next:
             return None
-        prev = self.pending[j - 1]
-        for t, link in zip(tensors, runner.links):
-            src = prev[link[1]]
-            if t is not src or t._version != self._versions[self._slices[j - 1].start + link[1]]:
+        prev, base = self.pending[j - 1], self._slices[j - 1].start
+        for t, (from_prev, k) in zip(tensors, self._sources[j]):
+            if from_prev:
+                src, version = prev[k], self._versions[base + k]
+            else:
+                src, version = self._head_inputs[k], self._head_versions[k]
+            if t is not src or t._version != version:
                 self.pending = None  # the stack was left: release its outputs
+                self._head_inputs = []
                 return None
         self._next += 1
         out = self.pending[j]
         if self._next == len(self.runners):
-            self.pending = None
+            self.pending, self._head_inputs = None, []
         return out
