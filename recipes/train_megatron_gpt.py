@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
         for p in params:  # the optimizer reads megatron DDP's fp32 main_grad buffers
             p.grad = p.main_grad
         opt.step()
+        for p in params:  # as megatron's optimizer.zero_grad(): a .grad aliasing main_grad
+            p.grad = None  # would make the next backward's DDP hook add main_grad to itself
         return loss.detach()
 
     step_fn = train_step
