@@ -7,6 +7,7 @@ Fixed-batch modes (same toy GPT, same prompts, greedy, one token per step):
   hand_eager   a static-KV decode step written in this script, run eagerly
   hand_graph   the same step captured by hand in one ``torch.cuda.CUDAGraph`` per batch size
   engine_eager / engine_graphs   ``tgraph.decode.DecodeEngine(use_graphs=False / True)``
+  engine_graphs_no_lookahead     DecodeEngine graphs reading every step's tokens before the next
   hf_generate  ``transformers`` LlamaForCausalLM of the same size, ``generate`` (eager)
 Mixed workload: requests with different prompt and output lengths arriving over time, served by
 continuous batching (hand-written slots over one max-batch graph, and DecodeEngine): tokens/s,
@@ -53,7 +54,14 @@ DIMS = {
     "full": dict(n_layer=12, n_embd=256, n_head=4),
     "smoke": dict(n_layer=2, n_embd=32, n_head=2),
 }
-FIXED_MODES = ["hand_eager", "hand_graph", "engine_eager", "engine_graphs", "hf_generate"]
+FIXED_MODES = [
+    "hand_eager",
+    "hand_graph",
+    "engine_eager",
+    "engine_graphs",
+    "engine_graphs_no_lookahead",
+    "hf_generate",
+]
 MIXED_MODES = ["hand_continuous_eager", "hand_continuous_graph", "engine_eager", "engine_graphs"]
 
 
@@ -207,7 +215,7 @@ def _per_step_ms(run, n: int, device: torch.device, repeats: int) -> float | Non
     )  # noise larger than the decode steps: no number rather than a wrong one
 
 
-def make_engine(b: Bench, max_batch: int, use_graphs: bool):
+def make_engine(b: Bench, max_batch: int, use_graphs: bool, lookahead: bool = True):
     try:
         from tgraph.decode import DecodeEngine
     except ImportError as exc:
@@ -215,6 +223,8 @@ def make_engine(b: Bench, max_batch: int, use_graphs: bool):
     synchronize(b.device)
     t0 = time.perf_counter()
     kwargs = dict(max_batch_size=max_batch, max_seq_len=b.max_seq, use_graphs=use_graphs)
+    if not lookahead:
+        kwargs["lookahead"] = False
     try:
         engine = DecodeEngine(b.model, **kwargs, progress=False)
     except TypeError:  # an engine without the progress option
@@ -238,8 +248,10 @@ def engine_stats(engine) -> dict | None:
     return dict(stats) if isinstance(stats, dict) else {"repr": repr(stats)}
 
 
-def fixed_engine(b: Bench, batch: int, use_graphs: bool, repeats: int) -> dict:
-    engine, setup_s = make_engine(b, batch, use_graphs)
+def fixed_engine(
+    b: Bench, batch: int, use_graphs: bool, repeats: int, lookahead: bool = True
+) -> dict:
+    engine, setup_s = make_engine(b, batch, use_graphs, lookahead)
     prompts = b.prompts(batch)
     n = b.steps
     tokens = engine.generate(prompts, n)  # also the warmup
@@ -308,8 +320,10 @@ def run_fixed(b: Bench, mode: str, batch: int, repeats: int) -> dict:
     try:
         if mode in ("hand_eager", "hand_graph"):
             res = fixed_hand(b, batch, mode == "hand_graph")
-        elif mode in ("engine_eager", "engine_graphs"):
-            res = fixed_engine(b, batch, mode == "engine_graphs", repeats)
+        elif mode.startswith("engine_"):
+            res = fixed_engine(
+                b, batch, mode != "engine_eager", repeats, lookahead=not mode.endswith("lookahead")
+            )
         else:
             res = fixed_hf(b, batch, repeats)
         synchronize(b.device)

@@ -349,3 +349,51 @@ def test_serves_model_with_per_layer_graphs_enabled(backend, device):
     ps = prompts(3)
     kw = dict(max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
     assert DecodeEngine(model, **kw).generate(ps, 10) == DecodeEngine(plain, **kw).generate(ps, 10)
+
+
+@pytest.mark.parametrize("scenario", ["50_steps", "join_and_leave"])
+def test_lookahead_gives_the_tokens_of_step_by_step_decoding(backend, device, scenario):
+    """Steps launched before the host reads the previous tokens (device-side token hand-off)
+    give exactly the tokens of reading every step first, including requests ending by EOS while
+    others run on (their row decoded ahead is dropped) and slots reused after them."""
+    n, max_bs, new = SCENARIOS[scenario]
+    model = tiny_gpt(device)
+    ps = prompts(n)
+    step_by_step = DecodeEngine(
+        model, max_batch_size=max_bs, max_seq_len=64, use_graphs=False, lookahead=False
+    )
+    graphed = DecodeEngine(
+        model, max_batch_size=max_bs, max_seq_len=64, backend=backend, progress=False
+    )
+    want = step_by_step.generate(ps, new)
+    assert graphed.generate(ps, new) == want
+    eos = want[0][3]  # ends request 0 after at most 4 tokens; others may contain it too
+    want_eos = step_by_step.generate(ps, new, eos_token_id=eos)
+    assert graphed.generate(ps, new, eos_token_id=eos) == want_eos
+    assert graphed.stats.wasted_rows >= 1  # request 0 ended by EOS while the batch ran ahead
+    assert step_by_step.stats.wasted_rows == 0
+
+
+def test_lookahead_stale_token_hand_off_is_caught(backend, device, monkeypatch):
+    """Planted bug: the step decoded ahead reads the static token buffer as it was (the
+    previous step's input) instead of the just-sampled ids. Tokens must diverge."""
+    from tgraph.decode.graph_runner import DecodeGraphRunner
+
+    model = tiny_gpt(device)
+    ps, new = prompts(3), 15
+    want = DecodeEngine(
+        model, max_batch_size=4, max_seq_len=64, use_graphs=False, lookahead=False
+    ).generate(ps, new)
+    real = DecodeGraphRunner.replay
+
+    def stale(self, tokens, positions, slots, device_tokens=None):
+        if device_tokens is None:
+            return real(self, tokens, positions, slots)
+        kept = self.buffers.tokens.clone()
+        self.buffers.copy_from(tokens, positions, slots)
+        self.buffers.tokens.copy_(kept)
+        return real(self, list(kept[: len(tokens)].tolist()), positions, slots)
+
+    monkeypatch.setattr(DecodeGraphRunner, "replay", stale)
+    graphed = DecodeEngine(model, max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
+    assert graphed.generate(ps, new) != want

@@ -142,4 +142,8 @@ class DecodeBuffers:
         packed = pack_rows(
             tokens, positions, slots, width=self.max_rows, dummy_slot=self.dummy_slot
         )
-        self.data.copy_(packed)
+        if self.data.is_cuda:  # pinned + async: the host does not wait for the running step
+            # (the pinned block is not reused before the copy ends: torch's host allocator)
+            self.data.copy_(packed.pin_memory(), non_blocking=True)
+        else:
+            self.data.copy_(packed)

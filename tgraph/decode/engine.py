@@ -11,6 +11,16 @@ Life of a ``generate`` call (top-down, gpt-fast order):
 4. Sample outside the graph; finished requests (own ``max_new_tokens``, EOS) free their slot, and
    the next waiting requests join at step 2. The running batch shrinks and grows across buckets.
 
+Lookahead (``lookahead=True``, the default): while no running request reaches its
+``max_new_tokens`` in the step just launched, the next step is launched *before* the host reads
+that step's tokens: its token ids are copied on the device from the sampled ids, its positions
+and slots are known on the host. The GPU then never waits for the host's bookkeeping. A request
+that ends with EOS is known one step late: its row of the step decoded ahead is computed and
+discarded (``DecodeStats.wasted_rows``); it writes one key/value past the request's end into its
+own slot, which attention masks out (a later request in that slot overwrites it). Tokens are
+exactly those of ``lookahead=False`` for greedy decoding; seeded sampling is reproducible for a
+given setting (a discarded row also consumes random numbers).
+
 Example::
 
     engine = DecodeEngine(model, max_batch_size=8, max_seq_len=128)
@@ -66,6 +76,8 @@ class DecodeStats:
     """Sum over steps of the running requests."""
     padded_rows: int = 0
     """Sum over steps of the padded rows (wasted compute)."""
+    wasted_rows: int = 0
+    """Rows decoded ahead for a request that had just ended with EOS (lookahead), discarded."""
     generated_tokens: int = 0
     total_seconds: float = 0.0
     """Wall time of the latest ``generate`` call."""
@@ -96,6 +108,28 @@ class DecodeStats:
         )
 
 
+class _Launched:
+    """A decode step on the GPU: its rows and sampled token ids, copied to the host async."""
+
+    def __init__(self, rows: list[Request], tokens: torch.Tensor) -> None:
+        self.rows = list(rows)
+        self.tokens = tokens  # (n,) on the device; the input of a step decoded ahead
+        self._host: torch.Tensor | None = None
+        self._done = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def read(self) -> list[int]:
+        """The sampled ids; waits for this step (not for steps launched after it)."""
+        if self._done is None:
+            return self.tokens.tolist()
+        self._done.synchronize()
+        return self._host.tolist()
+
+
 class DecodeEngine:
     """Serve a model's decode steps through one graph per batch-size bucket.
 
@@ -111,6 +145,8 @@ class DecodeEngine:
             Batches larger than the largest bucket run eagerly.
         backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (``TGRAPH_BACKEND`` overrides auto).
         progress: show a progress bar over capture.
+        lookahead: launch the next decode step before reading the current step's tokens on the
+            host (see the module docstring).
 
     Raises:
         ValueError: a size out of range, or an unknown backend.
@@ -128,8 +164,10 @@ class DecodeEngine:
         batch_sizes: Sequence[int] | None = None,
         backend: str = "auto",
         progress: bool = True,
+        lookahead: bool = True,
     ) -> None:
         self.decoder = as_decode_model(model)
+        self.lookahead = lookahead
         d = self.decoder
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -186,15 +224,22 @@ class DecodeEngine:
             return self.runner.bucket_for(rows)
         return next((b for b in self.buckets if b >= rows), None)
 
-    def decode(self, running: Sequence[Request]) -> torch.Tensor:
+    def decode(self, running: Sequence[Request], ahead: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step for ``running`` (at most ``max_batch_size``); returns logits (n, V).
+
+        Args:
+            running: the requests, one row each.
+            ahead: (n,) token ids on the device to decode instead of each request's last
+                output token: the samples of a step whose tokens the host has not appended yet
+                (lookahead). Positions are then one past each request's last appended token.
 
         The returned tensor may be a view of a graph's static output: the next step overwrites
         it. Clone it to keep it.
         """
         n = len(running)
-        tokens = [r.output[-1] for r in running]
-        positions = [r.position for r in running]
+        shift = 0 if ahead is None else 1
+        tokens = [r.output[-1] for r in running] if ahead is None else [0] * n
+        positions = [r.position + shift for r in running]
         slots = [r.slot for r in running]
         bucket = self._bucket_for(n)
         st = self.stats
@@ -207,9 +252,12 @@ class DecodeEngine:
         st.live_rows += n
         st.padded_rows += width - n
         if self.runner is not None and bucket is not None:
-            return self.runner.replay(tokens, positions, slots)[:n]
+            return self.runner.replay(tokens, positions, slots, ahead)[:n]
         packed = pack_rows(tokens, positions, slots, width=width, dummy_slot=self.cache.dummy_slot)
-        return self._step(as_step_inputs(packed.to(self.device)))[:n]
+        packed = packed.to(self.device)
+        if ahead is not None:
+            packed[0, :n] = ahead
+        return self._step(as_step_inputs(packed))[:n]
 
     def prefill(self, request: Request) -> torch.Tensor:
         """Run ``request``'s prompt eagerly into its slot; returns last-position logits (V,)."""
@@ -273,41 +321,57 @@ class DecodeEngine:
             pool_bytes=self.stats.pool_bytes,
         )
 
-        def pick(logits: torch.Tensor) -> list[int]:
-            return sample(
-                logits, temperature=temperature, top_k=top_k, generator=generator
-            ).tolist()
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            return sample(logits, temperature=temperature, top_k=top_k, generator=generator)
+
+        def launch(rows: list[Request], ahead: torch.Tensor | None = None) -> _Launched:
+            st.decode_steps += 1
+            return _Launched(rows, pick(self.decode(rows, ahead)))
 
         start = time.perf_counter()
         waiting = deque(r for r in requests if r.max_new_tokens > 0)
         free = list(range(self.max_batch_size))  # a heap: the lowest free slot goes first
         running: list[Request] = []
-        while waiting or running:
-            while waiting and free:  # join: prefill waiting requests into free slots
+        step: _Launched | None = None  # launched, its tokens not yet read by the host
+        while waiting or running or step:
+            if step is None:
+                while waiting and free:  # join: prefill waiting requests into free slots
+                    t0 = time.perf_counter()
+                    r = waiting.popleft()
+                    r.slot = heapq.heappop(free)
+                    token = int(pick(self.prefill(r)[None])[0])
+                    st.prefills += 1
+                    st.prefill_seconds += time.perf_counter() - t0
+                    if r.append(token, eos_token_id):
+                        heapq.heappush(free, r.slot)
+                    else:
+                        running.append(r)
+                if not running:
+                    continue
                 t0 = time.perf_counter()
-                r = waiting.popleft()
-                r.slot = heapq.heappop(free)
-                (token,) = pick(self.prefill(r)[None])
-                st.prefills += 1
-                st.prefill_seconds += time.perf_counter() - t0
-                if r.append(token, eos_token_id):
-                    heapq.heappush(free, r.slot)
-                else:
-                    running.append(r)
-            if not running:
-                continue
-            t0 = time.perf_counter()
-            tokens = pick(self.decode(running))  # .tolist() waits for the step to finish
-            st.decode_steps += 1
+                step = launch(running)
+            else:
+                t0 = time.perf_counter()
+            ahead = None
+            # Decode ahead only while the batch cannot change except by EOS: no request of this
+            # step reaches max_new_tokens (nor has ended), so no slot frees and nobody joins.
+            if self.lookahead and all(
+                r.slot >= 0 and len(r.output) + 1 < r.max_new_tokens for r in step.rows
+            ):
+                ahead = launch(step.rows, step.tokens)
+            tokens = step.read()  # waits for that step only; the one ahead keeps the GPU busy
             st.decode_seconds += time.perf_counter() - t0
             still = []
-            for r, token in zip(running, tokens, strict=True):
+            for r, token in zip(step.rows, tokens, strict=True):
+                if r.slot < 0:  # ended with EOS one step earlier: a row decoded ahead, dropped
+                    st.wasted_rows += 1
+                    continue
                 if r.append(token, eos_token_id):
                     heapq.heappush(free, r.slot)
                     r.slot = -1
                 else:
                     still.append(r)
-            running = still
+            running, step = still, ahead
         st.total_seconds = time.perf_counter() - start
         st.generated_tokens = sum(len(r.output) for r in requests)
         logger.debug("generate: %s", st.summary())

@@ -145,7 +145,11 @@ class DecodeGraphRunner:
         )
 
     def replay(
-        self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        device_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Refresh the static inputs, replay the bucket's graph and return its logits.
 
@@ -153,6 +157,8 @@ class DecodeGraphRunner:
             tokens: token id of each live row.
             positions: position of each live row's token.
             slots: KV slot of each live row.
+            device_tokens: if given, the live rows' token ids on the device (they replace
+                ``tokens`` by a device-to-device copy; the host never reads them).
 
         Returns:
             The bucket graph's static logits (B, V), B >= len(tokens); rows past ``len(tokens)``
@@ -162,6 +168,8 @@ class DecodeGraphRunner:
         assert bucket is not None and bucket in self.graphs, f"no graph for {len(tokens)} rows"
         graph, logits = self.graphs[bucket]
         self.buffers.copy_from(tokens, positions, slots)  # every row, stale tails reset
+        if device_tokens is not None:
+            self.buffers.tokens[: len(tokens)].copy_(device_tokens)
         with torch.no_grad():
             graph.replay()
         return logits
