@@ -121,19 +121,24 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def fresh_memory(device: torch.device) -> None:
-    """Free what the previous mode left and restart the peak-memory counter."""
+def fresh_memory(device: torch.device) -> int:
+    """Free what the previous mode left, restart the peak-memory counter; return the bytes
+    still allocated (the baseline a mode's peak is measured from: memory earlier modes keep,
+    such as cuBLAS workspaces of their streams, is not charged to the next mode)."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
-def peak_memory_mib(device: torch.device) -> float | None:
+def peak_memory_mib(device: torch.device, since: int = 0) -> float | None:
+    """Peak allocated MiB since the last counter reset, above ``since`` bytes."""
     if device.type != "cuda":
         return None
-    return torch.cuda.max_memory_allocated(device) / 2**20
+    return (torch.cuda.max_memory_allocated(device) - since) / 2**20
 
 
 def fmt(value: Any, digits: int = 2) -> str:

@@ -316,7 +316,7 @@ def fixed_hf(b: Bench, batch: int, repeats: int) -> dict:
 
 def run_fixed(b: Bench, mode: str, batch: int, repeats: int) -> dict:
     row = {"workload": f"batch {batch}", "batch": batch, "mode": mode, "status": "ok", "reason": ""}
-    fresh_memory(b.device)
+    base = fresh_memory(b.device)
     try:
         if mode in ("hand_eager", "hand_graph"):
             res = fixed_hand(b, batch, mode == "hand_graph")
@@ -327,7 +327,7 @@ def run_fixed(b: Bench, mode: str, batch: int, repeats: int) -> dict:
         else:
             res = fixed_hf(b, batch, repeats)
         synchronize(b.device)
-        row.update(res, peak_mem_mib=peak_memory_mib(b.device))
+        row.update(res, peak_mem_mib=peak_memory_mib(b.device, since=base))
         row["tokens_per_s"] = batch * 1e3 / row["ms_median"] if row["ms_median"] else None
     except Skip as exc:
         row.update(status="skipped", reason=str(exc))
@@ -478,13 +478,13 @@ def continuous_engine(b: Bench, reqs: list[Request], max_batch: int, use_graphs:
 
 def run_mixed(b: Bench, mode: str, reqs: list[Request], max_batch: int) -> dict:
     row = {"workload": "mixed", "batch": max_batch, "mode": mode, "status": "ok", "reason": ""}
-    fresh_memory(b.device)
+    base = fresh_memory(b.device)
     try:
         if mode.startswith("hand"):
             res = continuous_hand(b, reqs, max_batch, mode.endswith("graph"))
         else:
             res = continuous_engine(b, reqs, max_batch, mode == "engine_graphs")
-        row.update(res, peak_mem_mib=peak_memory_mib(b.device))
+        row.update(res, peak_mem_mib=peak_memory_mib(b.device, since=base))
     except Skip as exc:
         row.update(status="skipped", reason=str(exc))
     except Exception as exc:  # noqa: BLE001

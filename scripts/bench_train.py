@@ -87,6 +87,7 @@ class Setup:
     dims: dict[str, int]
     base: GPT
     batches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    setup_peak: int = 0  # bytes: peak allocated before the first timed step (warmup, capture)
 
     @property
     def total(self) -> int:
@@ -161,6 +162,10 @@ def drive(s: Setup, step: Callable, start: int = 0) -> tuple[list[float], torch.
     loss = None
     for i in range(start, s.total):
         x, y = s.batch(i)
+        if i == s.warmup and s.device.type == "cuda":  # steady-state peak from here on
+            synchronize(s.device)
+            s.setup_peak = torch.cuda.max_memory_allocated(s.device)
+            torch.cuda.reset_peak_memory_stats(s.device)
         if i >= s.warmup:
             timer.start()
         loss = step(x, y)
@@ -411,16 +416,21 @@ MODE_FUNCS: dict[str, Callable] = {
 
 def run_mode(mode: str, s: Setup) -> dict:
     row: dict = {"config": s.name, "dtype": s.dtype, "mode": mode, "status": "ok", "reason": ""}
-    fresh_memory(s.device)
+    base = fresh_memory(s.device)
+    s.setup_peak = 0
     try:
         times, loss, capture, note = MODE_FUNCS[mode](s)
         synchronize(s.device)
         row.update(summarize(times))
+        steady = peak_memory_mib(s.device, since=base)
         row.update(
             capture_s=capture,
             final_loss=float(loss.detach().float()),
             note=note,
-            peak_mem_mib=peak_memory_mib(s.device),
+            # above the memory allocated when the mode started (model copies included)
+            peak_mem_mib=None if steady is None else max(steady, (s.setup_peak - base) / 2**20),
+            steady_peak_mib=steady,
+            baseline_mib=base / 2**20,
             steps_trained=s.total,
         )
     except Skip as exc:
@@ -468,7 +478,9 @@ def markdown(payload: dict) -> str:
         "",
         f"Optimizer: {meta['optimizer']}. Precision: {meta['precision']}. "
         f"{meta['steps']} timed steps after {meta['warmup']} untimed warmup steps; "
-        f"{meta['timing']}. Parity: final loss vs eager, rtol {meta['parity_rtol']}.",
+        f"{meta['timing']}. Parity: final loss vs eager, rtol {meta['parity_rtol']}. "
+        "Memory: peak allocated above what was allocated when the mode started (peak MiB: "
+        "whole mode incl. warmup and capture; steady MiB: timed steps only).",
     ]
     headers = [
         "mode",
@@ -478,6 +490,7 @@ def markdown(payload: dict) -> str:
         "x floor",
         "x eager",
         "peak MiB",
+        "steady MiB",
         "capture s",
         "final loss",
         "parity",
@@ -502,6 +515,7 @@ def markdown(payload: dict) -> str:
                 r.get("ratio_floor"),
                 r.get("ratio_eager"),
                 r.get("peak_mem_mib"),
+                r.get("steady_peak_mib"),
                 r.get("capture_s"),
                 None if r.get("final_loss") is None else f"{r['final_loss']:.6f}",
                 r.get("parity"),
