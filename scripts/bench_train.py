@@ -62,6 +62,7 @@ MODES = [
     "megatron_none",
     "megatron_local",
     "megatron_tgraph_layer",
+    "megatron_tgraph_layer_hooks",
     "megatron_tgraph_full",
 ]
 CPU_MODES = ["eager", "tgraph_layer", "tgraph_full"]
@@ -374,12 +375,12 @@ def mode_megatron(s: Setup, variant: str):
             capture = time.perf_counter() - t0
             times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
             return times, loss, capture, note
-        if variant == "tgraph_layer":
-            tm.enable_layer_graphs(model)
+        if variant.startswith("tgraph_layer"):  # _hooks: gradients through DDP's hooks
+            tm.enable_layer_graphs(model, main_grad_fusion=variant == "tgraph_layer")
         train_step(s.batch(0))  # recorded / warmup iteration
         synchronize(s.device)
         t0 = time.perf_counter()
-        if variant == "tgraph_layer":
+        if variant.startswith("tgraph_layer"):
             note += f"; {tgraph.create_graphs()}"
         elif variant == "local":
             from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
@@ -390,7 +391,7 @@ def mode_megatron(s: Setup, variant: str):
         times, loss = drive(s, lambda x, y: train_step((x, y)), start=1)
         return times, loss, capture, note
     finally:
-        if variant == "tgraph_layer":
+        if variant.startswith("tgraph_layer"):
             tgraph.reset()
             tgraph.disable(model)
         if variant == "local":
@@ -410,6 +411,7 @@ MODE_FUNCS: dict[str, Callable] = {
     "megatron_none": lambda s: mode_megatron(s, "none"),
     "megatron_local": lambda s: mode_megatron(s, "local"),
     "megatron_tgraph_layer": lambda s: mode_megatron(s, "tgraph_layer"),
+    "megatron_tgraph_layer_hooks": lambda s: mode_megatron(s, "tgraph_layer_hooks"),
     "megatron_tgraph_full": lambda s: mode_megatron(s, "tgraph_full"),
 }
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 from layer_models import ATOL, RTOL
 
 import tgraph
-from tgraph.grads import MainGradFlags
+from tgraph.grads import MainGradFlags, MainGradFusion
 
 
 class _FusedWgrad(torch.autograd.Function):
@@ -68,6 +68,7 @@ class MegatronLikeDDP:
 
     def __init__(self, model: nn.Module) -> None:
         self.params = list(model.parameters())
+        self.hook_calls = 0
         self._accumulators = []
         for p in self.params:
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
@@ -76,9 +77,9 @@ class MegatronLikeDDP:
             acc.register_hook(self._hook(p))
             self._accumulators.append(acc)  # keep the AccumulateGrad nodes alive
 
-    @staticmethod
-    def _hook(p):
+    def _hook(self, p):
         def hook(*_):
+            self.hook_calls += 1
             if p.grad is not None and not p.grad_added_to_main_grad:
                 p.main_grad.add_(p.grad)
             p.grad = None
@@ -95,12 +96,12 @@ def state(ddp: MegatronLikeDDP):
     return [(p.main_grad.clone(), p.grad_added_to_main_grad, p.grad) for p in ddp.params]
 
 
-def check_main_grad_convention(backend, device):
+def check_main_grad_convention(backend, device, fusion=False):
     torch.manual_seed(0)
     model = Net().to(device)
     eager = copy.deepcopy(model)
     ddp, ddp_eager = MegatronLikeDDP(model), MegatronLikeDDP(eager)
-    tgraph.enable(model, backend=backend, strict=True)
+    tgraph.enable(model, backend=backend, strict=True, main_grad_fusion=fusion)
     xs = torch.randn(4, 3, 5, 16, device=device)
 
     def step(m, d, micro):
@@ -112,7 +113,15 @@ def check_main_grad_convention(backend, device):
     step(model, ddp, xs[:1])
     tgraph.create_graphs()
     for i in range(2):
+        ddp.hook_calls = 0
         got = step(model, ddp, xs[i : i + 3])
+        # fusion: the graph adds every block parameter's gradient into main_grad itself except
+        # the fused-wgrad weights' (their kernel does); the other hooks do not run at all
+        fused_by_graph = [
+            p for b in model.blocks for p in b.parameters() if p is not b.fused.weight
+        ]
+        want_calls = 3 * (len(ddp.params) - (len(fused_by_graph) if fusion else 0))
+        assert ddp.hook_calls == want_calls
         want = step(eager, ddp_eager, xs[i : i + 3])
         for (g_mg, g_flag, g_grad), (w_mg, w_flag, w_grad) in zip(got, want):
             torch.testing.assert_close(g_mg, w_mg, rtol=RTOL, atol=ATOL)
@@ -123,8 +132,44 @@ def check_main_grad_convention(backend, device):
     assert not any(b.plain.weight.grad_added_to_main_grad for b in model.blocks)
 
 
-def test_main_grad_and_flags_match_eager(backend, device):
-    check_main_grad_convention(backend, device)
+@pytest.mark.parametrize("fusion", [False, True], ids=["hooks", "fused"])
+def test_main_grad_and_flags_match_eager(backend, device, fusion):
+    """Gradient accumulation over 3 microbatches: main_grad, flags and .grad as in eager, with
+    gradients handed to the DDP hooks or (fusion) added into main_grad inside the graph."""
+    check_main_grad_convention(backend, device, fusion)
+
+
+def test_planted_bug_fused_gradients_not_added_is_caught(backend, device, monkeypatch):
+    """Planted bug: the graph takes the fused gradients away from autograd but never adds them."""
+    real = MainGradFusion.apply
+
+    def without_add(self, leaves, params, grads):
+        add = torch._foreach_add_
+        torch._foreach_add_ = lambda *args: None
+        try:
+            return real(self, leaves, params, grads)
+        finally:
+            torch._foreach_add_ = add
+
+    monkeypatch.setattr(MainGradFusion, "apply", without_add)
+    with pytest.raises(AssertionError, match="not close|Mismatched"):
+        check_main_grad_convention(backend, device, fusion=True)
+
+
+def test_fusion_refuses_a_replaced_main_grad(backend, device):
+    torch.manual_seed(0)
+    model = Net().to(device)
+    ddp = MegatronLikeDDP(model)
+    tgraph.enable(model, backend=backend, main_grad_fusion=True)
+    x = torch.randn(3, 5, 16, device=device)
+    model(x).backward()
+    tgraph.create_graphs()
+    p = model.blocks[0].plain.weight
+    p.main_grad = torch.zeros_like(p.main_grad)  # e.g. buffers re-created by the user
+    loss = model(x)
+    with pytest.raises(RuntimeError, match="main_grad was replaced"):
+        loss.backward()
+    del ddp
 
 
 def test_planted_bug_flag_not_redone_is_caught(backend, device, monkeypatch):

@@ -45,9 +45,9 @@ def _train(mode: str, steps: int, dropout: float = 0.0):
     from tgraph.integrations import megatron as tm
 
     model = tm.build_gpt(**DIMS, dropout=dropout)
-    losses, main_grads = [], None
-    if mode == "layer":
-        tm.enable_layer_graphs(model, strict=True)
+    losses, main_grads = [], []
+    if mode.startswith("layer"):  # "layer": main_grad fusion (the default here); "layer_hooks"
+        tm.enable_layer_graphs(model, strict=True, main_grad_fusion=mode == "layer")
     step = (
         tgraph.FullIterationGraph(lambda mb: tm.forward_backward(model, mb), warmup_steps=3)
         if mode == "full"
@@ -55,19 +55,19 @@ def _train(mode: str, steps: int, dropout: float = 0.0):
     )
     for i, mb in enumerate(_batches(steps)):
         loss = step(mb)
-        if i == 0:
-            main_grads = [p.main_grad.clone() for p in model.parameters()]
+        if i in (0, steps - 1):  # the recorded (eager) step and the last graphed one
+            main_grads += [p.main_grad.clone() for p in model.parameters()]
         _sgd(model)
         losses.append(loss.item())
-        if mode == "layer" and i == 0:
+        if mode.startswith("layer") and i == 0:
             tgraph.create_graphs()
-    if mode == "layer":
+    if mode.startswith("layer"):
         tgraph.reset()
         tgraph.disable(model)
     return torch.tensor(losses), main_grads, model
 
 
-@pytest.mark.parametrize("mode", ["layer", "full"])
+@pytest.mark.parametrize("mode", ["layer", "layer_hooks", "full"])
 def test_twenty_steps_match_megatron_eager(mode):
     ref, ref_grads, _ = _train("none", 20)
     got, grads, _ = _train(mode, 20)
@@ -92,3 +92,23 @@ def test_dropout_masks_change_and_training_matches_statistically():
     a = model(tokens, pos, mask, labels=labels).detach().clone()
     b = model(tokens, pos, mask, labels=labels).detach().clone()
     assert not torch.equal(a, b), "dropout mask repeated across replays"
+
+
+def test_main_grad_fusion_follows_ddp_overlap_setting(monkeypatch):
+    """Fusion is the default under megatron DDP without overlap_grad_reduce; with overlap (whose
+    hooks dispatch the reductions) it is off by default and refused when asked for."""
+    from tgraph.integrations import megatron as tm
+
+    def fusion_flags(model):
+        return {m._tgraph.main_grad_fusion for m in model.modules() if "_tgraph" in m.__dict__}
+
+    model = tm.build_gpt(**DIMS)
+    tm.enable_layer_graphs(model)
+    assert fusion_flags(model) == {True}
+    tgraph.disable(model)
+    monkeypatch.setattr(tm, "_ddp_overlaps_grad_reduce", lambda m: True)
+    with pytest.raises(ValueError, match="overlap_grad_reduce"):
+        tm.enable_layer_graphs(model, main_grad_fusion=True)
+    tm.enable_layer_graphs(model)
+    assert fusion_flags(model) == {False}
+    tgraph.disable(model)

@@ -57,6 +57,7 @@ class GraphedCall(torch.autograd.Function):
                 "graph reads the graph's static outputs, so the gradient would be wrong. Clone "
                 "the output before modifying it (y = block(x).clone())."
             ) from exc
+        runner.fusion.check()
         runner.copy_grad_outputs(grads)
         runner.bwd_graph.replay()
         runner.after_backward()
@@ -89,4 +90,4 @@ def replay(runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | 
         hold_while_alive(runner, outs)
         return outs
     flight = Flight(runner)
-    return list(GraphedCall.apply(runner, flight, *tensors, *runner.params))
+    return list(GraphedCall.apply(runner, flight, *tensors, *runner.autograd_params))

@@ -58,6 +58,66 @@ class MainGradFlags:
             setattr(p, FLAG, True)
 
 
+class MainGradFusion:
+    """Opt-in: parameter gradients added into ``main_grad`` inside the backward graph.
+
+    Normally a backward graph hands parameter gradients to autograd, whose AccumulateGrad and
+    the DDP hook then add each into ``main_grad`` eagerly: per parameter, one Python hook and one
+    kernel launch per step. With fusion on, the captured backward adds them itself (one
+    ``_foreach_add_``) and the graph's autograd node does not take those parameters as inputs, so
+    autograd runs neither their AccumulateGrad nor their hooks (which fire even for a None
+    gradient). Exact
+    only where that hook does nothing else: megatron-core DDP with ``overlap_grad_reduce=False``
+    (:func:`tgraph.integrations.megatron.enable_layer_graphs` switches it on there). Parameters
+    a fused-wgrad kernel already accumulates (it sets ``grad_added_to_main_grad`` during the
+    captured backward) are left to that kernel. A graph writes into the ``main_grad`` tensors it
+    was captured with; a replay after ``main_grad`` was replaced raises.
+    """
+
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self._mask: list[bool] | None = None  # per parameter, decided when first captured
+        self._params: list[torch.Tensor] = []
+        self._targets: list[torch.Tensor] = []
+
+    def apply(self, leaves, params, grads: list) -> list:
+        """Inside the captured backward: add fused gradients into ``main_grad``; return the
+        gradients left for autograd (None where fused)."""
+        if not self.enabled:
+            return grads
+        if self._mask is None:
+            self._mask = [
+                g is not None
+                and isinstance(getattr(p, "main_grad", None), torch.Tensor)
+                and p.main_grad.shape == g.shape
+                and not getattr(leaf, FLAG, False)
+                for leaf, p, g in zip(leaves, params, grads)
+            ]
+            self._params = [p for p, m in zip(params, self._mask) if m]
+            self._targets = [p.main_grad for p in self._params]
+        fused = [(p.main_grad, g) for p, g, m in zip(params, grads, self._mask) if m]
+        if fused:
+            torch._foreach_add_([t for t, _ in fused], [g for _, g in fused])
+        return [None if m else g for g, m in zip(grads, self._mask)]
+
+    def keep(self, items: list) -> list:
+        """``items`` (one per parameter) without the fused parameters' entries."""
+        if not self.enabled or self._mask is None:
+            return items
+        return [x for x, m in zip(items, self._mask) if not m]
+
+    def check(self) -> None:
+        """Before a backward replay: the graph's ``main_grad`` targets are still the params'."""
+        for p, t in zip(self._params, self._targets):
+            if p.main_grad is not t:
+                raise RuntimeError(
+                    "a parameter's main_grad was replaced after tgraph captured a backward graph "
+                    "that adds into it (main_grad fusion); the gradient would go to the old "
+                    "buffer. Call tgraph.reset() and tgraph.create_graphs() again after "
+                    "re-creating gradient buffers."
+                )
+
+
 class StateSnapshot:
     """Everything a warmup or an emulated capture may change, saved to be restored.
 

@@ -47,6 +47,7 @@ class _ModuleState:
     warmup: int | None
     debug: bool
     merge: bool = True
+    main_grad_fusion: bool = False
     params: tuple = ()  # the module's parameters (their requires_grad is part of every key)
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
@@ -108,6 +109,7 @@ class _Manager:
                 runner = Runner(module, key, args, kwargs, tensors, links)
                 runner.shared_with = [self.record.consumers(t) for t in tensors]
                 runner.merge = state.merge
+                runner.fusion.enabled = state.main_grad_fusion
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
@@ -213,6 +215,7 @@ def enable(
     warmup: int | None = None,
     debug: bool = False,
     merge: bool = True,
+    main_grad_fusion: bool = False,
 ) -> nn.Module:
     """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
 
@@ -226,6 +229,11 @@ def enable(
         merge: capture a stack of graphed modules called back to back (each taking the previous
             one's output, backed through in reverse order) as one forward and one backward
             graph (:mod:`tgraph.segment`); False graphs every call on its own.
+        main_grad_fusion: add parameter gradients into ``param.main_grad`` inside the backward
+            graph instead of handing them to autograd (no AccumulateGrad, no gradient hooks
+            for those parameters; ``.grad`` stays None). Only for gradients consumed through
+            ``main_grad`` by hooks that do nothing else: megatron-core DDP without
+            ``overlap_grad_reduce`` (:class:`tgraph.grads.MainGradFusion`).
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).
@@ -248,9 +256,13 @@ def enable(
         )
     for m in found:
         old = m.__dict__.get("_tgraph")
-        m._tgraph = _ModuleState(backend, strict, warmup, debug, merge, tuple(m.parameters()))
+        m._tgraph = _ModuleState(
+            backend, strict, warmup, debug, merge, main_grad_fusion, tuple(m.parameters())
+        )
         if old is not None:  # enabled again: new options, same recorded runners
             m._tgraph.runners = old.runners
+            for r in (r for rs in old.runners.values() for r in rs):
+                r.merge, r.fusion.enabled = merge, main_grad_fusion
         _manager.modules.add(m)
     _manager.roots.add(model)
     return model

@@ -28,7 +28,7 @@ import torch
 
 from tgraph import rng
 from tgraph.backend import GraphFactory, RefuseHostSync
-from tgraph.grads import MainGradFlags, ParamGradPacking
+from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking
 from tgraph.record import graphed_region
 from tgraph.signature import rebuild
 
@@ -149,6 +149,7 @@ class Runner:
         self.static_outputs: list[torch.Tensor] = []
         self.out_template: Any = None
         self.params: list[torch.Tensor] = []
+        self.autograd_params: list[torch.Tensor] = []  # params minus those fused into main_grad
         self.static_grads: list[torch.Tensor | None] = []
         self.static_grad_outputs: list[torch.Tensor] = []
         self.needs_backward = False
@@ -164,6 +165,7 @@ class Runner:
         self._aliases: dict[int, torch.Tensor] = {}  # id(param) -> alias leaf used in graphs
         self._leaves: list[torch.Tensor] = []  # what the backward differentiates (aliases)
         self.packing = ParamGradPacking()
+        self.fusion = MainGradFusion()
         self._param_grads: list[torch.Tensor | None] = []
 
     # ----------------------------------------------------------------- capture
@@ -256,7 +258,8 @@ class Runner:
             allow_unused=True,
         )
         n = len(self._in_rg)
-        return (*grads[:n], *self.packing.pack(list(grads[n:])))
+        rest = self.fusion.apply(self._leaves, self.params, list(grads[n:]))
+        return (*grads[:n], *self.packing.pack(rest))
 
     def prepare_capture(self, static_inputs: bool = True) -> None:
         """Static input buffers (unless a segment feeds them) and parameter aliases."""
@@ -311,6 +314,7 @@ class Runner:
         self.static_grads, self._param_grads = split_grads(
             grads, len(self.static_inputs), self._in_rg, self.packing
         )
+        self.autograd_params = self.fusion.keep(self.params)
         self.samples = []
 
     def drop_graphs(self) -> None:
@@ -318,7 +322,9 @@ class Runner:
         self.fwd_graph = self.bwd_graph = None
         self.static_inputs, self.static_outputs, self.static_grads = [], [], []
         self.static_grad_outputs, self.params, self._leaves = [], [], []
+        self.autograd_params = []
         self._param_grads, self.packing = [], ParamGradPacking()
+        self.fusion = MainGradFusion(self.fusion.enabled)
         self._aliases = {}
         self.out_template = None
 
@@ -335,7 +341,8 @@ class Runner:
 
     def grads_for_autograd(self, clone: bool = True) -> list[torch.Tensor | None]:
         """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking)."""
-        return [*self.static_grads, *self.packing.for_autograd(self._param_grads, clone)]
+        params = self.packing.for_autograd(self._param_grads, clone)
+        return [*self.static_grads, *self.fusion.keep(params)]
 
     def copy_grad_outputs(self, grads) -> None:
         """Refresh the static grad-output buffers; a None gradient means zeros.

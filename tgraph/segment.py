@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from tgraph.backend import GraphFactory
-from tgraph.grads import MainGradFlags, ParamGradPacking
+from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking
 from tgraph.runner import (
     Runner,
     capture_backward_graph,
@@ -109,12 +109,14 @@ class Segment:
         self.static_grads: list[torch.Tensor | None] = []
         self.static_grad_outputs: list[torch.Tensor] = []
         self.params: list[torch.Tensor] = []
+        self.autograd_params: list[torch.Tensor] = []
         self.needs_backward = False
         self._slices: list[slice] = []
         self._out_rg: list[int] = []
         self._out_nodiff: list[int] = []
         self._leaves: list[torch.Tensor] = []
         self.packing = ParamGradPacking()
+        self.fusion = MainGradFusion(self.head.fusion.enabled)
         self._param_grads: list[torch.Tensor | None] = []
         self._flags: MainGradFlags | None = None
         self._grad_out_zero: list[bool] = []
@@ -160,7 +162,8 @@ class Segment:
             allow_unused=True,
         )
         n = len(head._in_rg)
-        return (*grads[:n], *self.packing.pack(list(grads[n:])))
+        rest = self.fusion.apply(self._leaves, self.params, list(grads[n:]))
+        return (*grads[:n], *self.packing.pack(rest))
 
     def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
         head = self.head
@@ -207,6 +210,7 @@ class Segment:
         self.static_grads, self._param_grads = split_grads(
             grads, len(head.static_inputs), head._in_rg, self.packing
         )
+        self.autograd_params = self.fusion.keep(self.params)
         for r in self.runners:
             r.samples = []
 
@@ -214,7 +218,9 @@ class Segment:
         self.fwd_graph = self.bwd_graph = None
         self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
         self.params, self._leaves, self.pending = [], [], None
+        self.autograd_params = []
         self.packing, self._param_grads, self._flags = ParamGradPacking(), [], None
+        self.fusion = MainGradFusion(self.fusion.enabled)
         for r in self.runners:
             r.segment = None
             r.drop_graphs()

@@ -11,9 +11,13 @@ get_gpt_layer_local_spec(), ...)`` and ``config.cuda_graph_impl == "none"``::
     train_step()                               # first iteration: eager, recorded
     tgraph.create_graphs()                     # later iterations replay per-layer graphs
 
-Parameter gradients leave the backward graph through autograd, so megatron-core DDP's gradient
-hooks fire eagerly and add them into ``main_grad`` exactly as without graphs (the
-``main_grad`` / ``grad_added_to_main_grad`` convention of :mod:`tgraph.grads`). Dropout inside
+With megatron-core DDP and ``overlap_grad_reduce=False`` (the wrapper's hooks then only add
+``.grad`` into ``main_grad``), the backward graph adds the layers' parameter gradients into
+``main_grad`` itself (:class:`tgraph.grads.MainGradFusion`): no AccumulateGrad and no hook per
+parameter per step. Otherwise (``overlap_grad_reduce=True``, whose hooks dispatch the bucket
+reductions, or no megatron DDP found in ``model``) parameter gradients leave the graph through
+autograd and DDP's hooks fire eagerly, exactly as without graphs; fused-wgrad flags follow the
+``main_grad`` / ``grad_added_to_main_grad`` convention of :mod:`tgraph.grads` either way. Dropout inside
 the layers draws from megatron's RNG tracker; built with ``use_cudagraphable_rng=True`` its
 states are generators, which :func:`register_rng_tracker` registers with every graph.
 
@@ -81,15 +85,19 @@ def enable_layer_graphs(model: nn.Module, **options) -> nn.Module:
     """Give every megatron-core ``TransformerLayer`` in ``model`` tgraph per-layer graphs.
 
     Args:
-        model: a megatron-core model (GPTModel, or its DDP / Float16Module wrapper).
-        **options: passed to :func:`tgraph.enable` (``strict``, ``warmup``, ``debug``, ``backend``).
+        model: a megatron-core model (GPTModel, or its DDP / Float16Module wrapper; pass the DDP
+            wrapper so its ``overlap_grad_reduce`` setting is seen).
+        **options: passed to :func:`tgraph.enable` (``strict``, ``warmup``, ``debug``, ``backend``,
+            ``merge``). ``main_grad_fusion`` defaults to True when ``model`` contains megatron
+            DDP with ``overlap_grad_reduce=False``, else False.
 
     Returns:
         ``model``.
 
     Raises:
         ImportError: megatron-core is not installed.
-        ValueError: no TransformerLayer found, or megatron's own CUDA graphs are enabled.
+        ValueError: no TransformerLayer found, megatron's own CUDA graphs are enabled, or
+            ``main_grad_fusion=True`` with ``overlap_grad_reduce=True``.
     """
     layer_cls = _transformer_layer_class()
     layers = [m for m in model.modules() if isinstance(m, layer_cls)]
@@ -104,8 +112,29 @@ def enable_layer_graphs(model: nn.Module, **options) -> nn.Module:
             )
         if not isinstance(layer, GraphableModule):
             layer.__class__ = _graphable(type(layer))
+    overlap = _ddp_overlaps_grad_reduce(model)
+    fusion = options.pop("main_grad_fusion", None)
+    if fusion is None:
+        fusion = overlap is False
+    elif fusion and overlap:
+        raise ValueError(
+            "main_grad_fusion=True with megatron DDP's overlap_grad_reduce=True: its gradient "
+            "hooks dispatch the bucket reductions and must run; leave main_grad_fusion unset"
+        )
     register_rng_tracker()
-    return tgraph.enable(model, **options)
+    return tgraph.enable(model, main_grad_fusion=fusion, **options)
+
+
+def _ddp_overlaps_grad_reduce(model: nn.Module) -> bool | None:
+    """megatron DDP's ``overlap_grad_reduce`` in ``model`` (True if any), None without DDP."""
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+    except ImportError:
+        return None
+    found = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+    if not found:
+        return None
+    return any(m.ddp_config.overlap_grad_reduce for m in found)
 
 
 def init_single_gpu(seed: int = 1234, port: int = 29512) -> None:
