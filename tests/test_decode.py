@@ -397,3 +397,18 @@ def test_lookahead_stale_token_hand_off_is_caught(backend, device, monkeypatch):
     monkeypatch.setattr(DecodeGraphRunner, "replay", stale)
     graphed = DecodeEngine(model, max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
     assert graphed.generate(ps, new) != want
+
+
+def test_decode_ahead_arguments_checked(device):
+    engine = DecodeEngine(tiny_gpt(device), max_batch_size=2, max_seq_len=8, use_graphs=False)
+    a = Request(0, [5, 6, 7], 4, False, slot=0)
+    b = Request(1, [8, 9], 4, False, slot=1)
+    a.output.append(1)
+    b.output.append(2)
+    with pytest.raises(ValueError, match="one token id per row"):
+        engine.decode([a, b], ahead=torch.tensor([3], device=device))
+    a.output += [1, 1, 1]  # position 6: decoding ahead would write position 7, the last slot
+    engine.decode([a], ahead=torch.tensor([3], device=device))
+    a.output.append(1)  # position 7: ahead would need position 8 of an 8-long cache
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        engine.decode([a], ahead=torch.tensor([3], device=device))

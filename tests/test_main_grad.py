@@ -189,3 +189,80 @@ def test_warmup_and_capture_leave_main_grad_untouched(backend, device):
     tgraph.create_graphs()
     for (mg, flag, _), (mg2, flag2, _) in zip(before, state(ddp)):
         assert torch.equal(mg, mg2) and flag == flag2
+
+
+class PlainBlock(tgraph.GraphableModule):
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Stack(nn.Module):
+    """Blocks fed a raw input (requires no grad); ``order`` may call a block twice."""
+
+    def __init__(self, n=2, order=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(PlainBlock() for _ in range(n))
+        self.order = order or list(range(n))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for i in self.order:
+            x = self.blocks[i](x)
+        return self.head(x).pow(2).mean()
+
+
+def _fused_vs_eager(backend, device, model, merge=True):
+    eager = copy.deepcopy(model)
+    ddp, ddp_eager = MegatronLikeDDP(model), MegatronLikeDDP(eager)
+    tgraph.enable(model, backend=backend, strict=True, merge=merge, main_grad_fusion=True)
+    xs = torch.randn(4, 5, 16, device=device)
+
+    def step(m, d, x):
+        d.zero_grad_buffer()
+        m(x).backward()
+        return state(d)
+
+    step(model, ddp, xs[0])
+    tgraph.create_graphs()
+    for x in xs[1:]:
+        for (got, _, _), (want, _, _) in zip(step(model, ddp, x), step(eager, ddp_eager, x)):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per-block"])
+def test_fusion_with_inputs_that_need_no_grad(backend, device, merge):
+    """Every parameter fused and no input requiring grad: the graph's node still runs its
+    backward (an anchor leaf keeps its outputs differentiable), so main_grad gets the gradients."""
+    torch.manual_seed(0)
+    _fused_vs_eager(backend, device, Stack().to(device), merge)
+
+
+def test_fusion_adds_each_parameter_once(backend, device, monkeypatch):
+    """A block called twice in a merged stack: its gradients are summed and added once (the same
+    destination twice in one _foreach_add_ loses updates on CUDA)."""
+    torch.manual_seed(0)
+    seen = []
+    real = torch._foreach_add_
+
+    def recording(dst, src, *args, **kwargs):
+        seen.append([id(t) for t in dst])
+        return real(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_add_", recording)
+    _fused_vs_eager(backend, device, Stack(order=[0, 0, 1]).to(device))
+    assert seen and all(len(ids) == len(set(ids)) for ids in seen)
+
+
+def test_blocks_with_different_fusion_settings_are_not_merged(backend, device):
+    torch.manual_seed(0)
+    model = Stack(n=3).to(device)
+    MegatronLikeDDP(model)
+    tgraph.enable(model.blocks[0], backend=backend, main_grad_fusion=True)
+    tgraph.enable(model.blocks[1:], backend=backend, main_grad_fusion=False)
+    model(torch.randn(5, 16, device=device)).backward()
+    report = tgraph.create_graphs()
+    assert report.segments == 1 and report.graphs == 4  # block 0 alone, blocks 1-2 merged

@@ -71,14 +71,19 @@ class MainGradFusion:
     (:func:`tgraph.integrations.megatron.enable_layer_graphs` switches it on there). Parameters
     a fused-wgrad kernel already accumulates (it sets ``grad_added_to_main_grad`` during the
     captured backward) are left to that kernel. A graph writes into the ``main_grad`` tensors it
-    was captured with; a replay after ``main_grad`` was replaced raises.
+    was captured with; a replay after ``main_grad`` was replaced raises. A parameter the graph
+    differentiates more than once (a module called twice in a merged stack, weights shared by
+    two blocks) gets the sum of its gradients added once. Limitation: every backward through
+    the graph adds into ``main_grad``, also ``torch.autograd.grad(loss, inputs)``, which would
+    not accumulate eagerly.
     """
 
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
         self._mask: list[bool] | None = None  # per parameter, decided when first captured
-        self._params: list[torch.Tensor] = []
-        self._targets: list[torch.Tensor] = []
+        self._params: list[torch.Tensor] = []  # unique fused parameters
+        self._targets: list[torch.Tensor] = []  # their main_grad at capture
+        self._groups: list[list[int]] = []  # per unique fused parameter, its gradient indices
 
     def apply(self, leaves, params, grads: list) -> list:
         """Inside the captured backward: add fused gradients into ``main_grad``; return the
@@ -93,11 +98,20 @@ class MainGradFusion:
                 and not getattr(leaf, FLAG, False)
                 for leaf, p, g in zip(leaves, params, grads)
             ]
-            self._params = [p for p, m in zip(params, self._mask) if m]
+            groups: dict[int, list[int]] = {}
+            for i, (p, m) in enumerate(zip(params, self._mask)):
+                if m:
+                    groups.setdefault(id(p), []).append(i)
+            self._groups = list(groups.values())
+            self._params = [params[idx[0]] for idx in self._groups]
             self._targets = [p.main_grad for p in self._params]
-        fused = [(p.main_grad, g) for p, g, m in zip(params, grads, self._mask) if m]
-        if fused:
-            torch._foreach_add_([t for t, _ in fused], [g for _, g in fused])
+        if self._groups:
+            # one addend per parameter: duplicate destinations in one _foreach_add_ race on CUDA
+            sums = [
+                grads[idx[0]] if len(idx) == 1 else torch.stack([grads[i] for i in idx]).sum(0)
+                for idx in self._groups
+            ]
+            torch._foreach_add_([p.main_grad for p in self._params], sums)
         return [None if m else g for g, m in zip(grads, self._mask)]
 
     def keep(self, items: list) -> list:

@@ -64,6 +64,19 @@ def split_grads(grads, n_inputs: int, in_rg: list[int], packing: ParamGradPackin
     return input_grads, list(grads[n:])
 
 
+def autograd_params(fusion, params, in_rg, device) -> list[torch.Tensor]:
+    """The parameters a graph's autograd node takes: all but those fused into ``main_grad``.
+
+    When fusion leaves the node no input that requires grad, a zero-dim anchor leaf takes their
+    place: without one, the node's outputs would not require grad and its backward (which adds
+    the fused gradients) would never run.
+    """
+    kept = fusion.keep(params)
+    if params and not kept and not in_rg:
+        return [torch.zeros((), device=device, requires_grad=True)]
+    return kept
+
+
 def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.device) -> None:
     """Eager passes of ``fn`` (forward, plus backward where outputs need grad) before capture.
 
@@ -314,7 +327,7 @@ class Runner:
         self.static_grads, self._param_grads = split_grads(
             grads, len(self.static_inputs), self._in_rg, self.packing
         )
-        self.autograd_params = self.fusion.keep(self.params)
+        self.autograd_params = autograd_params(self.fusion, self.params, self._in_rg, self.device)
         self.samples = []
 
     def drop_graphs(self) -> None:
@@ -341,8 +354,9 @@ class Runner:
 
     def grads_for_autograd(self, clone: bool = True) -> list[torch.Tensor | None]:
         """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking)."""
-        params = self.packing.for_autograd(self._param_grads, clone)
-        return [*self.static_grads, *self.fusion.keep(params)]
+        kept = list(self.fusion.keep(self.packing.for_autograd(self._param_grads, clone)))
+        kept += [None] * (len(self.autograd_params) - len(kept))  # the anchor, if any
+        return [*self.static_grads, *kept]
 
     def copy_grad_outputs(self, grads) -> None:
         """Refresh the static grad-output buffers; a None gradient means zeros.

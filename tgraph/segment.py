@@ -14,7 +14,9 @@ r1..rk return their outputs, already computed, after checking that each gets exa
 the previous call returned and the shared tensors r0 got, unmodified (same objects, same version
 counters). Any other call
 (out of order, a modified or different input) runs eagerly with a warning: the merged graph
-never answers a call it did not compute. Every module's outputs are outputs of the node, so a
+never answers a call it did not compute. Like autograd's own saved-tensor check, the version
+check cannot see writes that bypass version counters (``t.data.mul_()``, ``t.numpy()[:] = ...``):
+do not modify a tensor that way between the calls of a merged stack. Every module's outputs are outputs of the node, so a
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
 added in the backward graph.
 
@@ -29,6 +31,7 @@ from tgraph.backend import GraphFactory
 from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking
 from tgraph.runner import (
     Runner,
+    autograd_params,
     capture_backward_graph,
     capture_forward_graph,
     reached_leaves,
@@ -51,6 +54,8 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
         if any(True for _ in nxt.module.buffers()) or any(True for _ in prev.module.buffers()):
             return False
         if nxt.grad_mode != prev.grad_mode or nxt.key[4] != prev.key[4]:
+            return False
+        if nxt.fusion.enabled != prev.fusion.enabled:  # one segment, one main_grad treatment
             return False
         if first[(id(nxt), "fwd")] != first[(id(prev), "fwd")] + 1:
             return False
@@ -210,7 +215,7 @@ class Segment:
         self.static_grads, self._param_grads = split_grads(
             grads, len(head.static_inputs), head._in_rg, self.packing
         )
-        self.autograd_params = self.fusion.keep(self.params)
+        self.autograd_params = autograd_params(self.fusion, self.params, head._in_rg, self.device)
         for r in self.runners:
             r.samples = []
 

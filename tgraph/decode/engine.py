@@ -17,8 +17,10 @@ that step's tokens: its token ids are copied on the device from the sampled ids,
 and slots are known on the host. The GPU then never waits for the host's bookkeeping. A request
 that ends with EOS is known one step late: its row of the step decoded ahead is computed and
 discarded (``DecodeStats.wasted_rows``); it writes one key/value past the request's end into its
-own slot, which attention masks out (a later request in that slot overwrites it). Tokens are
-exactly those of ``lookahead=False`` for greedy decoding; seeded sampling is reproducible for a
+own slot, which attention masks out (a later request in that slot overwrites it). Greedy tokens
+are those of ``lookahead=False`` except where a step decoded ahead, still carrying an ended
+request's row, runs in a larger bucket than step-by-step decoding would: other batch shapes can
+change last-bit rounding on a GPU and so flip a near-tie. Seeded sampling is reproducible for a
 given setting (a discarded row also consumes random numbers).
 
 Example::
@@ -120,7 +122,7 @@ class _Launched:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
             self._done = torch.cuda.Event()
-            self._done.record()
+            self._done.record(torch.cuda.current_stream(tokens.device))  # the copy's stream
 
     def read(self) -> list[int]:
         """The sampled ids; waits for this step (not for steps launched after it)."""
@@ -237,9 +239,18 @@ class DecodeEngine:
         it. Clone it to keep it.
         """
         n = len(running)
+        if ahead is not None and tuple(ahead.shape) != (n,):
+            raise ValueError(
+                f"ahead must hold one token id per row, shape ({n},); got {tuple(ahead.shape)}"
+            )
         shift = 0 if ahead is None else 1
         tokens = [r.output[-1] for r in running] if ahead is None else [0] * n
         positions = [r.position + shift for r in running]
+        if positions and max(positions) >= self.max_seq_len:
+            raise ValueError(
+                f"a decode position reaches max_seq_len={self.max_seq_len}: the KV cache has no "
+                "room for it (a request decoded past its prompt + max_new_tokens)"
+            )
         slots = [r.slot for r in running]
         bucket = self._bucket_for(n)
         st = self.stats
@@ -254,7 +265,10 @@ class DecodeEngine:
         if self.runner is not None and bucket is not None:
             return self.runner.replay(tokens, positions, slots, ahead)[:n]
         packed = pack_rows(tokens, positions, slots, width=width, dummy_slot=self.cache.dummy_slot)
-        packed = packed.to(self.device)
+        if self.device.type == "cuda":  # async, as the graphs' input refresh
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        else:
+            packed = packed.to(self.device)
         if ahead is not None:
             packed[0, :n] = ahead
         return self._step(as_step_inputs(packed))[:n]
