@@ -75,15 +75,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.overrides import TorchFunctionMode
 
 from tgraph import rng
 from tgraph.backend import (
-    CaptureError,
-    EmulatedGraph,
     GraphFactory,
-    RefuseHostSync,
-    _default_generators,
     explain_capture_failure,
     resolve_backend,
     stale_stream_override,
@@ -91,229 +86,18 @@ from tgraph.backend import (
 )
 from tgraph.module import GraphFallbackWarning, _manager
 from tgraph.signature import call_key, rebuild
+from tgraph.step_state import (
+    EmulatedStepGraph,
+    HyperParams,
+    RefuseLrWrites,
+    StepSnapshot,
+    detach_clone,
+)
 
 logger = logging.getLogger(__name__)
 
 DDP_MIN_WARMUP = 11
 """Eager DDP iterations PyTorch requires before a capture (CUDA notes, DDP section)."""
-
-
-def _holds_tensor_lr(group: dict) -> bool:
-    """Whether this param_group's optimizer reads a tensor ``lr`` without a host sync."""
-    return bool(group.get("fused") or group.get("capturable"))
-
-
-def _detach_clone(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
-
-
-class _HyperParams:
-    """The optimizer hyper-parameters a captured step reads, and how they reach the graph."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self._groups = [
-            (type(o).__name__, i, g) for o in optimizers for i, g in enumerate(o.param_groups)
-        ]
-        self._converted: list[tuple[dict, torch.Tensor, float]] = []
-        self._tensor_lrs: list[tuple[dict, torch.Tensor]] = []
-        self._baked: list[tuple[str, int, dict, str, Any]] = []
-
-    def prepare(self) -> None:
-        """Move float learning rates into device tensors; remember the values a graph bakes."""
-        for _, _, g in self._groups:
-            lr = g["lr"]
-            if not isinstance(lr, torch.Tensor) and _holds_tensor_lr(g):
-                # float32: the fused kernels read the tensor lr as float (FusedAdamKernel.cu).
-                t = torch.tensor(float(lr), dtype=torch.float32, device=g["params"][0].device)
-                self._converted.append((g, t, lr))
-                g["lr"] = t
-        self._tensor_lrs = [
-            (g, g["lr"]) for _, _, g in self._groups if isinstance(g["lr"], torch.Tensor)
-        ]
-        self._baked = [
-            (name, i, g, k, v)
-            for name, i, g in self._groups
-            for k, v in g.items()
-            if k not in ("params", "initial_lr") and not isinstance(v, torch.Tensor)
-        ]
-
-    def refresh(self) -> None:
-        """Before a replay: bring replaced learning rates into their tensors; refuse baked changes."""
-        self._refresh_tensor_lrs()
-        self._check_baked()
-
-    def _refresh_tensor_lrs(self) -> None:
-        for g, t in self._tensor_lrs:
-            live = g["lr"]
-            if live is not t:  # a scheduler (older PyTorch) or the user assigned a new value
-                with torch.no_grad():
-                    t.copy_(live) if isinstance(live, torch.Tensor) else t.fill_(float(live))
-                g["lr"] = t
-
-    def _check_baked(self) -> None:
-        for name, i, g, k, v in self._baked:
-            if g.get(k, v) != v:
-                fix = (
-                    f"build {name} with fused=True (or capturable=True for Adam/AdamW) so tgraph "
-                    "holds the learning rate in a device tensor"
-                    if k == "lr"
-                    else "call step.reset() to capture again with the new value"
-                )
-                raise ValueError(
-                    f"{name} param_group {i}: {k!r} changed from {v!r} to {g[k]!r} after capture, "
-                    f"but the captured graph baked {v!r} into its kernels. To fix: {fix}."
-                )
-
-    def restore(self) -> None:
-        """Undo :meth:`prepare`: float learning rates again (current values)."""
-        for g, t, _ in self._converted:
-            if g["lr"] is t:
-                g["lr"] = float(t)
-        self._converted.clear()
-
-
-# Tensor methods that read a tensor's values on the host without `_local_scalar_dense` (printing
-# disables dispatch modes, so the backend's host-sync guard cannot see it): illegal in a CUDA graph.
-_HOST_READS = {
-    torch.Tensor.__repr__: "printing a tensor (repr)",
-    torch.Tensor.__str__: "printing a tensor (str)",
-    torch.Tensor.__format__: "formatting a tensor (f-string)",
-    torch.Tensor.tolist: ".tolist()",
-    torch.Tensor.numpy: ".numpy()",
-}
-
-
-class _RefuseHostReads(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _HOST_READS:
-            raise CaptureError(
-                f"host synchronization during graph capture: {_HOST_READS[func]} (reads the "
-                "tensor on the host, like .item()). A CUDA graph cannot contain it; move it out "
-                "of the captured step."
-            )
-        return func(*args, **(kwargs or {}))
-
-
-class _RefuseLrWrites(TorchFunctionMode):
-    """During capture: an in-place write into a learning-rate tensor means a scheduler steps
-    inside ``fn``; a graph would replay the capture-time value forever."""
-
-    def __init__(self, lr_tensors: list[torch.Tensor]) -> None:
-        super().__init__()
-        self._ids = {id(t) for t in lr_tensors}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.endswith("__") and args and id(args[0]) in self._ids:
-            raise CaptureError(
-                "a learning-rate tensor was written inside the captured step (an LR scheduler's "
-                "step() inside fn?): the graph would replay that capture-time value at every "
-                "step. Call scheduler.step() outside fn, after each step(batch); the new value "
-                "reaches the graph through the learning-rate tensor."
-            )
-        return func(*args, **(kwargs or {}))
-
-
-class _EmulatedStepGraph(EmulatedGraph):
-    """Emulated graph of a whole step (backward inside the captured function).
-
-    Replays re-run the function as :class:`~tgraph.backend.EmulatedGraph` does, without its
-    saved-tensor bookkeeping (the backward runs inside the function), and with every Python value
-    of the optimizers' param_groups set to its capture value for the duration of the replay: a
-    CUDA graph bakes those floats into its kernels, so a learning rate that did not reach a
-    tensor is frozen here exactly as on a GPU.
-    """
-
-    def __init__(self, groups: list[dict]) -> None:
-        super().__init__()
-        self._groups = groups
-        self._frozen_hparams: list[tuple[dict, dict]] = []
-
-    def capture(self, fn: Callable[[], Any]) -> Any:
-        known = _default_generators() + [
-            g for g in rng.extra_generators() if g.device.type == "cpu"
-        ]
-        self._frozen = [
-            (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
-        ]
-        with RefuseHostSync(), _RefuseHostReads():
-            out = fn()
-        self._fn = fn
-        self._outputs = tree_leaves(out)
-        self._frozen_hparams = [
-            (g, {k: v for k, v in g.items() if k != "params"}) for g in self._groups
-        ]
-        return out
-
-    def replay(self) -> None:
-        assert self._fn is not None, "replay() before capture()"
-        live_rng = [(g, g.get_state()) for g, _ in self._frozen]
-        live_hparams = [
-            (g, {k: g[k] for k in frozen if k in g}) for g, frozen in self._frozen_hparams
-        ]
-        try:
-            for g, state in self._frozen:
-                g.set_state(state)
-            for g, frozen in self._frozen_hparams:
-                g.update(frozen)
-            out = self._fn()
-            with torch.no_grad():
-                for dst, src in zip(self._outputs, tree_leaves(out), strict=True):
-                    if isinstance(dst, torch.Tensor) and dst is not src:
-                        dst.copy_(src)
-        finally:
-            for g, state in live_rng:
-                g.set_state(state)
-            for g, live in live_hparams:
-                g.update(live)
-
-
-class _StepSnapshot:
-    """Training state a capture may change: restored after an emulated capture or a failure.
-
-    Args:
-        values: also clone tensor values (parameters, gradients, optimizer state, buffers);
-            needed when the capture really executes (emulated). A CUDA capture executes nothing,
-            so only Python references (``.grad``) and RNG states are kept.
-    """
-
-    def __init__(self, params, optimizers, buffers, device: torch.device, values: bool) -> None:
-        clone = _detach_clone if values else (lambda t: None)
-        self._device = device
-        self._params = [(p, clone(p)) for p in params]
-        self._grads = [(p, p.grad, None if p.grad is None else clone(p.grad)) for p in params]
-        self._states = []
-        for opt in optimizers:
-            per_param = [
-                (st, dict(st), {k: clone(v) for k, v in st.items() if isinstance(v, torch.Tensor)})
-                for st in opt.state.values()
-            ]
-            self._states.append((opt, set(opt.state), per_param))
-        self._buffers = [(b, clone(b)) for b in buffers]
-        self._rng = rng.get_states(device)
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for p, saved in self._params:
-            if saved is not None:
-                p.copy_(saved)
-        for p, grad, saved in self._grads:
-            p.grad = grad
-            if saved is not None:
-                grad.copy_(saved)
-        for opt, keys, per_param in self._states:
-            for k in [k for k in opt.state if k not in keys]:
-                del opt.state[k]
-            for st, shallow, tensors in per_param:
-                st.clear()
-                st.update(shallow)
-                for k, saved in tensors.items():
-                    if saved is not None:
-                        st[k].copy_(saved)
-        for b, saved in self._buffers:
-            if saved is not None:
-                b.copy_(saved)
-        rng.set_states(self._rng, self._device)
 
 
 @dataclass
@@ -406,7 +190,7 @@ class FullIterationGraph:
         self._entries: dict[tuple, _Entry] = {}
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._modules: dict[int, nn.Module] = {}
-        self._hparams: list[_HyperParams] = []  # one per batch of optimizers seen at a capture
+        self._hparams: list[HyperParams] = []  # one per batch of optimizers seen at a capture
 
     @property
     def num_graphs(self) -> int:
@@ -493,7 +277,7 @@ class FullIterationGraph:
         self._check_optimizers(f.device)
         covered = {id(g) for hp in self._hparams for _, _, g in hp._groups}
         new = [o for o in self.optimizers if any(id(g) not in covered for g in o.param_groups)]
-        fresh = _HyperParams(new) if new else None  # optimizers first seen in this warmup
+        fresh = HyperParams(new) if new else None  # optimizers first seen in this warmup
         if fresh is not None:
             fresh.prepare()
             self._hparams.append(fresh)
@@ -506,17 +290,17 @@ class FullIterationGraph:
         entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
         static_batch = rebuild(batch, iter(entry.static))
         groups = [g for o in self.optimizers for g in o.param_groups]
-        graph = f.new_graph() if f.backend == "cuda" else _EmulatedStepGraph(groups)
+        graph = f.new_graph() if f.backend == "cuda" else EmulatedStepGraph(groups)
         for g in rng.graph_generators(f.device):
             graph.register_generator_state(g)
         params = self._params()
         buffers = {id(b): b for m in self._modules.values() for b in nn.Module.buffers(m)}.values()
-        snap = _StepSnapshot(params, self.optimizers, buffers, f.device, values=f.backend != "cuda")
+        snap = StepSnapshot(params, self.optimizers, buffers, f.device, values=f.backend != "cuda")
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
         grads_before = {id(p): p.grad for p in params}
         try:
-            with f.side_stream(), stale_stream_override(), _RefuseLrWrites(lr_tensors):
+            with f.side_stream(), stale_stream_override(), RefuseLrWrites(lr_tensors):
                 out = graph.capture(lambda: self.fn(static_batch))
             bad = [
                 type(x).__name__
@@ -552,7 +336,7 @@ class FullIterationGraph:
         if f.backend != "cuda":
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
-            return rebuild(out, iter([_detach_clone(t) for t in entry.outputs]))
+            return rebuild(out, iter([detach_clone(t) for t in entry.outputs]))
         # CUDA: how each .grad relates to the graph. "add": the graph accumulates into the
         # .grad that existed at capture; "assign": it writes fresh gradients (zero_grad with
         # set_to_none=True ran before the capture, "cleared" when it ran inside fn).
@@ -577,7 +361,7 @@ class FullIterationGraph:
         entry.graph.replay()
         for p, grad, _ in entry.grads:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
-        return rebuild(entry.out, iter([_detach_clone(t) for t in entry.outputs]))
+        return rebuild(entry.out, iter([detach_clone(t) for t in entry.outputs]))
 
     @staticmethod
     def _sync_grads_in(entry: _Entry) -> None:
