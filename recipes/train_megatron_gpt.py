@@ -100,11 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def train_step(microbatches):
         loss = tm.forward_backward(model, microbatches)
-        for p in params:  # the optimizer reads megatron DDP's fp32 main_grad buffers
-            p.grad = p.main_grad
-        opt.step()
-        for p in params:  # as megatron's optimizer.zero_grad(): a .grad aliasing main_grad
-            p.grad = None  # would make the next backward's DDP hook add main_grad to itself
+        tm.optimizer_step(opt, params)  # on megatron DDP's fp32 main_grad buffers
         return loss.detach()
 
     step_fn = train_step

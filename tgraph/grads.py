@@ -116,7 +116,7 @@ class MainGradFusion:
 
     def keep(self, items: list) -> list:
         """``items`` (one per parameter) without the fused parameters' entries."""
-        if not self.enabled or self._mask is None:
+        if self._mask is None:  # fusion off, or nothing captured yet
             return items
         return [x for x, m in zip(items, self._mask) if not m]
 

@@ -354,8 +354,9 @@ class Runner:
 
     def grads_for_autograd(self, clone: bool = True) -> list[torch.Tensor | None]:
         """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking)."""
-        kept = list(self.fusion.keep(self.packing.for_autograd(self._param_grads, clone)))
-        kept += [None] * (len(self.autograd_params) - len(kept))  # the anchor, if any
+        kept = self.fusion.keep(self.packing.for_autograd(self._param_grads, clone))
+        if not kept and self.autograd_params:  # the anchor leaf (see autograd_params)
+            kept = [None]
         return [*self.static_grads, *kept]
 
     def copy_grad_outputs(self, grads) -> None:

@@ -251,7 +251,7 @@ class Segment:
         (and the inputs, which later modules may share); return the head's outputs."""
         self.pending = [outs[s] for s in self._slices]
         self._versions = [t._version for t in outs]
-        self._head_inputs = list(inputs)
+        self._head_inputs = inputs  # the call's own fresh list
         self._head_versions = [t._version for t in inputs]
         self._next = 1
         return self.pending[0]

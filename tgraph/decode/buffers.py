@@ -75,6 +75,13 @@ def pack_rows(
     )
 
 
+def host_staged(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``packed`` (host) ready for a ``non_blocking`` copy to ``device``: pinned for CUDA, so the
+    host does not wait for the running step (torch's host allocator keeps the pinned block until
+    the copy ends)."""
+    return packed.pin_memory() if device.type == "cuda" else packed
+
+
 def as_step_inputs(packed: torch.Tensor) -> StepInputs:
     """Views of a (4, B) packed tensor as :class:`StepInputs` (no copy)."""
     return StepInputs(packed[0], packed[1], packed[2], packed[3])
@@ -142,8 +149,4 @@ class DecodeBuffers:
         packed = pack_rows(
             tokens, positions, slots, width=self.max_rows, dummy_slot=self.dummy_slot
         )
-        if self.data.is_cuda:  # pinned + async: the host does not wait for the running step
-            # (the pinned block is not reused before the copy ends: torch's host allocator)
-            self.data.copy_(packed.pin_memory(), non_blocking=True)
-        else:
-            self.data.copy_(packed)
+        self.data.copy_(host_staged(packed, self.data.device), non_blocking=True)

@@ -42,7 +42,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tgraph.backend import resolve_backend
-from tgraph.decode.buffers import DecodeBuffers, StepInputs, as_step_inputs, pack_rows
+from tgraph.decode.buffers import (
+    DecodeBuffers,
+    StepInputs,
+    as_step_inputs,
+    host_staged,
+    pack_rows,
+)
 from tgraph.decode.graph_runner import DecodeGraphRunner, check_buckets, default_buckets
 from tgraph.decode.interface import as_decode_model
 from tgraph.decode.kv_cache import KVCache
@@ -265,10 +271,7 @@ class DecodeEngine:
         if self.runner is not None and bucket is not None:
             return self.runner.replay(tokens, positions, slots, ahead)[:n]
         packed = pack_rows(tokens, positions, slots, width=width, dummy_slot=self.cache.dummy_slot)
-        if self.device.type == "cuda":  # async, as the graphs' input refresh
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        else:
-            packed = packed.to(self.device)
+        packed = host_staged(packed, self.device).to(self.device, non_blocking=True)
         if ahead is not None:
             packed[0, :n] = ahead
         return self._step(as_step_inputs(packed))[:n]

@@ -211,6 +211,21 @@ def build_gpt(
     return model
 
 
+def optimizer_step(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Step a torch optimizer on megatron DDP's fp32 ``main_grad`` buffers.
+
+    ``.grad`` points at ``main_grad`` only for the step and is cleared after it, as megatron's
+    own ``optimizer.zero_grad()`` does: a ``.grad`` left aliasing ``main_grad`` makes the next
+    backward accumulate into ``main_grad`` and DDP's hook then add ``main_grad`` to itself
+    (doubled gradients). Graph-safe (inside a :class:`tgraph.FullIterationGraph` too).
+    """
+    for p in params:
+        p.grad = p.main_grad
+    opt.step()
+    for p in params:
+        p.grad = None
+
+
 def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``position_ids`` (B, S) and the boolean causal ``attention_mask`` (1, 1, S, S) for GPTModel."""
     B, S = tokens.shape
