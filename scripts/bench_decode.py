@@ -329,6 +329,8 @@ def run_fixed(b: Bench, mode: str, batch: int, repeats: int) -> dict:
         synchronize(b.device)
         row.update(res, peak_mem_mib=peak_memory_mib(b.device, since=base))
         row["tokens_per_s"] = batch * 1e3 / row["ms_median"] if row["ms_median"] else None
+        if row["ms_median"] is None:  # _per_step_ms: timing noise larger than the decode steps
+            row.update(status="skipped", reason="timing noise larger than the decode steps")
     except Skip as exc:
         row.update(status="skipped", reason=str(exc))
     except Exception as exc:  # noqa: BLE001 - one failing mode must not hide the others

@@ -36,7 +36,9 @@ def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
 def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypatch):
     # What torch.cuda.make_graphed_callables does (pytorch issue 181723): detached aliases let
     # AccumulateGrad adopt the static buffer as .grad; the next microbatch overwrites it.
-    monkeypatch.setattr(bridge, "hand_to_autograd", lambda r: r.grads_for_autograd(clone=False))
+    monkeypatch.setattr(
+        bridge, "hand_to_autograd", lambda r, active: r.grads_for_autograd(False, active)
+    )
     with pytest.raises(AssertionError):
         check_gradient_accumulation(backend, device)
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tgraph.pool import EmulatedPool, PoolLedger
+
 BACKENDS = ("cuda", "emulated")
 
 # Host-side sync points: illegal while a CUDA stream is capturing. The emulated backend refuses
@@ -130,16 +132,38 @@ class EmulatedGraph:
         watch: objects (typically parameters) whose Python attributes a real graph cannot change
             at replay; the emulated replay restores them afterwards, so Python side effects of the
             captured code (e.g. setting ``grad_added_to_main_grad``) are skipped as on a GPU.
+        pool: the :class:`tgraph.pool.EmulatedPool` shared by the graphs of one factory; it
+            poisons, at each replay, the memory a real graph of the same pool may overwrite.
+        frees: the forward graph whose saved activations this (backward) graph's capture frees.
+        freeze: modules whose ``training`` flags the replays see as they were at capture (a real
+            graph replays the kernels of the capture's control flow, e.g. dropout on or off).
+        external: tensors the function reads that live outside the pool (static inputs).
     """
 
     retains_autograd_graph = True
 
-    def __init__(self, watch: Iterable[Any] = ()) -> None:
+    def __init__(
+        self,
+        watch: Iterable[Any] = (),
+        *,
+        pool: EmulatedPool | None = None,
+        frees: Any = None,
+        freeze: Iterable[torch.nn.Module] = (),
+        external: Iterable[torch.Tensor] = (),
+        stamp: Callable[[], int] | None = None,
+    ) -> None:
         self._fn: Callable[[], Any] | None = None
         self._outputs: list[Any] = []
         self._registered: list[torch.Generator] = []
         self._frozen: list[tuple[torch.Generator, torch.Tensor]] = []
         self._watch = list(watch)
+        self._pool = pool
+        self.frees = frees
+        self._freeze = list(freeze)
+        self._modes: list[tuple[torch.nn.Module, bool]] = []
+        self._external = [t for t in (*self._watch, *external) if isinstance(t, torch.Tensor)]
+        self._stamp = stamp
+        self.index = 0
         self.live_outputs: list[Any] | None = None
         """Outputs of the latest run, with their autograd graph. A real graph's backward
         differentiates the capture's graph, whose saved activations every replay overwrites in
@@ -152,6 +176,7 @@ class EmulatedGraph:
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` once; its outputs become this graph's static memory. Returns its output."""
+        self.index = self._stamp() if self._stamp is not None else 0
         known = _default_generators()
         from tgraph import rng  # local import: rng depends on nothing here, avoid a cycle
 
@@ -159,37 +184,81 @@ class EmulatedGraph:
         self._frozen = [
             (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
         ]
-        with RefuseHostSync():
+        self._modes = [(m, m.training) for m in self._freeze]
+        with RefuseHostSync(), emulated_capture():
             out = fn()
         self._fn = fn
         self._outputs = tree_leaves(out)
         self.live_outputs = self._outputs
+        if self._pool is not None:
+            self._pool.captured(self)
         return out
+
+    def pool_outputs(self) -> list[torch.Tensor]:
+        """The captured outputs: memory of the pool that this graph's replays write."""
+        return [t.data for t in self._outputs if isinstance(t, torch.Tensor)]
+
+    def external_tensors(self) -> list[torch.Tensor]:
+        """Tensors the function reads that live outside the pool (parameters, static inputs)."""
+        return self._external
 
     def replay(self) -> None:
         """Re-run the captured function and write its results into the captured outputs."""
         assert self._fn is not None, "replay() before capture()"
+        if self._pool is not None:
+            self._pool.replayed(self)
         attrs = [(obj, dict(vars(obj))) for obj in self._watch]
         live = [(g, g.get_state()) for g, _ in self._frozen]
+        modes = [(m, m.training) for m, _ in self._modes]
         for g, state in self._frozen:  # unregistered generators replay the capture's numbers
             g.set_state(state)
+        for m, training in self._modes:  # the capture's control flow, not today's flags
+            m.training = training
         try:
             self.live_outputs = None
-            new = tree_leaves(self._fn())
+            with emulated_capture():
+                new = tree_leaves(self._fn())
             with torch.no_grad():
                 for dst, src in zip(self._outputs, new, strict=True):
                     if isinstance(dst, torch.Tensor) and dst is not src:
                         dst.copy_(src)
             self.live_outputs = new
+            if self._pool is not None:
+                self._pool.ran(self)
         finally:
             for g, state in live:  # an unregistered generator does not advance at replay
                 g.set_state(state)
+            for m, training in modes:
+                m.training = training
             for obj, saved in attrs:
                 vars(obj).clear()
                 vars(obj).update(saved)
 
     def reset(self) -> None:
         self.__init__()
+
+
+@contextlib.contextmanager
+def emulated_capture() -> Iterator[None]:
+    """``torch.cuda.is_current_stream_capturing()`` answers True, as under a real capture.
+
+    Libraries branch on it to avoid host syncs while a graph is captured (Hugging Face's mask
+    code does); an emulated capture, and its replays (which re-run the captured Python), must
+    take the same branch as a CUDA capture. The attribute is replaced for the duration only.
+    """
+    modules = [torch.cuda, torch.cuda.graphs]
+    saved = [m.is_current_stream_capturing for m in modules]
+    for m in modules:
+        m.is_current_stream_capturing = _capturing
+    try:
+        yield
+    finally:
+        for m, fn in zip(modules, saved):
+            m.is_current_stream_capturing = fn
+
+
+def _capturing() -> bool:
+    return True
 
 
 class CudaGraph:
@@ -201,10 +270,14 @@ class CudaGraph:
     retains_autograd_graph = False
     live_outputs = None  # the backward differentiates the capture's graph (static memory)
 
-    def __init__(self, pool: Any, stream: torch.cuda.Stream) -> None:
+    def __init__(
+        self, pool: Any, stream: torch.cuda.Stream, stamp: Callable[[], int] | None = None
+    ) -> None:
         self._graph = torch.cuda.CUDAGraph()
         self._pool = pool
         self._stream = stream
+        self._stamp = stamp
+        self.index = 0  # capture index in the pool (tgraph.pool)
 
     def register_generator_state(self, generator: torch.Generator) -> None:
         self._graph.register_generator_state(generator)
@@ -221,6 +294,7 @@ class CudaGraph:
                 gc.enable()
 
     def _capture(self, fn: Callable[[], Any]) -> Any:
+        self.index = self._stamp() if self._stamp is not None else 0
         with torch.cuda.stream(self._stream):
             self._graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
@@ -326,18 +400,37 @@ class GraphFactory:
     def __init__(self, backend: str, device: torch.device | None = None) -> None:
         self.backend = backend
         self.device = device
+        self.ledger = PoolLedger()  # capture indices and the replay-order guard (tgraph.pool)
         if backend == "cuda":
             gc.collect()  # see CudaGraph.capture
             self.pool = torch.cuda.graph_pool_handle()
             self.stream: torch.cuda.Stream | None = capture_stream(device)
+            self.emulated_pool = None
         else:
             self.pool = None
             self.stream = None
+            self.emulated_pool = EmulatedPool()
 
-    def new_graph(self, watch: Iterable[Any] = ()) -> EmulatedGraph | CudaGraph:
+    def new_graph(
+        self,
+        watch: Iterable[Any] = (),
+        *,
+        frees: Any = None,
+        freeze: Iterable[torch.nn.Module] = (),
+        external: Iterable[torch.Tensor] = (),
+    ) -> EmulatedGraph | CudaGraph:
+        """A graph of this factory's pool. The emulated-only arguments are documented on
+        :class:`EmulatedGraph`; a CUDA graph gets that behaviour from the hardware."""
         if self.backend == "cuda":
-            return CudaGraph(self.pool, self.stream)
-        return EmulatedGraph(watch)
+            return CudaGraph(self.pool, self.stream, self.ledger.stamp)
+        return EmulatedGraph(
+            watch,
+            pool=self.emulated_pool,
+            frees=frees,
+            freeze=freeze,
+            external=external,
+            stamp=self.ledger.stamp,
+        )
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:

@@ -16,14 +16,14 @@ from tgraph.record import Flight
 from tgraph.runner import Runner
 
 
-def hand_to_autograd(runner: Runner) -> list[torch.Tensor | None]:
+def hand_to_autograd(runner: Runner, active: tuple[bool, ...]) -> list[torch.Tensor | None]:
     """Gradients as handed to autograd: never the static parameter-gradient memory itself.
 
     This is the gradient protection (:class:`tgraph.grads.ParamGradPacking`): parameter
     gradients are views of a fresh clone, so the next replay cannot overwrite a gradient that
     autograd accumulated. Tests plant the bug by replacing this function.
     """
-    return runner.grads_for_autograd()
+    return runner.grads_for_autograd(active=active)
 
 
 class GraphedCall(torch.autograd.Function):
@@ -31,6 +31,9 @@ class GraphedCall(torch.autograd.Function):
     def forward(ctx, runner: Runner, flight: Flight, *tensors: torch.Tensor):
         runner.fwd_graph.replay()
         ctx.runner, ctx.flight = runner, flight
+        # An output the loss did not use gets None, not zeros: then the parameters only it
+        # reaches get no gradient, as in eager (tgraph.runner.UnusedOutputs).
+        ctx.set_materialize_grads(False)
         outs = tuple(o.detach() for o in runner.static_outputs)
         # The backward graph may read the outputs as saved activations: saving them lets
         # autograd check their version counters (an in-place change raises, as in eager).
@@ -58,11 +61,16 @@ class GraphedCall(torch.autograd.Function):
                 "the output before modifying it (y = block(x).clone())."
             ) from exc
         runner.fusion.check()
+        active = tuple(grads[i] is not None for i in runner._out_rg)
+        if not any(active):  # nothing reached this node's outputs: no gradient anywhere
+            flight.land()
+            return (None,) * len(ctx.needs_input_grad)
+        runner.ledger.before_backward(flight, runner)
         runner.copy_grad_outputs(grads)
         runner.bwd_graph.replay()
         runner.after_backward()
         flight.land()
-        return (None, None, *hand_to_autograd(runner))
+        return (None, None, *hand_to_autograd(runner, active))
 
 
 def hold_while_alive(runner: Runner, outputs: list[torch.Tensor]) -> None:
@@ -75,15 +83,21 @@ def hold_while_alive(runner: Runner, outputs: list[torch.Tensor]) -> None:
     of an output and kept after the output itself is dropped are not tracked.
     """
     if outputs:
-        flight = Flight(runner)
+        flight = Flight(runner, held=True)
         for o in outputs:
             o._tgraph_flight = flight
 
 
-def replay(runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Replay ``runner`` on live ``tensors``; None when the call must run eagerly instead."""
+def replay(runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | str:
+    """Replay ``runner`` on live ``tensors``; the reason when the call must run eagerly instead."""
+    unsafe = runner.ledger.unsafe_forward(runner)
+    if unsafe is not None:
+        return unsafe
     if not runner.copy_inputs(tensors):
-        return None
+        return (
+            "an input captured as another graphed module's output buffer arrived as a different "
+            "tensor"
+        )
     if not runner.needs_backward:
         runner.fwd_graph.replay()
         outs = [o.detach() for o in runner.static_outputs]

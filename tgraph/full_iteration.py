@@ -85,7 +85,7 @@ from tgraph.backend import (
     tree_leaves,
 )
 from tgraph.module import GraphFallbackWarning, _manager
-from tgraph.signature import call_key, rebuild
+from tgraph.signature import call_key, first_difference, rebuild
 from tgraph.step_state import (
     EmulatedStepGraph,
     HyperParams,
@@ -116,34 +116,6 @@ class _Entry:
     grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
     capture_seconds: float = 0.0
     pool_bytes: int = 0
-
-
-def _describe_leaf(d: Any) -> str:
-    if isinstance(d, tuple) and len(d) == 4 and isinstance(d[0], torch.Size):
-        return f"{tuple(d[0])} {str(d[1]).removeprefix('torch.')} {d[2]}"
-    return repr(d)
-
-
-def _first_difference(old: Any, new: Any, path: str = "batch") -> str:
-    """Where two described batches first differ, as ``batch[0][1] changed from ... to ...``."""
-    nested = (list, tuple, dict)
-    if (
-        isinstance(old, tuple)
-        and len(old) == 2
-        and old[0] in nested
-        and isinstance(new, tuple)
-        and len(new) == 2
-        and new[0] is old[0]
-        and len(old[1]) == len(new[1])
-    ):
-        for i, (a, b) in enumerate(zip(old[1], new[1])):
-            if old[0] is dict:
-                if a[0] != b[0]:
-                    return f"{path} keys changed from {[k for k, _ in old[1]]} to {[k for k, _ in new[1]]}"
-                a, b, i = a[1], b[1], repr(a[0])
-            if a != b:
-                return _first_difference(a, b, f"{path}[{i}]")
-    return f"{path} changed from {_describe_leaf(old)} to {_describe_leaf(new)}"
 
 
 class FullIterationGraph:
@@ -218,7 +190,7 @@ class FullIterationGraph:
         if _manager.modules:  # per-layer graphs exist somewhere: were they enabled inside fn?
             self._check_not_nested(self._modules.values(), recurse=False)
         tensors: list[torch.Tensor] = []
-        key = call_key((batch,), {}, False, tensors)
+        key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.graph is not None:
             return self._replay(entry, tensors)
@@ -250,7 +222,7 @@ class FullIterationGraph:
             raise RuntimeError(
                 f"FullIterationGraph already holds {len(self._entries)} batch signature(s) "
                 f"(max_graphs={self.max_graphs}) and this batch matches none: "
-                f"{_first_difference(old[0][0], key[0][0])}. Pad batches to a fixed shape, or "
+                f"{first_difference(old.args[0], key.args[0], 'batch')}. Pad batches to a fixed shape, or "
                 "raise max_graphs (each signature costs its own warmups and graph memory)."
             )
         device = tensors[0].device

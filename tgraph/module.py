@@ -31,7 +31,7 @@ from tgraph.grads import StateSnapshot
 from tgraph.record import Flight, NoteBackward, Record, graphed_region, inside_graphed_region
 from tgraph.runner import Runner, _collect
 from tgraph.segment import Segment, mergeable_chains
-from tgraph.signature import call_key, difference, rebuild
+from tgraph.signature import MutableArgument, call_key, difference, rebuild
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class _ModuleState:
     merge: bool = True
     main_grad_fusion: bool = False
     params: tuple = ()  # the module's parameters (their requires_grad is part of every key)
+    submodules: tuple = ()  # module.modules(): their training flags are part of every key
+    names: list[str] = field(default_factory=list)  # the submodules' names, for messages
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
 
@@ -82,11 +84,6 @@ class CaptureReport:
         )
 
 
-_SHARED_INPUT_MISMATCH = (
-    "an input captured as another graphed module's output buffer arrived as a different tensor"
-)
-
-
 class _Manager:
     """Process-wide state: the record, the enabled modules, and whether graphs exist."""
 
@@ -100,7 +97,11 @@ class _Manager:
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         tensors: list[torch.Tensor] = []
-        key = call_key(args, kwargs, module.training, tensors, state.params)
+        training = tuple(m.training for m in state.submodules)
+        try:
+            key = call_key(args, kwargs, training, tensors, state.params)
+        except MutableArgument as exc:
+            return self._eager(module, state, args, kwargs, str(exc))
         runners = state.runners.get(key)
         if not self.captured:
             runner = next((r for r in runners or () if r.flight is None), None)
@@ -122,15 +123,15 @@ class _Manager:
                 if seg is None:
                     if r.flight is None and r.captured:
                         outs = bridge.replay(r, tensors)
-                        if outs is not None:
+                        if not isinstance(outs, str):
                             return r.outputs(outs)
-                        reason = _SHARED_INPUT_MISMATCH
+                        reason = outs
                 elif r.seg_index == 0:
                     if seg.flight is None and seg.captured:
                         outs = bridge.replay(seg, tensors)
-                        if outs is not None:
+                        if not isinstance(outs, str):
                             return r.outputs(seg.start(outs, tensors))
-                        reason = _SHARED_INPUT_MISMATCH
+                        reason = outs
                 elif seg.captured:
                     outs = seg.take(r, tensors)
                     if outs is not None:
@@ -142,7 +143,7 @@ class _Manager:
                         "merge=False to tgraph.enable to graph it alone)"
                     )
         elif state.runners:
-            reason = difference(next(iter(state.runners)), key)
+            reason = difference(next(iter(state.runners)), key, state.names)
         else:
             reason = "the module was not called during the recorded iteration"
         return self._eager(module, state, args, kwargs, reason)
@@ -256,8 +257,17 @@ def enable(
         )
     for m in found:
         old = m.__dict__.get("_tgraph")
+        named = list(m.named_modules())
         m._tgraph = _ModuleState(
-            backend, strict, warmup, debug, merge, main_grad_fusion, tuple(m.parameters())
+            backend,
+            strict,
+            warmup,
+            debug,
+            merge,
+            main_grad_fusion,
+            tuple(m.parameters()),
+            tuple(sub for _, sub in named),
+            [name or type(m).__name__ for name, _ in named],
         )
         if old is not None:  # enabled again: new options, same recorded runners
             m._tgraph.runners = old.runners
@@ -304,11 +314,14 @@ def create_graphs() -> CaptureReport:
             "and backward) eagerly, then call tgraph.create_graphs()"
         )
     runners = list(dict.fromkeys(r for r, _ in m.record.events))
-    if any(r.flight is not None for r in runners):
+    waiting = [r for r in runners if r.flight is not None and not r.held]
+    if waiting:
         raise RuntimeError(
-            "create_graphs() was called while a graphed forward still awaits its backward; "
-            "call it between iterations"
+            f"create_graphs() was called while a graphed forward ({waiting[0]}) still awaits its "
+            "backward; call it between iterations, after every backward of the recorded one"
         )
+    for r in runners:  # recorded no-grad outputs that are still alive are eager tensors:
+        r.flight, r.held = None, False  # capturing cannot touch them
     start = time.perf_counter()
     factories: dict[tuple[str, torch.device], GraphFactory] = {}
     for r in runners:

@@ -45,17 +45,34 @@ def inside_graphed_region() -> bool:
 
 
 class Flight:
-    """Marks ``runner`` in flight while this token (held by an autograd node) is alive."""
+    """Marks ``runner`` in flight while this token (held by an autograd node) is alive.
 
-    __slots__ = ("runner", "__weakref__")
+    Args:
+        runner: a runner or a merged stack.
+        held: in flight because the outputs of a call without backward are alive, not because
+            a backward is awaited.
 
-    def __init__(self, runner: Runner) -> None:
+    A captured runner's flight is also entered in its pool's :class:`tgraph.pool.PoolLedger`,
+    which checks that no replay overwrites memory the runner still needs.
+    """
+
+    __slots__ = ("runner", "ledger", "__weakref__")
+
+    def __init__(self, runner: Runner, held: bool = False) -> None:
         self.runner = runner
         runner.flight = id(self)
+        runner.held = held
+        self.ledger = runner.ledger if runner.captured else None
+        if self.ledger is not None:
+            self.ledger.enter(self, runner, held)
 
     def land(self) -> None:
         if self.runner.flight == id(self):
             self.runner.flight = None
+            self.runner.held = False
+        if self.ledger is not None:
+            self.ledger.leave(self)
+            self.ledger = None
 
     def __del__(self) -> None:  # autograd graph freed without a backward
         self.land()

@@ -52,6 +52,66 @@ def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
+def output_reach(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], leaves: list[torch.Tensor]
+) -> list[tuple[frozenset[int], frozenset[int]]]:
+    """Per output: (indices into ``inputs``, indices into ``leaves``) that it reaches.
+
+    A gradient flows to an input or parameter only through outputs that reach it; autograd
+    gives it none (``None``, not zeros) when no output the loss used reaches it.
+    """
+    in_pos = {id(t): i for i, t in enumerate(inputs)}
+    leaf_pos = {id(t): j for j, t in enumerate(leaves)}
+    found = []
+    for o in outputs:
+        ids = {id(t) for t in reached_leaves([o])}
+        found.append(
+            (
+                frozenset(i for k, i in in_pos.items() if k in ids),
+                frozenset(j for k, j in leaf_pos.items() if k in ids),
+            )
+        )
+    return found
+
+
+class UnusedOutputs:
+    """Which gradients to hand autograd as None when the loss ignored some outputs.
+
+    Autograd gives the bridge ``None`` for an output the loss did not use (materialized zeros
+    are turned off). The backward graph still runs with a zero gradient for it, and every input
+    or parameter reached *only* through such outputs gets None, as in eager: a zero gradient is
+    not the same thing to an optimizer (AdamW's momentum and weight decay would still move it).
+    """
+
+    def __init__(self) -> None:
+        self.reach: list[tuple[frozenset[int], frozenset[int]]] = []
+        self.input_index: list[int] = []  # position of each differentiable input in the result
+        self.leaf_index: list[int | None] = []  # position of each leaf's gradient, None if fused
+        self._cache: dict[tuple[bool, ...], list[int]] = {}
+
+    def setup(self, outputs, inputs, in_rg, leaves) -> None:
+        self.reach = output_reach(outputs, inputs, leaves)
+        self.input_index = list(in_rg)
+        self._cache = {}
+
+    def place_leaves(self, n_inputs: int, kept: list[int | None]) -> None:
+        """``kept[j]``: index of leaf j among the parameters handed to autograd (None: fused)."""
+        self.leaf_index = [None if k is None else n_inputs + k for k in kept]
+
+    def none_positions(self, active: tuple[bool, ...]) -> list[int]:
+        """Positions of the gradients no active output reaches."""
+        found = self._cache.get(active)
+        if found is None:
+            ins = set().union(*(r[0] for r, a in zip(self.reach, active) if a))
+            leaves = set().union(*(r[1] for r, a in zip(self.reach, active) if a))
+            found = [p for k, p in enumerate(self.input_index) if k not in ins]
+            found += [
+                p for j, p in enumerate(self.leaf_index) if p is not None and j not in leaves
+            ]
+            self._cache[active] = found
+        return found
+
+
 def split_grads(grads, n_inputs: int, in_rg: list[int], packing: ParamGradPacking):
     """Captured backward outputs -> (per-input static grads, unpacked static param grads)."""
     n = len(in_rg)
@@ -95,10 +155,17 @@ def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.
 
 
 def capture_forward_graph(
-    factory: GraphFactory, device: torch.device, watch, fn, input_leaves, warmup: int
+    factory: GraphFactory,
+    device: torch.device,
+    watch,
+    fn,
+    input_leaves,
+    warmup: int,
+    modules: list[torch.nn.Module],
+    static_inputs: list[torch.Tensor],
 ):
     """Warm ``fn`` up, then capture it on the capture stream. Returns (graph, outputs)."""
-    graph = factory.new_graph(watch=watch)
+    graph = factory.new_graph(watch=watch, freeze=modules, external=static_inputs)
     for g in rng.graph_generators(device):
         graph.register_generator_state(g)
     with factory.side_stream():
@@ -107,9 +174,12 @@ def capture_forward_graph(
     return graph, outputs
 
 
-def capture_backward_graph(factory: GraphFactory, watch, fn, flags: MainGradFlags):
-    """Capture the backward ``fn``, noting which ``main_grad`` flags it sets. (graph, grads)."""
-    graph = factory.new_graph(watch=watch)
+def capture_backward_graph(factory: GraphFactory, watch, fn, flags: MainGradFlags, fwd_graph):
+    """Capture the backward ``fn``, noting which ``main_grad`` flags it sets. (graph, grads).
+
+    ``fwd_graph``'s saved activations are freed by this capture (tgraph.pool).
+    """
+    graph = factory.new_graph(watch=watch, frees=fwd_graph)
     flags.before_capture()
     try:
         with factory.side_stream():
@@ -155,7 +225,10 @@ class Runner:
         self.device = tensors[0].device if tensors else next(module.parameters()).device
         self.samples = [t.detach().clone() for t in tensors]
         self._requires_grad = [t.requires_grad for t in tensors]
-        self.grad_mode = key[3]
+        self.grad_mode = key.grad
+        self.ledger = None  # the pool's replay-order guard, once captured (tgraph.pool)
+        self.held = False  # in flight only because a no-grad call's outputs are alive
+        self.unused = UnusedOutputs()
         self.fwd_graph = None
         self.bwd_graph = None
         self.static_inputs: list[torch.Tensor] = []
@@ -243,7 +316,8 @@ class Runner:
         kwargs = rebuild(self._kwargs, iter(self.static_inputs[self._n_args_tensors :]))
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad_mode))
-            for device_type, dtype in self.key[4]:  # capture under the recorded autocast
+            stack.enter_context(_training_flags(self.module, self.key.training))
+            for device_type, dtype in self.key.autocast:  # capture under the recorded autocast
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
@@ -291,9 +365,17 @@ class Runner:
     def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
         """Warm up, then capture the forward graph (and find the parameters it reaches)."""
         self.prepare_capture()
+        self.ledger = factory.ledger
         inputs = [self.static_inputs[i] for i in self._in_rg]
         self.fwd_graph, self.static_outputs = capture_forward_graph(
-            factory, self.device, self._aliases.values(), self._run_forward, inputs, warmup
+            factory,
+            self.device,
+            self._aliases.values(),
+            self._run_forward,
+            inputs,
+            warmup,
+            list(self.module.modules()),
+            self.static_inputs,
         )
         self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
         self._out_nodiff = [i for i, o in enumerate(self.static_outputs) if not o.requires_grad]
@@ -315,6 +397,12 @@ class Runner:
             ]  # e.g. weights tied from outside
             self.params = own + foreign
             self._leaves = [self._aliases[id(p)] for p in own] + foreign
+            self.unused.setup(
+                [self.static_outputs[i] for i in self._out_rg],
+                [self.static_inputs[i] for i in self._in_rg],
+                [i for i in self._in_rg],
+                self._leaves,
+            )
 
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph."""
@@ -322,12 +410,13 @@ class Runner:
         self._grad_out_zero = [True] * len(self.static_grad_outputs)
         self._flags = MainGradFlags(zip(self._leaves, self.params))
         self.bwd_graph, grads = capture_backward_graph(
-            factory, self._aliases.values(), self._run_backward, self._flags
+            factory, self._aliases.values(), self._run_backward, self._flags, self.fwd_graph
         )
         self.static_grads, self._param_grads = split_grads(
             grads, len(self.static_inputs), self._in_rg, self.packing
         )
         self.autograd_params = autograd_params(self.fusion, self.params, self._in_rg, self.device)
+        self.unused.place_leaves(len(self.static_inputs), kept_positions(self.fusion, self.params))
         self.samples = []
 
     def drop_graphs(self) -> None:
@@ -340,6 +429,7 @@ class Runner:
         self.fusion = MainGradFusion(self.fusion.enabled)
         self._aliases = {}
         self.out_template = None
+        self.ledger, self.held, self.unused = None, False, UnusedOutputs()
 
     # ------------------------------------------------------------------ replay
     def copy_inputs(self, tensors: tuple[torch.Tensor, ...]) -> bool:
@@ -352,12 +442,22 @@ class Runner:
             buf.detach().copy_(x)
         return True
 
-    def grads_for_autograd(self, clone: bool = True) -> list[torch.Tensor | None]:
-        """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking)."""
+    def grads_for_autograd(
+        self, clone: bool = True, active: tuple[bool, ...] | None = None
+    ) -> list[torch.Tensor | None]:
+        """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking).
+
+        ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
+        parameters that only inactive outputs reach get None (:class:`UnusedOutputs`).
+        """
         kept = self.fusion.keep(self.packing.for_autograd(self._param_grads, clone))
         if not kept and self.autograd_params:  # the anchor leaf (see autograd_params)
             kept = [None]
-        return [*self.static_grads, *kept]
+        grads = [*self.static_grads, *kept]
+        if active is not None and not all(active):
+            for pos in self.unused.none_positions(active):
+                grads[pos] = None
+        return grads
 
     def copy_grad_outputs(self, grads) -> None:
         """Refresh the static grad-output buffers; a None gradient means zeros.
@@ -406,6 +506,37 @@ _PLACEHOLDER = torch.empty(0)
 def _strip(obj: Any) -> Any:
     """``obj`` with every tensor replaced by a placeholder (a template that pins no memory)."""
     return rebuild(obj, itertools.repeat(_PLACEHOLDER))
+
+
+def kept_positions(fusion: MainGradFusion, params: list) -> list[int | None]:
+    """Per parameter, its index among the parameters handed to autograd (None: fused)."""
+    kept = fusion.keep(list(range(len(params))))
+    where = {j: k for k, j in enumerate(kept)}
+    return [where.get(j) for j in range(len(params))]
+
+
+@contextlib.contextmanager
+def _training_flags(module: torch.nn.Module, flags: tuple[bool, ...]):
+    """Run with the ``training`` flags of the recorded call (``module`` and its submodules).
+
+    A graph is captured after the recorded iteration, when the model may be in another mode
+    (``model.eval()`` for a recorded evaluation, then ``model.train()`` before
+    ``create_graphs()``); the graph must contain the recorded call's kernels (dropout off).
+    """
+    modules = list(module.modules())
+    live = [m.training for m in modules]
+    if len(flags) != len(modules):
+        raise RuntimeError(
+            f"{type(module).__name__} gained or lost submodules since the recorded iteration; "
+            "call tgraph.reset() and record again"
+        )
+    for m, flag in zip(modules, flags):
+        m.training = flag
+    try:
+        yield
+    finally:
+        for m, flag in zip(modules, live):
+            m.training = flag
 
 
 def _count_tensors(obj: Any) -> int:

@@ -31,9 +31,11 @@ from tgraph.backend import GraphFactory
 from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking
 from tgraph.runner import (
     Runner,
+    UnusedOutputs,
     autograd_params,
     capture_backward_graph,
     capture_forward_graph,
+    kept_positions,
     reached_leaves,
     split_grads,
 )
@@ -53,7 +55,7 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
         # falls back to eager, the segment's replay would already have updated its buffers.
         if any(True for _ in nxt.module.buffers()) or any(True for _ in prev.module.buffers()):
             return False
-        if nxt.grad_mode != prev.grad_mode or nxt.key[4] != prev.key[4]:
+        if nxt.grad_mode != prev.grad_mode or nxt.key.autocast != prev.key.autocast:
             return False
         if nxt.fusion.enabled != prev.fusion.enabled:  # one segment, one main_grad treatment
             return False
@@ -107,6 +109,9 @@ class Segment:
         self.key = self.head.key
         self.device = self.head.device
         self.flight: int | None = None
+        self.held = False
+        self.ledger = None
+        self.unused = UnusedOutputs()
         self.debug = False
         self.fwd_graph = None
         self.bwd_graph = None
@@ -175,9 +180,17 @@ class Segment:
         head.prepare_capture()
         for r in self.runners[1:]:
             r.prepare_capture(static_inputs=False)
+        self.ledger = factory.ledger
         inputs = [head.static_inputs[i] for i in head._in_rg]
         self.fwd_graph, self.static_outputs = capture_forward_graph(
-            factory, self.device, self._aliases(), self._run_forward, inputs, warmup
+            factory,
+            self.device,
+            self._aliases(),
+            self._run_forward,
+            inputs,
+            warmup,
+            [m for r in self.runners for m in r.module.modules()],
+            head.static_inputs,
         )
         start = 0
         for r in self.runners:
@@ -203,19 +216,21 @@ class Segment:
             foreign = [t for t in reached if id(t) not in aliases]
             self._leaves += foreign
             self.params += foreign
+            self.unused.setup(rg_outs, inputs, head._in_rg, self._leaves)
 
     def capture_backward(self, factory: GraphFactory) -> None:
         self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
         self._grad_out_zero = [True] * len(self.static_grad_outputs)
         self._flags = MainGradFlags(zip(self._leaves, self.params))
         self.bwd_graph, grads = capture_backward_graph(
-            factory, self._aliases(), self._run_backward, self._flags
+            factory, self._aliases(), self._run_backward, self._flags, self.fwd_graph
         )
         head = self.head
         self.static_grads, self._param_grads = split_grads(
             grads, len(head.static_inputs), head._in_rg, self.packing
         )
         self.autograd_params = autograd_params(self.fusion, self.params, head._in_rg, self.device)
+        self.unused.place_leaves(len(head.static_inputs), kept_positions(self.fusion, self.params))
         for r in self.runners:
             r.samples = []
 
@@ -224,6 +239,7 @@ class Segment:
         self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
         self.params, self._leaves, self.pending = [], [], None
         self.autograd_params = []
+        self.ledger, self.held, self.unused = None, False, UnusedOutputs()
         self.packing, self._param_grads, self._flags = ParamGradPacking(), [], None
         self.fusion = MainGradFusion(self.fusion.enabled)
         for r in self.runners:

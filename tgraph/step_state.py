@@ -25,6 +25,7 @@ from tgraph.backend import (
     EmulatedGraph,
     RefuseHostSync,
     _default_generators,
+    emulated_capture,
     tree_leaves,
 )
 
@@ -167,7 +168,7 @@ class EmulatedStepGraph(EmulatedGraph):
         self._frozen = [
             (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
         ]
-        with RefuseHostSync(), RefuseHostReads():
+        with RefuseHostSync(), RefuseHostReads(), emulated_capture():
             out = fn()
         self._fn = fn
         self._outputs = tree_leaves(out)
@@ -187,7 +188,8 @@ class EmulatedStepGraph(EmulatedGraph):
                 g.set_state(state)
             for g, frozen in self._frozen_hparams:
                 g.update(frozen)
-            out = self._fn()
+            with emulated_capture():
+                out = self._fn()
             with torch.no_grad():
                 for dst, src in zip(self._outputs, tree_leaves(out), strict=True):
                     if isinstance(dst, torch.Tensor) and dst is not src:

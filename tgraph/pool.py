@@ -1,0 +1,215 @@
+"""One shared memory pool: which replays may overwrite what, guarded and modelled.
+
+Graphs captured into one pool may reuse memory that was free *when they were captured*. Number
+the captures in order (the *capture index*). A tensor a capture allocates lives in the pool from
+that capture until the capture that frees it:
+
+* a graph's **outputs** (static outputs, input and parameter gradients) are held by tgraph and
+  never freed: every graph captured *before* them may have used that memory for its own
+  temporaries, so replaying an earlier-captured graph overwrites them;
+* a forward graph's **saved activations** are freed when its backward graph is captured (autograd
+  releases them): graphs captured before the forward *or after the backward* may overwrite them,
+  and only graphs captured in between cannot.
+
+So while a unit (a runner or a merged stack) awaits its backward, replaying a graph is safe only
+if it was captured between that unit's forward and backward captures; while the live outputs of
+a no-grad call are held by the caller, only graphs captured after it are safe. Replaying in the
+recorded order always satisfies this (each graph was captured exactly where it now replays),
+which is why capturing in execution order lets every graph share one pool. Any other order is
+checked by :class:`PoolLedger` at every replay:
+
+* a forward that is unsafe runs eagerly instead (with the once-per-reason warning; ``strict=True``
+  raises), which is always possible because nothing has been overwritten yet;
+* a backward that is unsafe for another unit's saved activations (backwards of nested units run
+  out of nesting order) still replays, since its own inputs are intact, but marks the other unit:
+  that unit's backward then raises instead of returning gradients computed from overwritten
+  activations.
+
+:class:`EmulatedPool` is the emulated backend's model of the same pool, so CPU tests see what
+CUDA does: at every replay it overwrites, with poison (NaN for floats), every output and every
+saved activation that the replayed graph *may* reuse on a GPU. The model is the worst case of the
+caching allocator, and it knows nothing about :class:`PoolLedger`: with the ledger's check
+removed, a replay order that corrupts on a GPU corrupts on the CPU too.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+
+NEVER = math.inf  # capture index of a backward that does not exist (no-grad calls)
+
+
+class PoolLedger:
+    """Live units of one pool and the capture-index window in which replays are safe for them.
+
+    A *flight* (see :class:`tgraph.record.Flight`) enters the ledger when a captured unit's
+    forward replays and leaves when its backward has replayed, or when the no-grad outputs it
+    guards are freed.
+    """
+
+    def __init__(self) -> None:
+        self.clock = 0
+        # id(flight) -> (unit, lowest safe index, highest safe index)
+        self._live: dict[int, tuple[Any, int, float]] = {}
+        self._clobbered: dict[int, str] = {}  # id(flight) -> the graph that overwrote it
+
+    def stamp(self) -> int:
+        """The capture index of the next capture."""
+        self.clock += 1
+        return self.clock
+
+    def enter(self, flight: Any, unit: Any, held: bool) -> None:
+        bwd = unit.bwd_graph
+        high = NEVER if held or bwd is None else bwd.index
+        self._live[id(flight)] = (unit, unit.fwd_graph.index, high)
+
+    def leave(self, flight: Any) -> None:
+        self._live.pop(id(flight), None)
+        self._clobbered.pop(id(flight), None)
+
+    def conflicts(self, index: int, skip: Any = None) -> list[tuple[int, Any]]:
+        """Live flights (``(id, unit)``) whose memory a replay of capture ``index`` may overwrite."""
+        return [
+            (fid, unit)
+            for fid, (unit, low, high) in self._live.items()
+            if unit is not skip and not (low < index < high)
+        ]
+
+    def unsafe_forward(self, unit: Any) -> str | None:
+        """Why replaying ``unit``'s forward now could corrupt another unit; None when safe."""
+        found = self.conflicts(unit.fwd_graph.index)
+        if not found:
+            return None
+        return (
+            f"replay order differs from the recorded one: {found[0][1]} is still using memory of "
+            "the shared graph pool (awaiting its backward, or its no-grad outputs are alive), and "
+            "this graph was captured where it may reuse that memory (tgraph.pool explains which "
+            "orders are safe)"
+        )
+
+    def before_backward(self, flight: Any, unit: Any) -> None:
+        """Check ``unit``'s saved activations are intact; mark those its backward overwrites."""
+        culprit = self._clobbered.get(id(flight))
+        if culprit is not None:
+            raise RuntimeError(
+                f"the saved activations of {unit} were overwritten by the backward graph of "
+                f"{culprit}, which ran while {unit} still awaited its backward. Graphs share one "
+                "memory pool and are safe only in the recorded order; backwards of nested calls "
+                "must run in reverse order of their forwards, as in the recorded iteration. "
+                "Record the order you run (tgraph.reset(), one eager iteration, "
+                "tgraph.create_graphs()) or call tgraph.enable(..., merge=False) and keep the "
+                "losses of different calls in one backward."
+            )
+        for fid, _ in self.conflicts(unit.bwd_graph.index, skip=unit):
+            self._clobbered[fid] = repr(unit)
+
+
+@torch.no_grad()
+def poison_(t: torch.Tensor) -> None:
+    """Overwrite ``t`` with values no computation gives by chance (no version-counter bump:
+    a graph replay does not bump them either)."""
+    t = t.data
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(math.nan)
+    elif t.dtype == torch.bool:
+        t.logical_not_()
+    else:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def saved_activations(outputs: list[Any]) -> list[torch.Tensor]:
+    """Tensors saved for backward anywhere in the autograd graph behind ``outputs``."""
+    found: list[torch.Tensor] = []
+    seen: dict[int, Any] = {}  # keep visited node wrappers alive (ids are recycled otherwise)
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        names = [n for n in dir(node) if n.startswith("_saved_")]
+        values = [getattr(node, n) for n in names]
+        if hasattr(node, "saved_tensors"):  # a custom autograd.Function's context
+            values.append(node.saved_tensors)
+        for v in values:
+            for t in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(t, torch.Tensor):
+                    found.append(t)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return found
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class EmulatedPool:
+    """Worst-case model of a CUDA graph pool for the emulated backend (module docstring).
+
+    Each emulated graph tells the pool what it allocated at capture (its outputs; a forward's
+    saved activations, the tensors autograd saved in its run) and which forward's saved
+    activations its capture freed (a backward's ``frees``). At every replay, the pool poisons
+    every output and every live saved activation that the replayed graph may reuse.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: list[weakref.ref] = []  # every graph of the pool, in capture order
+        self._regions: dict[int, _Region] = {}  # id(forward graph) -> its saved activations
+
+    def captured(self, graph: Any) -> None:
+        self._graphs.append(weakref.ref(graph))
+        self._regions[id(graph)] = _Region(graph)
+        freed = getattr(graph, "frees", None)
+        if freed is not None and id(freed) in self._regions:
+            self._regions[id(freed)].high = graph.index
+            self._regions[id(freed)].filled = False
+
+    def replayed(self, graph: Any) -> None:
+        """``graph`` is about to replay: poison what it may overwrite on a GPU."""
+        index = graph.index
+        for ref in self._graphs:
+            other = ref()
+            if other is not None and other is not graph and other.index > index:
+                for t in other.pool_outputs():
+                    poison_(t)
+        freed = getattr(graph, "frees", None)
+        for key, region in self._regions.items():
+            if key == id(graph) or (freed is not None and key == id(freed)):
+                continue
+            if region.filled and not (region.low < index < region.high):
+                region.poison()
+                region.filled = False
+
+    def ran(self, graph: Any) -> None:
+        """``graph`` replayed: a forward's saved activations are live, a backward's dead."""
+        region = self._regions.get(id(graph))
+        if region is not None:
+            region.filled = True
+        freed = getattr(graph, "frees", None)
+        if freed is not None and id(freed) in self._regions:
+            self._regions[id(freed)].filled = False
+
+
+class _Region:
+    """The saved activations of one forward graph: allocated at its capture (``low``), freed at
+    its backward's capture (``high``)."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = weakref.ref(graph)
+        self.low = graph.index
+        self.high: float = NEVER
+        self.filled = True  # the capture's own activations, until the backward capture
+
+    def poison(self) -> None:
+        graph = self.graph()
+        if graph is None or not graph.live_outputs:
+            return
+        own = {_storage(t) for t in graph.external_tensors()}  # parameters, static inputs
+        own |= {_storage(t) for t in graph.pool_outputs()}  # never freed: the output rule
+        for t in saved_activations(graph.live_outputs):
+            if _storage(t) not in own:
+                poison_(t)
