@@ -157,3 +157,38 @@ def test_torn_save_is_detected(tmp_path):
     (tmp_path / "b" / "config.json").replace(tmp_path / "a" / "config.json")  # torn pair
     with pytest.raises(checkpoint.CheckpointError, match="different saves"):
         checkpoint.load(tmp_path / "a")
+
+
+def _damage_tensor_bytes(path, n: int = 4096) -> None:
+    """Overwrite ``n`` bytes in the middle of a safetensors file's tensor data (header intact)."""
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    start = header + (len(data) - header) // 2
+    data[start : start + n] = b"\xff" * min(n, len(data) - start)
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_tensor_bytes_are_detected(tmp_path):
+    """Issue 13: 4 KiB of damaged tensor data loaded silently (and decoded NUL bytes)."""
+    checkpoint.save(tiny_gpt(), tmp_path)
+    assert set(json.loads((tmp_path / "config.json").read_text())["sha256"]) == set(
+        tiny_gpt().state_dict()
+    )
+    checkpoint.load(tmp_path)  # intact: verifies
+    _damage_tensor_bytes(tmp_path / "model.safetensors")
+    match = r"model\.safetensors is corrupt: the data of \d+ tensor\(s\) \(h\..+\) no longer matches"
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load(tmp_path)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load_into(tiny_gpt(), tmp_path)
+
+
+def test_checkpoint_without_checksums_still_loads(tmp_path):
+    """Checkpoints written before checksums existed load unverified."""
+    model = tiny_gpt()
+    checkpoint.save(model, tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    del data["sha256"]
+    path.write_text(json.dumps(data))
+    assert_same_weights(model, checkpoint.load(tmp_path))

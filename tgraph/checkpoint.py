@@ -4,7 +4,13 @@ A checkpoint is a directory::
 
     ckpt/
       model.safetensors   # the model's state_dict (tgraph wrappers never change its keys)
-      config.json         # {"format": "tgraph-gpt", "version": 1, "model": GPTConfig, "extra": ...}
+      config.json         # {"format": "tgraph-gpt", "version": 1, "model": GPTConfig,
+                          #  "sha256": {tensor name: digest}, "extra": ...}
+
+``config.json`` records the sha256 of every tensor's bytes; :func:`load_state_dict` (hence
+:func:`load` and :func:`load_into`) recomputes them and raises :class:`CheckpointError` naming
+the file and the tensors that differ, so bytes damaged on disk never load silently. Checkpoints
+written before checksums existed (no ``"sha256"`` entry) still load, unverified.
 
 Every file is written atomically with :func:`atomic_write_bytes` / :func:`atomic_writer`: the
 bytes go to a temporary file in the same directory, are flushed and fsynced, and the temporary
@@ -24,6 +30,7 @@ freely between graphed and eager models.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -45,6 +52,12 @@ VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint exists but cannot be used: corrupt file or a mismatch with the model."""
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """Hex sha256 of a CPU tensor's bytes (row-major; dtype and shape are not included)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
 
 
 # -- atomic writes ----------------------------------------------------------------------------
@@ -136,6 +149,13 @@ def save(model: nn.Module, directory: str | os.PathLike, *, extra: dict | None =
     model = unwrap(model)
     if not isinstance(model, GPT):
         raise TypeError(f"checkpoint.save expects a tgraph GPT, got {type(model).__name__}")
+    tensors, seen = {}, set()
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:  # safetensors refuses shared memory (tied weights): copy
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
     # One id in both files: a save interrupted between the two renames (new weights, old
     # config) is detected at load instead of pairing weights with another save's metadata.
     save_id = uuid.uuid4().hex
@@ -146,6 +166,7 @@ def save(model: nn.Module, directory: str | os.PathLike, *, extra: dict | None =
                 "version": VERSION,
                 "save_id": save_id,
                 "model": model.config.to_dict(),
+                "sha256": {name: tensor_sha256(t) for name, t in tensors.items()},
                 "extra": extra,
             },
             indent=2,
@@ -154,13 +175,6 @@ def save(model: nn.Module, directory: str | os.PathLike, *, extra: dict | None =
         raise TypeError(f"checkpoint extra= must be JSON-serializable: {exc}") from exc
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors, seen = {}, set()
-    for name, t in model.state_dict().items():
-        t = t.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:  # safetensors refuses shared memory (tied weights): copy
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
     # Weights first, config last: a directory with a config.json has complete weights.
     atomic_write_bytes(
         directory / WEIGHTS_NAME, st_save(tensors, metadata={"format": FORMAT, "save_id": save_id})
@@ -171,6 +185,40 @@ def save(model: nn.Module, directory: str | os.PathLike, *, extra: dict | None =
 
 
 # -- load -------------------------------------------------------------------------------------
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint directory that ``path`` means.
+
+    ``path`` may be a checkpoint directory (``model.safetensors`` + ``config.json``), a
+    directory of checkpoints named ``step_NNNNNN`` (its ``latest`` link, else the highest step),
+    or a training run's directory holding such a ``checkpoints/`` directory
+    (``recipes/train_gpt.py --out``).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or holds no checkpoint; the message says
+            what was found and what to pass instead.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{str(path)!r} does not exist; pass a training run's directory (e.g. "
+            "runs/quickstart, meaning its latest checkpoint) or one checkpoint directory"
+        )
+    if (path / WEIGHTS_NAME).is_file():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    link = root / "latest"
+    if link.is_dir():
+        return root / os.readlink(link) if link.is_symlink() else link
+    steps = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    if steps:
+        return max(steps, key=lambda p: int(p.name[5:]))
+    raise FileNotFoundError(
+        f"{str(path)!r} holds no checkpoint: expected {WEIGHTS_NAME} + {CONFIG_NAME}, or "
+        "checkpoints/step_NNNNNN directories of a training run (was the run stopped before its "
+        "first checkpoint?)"
+    )
 
 
 def _require(directory: Path, name: str) -> Path:
@@ -220,11 +268,13 @@ def read_config(directory: str | os.PathLike) -> tuple[GPTConfig, dict | None]:
 
 
 def load_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read ``model.safetensors`` into CPU tensors.
+    """Read ``model.safetensors`` into CPU tensors and verify them against ``config.json``.
 
     Raises:
         FileNotFoundError: missing directory or file.
-        CheckpointError: the file is not a readable safetensors file.
+        CheckpointError: the file is not a readable safetensors file, comes from another save
+            than ``config.json``, or holds tensors whose sha256 differs from the one recorded
+            at save time (damaged on disk).
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -240,18 +290,42 @@ def load_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
             "checkpoint is corrupt or truncated: save it again"
         ) from exc
     config_path = Path(directory) / CONFIG_NAME
-    if weights_id is not None and config_path.is_file():
+    config: dict = {}
+    if config_path.is_file():
         try:
-            config_id = json.loads(config_path.read_text(encoding="utf-8")).get("save_id")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            config_id = None  # read_config reports a corrupt config with its own error
-        if config_id is not None and config_id != weights_id:
-            raise CheckpointError(
-                f"{path} and {config_path} come from different saves (a save interrupted between "
-                "writing the two files?); save the checkpoint again, or write each checkpoint to "
-                "a fresh directory and rename it into place"
-            )
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass  # read_config reports a corrupt config with its own error
+        config = config if isinstance(config, dict) else {}
+    config_id = config.get("save_id")
+    if weights_id is not None and config_id is not None and config_id != weights_id:
+        raise CheckpointError(
+            f"{path} and {config_path} come from different saves (a save interrupted between "
+            "writing the two files?); save the checkpoint again, or write each checkpoint to "
+            "a fresh directory and rename it into place"
+        )
+    _verify_sha256(state, config.get("sha256"), path)
     return state
+
+
+def _verify_sha256(state: dict[str, torch.Tensor], recorded: object, path: Path) -> None:
+    """Compare each tensor's sha256 with the digest ``config.json`` recorded at save time."""
+    if recorded is None:
+        return  # a checkpoint written before checksums existed
+    if not isinstance(recorded, dict):
+        raise CheckpointError(
+            f"{path.parent / CONFIG_NAME}: 'sha256' must map tensor names to digests, got "
+            f"{type(recorded).__name__}; the file is corrupt"
+        )
+    bad = sorted(k for k, t in state.items() if recorded.get(k) != tensor_sha256(t))
+    bad += sorted(k for k in recorded.keys() - state.keys())
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise CheckpointError(
+            f"{path} is corrupt: the data of {len(bad)} tensor(s) ({shown}) no longer matches "
+            f"the sha256 recorded in {CONFIG_NAME} when it was saved (damaged on disk or edited "
+            "after saving). Restore the file from a copy or use an earlier checkpoint"
+        )
 
 
 def load_into(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
