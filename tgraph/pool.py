@@ -98,11 +98,10 @@ class PoolLedger:
             raise RuntimeError(
                 f"the saved activations of {unit} were overwritten by the backward graph of "
                 f"{culprit}, which ran while {unit} still awaited its backward. Graphs share one "
-                "memory pool and are safe only in the recorded order; backwards of nested calls "
-                "must run in reverse order of their forwards, as in the recorded iteration. "
-                "Record the order you run (tgraph.reset(), one eager iteration, "
-                "tgraph.create_graphs()) or call tgraph.enable(..., merge=False) and keep the "
-                "losses of different calls in one backward."
+                "memory pool and are safe only in the recorded order. Run the backwards in "
+                "reverse order of the forwards, as recorded (one backward of a loss over all "
+                "outputs does that), or record the order you run: tgraph.reset(), one eager "
+                "iteration, tgraph.create_graphs()."
             )
         for fid, _ in self.conflicts(unit.bwd_graph.index, skip=unit):
             self._clobbered[fid] = repr(unit)
