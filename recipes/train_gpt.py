@@ -3,8 +3,9 @@
     python recipes/train_gpt.py                                    # one process, defaults
     python recipes/train_gpt.py --graph full --steps 300 --out runs/full
     torchrun --standalone --nproc-per-node=2 recipes/train_gpt.py --graph layer
-    python recipes/train_gpt.py --out runs/gpt --resume latest     # continue a killed run
-    python recipes/generate.py --ckpt runs/gpt/checkpoints/latest --prompt "def "
+    python recipes/train_gpt.py --out runs/gpt --resume latest     # continue a stopped run
+    python recipes/train_gpt.py --out runs/gpt --resume latest --steps 4000   # train it longer
+    python recipes/generate.py --ckpt runs/gpt --prompt "def "   # decode from its latest checkpoint
 
 ``--graph none`` runs eagerly; ``layer`` graphs every transformer block (``tgraph.enable``: the
 first iteration runs eagerly and is recorded, ``tgraph.create_graphs()`` captures, later
@@ -13,7 +14,13 @@ iterations replay); ``full`` captures forward, backward, all-reduce and AdamW as
 ``config.json`` (resolved config), ``metrics.jsonl``, ``loss.png``, ``summary.json`` and
 ``checkpoints/step_NNNNNN`` (model safetensors + ``trainer.pt``: optimizer, step, RNG states,
 config), each written to a temporary directory and renamed into place, so a killed run leaves
-only complete checkpoints; ``checkpoints/latest`` links the newest.
+only complete checkpoints; ``checkpoints/latest`` links the newest checkpoint of the current run.
+
+A run never loses a trained model: a fresh run into an ``--out`` that already holds checkpoints is
+refused (continue it with ``--resume latest``, pick another ``--out``, or pass ``--overwrite``);
+a non-finite loss stops the run before any checkpoint is written (``--on-nonfinite skip`` skips
+such steps instead); every checkpoint records the sha256 of its tensors and of ``trainer.pt``,
+verified on resume; Ctrl-C finishes the current step, writes a checkpoint and exits.
 """
 
 from __future__ import annotations
@@ -22,15 +29,20 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import hashlib
 import inspect
+import io
 import json
 import logging
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
+import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tgraph
 from tgraph import checkpoint
+from tgraph.backend import resolve_backend
 from tgraph.checkpoint import CheckpointError
 from tgraph.data import BatchSampler, corpus_stats, fixed_batches, load_split
 from tgraph.models.gpt import GPT, GPTConfig
@@ -47,8 +60,27 @@ from tgraph.models.gpt import GPT, GPTConfig
 logger = logging.getLogger("train_gpt")
 
 GRAPH_MODES = ("none", "layer", "full")
+NONFINITE_MODES = ("stop", "skip")
 FULL_WARMUP = 3  # eager calls of the full-iteration step before its capture (DESIGN.md default)
 CHECKPOINT_FORMAT = 1
+MAX_SKIPPED_IN_A_ROW = 10  # --on-nonfinite skip: this many skipped steps in a row stop the run
+EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT (128 + 2)
+
+
+class RunDirectoryError(CheckpointError):
+    """The command line does not fit what ``--out`` holds (exit code 2, like a bad argument)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss (or the weights) became nan or inf; the run stopped before checkpointing it."""
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C (SIGINT): the run stopped at a step boundary after writing a checkpoint."""
+
+    def __init__(self, message: str, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 @dataclass(kw_only=True)
@@ -58,7 +90,9 @@ class TrainConfig:
     out: str = "runs/gpt"
     """Run directory (config, metrics, plot, summary, checkpoints)."""
     resume: str = ""
-    """Continue from a checkpoint directory, or "latest" (newest in <out>/checkpoints); empty: fresh run."""
+    """Continue from a checkpoint directory, or "latest" (<out>/checkpoints/latest); empty: fresh run."""
+    overwrite: bool = False
+    """Start a fresh run in an --out that already holds checkpoints, deleting them (refused otherwise)."""
     device: str = "auto"
     """"auto" (cuda if available), "cpu", "cuda" or "cuda:N" (torchrun uses cuda:LOCAL_RANK)."""
     graph: str = "layer"
@@ -66,7 +100,7 @@ class TrainConfig:
     backend: str = "auto"
     """Graph backend: "auto" (cuda graphs on a GPU, emulated on CPU), "cuda" or "emulated"."""
     steps: int = 2000
-    """Optimizer steps in total (a resumed run counts the steps already done)."""
+    """Optimizer steps in total (a resumed run counts the steps already done; a larger value continues a finished run at min_lr)."""
     batch_size: int = 8
     """Sequences per step per rank."""
     block_size: int = 128
@@ -93,6 +127,8 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    on_nonfinite: str = "stop"
+    """A nan/inf loss or gradient: "stop" the run (checked at log and checkpoint steps, before any checkpoint is written) or "skip" the step's update (one host sync per step; not with --graph full)."""
     val_fraction: float = 0.05
     """Share of stdlib files held out for validation (split by a hash of the path)."""
     include_tests: bool = False
@@ -122,6 +158,13 @@ class TrainConfig:
             raise bad("graph", "use --graph none, layer or full")
         if self.backend not in ("auto", "cuda", "emulated"):
             raise bad("backend", "use --backend auto, cuda or emulated")
+        if self.on_nonfinite not in NONFINITE_MODES:
+            raise bad("on_nonfinite", "use --on-nonfinite stop or skip")
+        if self.on_nonfinite == "skip" and self.graph == "full":
+            # A captured step always applies its update: the host cannot skip part of a graph.
+            raise bad(
+                "on_nonfinite", "skip needs --graph none or layer; use stop with --graph full"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise bad("device", "use --device auto, cpu, cuda or cuda:N")
         for name in (
@@ -163,10 +206,15 @@ class TrainConfig:
 
 # Fields that may differ between a checkpoint and the run resuming it: they change where output
 # goes or how often things are reported, not the numbers (the three graph modes compute the same).
+# ``steps`` only moves where the run stops: the learning-rate schedule keeps the horizon of the
+# run's first start (see lr_at), so a resumed run computes the same numbers step for step.
 RESUME_MAY_CHANGE = frozenset(
     {
         "out",
         "resume",
+        "overwrite",
+        "steps",
+        "on_nonfinite",
         "device",
         "graph",
         "backend",
@@ -200,13 +248,20 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block) and exit with code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """Build a :class:`TrainConfig` from command-line flags (``--batch-size 8`` or ``--batch_size 8``).
 
     Raises:
-        SystemExit: unknown flag or invalid value (argparse prints the reason).
+        SystemExit: unknown flag or invalid value (one line naming the flag; exit code 2).
     """
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     docs = _field_docs(TrainConfig)
@@ -214,7 +269,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     for f in dataclasses.fields(TrainConfig):
         flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
         kind = types[str(f.type)]
-        extra = {"choices": GRAPH_MODES} if f.name == "graph" else {}
+        choices = {"graph": GRAPH_MODES, "on_nonfinite": NONFINITE_MODES}
+        extra = {"choices": choices[f.name]} if f.name in choices else {}
         if kind is bool:
             parser.add_argument(
                 *flags,
@@ -277,11 +333,23 @@ def setup(cfg: TrainConfig) -> DistEnv:
     return DistEnv(rank, world, device, owns)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of step ``step`` (0-based): linear warmup, then cosine decay to ``min_lr``."""
+def lr_at(step: int, cfg: TrainConfig, decay_steps: int | None = None) -> float:
+    """Learning rate of step ``step`` (0-based): linear warmup, then cosine decay to ``min_lr``.
+
+    Args:
+        step: the step.
+        cfg: warmup, peak and final learning rates.
+        decay_steps: where the cosine reaches ``min_lr``; None: ``cfg.steps``. A run keeps the
+            horizon of its first start through every resume, so a finished run continued with a
+            larger ``--steps`` trains on at ``min_lr``. Stretching the cosine to the new total
+            instead would raise the learning rate again right after the resume (a jump from
+            ``min_lr`` back towards ``lr`` that undoes part of the annealing and spikes the loss);
+            holding it keeps the schedule continuous and never changes the learning rate of a
+            step already taken, so an interrupted run resumes bit for bit whatever ``--steps``.
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.steps - cfg.warmup_steps, 1)
+    span = max((cfg.steps if decay_steps is None else decay_steps) - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
@@ -325,7 +393,38 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 def _checkpoint_dirs(root: Path) -> list[Path]:
     dirs = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(dirs, key=lambda p: int(p.name[5:]))
+    return sorted(dirs, key=_step_of)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[5:])
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` links (the newest of the current run), or None.
+
+    Without a usable link (a directory copied without it) the highest step stands in.
+    """
+    if not root.is_dir():
+        return None
+    try:
+        return checkpoint.find_checkpoint(root)
+    except FileNotFoundError:
+        return None
+
+
+def earlier_checkpoints_hint(path: Path) -> str:
+    """``--resume`` advice naming the checkpoints of ``path``'s run that precede it."""
+    earlier = (
+        [d for d in _checkpoint_dirs(path.parent) if _step_of(d) < _step_of(path)]
+        if (path.name.startswith("step_") and path.name[5:].isdigit())
+        else []
+    )
+    if not earlier:
+        return "Resume from an earlier checkpoint (--resume DIR) or start a fresh run"
+    return f"Resume from an earlier checkpoint: --resume {earlier[-1]}" + (
+        f" (also kept: {', '.join(d.name for d in earlier[:-1])})" if len(earlier) > 1 else ""
+    )
 
 
 def resolve_resume(cfg: TrainConfig) -> Path | None:
@@ -339,13 +438,56 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
     if cfg.resume != "latest":
         return Path(cfg.resume)
     root = Path(cfg.out) / "checkpoints"
-    found = _checkpoint_dirs(root) if root.is_dir() else []
-    if not found:
+    found = latest_checkpoint(root)
+    if found is None:
         raise CheckpointError(
             f"--resume latest: no checkpoint under {root}; expected directories step_NNNNNN "
             "written by this recipe. Check --out, or start a fresh run without --resume."
         )
-    return found[-1]
+    return found
+
+
+def claim_run_directory(cfg: TrainConfig, resume_dir: Path | None, env: DistEnv) -> None:
+    """Make sure this run may write checkpoints under ``<out>/checkpoints``.
+
+    A fresh run into a directory that holds another run's checkpoints would interleave its
+    checkpoints with the old ones (pruning and ``latest`` would mix the two runs), so it is
+    refused unless ``--overwrite`` is given, which deletes them (rank 0, before any training).
+
+    Raises:
+        RunDirectoryError: the directory holds checkpoints this run does not continue, without
+            ``--overwrite``; or ``--overwrite`` would delete the checkpoint being resumed.
+    """
+    root = Path(cfg.out) / "checkpoints"
+    existing = _checkpoint_dirs(root) if root.is_dir() else []
+    if not existing:
+        return
+    continues = resume_dir is not None and resume_dir.resolve().parent == root.resolve()
+    if continues and cfg.overwrite:
+        raise RunDirectoryError(
+            f"--overwrite would delete {resume_dir}, the checkpoint you resume from: drop "
+            "--overwrite to continue the run, or drop --resume to start it afresh"
+        )
+    if continues:
+        return
+    newest = latest_checkpoint(root)
+    if not cfg.overwrite:
+        raise RunDirectoryError(
+            f"{cfg.out} already holds a run (newest checkpoint {newest}). Continue it with "
+            f"--resume latest (add --steps N to train longer), choose another --out, or pass "
+            "--overwrite to delete its checkpoints and start afresh"
+        )
+    if env.is_main:
+        logger.warning("--overwrite: deleting %d checkpoints under %s", len(existing), root)
+        for d in existing:
+            shutil.rmtree(d)
+        for name in ("latest", ".latest-tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                (root / name).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (Path(cfg.out) / "summary.json").unlink()
+    if env.world_size > 1:
+        dist.barrier()  # no rank starts before the old checkpoints are gone
 
 
 def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
@@ -370,12 +512,19 @@ def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
             "checkpoint into place only once every file is written, so the directory was copied "
             "or edited partially; resume from another checkpoint in its parent directory."
         )
+    recorded = _recorded_trainer_sha256(path)
+    data = file.read_bytes()
+    if recorded is not None and hashlib.sha256(data).hexdigest() != recorded:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: the sha256 of {file} differs from the one recorded "
+            f"in {path / checkpoint.CONFIG_NAME} when it was saved. {earlier_checkpoints_hint(path)}"
+        )
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(
-            f"checkpoint {path} is damaged: {file} cannot be read ({type(e).__name__}: {e}); "
-            "resume from another checkpoint"
+            f"checkpoint {path} is damaged: {file} cannot be read ({type(e).__name__}: {e}). "
+            f"{earlier_checkpoints_hint(path)}"
         ) from e
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
@@ -402,8 +551,19 @@ def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
     return state
 
 
+def _recorded_trainer_sha256(path: Path) -> str | None:
+    """The sha256 of ``trainer.pt`` recorded in the checkpoint's config.json (None: not recorded)."""
+    with contextlib.suppress(FileNotFoundError, CheckpointError):
+        _, extra = checkpoint.read_config(path)
+        if isinstance(extra, dict) and isinstance(extra.get("trainer_sha256"), str):
+            return extra["trainer_sha256"]
+    return None  # a missing or corrupt config.json is reported when the weights load
+
+
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     """Copy the weights of checkpoint ``path`` into ``model`` (strict: names and shapes).
+
+    The weights' sha256 checksums are verified (``tgraph.checkpoint.load_state_dict``).
 
     Raises:
         CheckpointError: the model files are missing, damaged or of another shape.
@@ -412,7 +572,7 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
         checkpoint.load_into(model, path)
     except (FileNotFoundError, CheckpointError) as e:
         raise CheckpointError(
-            f"cannot resume from {path}: {e}. Resume from another checkpoint of the run"
+            f"cannot resume from {path}: {e}. {earlier_checkpoints_hint(path)}"
         ) from e
 
 
@@ -431,12 +591,25 @@ def set_rng_state(state: dict, sampler: BatchSampler, device: torch.device) -> N
 
 
 def save_checkpoint(
-    root: Path, step: int, model, opt, sampler, cfg: TrainConfig, env: DistEnv, extra_meta: dict
+    root: Path,
+    step: int,
+    model,
+    opt,
+    sampler,
+    cfg: TrainConfig,
+    env: DistEnv,
+    extra_meta: dict,
+    lr_decay_steps: int,
 ) -> Path:
     """Write ``root/step_NNNNNN`` atomically (every rank calls this: RNG states are gathered).
 
     Files go to ``root/.tmp-step_NNNNNN``, are flushed to disk, and the directory is renamed into
-    place; ``root/latest`` is then re-pointed with an atomic symlink swap.
+    place; ``root/latest`` is then re-pointed with an atomic symlink swap. ``trainer.pt`` is
+    written first and its sha256 recorded in ``config.json`` next to the weights' checksums.
+
+    Pruning keeps the ``keep_checkpoints`` newest checkpoints at or below ``step``: those of
+    this run. Higher steps (left by a run resumed from an earlier checkpoint) are never pruned
+    in their favour; this run replaces each of them when it writes that step.
 
     Returns:
         The checkpoint directory.
@@ -450,7 +623,6 @@ def save_checkpoint(
         tmp = root / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        checkpoint.save(model, tmp, extra={"train_config": asdict(cfg), "step": step, **extra_meta})
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": step,
@@ -458,9 +630,14 @@ def save_checkpoint(
             "rng": rngs,
             "config": asdict(cfg),
             "world_size": env.world_size,
+            "lr_decay_steps": lr_decay_steps,
         }
-        with checkpoint.atomic_writer(tmp / "trainer.pt") as fh:
-            torch.save(state, fh)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        checkpoint.atomic_write_bytes(tmp / "trainer.pt", buf.getvalue())
+        meta = {"train_config": asdict(cfg), "step": step, **extra_meta}
+        meta["trainer_sha256"] = hashlib.sha256(buf.getvalue()).hexdigest()
+        checkpoint.save(model, tmp, extra=meta)
         if final.exists():  # the same step written again (a resumed run): swap it out first
             old = root / f".old-{final.name}"
             shutil.rmtree(old, ignore_errors=True)
@@ -474,7 +651,8 @@ def save_checkpoint(
             link.unlink()
         link.symlink_to(final.name)
         os.replace(link, root / "latest")
-        for old in _checkpoint_dirs(root)[: -cfg.keep_checkpoints]:
+        this_run = [d for d in _checkpoint_dirs(root) if _step_of(d) <= step]
+        for old in this_run[: -cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     if env.world_size > 1:
         dist.barrier()  # nobody resumes from, or races ahead of, a half-written checkpoint
@@ -565,6 +743,43 @@ def evaluate(model: torch.nn.Module, batches, env: DistEnv) -> float:
     return all_reduce_mean(total / len(batches), env).item()
 
 
+class StopOnSigint:
+    """While active, Ctrl-C (SIGINT) asks the training loop to stop at a step boundary.
+
+    The handler only sets :attr:`requested`; the loop finishes the step in flight, writes a
+    checkpoint and raises :class:`TrainingInterrupted`, so an optimizer step is never cut in half.
+    One process stops after the current step. Several processes may see the signal at different
+    steps, so they agree at the next logging step (the flag travels with the loss's all-reduce).
+    In one process a second Ctrl-C stops at once (``KeyboardInterrupt``); under torchrun the agent
+    forwards the terminal's SIGINT a second time, so there it only sets the flag again.
+    """
+
+    def __init__(self, *, hard_second: bool, announce: bool) -> None:
+        self.requested = False
+        self.hard_second = hard_second
+        self.announce = announce
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and self.hard_second:
+            raise KeyboardInterrupt
+        if not self.requested and self.announce:
+            logger.warning(
+                "Ctrl-C: stopping after this step and writing a checkpoint"
+                + (" (Ctrl-C again to stop at once)" if self.hard_second else "")
+            )
+        self.requested = True
+
+    def __enter__(self) -> StopOnSigint:
+        if threading.current_thread() is threading.main_thread():  # signal() works only there
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training as configured. Every rank calls it.
 
@@ -573,28 +788,84 @@ def train(cfg: TrainConfig) -> dict:
 
     Raises:
         CheckpointError: ``cfg.resume`` names a missing, incomplete, damaged or mismatched
-            checkpoint.
+            checkpoint, or ``cfg.out`` holds another run (without ``cfg.overwrite``).
+        NonFiniteLossError: the loss or the weights became nan/inf (no checkpoint of them is
+            written).
+        TrainingInterrupted: Ctrl-C; a checkpoint of the last finished step was written.
     """
     env = setup(cfg)
+    agreed = False  # every rank ends here together: a barrier cannot hang
     try:
-        return _train(cfg, env)
+        summary = _train(cfg, env)
+        agreed = True
+        return summary
+    except (TrainingInterrupted, NonFiniteLossError):
+        agreed = True  # decided from all-reduced values: every rank raises at the same step
+        raise
     finally:
         tgraph.reset()  # drop graphs and records even when training failed
         if env.owns_group:
+            if agreed:
+                dist.barrier()  # no rank tears down while another still talks to it
             dist.destroy_process_group()
+
+
+def _nonfinite(done: int, what: str, last_ckpt: Path | None, fix: str) -> NonFiniteLossError:
+    return NonFiniteLossError(
+        f"step {done}: {what} is not finite (nan or inf); stopped before writing a checkpoint, so "
+        f"no checkpoint holds it (newest: {last_ckpt or 'none yet'}). {fix}"
+    )
+
+
+NONFINITE_FIX = (
+    "Lower --lr, keep --grad-clip above 0, resume from an earlier checkpoint, or pass "
+    "--on-nonfinite skip to skip such steps"
+)
+
+
+def _all_finite(tensors: list[torch.Tensor], env: DistEnv) -> bool:
+    """Whether every element of ``tensors`` is finite on every rank (one host sync)."""
+    bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().float()
+    if env.world_size > 1:
+        dist.all_reduce(bad)
+    return bad.item() == 0
+
+
+def describe_run(summary: dict, run: Path, backend: str | None) -> str:
+    """The final report: what ran, the losses and speed in rounded units, where outputs are."""
+    graphs = "no graphs" if backend is None else f"{backend} graphs"
+    procs = f"{summary['world_size']} processes" if summary["world_size"] > 1 else "1 process"
+    skipped = f", {summary['skipped_steps']} steps skipped" if summary["skipped_steps"] else ""
+    latest = run / "checkpoints" / "latest"
+    target = os.readlink(latest) if latest.is_symlink() else "?"
+    return (
+        f"done: {summary['steps']} steps (--graph {summary['graph']}, {graphs} on "
+        f"{summary['device']}, {procs}) in {summary['wall_s']:.1f} s{skipped}\n"
+        f"  train loss {summary['final_train_loss']:.4f}, val loss "
+        f"{summary['final_val_loss']:.4f} (nats/byte)\n"
+        f"  {summary['median_ms_per_step']:.1f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s "
+        f"(median of steady intervals), capture {summary['capture_s']:.2f} s, peak memory "
+        f"{summary['peak_mem_mb']:,.0f} MB\n"
+        f"  outputs in {run}/: config.json, metrics.jsonl, loss.png, summary.json, "
+        f"checkpoints/latest -> {target}"
+    )
 
 
 def _train(cfg: TrainConfig, env: DistEnv) -> dict:
     run = Path(cfg.out)
     ckpt_root = run / "checkpoints"
     resume_dir = resolve_resume(cfg)
+    claim_run_directory(cfg, resume_dir, env)
     state = read_checkpoint(resume_dir, cfg, env.world_size) if resume_dir else None
     start = state["step"] if state else 0
     if state and start >= cfg.steps:
-        raise CheckpointError(
-            f"checkpoint {resume_dir} is at step {start}, already >= "
-            f"--steps {cfg.steps}: nothing to do"
+        raise RunDirectoryError(
+            f"checkpoint {resume_dir} is at step {start} and --steps is {cfg.steps}: nothing to "
+            f"do. Pass --steps larger than {start} to train it longer (the learning rate stays "
+            "at --min-lr after the run's original end)"
         )
+    # The cosine horizon of the run's first start, kept by every resume (see lr_at).
+    decay_steps = state.get("lr_decay_steps", state["config"]["steps"]) if state else cfg.steps
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(cfg.gpt_config()).to(env.device)
@@ -635,7 +906,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
         for p in params:
             dist.broadcast(p.data, src=0)
 
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step; returns the loss, or None when --on-nonfinite skip skipped it."""
         opt.zero_grad(set_to_none=True)
         _, loss = net(x, y)
         loss.backward()
@@ -645,6 +917,12 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
             flat /= env.world_size
             for p, chunk in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(chunk.view_as(p))
+        if cfg.on_nonfinite == "skip":
+            # The one host sync per step that skipping costs (never with --graph full). The
+            # gradients are all-reduced already; the flag is too, so every rank skips together.
+            grads = [p.grad for p in params if p.grad is not None]
+            if not _all_finite([loss.detach(), *grads], env):
+                return None
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
         opt.step()
@@ -659,8 +937,27 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
             lambda batch: train_step(*batch), warmup_steps=FULL_WARMUP, backend=cfg.backend
         )
         step_fn = lambda x, y: full_graph((x, y))  # noqa: E731
+    graph_backend = None
+    if cfg.graph != "none":
+        with contextlib.suppress(ValueError):  # enable / FullIterationGraph report bad values
+            graph_backend = resolve_backend(cfg.backend, env.device)
 
     if env.is_main:
+        logger.info(
+            "training a %.2fM-parameter GPT, steps %d to %d, --graph %s on %s; outputs in %s/",
+            sum(p.numel() for p in params) / 1e6,
+            start,
+            cfg.steps,
+            cfg.graph,
+            env.device,
+            run,
+        )
+        if graph_backend == "emulated":
+            logger.info(
+                "graphs are emulated (no GPU): tgraph's CPU stand-in for CUDA graphs runs the "
+                "same record/capture/replay code and catches the same bugs, but is not faster "
+                "than eager; the speed-up needs a GPU"
+            )
         run.mkdir(parents=True, exist_ok=True)
         resolved = {
             "world_size": env.world_size,
@@ -693,64 +990,127 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
     # The first interval is never steady state (first-call overheads, recording, capture).
     loss_sum, n_sum, dirty = torch.zeros((), device=env.device), 0, True
     last_train = last_val = float("nan")
+    last_ckpt = resume_dir
+    skipped = skipped_in_a_row = 0
     sync()
     wall0 = t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-        lr = lr_at(step, cfg)
-        set_lr(opt, lr)
-        x, y = sampler.next()
-        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-        tc = time.perf_counter()
-        loss = step_fn(x, y)
-        if full_graph is not None and step - start == FULL_WARMUP:
-            sync()  # this call captured the graph (and replayed it once: this step's update)
-            capture_s, dirty = time.perf_counter() - tc, True
-        if cfg.graph == "layer" and step == start:
-            # Record one validation forward too (eval mode, no grad, validation's batch shape),
-            # so create_graphs() captures a graph for it and validation replays instead of
-            # falling back to eager with a warning. Its loss is discarded; it draws no RNG.
-            evaluate(model, val_batches[:1], env)
-            report = tgraph.create_graphs()
-            capture_s, dirty = report.seconds, True  # create_graphs() logs the report
-        loss_sum += loss
-        n_sum += 1
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            last_train = all_reduce_mean(loss_sum / n_sum, env).item()  # syncs the device
-            dt = time.perf_counter() - t0
-            ms = 1000 * dt / n_sum
-            intervals.append((ms, dirty))
-            row = dict(
-                kind="train",
-                step=done,
-                loss=last_train,
-                lr=lr,
-                ms_per_step=ms,
-                tokens_per_s=tokens_per_step * n_sum / dt,
-                peak_mem_mb=peak_memory_mb(env.device),
-                graph=cfg.graph,
-                capture_s=capture_s,
-            )
-            metrics.write(**row)
+    # Non-finite losses are caught without a host sync per step: the loss sum is read at every
+    # logging step (the read that logging does anyway), and before every checkpoint the losses
+    # since the last read and the weights are checked, so no checkpoint ever holds nan or inf.
+    with StopOnSigint(hard_second=env.world_size == 1, announce=env.is_main) as stop:
+        for step in range(start, cfg.steps):
+            lr = lr_at(step, cfg, decay_steps)
+            set_lr(opt, lr)
+            x, y = sampler.next()
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            tc = time.perf_counter()
+            loss = step_fn(x, y)
+            if full_graph is not None and step - start == FULL_WARMUP:
+                sync()  # this call captured the graph (and replayed it once: this step's update)
+                capture_s, dirty = time.perf_counter() - tc, True
+            if cfg.graph == "layer" and step == start:
+                # Record one validation forward too (eval mode, no grad, validation's batch
+                # shape), so create_graphs() captures a graph for it and validation replays
+                # instead of falling back to eager with a warning. Its loss is discarded; it
+                # draws no RNG.
+                evaluate(model, val_batches[:1], env)
+                report = tgraph.create_graphs()
+                capture_s, dirty = report.seconds, True  # create_graphs() logs the report
+            done = step + 1
+            if loss is None:  # --on-nonfinite skip skipped this step's update
+                skipped, skipped_in_a_row = skipped + 1, skipped_in_a_row + 1
+                if env.is_main:
+                    logger.warning(
+                        "step %d: non-finite loss or gradient, update skipped (%d so far)",
+                        done,
+                        skipped,
+                    )
+                if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    raise _nonfinite(
+                        done,
+                        f"the loss or gradient of {skipped_in_a_row} steps in a row",
+                        last_ckpt,
+                        "Lower --lr, keep --grad-clip above 0, or resume from an earlier "
+                        "checkpoint",
+                    )
+            else:
+                skipped_in_a_row = 0
+                loss_sum += loss
+                n_sum += 1
+            stopping = env.world_size == 1 and stop.requested  # one process: every step
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                # One all-reduce and one host read: the mean loss and whether a rank saw Ctrl-C.
+                packed = torch.stack(
+                    [
+                        loss_sum / max(n_sum, 1),
+                        torch.tensor(float(stop.requested), device=env.device),
+                    ]
+                )
+                last_train, stop_votes = all_reduce_mean(packed, env).tolist()  # syncs the device
+                stopping = stopping or stop_votes > 0
+                if n_sum and not math.isfinite(last_train):
+                    raise _nonfinite(done, "the training loss", last_ckpt, NONFINITE_FIX)
+                dt = time.perf_counter() - t0
+                if n_sum:
+                    ms = 1000 * dt / n_sum
+                    intervals.append((ms, dirty))
+                    row = dict(
+                        kind="train",
+                        step=done,
+                        loss=last_train,
+                        lr=lr,
+                        ms_per_step=ms,
+                        tokens_per_s=tokens_per_step * n_sum / dt,
+                        peak_mem_mb=peak_memory_mb(env.device),
+                        graph=cfg.graph,
+                        capture_s=capture_s,
+                    )
+                    metrics.write(**row)
+                    if bar is not None:
+                        bar.set_postfix(
+                            loss=f"{last_train:.3f}", tok_s=f"{row['tokens_per_s']:.0f}"
+                        )
+                loss_sum, n_sum, dirty = torch.zeros((), device=env.device), 0, False
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                last_val = evaluate(model, val_batches, env)
+                if not math.isfinite(last_val):
+                    raise _nonfinite(done, "the validation loss", last_ckpt, NONFINITE_FIX)
+                metrics.write(kind="val", step=done, loss=last_val, graph=cfg.graph)
+                logger.info("step %d: val loss %.4f", done, last_val)
+            if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps or stopping:
+                if not _all_finite([loss_sum, *params], env):
+                    raise _nonfinite(
+                        done, "the training loss or the weights", last_ckpt, NONFINITE_FIX
+                    )
+                last_ckpt = save_checkpoint(
+                    ckpt_root,
+                    done,
+                    model,
+                    opt,
+                    sampler,
+                    cfg,
+                    env,
+                    {"val_loss": last_val},
+                    decay_steps,
+                )
             if bar is not None:
-                bar.set_postfix(loss=f"{last_train:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            loss_sum, n_sum, dirty = torch.zeros((), device=env.device), 0, False
-        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            last_val = evaluate(model, val_batches, env)
-            metrics.write(kind="val", step=done, loss=last_val, graph=cfg.graph)
-            logger.info("step %d: val loss %.4f", done, last_val)
-        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
-            save_checkpoint(ckpt_root, done, model, opt, sampler, cfg, env, {"val_loss": last_val})
-        if bar is not None:
-            bar.update(1)
-        if done % cfg.log_every == 0:
-            sync()  # the next interval starts after validation and checkpoint work
-            t0 = time.perf_counter()
-        elif done % cfg.log_every and (
-            (cfg.eval_every and done % cfg.eval_every == 0)
-            or (cfg.ckpt_every and done % cfg.ckpt_every == 0)
-        ):
-            dirty = True  # validation or a checkpoint inside the interval: not steady state
+                bar.update(1)
+            if stopping and done < cfg.steps:
+                if bar is not None:
+                    bar.close()
+                raise TrainingInterrupted(
+                    f"interrupted (Ctrl-C) after step {done}: saved {last_ckpt}. Continue with "
+                    f"--out {cfg.out} --resume latest",
+                    last_ckpt,
+                )
+            if done % cfg.log_every == 0:
+                sync()  # the next interval starts after validation and checkpoint work
+                t0 = time.perf_counter()
+            elif done % cfg.log_every and (
+                (cfg.eval_every and done % cfg.eval_every == 0)
+                or (cfg.ckpt_every and done % cfg.ckpt_every == 0)
+            ):
+                dirty = True  # validation or a checkpoint inside the interval: not steady state
     wall = time.perf_counter() - wall0
     if bar is not None:
         bar.close()
@@ -762,6 +1122,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
         "world_size": env.world_size,
         "steps": cfg.steps,
         "resumed_at": start,
+        "lr_decay_steps": decay_steps,
+        "skipped_steps": skipped,
         "tokens_per_step": tokens_per_step,
         "median_ms_per_step": ms_med,
         "tokens_per_s": 1000 * tokens_per_step / ms_med,
@@ -779,10 +1141,49 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
             run / "loss.png",
             f"toy GPT on stdlib bytes, --graph {cfg.graph} ({summary['device']})",
         )
-        logger.info("done: %s", json.dumps(summary))
+        logger.info("%s", describe_run(summary, run, graph_backend))
     if cfg.graph == "layer":
         tgraph.disable(net)
     return summary
+
+
+def run_cli(cfg: TrainConfig, rank: int) -> int:
+    """Train; report the errors a user can act on in one line. Returns the exit code."""
+    try:
+        train(cfg)
+    except RunDirectoryError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, FileNotFoundError, NonFiniteLossError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except TrainingInterrupted as e:
+        if rank == 0:
+            print(str(e), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # before the loop, or a second Ctrl-C: no checkpoint written now
+        if rank == 0:
+            newest = latest_checkpoint(Path(cfg.out) / "checkpoints")
+            print(
+                f"interrupted (Ctrl-C); no checkpoint written now, newest: {newest or 'none'}",
+                file=sys.stderr,
+            )
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def exit_now(code: int) -> None:
+    """Flush and leave without the interpreter's teardown (used under torchrun).
+
+    With gloo, a process sometimes aborted during teardown after a successful run ("terminate
+    called without an active exception": a c10d thread still joinable when static objects are
+    destroyed; issue 13). By now the process group is destroyed and every file is written and
+    closed, so nothing is lost by skipping the teardown.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -793,10 +1194,18 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    several = int(os.environ.get("WORLD_SIZE", 1)) > 1
     try:
-        train(cfg)
-    except (CheckpointError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
+        code = run_cli(cfg, rank)
+    except BaseException:
+        if several:
+            traceback.print_exc()
+            exit_now(1)
+        raise
+    if several:
+        exit_now(code)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -132,7 +133,7 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_graph_modes_train_the_same_parameters(graph, run_cfg, device):
-    eager = run_cfg("none", graph="none")
+    eager = run_cfg("eager", graph="none")
     tg.train(eager)
     cfg = run_cfg(graph, graph=graph)
     with warnings.catch_warnings():
@@ -209,6 +210,25 @@ def good_run(tmp_path_factory) -> tuple[dict, Path]:
     return kw, out / "checkpoints" / "step_000004"
 
 
+def _record_trainer_sha256(ckpt: Path, digest) -> None:
+    """Edit the trainer.pt checksum in config.json (None: remove it, as in older checkpoints)."""
+    path = ckpt / "config.json"
+    data = json.loads(path.read_text())
+    data["extra"].pop("trainer_sha256")
+    if digest is not None:
+        data["extra"]["trainer_sha256"] = digest.hexdigest()
+    path.write_text(json.dumps(data))
+
+
+def _damage_tensor_bytes(path: Path, n: int = 4096) -> None:
+    """Overwrite ``n`` bytes in the middle of a safetensors file's tensor data (header intact)."""
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    start = header + (len(data) - header) // 2
+    data[start : start + n] = b"\xff" * min(n, len(data) - start)
+    path.write_bytes(bytes(data))
+
+
 def _copy(ckpt: Path, dst: Path) -> Path:
     import shutil
 
@@ -220,7 +240,9 @@ def _copy(ckpt: Path, dst: Path) -> Path:
     [
         ("missing", "no checkpoint at"),
         ("no_trainer", "incomplete: trainer.pt is missing"),
-        ("truncated_trainer", "damaged: .*trainer.pt cannot be read"),
+        ("truncated_trainer", "damaged: the sha256 of .*trainer.pt differs"),
+        ("truncated_unchecked_trainer", "damaged: .*trainer.pt cannot be read"),
+        ("damaged_model_bytes", "cannot resume from .*model.safetensors is corrupt"),
         ("truncated_model", "cannot resume from .*safetensors"),
         ("no_model", "has no model.safetensors"),
         ("other_model", "n_layer=2 in the checkpoint but 3 now"),
@@ -237,9 +259,13 @@ def test_bad_checkpoints_give_clear_errors(damage, message, good_run, tmp_path):
         resume = str(tmp_path / "nowhere")
     elif damage == "no_trainer":
         (ckpt / "trainer.pt").unlink()
-    elif damage == "truncated_trainer":
+    elif damage in ("truncated_trainer", "truncated_unchecked_trainer"):
         data = (ckpt / "trainer.pt").read_bytes()
         (ckpt / "trainer.pt").write_bytes(data[: len(data) // 2])
+        if damage == "truncated_unchecked_trainer":  # written before checksums existed
+            _record_trainer_sha256(ckpt, None)
+    elif damage == "damaged_model_bytes":
+        _damage_tensor_bytes(ckpt / "model.safetensors")
     elif damage == "truncated_model":
         data = (ckpt / "model.safetensors").read_bytes()
         (ckpt / "model.safetensors").write_bytes(data[:100])
@@ -252,6 +278,7 @@ def test_bad_checkpoints_give_clear_errors(damage, message, good_run, tmp_path):
         state["world_size"] = 2
         state["rng"] = state["rng"] * 2
         torch.save(state, ckpt / "trainer.pt")
+        _record_trainer_sha256(ckpt, hashlib.sha256((ckpt / "trainer.pt").read_bytes()))
     elif damage == "latest_empty":
         resume = "latest"
     with pytest.raises(tg.CheckpointError, match=message):

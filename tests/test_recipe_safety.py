@@ -1,0 +1,295 @@
+"""recipes/train_gpt.py never loses a trained model (issue 13).
+
+Re-running into an existing --out, a non-finite loss, Ctrl-C, continuing a finished run: each
+test plants the situation the issue reported and fails on the recipe before its fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_gpt.py"
+
+
+def _load_recipe():
+    loaded = sys.modules.get("train_gpt")
+    if loaded is not None and getattr(loaded, "__file__", None) == str(RECIPE):
+        return loaded  # tests/test_train_recipe.py loaded it already: share the classes
+    spec = importlib.util.spec_from_file_location("train_gpt", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_gpt"] = module  # dataclasses and inspect look classes up by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+tg = _load_recipe()
+
+# Seconds on 2 CPU cores: eager (the graph modes are covered by tests/test_train_recipe.py).
+TINY = dict(batch_size=4, block_size=32, n_layer=2, n_head=2, n_embd=32, steps=8,
+            warmup_steps=2, lr=1e-2, min_lr=1e-3, eval_every=4, eval_batches=2, ckpt_every=4,
+            log_every=2, progress=False, device="cpu", graph="none")  # fmt: skip
+CLI_TINY = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"]
+
+
+def cfg(out: Path, **overrides) -> tg.TrainConfig:
+    return tg.TrainConfig(**{**TINY, "out": str(out), **overrides})
+
+
+def ckpts(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+
+
+def latest(out: Path) -> str:
+    return os.readlink(out / "checkpoints" / "latest")
+
+
+def params(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:  # CPU kernels, same order, same thread count: bit for bit
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 8-step run: checkpoints at steps 4 and 8."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    tg.train(cfg(out))
+    return out
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+# -- 1. re-running into an existing --out -------------------------------------------------------
+
+
+def test_rerun_into_an_existing_out_is_refused(finished, tmp_path):
+    """Before: the new run's step_000004 was pruned in favour of the old run's step_000008."""
+    out = copy_run(finished, tmp_path / "run")
+    before = params(out / "checkpoints" / "step_000008")
+    with pytest.raises(tg.RunDirectoryError, match="already holds a run") as err:
+        tg.train(cfg(out, steps=4))
+    for hint in ("--resume latest", "--steps N", "another --out", "--overwrite"):
+        assert hint in str(err.value)
+    assert ckpts(out) == ["step_000004", "step_000008"] and latest(out) == "step_000008"
+    assert_same(params(out / "checkpoints" / "step_000008"), before)  # untouched
+
+
+def test_overwrite_starts_a_fresh_run(finished, tmp_path):
+    out = copy_run(finished, tmp_path / "run")
+    tg.train(cfg(out, steps=4, overwrite=True))
+    assert ckpts(out) == ["step_000004"] and latest(out) == "step_000004"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    with pytest.raises(tg.RunDirectoryError, match="--overwrite would delete"):
+        tg.train(cfg(out, steps=8, overwrite=True, resume="latest"))
+
+
+def test_cli_refusal_is_one_line_with_exit_code_2(finished, tmp_path):
+    out = copy_run(finished, tmp_path / "run")
+    proc = run_cli(*CLI_TINY, f"--out={out}", "--no-progress")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing in the recipe catches it."""
+
+
+def test_resume_from_an_earlier_checkpoint_keeps_its_own_latest(tmp_path, monkeypatch):
+    """Before: pruning kept the old run's higher steps and deleted the step just written, and
+    --resume latest then picked the old run's highest step."""
+    out = tmp_path / "run"
+    tg.train(cfg(out, ckpt_every=2, keep_checkpoints=3))
+    assert ckpts(out) == ["step_000004", "step_000006", "step_000008"]
+    uninterrupted = params(out / "checkpoints" / "step_000008")
+    real_next = tg.BatchSampler.next
+    calls = {"n": 0}
+
+    def next_or_die(self):
+        calls["n"] += 1
+        if calls["n"] == 2:  # drawing step 6's batch, after step 5's checkpoint
+            raise _Killed
+        return real_next(self)
+
+    monkeypatch.setattr(tg.BatchSampler, "next", next_or_die)
+    from_4 = str(out / "checkpoints" / "step_000004")
+    with pytest.raises(_Killed):
+        tg.train(cfg(out, resume=from_4, ckpt_every=1, keep_checkpoints=2))
+    monkeypatch.undo()
+    assert "step_000005" in ckpts(out) and latest(out) == "step_000005"
+    assert tg.resolve_resume(cfg(out, resume="latest")).name == "step_000005"
+    summary = tg.train(cfg(out, resume="latest"))
+    assert summary["resumed_at"] == 5
+    assert_same(params(out / "checkpoints" / "latest"), uninterrupted)
+
+
+# -- 2. non-finite losses and damaged checkpoints -----------------------------------------------
+
+
+def plant_nan_loss(monkeypatch, at_calls: set[int]) -> None:
+    """Make the training forward of the given (1-based) calls return a nan loss."""
+    real = tg.GPT.forward
+    calls = {"n": 0}
+
+    def forward(self, idx, targets=None):
+        logits, loss = real(self, idx, targets)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] in at_calls:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(tg.GPT, "forward", forward)
+
+
+def test_nonfinite_loss_stops_before_a_checkpoint_between_log_steps(tmp_path, monkeypatch):
+    """Before: the run went on and wrote all-nan checkpoints. Step 4 is a checkpoint step but
+    not a log step (every 5), so the check before the checkpoint catches it."""
+    out = tmp_path / "run"
+    plant_nan_loss(monkeypatch, {4})
+    with pytest.raises(tg.NonFiniteLossError, match=r"step 4: .* not finite .* no checkpoint"):
+        tg.train(cfg(out, log_every=5, eval_every=0))
+    assert ckpts(out) == []
+
+
+def test_huge_learning_rate_stops_with_a_clear_message(tmp_path):
+    """The issue's --lr 1000 --grad-clip 0 trained to nan with no word."""
+    out = tmp_path / "run"
+    with pytest.raises(tg.NonFiniteLossError, match="Lower --lr, keep --grad-clip above 0"):
+        tg.train(cfg(out, lr=1000.0, grad_clip=0.0, steps=40, ckpt_every=2, eval_every=0))
+    for name in ckpts(out):  # every checkpoint written before the stop is finite
+        assert all(torch.isfinite(t).all() for t in params(out / "checkpoints" / name).values())
+
+
+def test_skip_mode_skips_nonfinite_steps(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    plant_nan_loss(monkeypatch, {3})
+    summary = tg.train(cfg(out, on_nonfinite="skip"))
+    assert summary["skipped_steps"] == 1 and math.isfinite(summary["final_train_loss"])
+    assert all(torch.isfinite(t).all() for t in params(out / "checkpoints" / "latest").values())
+    with pytest.raises(ValueError, match="TrainConfig.on_nonfinite=.*skip needs --graph none"):
+        cfg(out, on_nonfinite="skip", graph="full")
+
+
+def test_damaged_checkpoint_is_refused_and_names_an_earlier_one(finished, tmp_path):
+    """The issue's scenario: 4 KiB of step_000008's tensor bytes overwritten, then resumed."""
+    out = copy_run(finished, tmp_path / "run")
+    path = out / "checkpoints" / "step_000008" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header + 100 : header + 100 + 4096] = b"\x00" * 4096
+    path.write_bytes(bytes(data))
+    match = (
+        r"model.safetensors is corrupt.*Resume from an earlier checkpoint: --resume .*step_000004"
+    )
+    with pytest.raises(tg.CheckpointError, match=match):
+        tg.train(cfg(out, resume="latest", steps=12))
+
+
+# -- 3. continuing a finished run ---------------------------------------------------------------
+
+
+def test_finished_run_continues_with_more_steps_at_min_lr(finished, tmp_path):
+    """Before: --steps was locked ("steps=8 in the checkpoint but 12 now")."""
+    out = copy_run(finished, tmp_path / "run")
+    summary = tg.train(cfg(out, resume="latest", steps=12))
+    assert summary["resumed_at"] == 8 and summary["steps"] == 12
+    assert summary["lr_decay_steps"] == 8  # the first start's horizon
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if r["kind"] == "train"}
+    assert lrs[10] == lrs[12] == pytest.approx(TINY["min_lr"])
+    assert latest(out) == "step_000012"
+    # Continued again: the horizon is still the first start's.
+    assert tg.train(cfg(out, resume="latest", steps=14))["lr_decay_steps"] == 8
+    with pytest.raises(tg.RunDirectoryError, match="nothing to do. Pass --steps larger than 14"):
+        tg.train(cfg(out, resume="latest", steps=14))
+
+
+def test_lr_schedule_holds_min_lr_after_its_horizon():
+    c = tg.TrainConfig(steps=200, warmup_steps=10, lr=1.0, min_lr=0.1)
+    assert tg.lr_at(99, c, decay_steps=100) == pytest.approx(0.1, abs=1e-3)
+    assert tg.lr_at(150, c, decay_steps=100) == tg.lr_at(199, c, decay_steps=100) == 0.1
+    assert tg.lr_at(150, c) > 0.1  # without a horizon: the cosine of --steps
+
+
+# -- 4. Ctrl-C ------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(finished, tmp_path, monkeypatch):
+    """Before: KeyboardInterrupt with a 43-line traceback and no checkpoint of the last step."""
+    out = tmp_path / "run"
+    real_next = tg.BatchSampler.next
+    calls = {"n": 0}
+
+    def next_with_ctrl_c(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            signal.raise_signal(signal.SIGINT)  # during step 3: it finishes, then stops
+        return real_next(self)
+
+    monkeypatch.setattr(tg.BatchSampler, "next", next_with_ctrl_c)
+    with pytest.raises(tg.TrainingInterrupted, match="after step 3: saved .*step_000003") as err:
+        tg.train(cfg(out))
+    monkeypatch.undo()
+    assert err.value.checkpoint.name == "step_000003" and latest(out) == "step_000003"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert tg.train(cfg(out, resume="latest"))["resumed_at"] == 3
+    assert_same(params(out / "checkpoints" / "latest"), params(finished / "checkpoints" / "latest"))
+
+
+def test_ctrl_c_on_the_command_line_exits_cleanly(tmp_path):
+    out = tmp_path / "run"
+    args = [*CLI_TINY, "--steps=100000", "--log-every=1", "--ckpt-every=0", "--eval-every=0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(RECIPE), *args, f"--out={out}", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").stat().st_size:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == tg.EXIT_INTERRUPTED, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert "interrupted (Ctrl-C) after step" in stderr and "--resume latest" in stderr
+    assert latest(out).startswith("step_")
