@@ -1,0 +1,136 @@
+"""recipes/generate.py: run directories, one-line errors with exit code 2, readable output."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tgraph import checkpoint
+from tgraph.models.gpt import GPT, GPTConfig
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "generate.py"
+spec = importlib.util.spec_from_file_location("generate_recipe", RECIPE)
+gen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gen)
+
+BLOCK = 64  # the model's positions
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A training run's layout: <run>/checkpoints/step_000002 and step_000004, latest -> 4."""
+    run = tmp_path_factory.mktemp("gen") / "run"
+    for step, seed in ((2, 1), (4, 0)):
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(block_size=BLOCK, n_layer=1, n_head=2, n_embd=16))
+        checkpoint.save(model, run / "checkpoints" / f"step_{step:06d}", extra={"step": step})
+    (run / "checkpoints" / "latest").symlink_to("step_000004")
+    return run
+
+
+def generate(*args: str) -> list[str]:
+    return gen.main([*args, "--max-new-tokens", "5", "--no-graphs"])
+
+
+def test_run_directory_means_its_latest_checkpoint(run_dir, capsys):
+    """Before: --ckpt runs/gpt (the --help example) failed with a traceback."""
+    expected = generate("--ckpt", str(run_dir / "checkpoints" / "step_000004"), "--prompt", "ab")
+    assert generate("--ckpt", str(run_dir), "--prompt", "ab") == expected
+    assert generate("--ckpt", str(run_dir / "checkpoints"), "--prompt", "ab") == expected
+    assert "step_000004 (step 4)" in capsys.readouterr().out
+    other = generate("--ckpt", str(run_dir / "checkpoints" / "step_000002"), "--prompt", "ab")
+    assert other != expected  # a different checkpoint really is another model
+
+
+def _expect_usage_error(capsys, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        gen.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err  # one line
+    assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-batch-size", "0"], "--max-batch-size must be 1 or more, got 0"),
+        (["--max-seq-len", "0"], "--max-seq-len must be 1 or more, got 0"),
+        (["--max-seq-len", "-3"], "--max-seq-len must be 1 or more, got -3"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be 1 or more, got 0"),
+        (["--top-k", "0"], "--top-k must be 1 or more, got 0"),
+        (["--temperature", "-1"], "--temperature must be 0 (greedy) or more, got -1.0"),
+        (["--temperature", "nan"], "--temperature must be 0 (greedy) or more, got nan"),
+        (["--eos-token-id", "-1"], "--eos-token-id must be a byte value 0-255"),
+        (["--eos-token-id", "256"], "--eos-token-id must be below the vocabulary size 256"),
+        (["--max-seq-len", "65"], "--max-seq-len 65 exceeds the model's 64 positions"),
+        (["--max-new-tokens", "60"], "--prompt 1 is 5 bytes; with --max-new-tokens 60 it needs 65"),
+        (["--prompt", ""], "--prompt 2 is empty"),
+        (["--max-new-tokens", "x"], "argument --max-new-tokens: invalid int value: 'x'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)  # fmt: skip
+def test_invalid_arguments_are_refused_in_one_line(run_dir, capsys, extra, message):
+    """Before: 0 sizes were replaced by defaults; -1 temperature and a long prompt raised
+    tracebacks."""
+    _expect_usage_error(capsys, ["--ckpt", str(run_dir), "--prompt", "hello", *extra], message)
+
+
+def test_missing_checkpoint_is_a_usage_error(tmp_path, capsys):
+    _expect_usage_error(
+        capsys, ["--ckpt", str(tmp_path / "nowhere"), "--prompt", "a"], "does not exist"
+    )
+    _expect_usage_error(capsys, ["--ckpt", str(tmp_path), "--prompt", "a"], "holds no checkpoint")
+
+
+def test_corrupt_checkpoint_is_one_line_exit_1(run_dir, tmp_path, capsys):
+    import shutil
+
+    ckpt = Path(shutil.copytree(run_dir / "checkpoints" / "step_000004", tmp_path / "c"))
+    (ckpt / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(SystemExit) as exit_info:
+        gen.main(["--ckpt", str(ckpt), "--prompt", "a"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_samples_are_separated_and_cpu_memory_noise_is_dropped(run_dir, capsys, caplog):
+    caplog.set_level(logging.INFO)
+    gen.main(["--ckpt", str(run_dir), "--prompt", "ab", "--prompt", "cd", "--max-new-tokens", "3",
+              "--device", "cpu"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "----- sample 1 of 2 " in out and "----- sample 2 of 2 " in out
+    assert "n/a" not in caplog.text and "decode graphs: captured" in caplog.text
+    assert not logging.getLogger("tgraph.decode.graph_runner").filters  # removed afterwards
+
+
+def test_help_examples_run(run_dir, capsys):
+    """Every example of the module docstring (--help) runs, on a run directory in its place."""
+    lines = gen.__doc__.replace("\\\n", "").splitlines()
+    examples = [ln.split("#")[0].strip() for ln in lines if "recipes/generate.py --ckpt" in ln]
+    assert len(examples) == 3
+    for example in examples:
+        argv = shlex.split(example.replace("runs/quickstart", str(run_dir)))[2:]
+        argv = [a.replace("step_002000", "step_000004") for a in argv]
+        completions = gen.main([*argv, "--max-new-tokens", "4"])
+        assert len(completions) == argv.count("--prompt")
+
+
+def test_command_line_error_exit_code(run_dir):
+    proc = subprocess.run(
+        [sys.executable, str(RECIPE), "--ckpt", str(run_dir), "--prompt", "a", "--temperature",
+         "-1"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith(
+        "--temperature must be 0 (greedy) or more, got -1.0 (see --help)"
+    )
