@@ -293,3 +293,31 @@ def test_ctrl_c_on_the_command_line_exits_cleanly(tmp_path):
     assert "Traceback" not in stderr
     assert "interrupted (Ctrl-C) after step" in stderr and "--resume latest" in stderr
     assert latest(out).startswith("step_")
+
+
+# -- the main job, run twice ------------------------------------------------------------------------
+
+
+def test_quickstart_twice_keeps_the_first_run(tmp_path):
+    """The issue's trial: quickstart, then quickstart --steps 50, deleted the new run's
+    checkpoints and exited 1 in generate. Now the second run is refused before training."""
+    script = RECIPE.parents[1] / "scripts" / "quickstart.sh"
+    out = tmp_path / "run"
+    flags = ["--batch-size=2", "--block-size=128", "--n-layer=1", "--n-head=2", "--n-embd=16",
+             "--steps=4", "--warmup-steps=1", "--eval-every=0", "--eval-batches=1",
+             "--ckpt-every=0", "--log-every=2", "--graph=none", "--device=cpu", "--no-progress"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def quickstart(*extra: str) -> subprocess.CompletedProcess:
+        cmd = ["bash", str(script), *flags, "--out", str(out), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+    first = quickstart()
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "----- sample 3 of 3" in first.stdout and "checkpoints/latest -> step_000004" in (
+        first.stderr
+    )
+    second = quickstart("--steps=2")
+    assert second.returncode == 2 and "already holds a run" in second.stderr
+    assert "Traceback" not in second.stderr and "sample" not in second.stdout
+    assert ckpts(out) == ["step_000004"] and latest(out) == "step_000004"
