@@ -181,3 +181,35 @@ def test_eval_call_inside_a_training_step_runs_eagerly(backend, device):
     want = step(eager)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     check_grads([model], [eager])
+
+
+def reversed_order(models, xs):
+    """Model 3, then 2, then 1, each forward followed by its backward; outputs kept."""
+    outs = {}
+    for i in (2, 1, 0):
+        outs[i] = models[i](xs[i])
+        outs[i].square().mean().backward()
+    return [outs[i] for i in range(3)]
+
+
+def test_outputs_the_caller_keeps_survive_earlier_captured_replays(backend, device):
+    """Model 1's graph was captured first, so it may reuse the memory of model 3's outputs:
+    outputs still held are moved out of the pool before such a replay."""
+    models, eager = three_models(device)
+    record_in_order(models, backend, device, strict=True)
+    xs = inputs(device)
+    got, want = reversed_order(models, xs), reversed_order(eager, xs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    check_grads(models, eager)
+
+
+def test_planted_bug_kept_outputs_not_rescued_is_caught_on_cpu(monkeypatch):
+    from tgraph.pool import LiveOutputs
+
+    monkeypatch.setattr(LiveOutputs, "rescue", lambda self: None)
+    models, eager = three_models("cpu")
+    record_in_order(models, "emulated", "cpu", strict=True)
+    xs = inputs("cpu")
+    got = reversed_order(models, xs)
+    assert got[2].isnan().all() and not got[0].isnan().any()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from tgraph.pool import LiveOutputs
 from tgraph.record import Flight
 from tgraph.runner import Runner
 
@@ -102,6 +103,9 @@ def replay(runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | 
         runner.fwd_graph.replay()
         outs = [o.detach() for o in runner.static_outputs]
         hold_while_alive(runner, outs)
+        LiveOutputs(runner.ledger, runner, outs)
         return outs
     flight = Flight(runner)
-    return list(GraphedCall.apply(runner, flight, *tensors, *runner.autograd_params))
+    outs = list(GraphedCall.apply(runner, flight, *tensors, *runner.autograd_params))
+    LiveOutputs(runner.ledger, runner, outs)  # no other graph overwrites them (tgraph.pool)
+    return outs

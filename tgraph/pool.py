@@ -12,13 +12,17 @@ that capture until the capture that frees it:
   and only graphs captured in between cannot.
 
 So while a unit (a runner or a merged stack) awaits its backward, replaying a graph is safe only
-if it was captured between that unit's forward and backward captures; while the live outputs of
-a no-grad call are held by the caller, only graphs captured after it are safe. Replaying in the
+if it was captured between that unit's forward and backward captures; while the caller holds
+outputs of a unit, only graphs captured after it are safe. Replaying in the
 recorded order always satisfies this (each graph was captured exactly where it now replays),
 which is why capturing in execution order lets every graph share one pool. Any other order is
 checked by :class:`PoolLedger` at every replay:
 
-* a forward that is unsafe runs eagerly instead (with the once-per-reason warning; ``strict=True``
+* outputs the caller still holds are moved out of the pool (one clone each, into the tensors the
+  caller holds) before a replay that may overwrite them: the loss a training loop keeps in a
+  variable until the next step, or outputs kept while other graphs run out of recorded order.
+  Only the unit's own next replay overwrites its outputs, as documented;
+* a forward that is unsafe for a unit awaiting its backward runs eagerly instead (with the once-per-reason warning; ``strict=True``
   raises), which is always possible because nothing has been overwritten yet;
 * a backward that is unsafe for another unit's saved activations (backwards of nested units run
   out of nesting order) still replays, since its own inputs are intact, but marks the other unit:
@@ -47,8 +51,8 @@ class PoolLedger:
     """Live units of one pool and the capture-index window in which replays are safe for them.
 
     A *flight* (see :class:`tgraph.record.Flight`) enters the ledger when a captured unit's
-    forward replays and leaves when its backward has replayed, or when the no-grad outputs it
-    guards are freed.
+    forward replays and leaves when its backward has replayed (or its autograd graph is freed);
+    the outputs a replay returns enter it as :class:`LiveOutputs` until they are freed.
     """
 
     def __init__(self) -> None:
@@ -56,19 +60,30 @@ class PoolLedger:
         # id(flight) -> (unit, lowest safe index, highest safe index)
         self._live: dict[int, tuple[Any, int, float]] = {}
         self._clobbered: dict[int, str] = {}  # id(flight) -> the graph that overwrote it
+        self._held: dict[int, tuple[Any, int, LiveOutputs]] = {}  # id(token) -> (unit, low, token)
 
     def stamp(self) -> int:
         """The capture index of the next capture."""
         self.clock += 1
         return self.clock
 
-    def enter(self, flight: Any, unit: Any, held: bool) -> None:
-        bwd = unit.bwd_graph
-        high = NEVER if held or bwd is None else bwd.index
-        self._live[id(flight)] = (unit, unit.fwd_graph.index, high)
+    def enter(self, flight: Any, unit: Any) -> None:
+        self._live[id(flight)] = (unit, unit.fwd_graph.index, unit.bwd_graph.index)
+
+    def hold_outputs(self, token: LiveOutputs, unit: Any) -> None:
+        """``unit``'s returned outputs are alive while ``token`` is (:class:`LiveOutputs`)."""
+        self._held[id(token)] = (unit, unit.fwd_graph.index, token)
+
+    def rescue_outputs(self, index: int, unit: Any) -> None:
+        """Before ``unit`` replays a graph of capture ``index``: move the outputs the caller
+        holds of other units out of the memory that graph may reuse."""
+        for other, low, token in list(self._held.values()):
+            if other is not unit and index <= low:
+                token.rescue()
 
     def leave(self, flight: Any) -> None:
         self._live.pop(id(flight), None)
+        self._held.pop(id(flight), None)
         self._clobbered.pop(id(flight), None)
 
     def conflicts(self, index: int, skip: Any = None) -> list[tuple[int, Any]]:
@@ -81,14 +96,14 @@ class PoolLedger:
 
     def unsafe_forward(self, unit: Any) -> str | None:
         """Why replaying ``unit``'s forward now could corrupt another unit; None when safe."""
-        found = self.conflicts(unit.fwd_graph.index)
+        found = self.conflicts(unit.fwd_graph.index, skip=unit)
         if not found:
+            self.rescue_outputs(unit.fwd_graph.index, unit)
             return None
         return (
-            f"replay order differs from the recorded one: {found[0][1]} is still using memory of "
-            "the shared graph pool (awaiting its backward, or its no-grad outputs are alive), and "
-            "this graph was captured where it may reuse that memory (tgraph.pool explains which "
-            "orders are safe)"
+            f"replay order differs from the recorded one: {found[0][1]} awaits its backward, "
+            "which reads memory of the shared graph pool that this graph was captured to reuse "
+            "(tgraph.pool explains which orders are safe)"
         )
 
     def before_backward(self, flight: Any, unit: Any) -> None:
@@ -105,6 +120,34 @@ class PoolLedger:
             )
         for fid, _ in self.conflicts(unit.bwd_graph.index, skip=unit):
             self._clobbered[fid] = repr(unit)
+        self.rescue_outputs(unit.bwd_graph.index, unit)
+
+
+class LiveOutputs:
+    """Attached to the tensors a graphed call returns; the ledger counts them alive until
+    every one of them is freed, or until :meth:`rescue` moves them out of the pool."""
+
+    __slots__ = ("ledger", "refs", "__weakref__")
+
+    def __init__(self, ledger: PoolLedger, unit: Any, outputs: list[torch.Tensor]) -> None:
+        self.ledger = ledger
+        self.refs = [weakref.ref(o) for o in outputs]
+        for o in outputs:
+            o._tgraph_alive = self
+        ledger.hold_outputs(self, unit)
+
+    @torch.no_grad()
+    def rescue(self) -> None:
+        """Give every output still alive its own copy of its values (same tensor object, same
+        autograd identity), so no replay can overwrite them."""
+        for ref in self.refs:
+            o = ref()
+            if o is not None:
+                o.data = o.data.clone()
+        self.ledger.leave(self)
+
+    def __del__(self) -> None:
+        self.ledger.leave(self)
 
 
 @torch.no_grad()

@@ -62,9 +62,10 @@ class Flight:
         self.runner = runner
         runner.flight = id(self)
         runner.held = held
-        self.ledger = runner.ledger if runner.captured else None
+        # a held call's outputs are guarded by tgraph.pool.LiveOutputs, not by its flight
+        self.ledger = runner.ledger if runner.captured and not held else None
         if self.ledger is not None:
-            self.ledger.enter(self, runner, held)
+            self.ledger.enter(self, runner)
 
     def land(self) -> None:
         if self.runner.flight == id(self):
