@@ -414,17 +414,13 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def earlier_checkpoints_hint(path: Path) -> str:
-    """``--resume`` advice naming the checkpoints of ``path``'s run that precede it."""
-    earlier = (
-        [d for d in _checkpoint_dirs(path.parent) if _step_of(d) < _step_of(path)]
-        if (path.name.startswith("step_") and path.name[5:].isdigit())
-        else []
-    )
+    """``--resume`` advice naming the newest checkpoint of ``path``'s run that precedes it."""
+    earlier = []
+    if path.name.startswith("step_") and path.name[5:].isdigit():
+        earlier = [d for d in _checkpoint_dirs(path.parent) if _step_of(d) < _step_of(path)]
     if not earlier:
         return "Resume from an earlier checkpoint (--resume DIR) or start a fresh run"
-    return f"Resume from an earlier checkpoint: --resume {earlier[-1]}" + (
-        f" (also kept: {', '.join(d.name for d in earlier[:-1])})" if len(earlier) > 1 else ""
-    )
+    return f"Resume from an earlier checkpoint: --resume {earlier[-1]}"
 
 
 def resolve_resume(cfg: TrainConfig) -> Path | None:
