@@ -105,9 +105,7 @@ class UnusedOutputs:
             ins = set().union(*(r[0] for r, a in zip(self.reach, active) if a))
             leaves = set().union(*(r[1] for r, a in zip(self.reach, active) if a))
             found = [p for k, p in enumerate(self.input_index) if k not in ins]
-            found += [
-                p for j, p in enumerate(self.leaf_index) if p is not None and j not in leaves
-            ]
+            found += [p for j, p in enumerate(self.leaf_index) if p is not None and j not in leaves]
             self._cache[active] = found
         return found
 
