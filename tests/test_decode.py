@@ -178,7 +178,7 @@ def test_padded_rows_never_touch_live_slots(backend, device, monkeypatch, plant_
     live = _live_logits(engine, ps)
     assert engine.stats.bucket_steps == {4: 3} and engine.stats.padded_rows == 3
     if plant_bug:
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match="Tensor-likes are not close"):
             torch.testing.assert_close(live, reference, atol=1e-4, rtol=1e-4)
     else:
         torch.testing.assert_close(live, reference, atol=1e-4, rtol=1e-4)

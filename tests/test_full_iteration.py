@@ -144,7 +144,7 @@ def test_planted_frozen_lr_is_caught(backend, device, opt_kind, monkeypatch):
     # The naive implementation: lr stays a Python float (baked at capture), nobody checks it.
     monkeypatch.setattr(step_state, "holds_tensor_lr", lambda group: False)
     monkeypatch.setattr(step_state.HyperParams, "_check_baked", lambda self: None)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         assert_same(run_pair(backend, device, opt_kind, sched="step"))
 
 
@@ -160,7 +160,9 @@ def _assign_float_lr(opt, i):
 def test_lr_replaced_by_a_float_is_copied_into_the_graph(backend, device, opt_kind, monkeypatch):
     assert_same(run_pair(backend, device, opt_kind, after_step=_assign_float_lr))
     monkeypatch.setattr(step_state.HyperParams, "_refresh_tensor_lrs", lambda self: None)
-    with pytest.raises(AssertionError):  # planted: the float never reaches the tensor
+    with pytest.raises(
+        AssertionError, match="Tensor-likes are not close"
+    ):  # planted: the float never reaches it
         assert_same(run_pair(backend, device, opt_kind, after_step=_assign_float_lr))
 
 
@@ -248,7 +250,7 @@ def test_kept_outputs_hold_their_own_step(backend, device, monkeypatch):
     # Planted: return the static output itself; every kept loss becomes the last replay's.
     monkeypatch.setattr(full_iteration, "detach_clone", lambda t: t)
     (eager_losses, _, _), (graph_losses, _, _) = run_pair(backend, device, "sgd")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         torch.testing.assert_close(graph_losses, eager_losses, **TOL)
 
 

@@ -29,7 +29,7 @@ def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
     check_parity(backend, device)
     tgraph.reset()
     monkeypatch.setattr(Runner, "copy_inputs", lambda self, tensors: True)  # never copies
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         check_parity(backend, device)
 
 
@@ -39,7 +39,7 @@ def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypa
     monkeypatch.setattr(
         bridge, "hand_to_autograd", lambda r, active: r.grads_for_autograd(False, active)
     )
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
         check_gradient_accumulation(backend, device)
 
 
@@ -87,7 +87,7 @@ def test_dropout_masks_change_every_replay(backend, device, explicit_generator):
 
 def test_planted_bug_unregistered_rng_is_caught(backend, device, monkeypatch):
     monkeypatch.setattr(rng, "graph_generators", lambda device: [])
-    with pytest.raises((AssertionError, RuntimeError)):
+    with pytest.raises((AssertionError, RuntimeError), match="dropout mask repeated|capture"):
         # emulated: the unregistered generator is frozen -> same mask each replay;
         # CUDA: the explicit generator is not registered -> frozen mask or a capture error.
         check_masks_change(backend, device, explicit_generator=True)
