@@ -147,20 +147,23 @@ def _generate(args: argparse.Namespace, parser: OneLineErrorParser) -> list[str]
     how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     how += f", top-k {args.top_k}" if args.top_k and args.temperature else ""
     print(f"checkpoint {path} ({step}); {how}, seed {args.seed}", flush=True)
-    engine = DecodeEngine(
-        model,
-        max_batch_size=args.max_batch_size or len(args.prompt),
-        max_seq_len=max_seq_len,
-        use_graphs=not args.no_graphs,
-    )
-    completions = engine.generate(
-        args.prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        eos_token_id=args.eos_token_id,
-        seed=args.seed,
-    )
+    try:
+        engine = DecodeEngine(
+            model,
+            max_batch_size=args.max_batch_size or len(args.prompt),
+            max_seq_len=max_seq_len,
+            use_graphs=not args.no_graphs,
+        )
+        completions = engine.generate(
+            args.prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            eos_token_id=args.eos_token_id,
+            seed=args.seed,
+        )
+    except ValueError as e:  # the engine's own argument checks, should one above miss a case
+        parser.error(str(e))
     n = len(args.prompt)
     for i, (prompt, completion) in enumerate(zip(args.prompt, completions), 1):
         print(f"----- sample {i} of {n} " + "-" * 40)
