@@ -14,8 +14,7 @@ import torch.nn as nn
 from layer_models import ATOL, RTOL
 
 import tgraph
-from tgraph.grads import StateSnapshot
-from tgraph.runner import UnusedOutputs
+from tgraph.grads import StateSnapshot, UnusedOutputs
 
 # ------------------------------------------------ case 2: eval recorded after the training step
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -11,8 +12,9 @@ from layer_models import ATOL, RTOL, gpt_batches, tiny_gpt, train, twin
 from test_layer_parity import check_gradient_accumulation
 
 import tgraph
-from tgraph import bridge, rng
+from tgraph import rng
 from tgraph.runner import Runner
+from tgraph.unit import GraphedUnit
 
 # ----------------------------------------------------------------- planted bugs
 
@@ -36,8 +38,11 @@ def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
 def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypatch):
     # What torch.cuda.make_graphed_callables does (pytorch issue 181723): detached aliases let
     # AccumulateGrad adopt the static buffer as .grad; the next microbatch overwrites it.
+    real = GraphedUnit.grads_for_autograd
     monkeypatch.setattr(
-        bridge, "hand_to_autograd", lambda r, active: r.grads_for_autograd(False, active)
+        GraphedUnit,
+        "grads_for_autograd",
+        lambda self, clone=True, active=None: real(self, False, active),
     )
     with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
         check_gradient_accumulation(backend, device)
@@ -128,7 +133,10 @@ CHANGES = {
     "shape": (lambda x: ((x[:2],), {}), "argument 0 changed from (4, 8) float32"),
     "dtype": (lambda x: ((x.double(),), {}), "to (4, 8) float64"),
     "requires_grad": (lambda x: ((x.detach(),), {}), "requires_grad=True to (4, 8) float32"),
-    "non-tensor value": (lambda x: ((x,), {"scale": 3.0}), "keyword arguments changed"),
+    "non-tensor value": (
+        lambda x: ((x,), {"scale": 3.0}),
+        "arguments changed from [argument 0] to [argument 0, keyword argument 'scale']",
+    ),
 }
 
 
@@ -144,9 +152,7 @@ def test_unmatched_call_runs_eagerly_and_warns_once(backend, device, change):
     args, kwargs = make(x)
     if change == "dtype":
         mod.double()
-    with pytest.warns(
-        tgraph.GraphFallbackWarning, match=message.replace("(", r"\(").replace(")", r"\)")
-    ):
+    with pytest.warns(tgraph.GraphFallbackWarning, match=re.escape(message)):
         got = mod(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: the second identical call is silent
@@ -167,7 +173,7 @@ def test_strict_mode_raises_naming_the_field(backend, device):
         mod(torch.randn(3, 8, device=device, requires_grad=True))
     with pytest.raises(
         RuntimeError,
-        match="keyword argument 'scale' changed from 2.0 to 3.0|keyword arguments changed",
+        match=re.escape("arguments changed from [argument 0] to [argument 0, keyword argument"),
     ):
         mod(x, scale=3.0)
 
@@ -187,7 +193,7 @@ def test_changed_non_tensor_value_is_named(backend, device):
 def test_unhashable_argument_is_a_clear_error(backend, device):
     mod = Scaled().to(device)
     tgraph.enable(mod, backend=backend)
-    with pytest.raises(TypeError, match="unhashable non-tensor argument of type set"):
+    with pytest.raises(TypeError, match="keyword argument 'scale' is an unhashable set"):
         mod(torch.randn(4, 8, device=device), scale={1.0})
 
 

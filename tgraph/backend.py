@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tgraph.pool import EmulatedPool, PoolLedger
 
@@ -110,15 +111,6 @@ class RefuseHostSync(TorchDispatchMode):
                 "A CUDA graph cannot contain it; move it out of the captured region."
             )
         return func(*args, **(kwargs or {}))
-
-
-def tree_leaves(obj: Any) -> list[Any]:
-    """Leaves of nested tuples/lists/dicts (None and non-tensors are leaves too)."""
-    if isinstance(obj, (tuple, list)):
-        return [leaf for o in obj for leaf in tree_leaves(o)]
-    if isinstance(obj, dict):
-        return [leaf for o in obj.values() for leaf in tree_leaves(o)]
-    return [obj]
 
 
 def _default_generators() -> list[torch.Generator]:

@@ -75,6 +75,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves
 
 from tgraph import rng
 from tgraph.backend import (
@@ -82,10 +83,9 @@ from tgraph.backend import (
     explain_capture_failure,
     resolve_backend,
     stale_stream_override,
-    tree_leaves,
 )
 from tgraph.module import GraphFallbackWarning, _manager
-from tgraph.signature import call_key, first_difference, rebuild
+from tgraph.signature import call_key, first_difference, split
 from tgraph.step_state import (
     EmulatedStepGraph,
     HyperParams,
@@ -113,6 +113,7 @@ class _Entry:
     static: list[torch.Tensor] = field(default_factory=list)
     out: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
+    template: Any = None  # the structure of fn's outputs (tgraph.signature.Template)
     grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
     capture_seconds: float = 0.0
     pool_bytes: int = 0
@@ -222,7 +223,7 @@ class FullIterationGraph:
             raise RuntimeError(
                 f"FullIterationGraph already holds {len(self._entries)} batch signature(s) "
                 f"(max_graphs={self.max_graphs}) and this batch matches none: "
-                f"{first_difference(old.args[0], key.args[0], 'batch')}. Pad batches to a fixed shape, or "
+                f"{first_difference(old, key, 'batch')}. Pad batches to a fixed shape, or "
                 "raise max_graphs (each signature costs its own warmups and graph memory)."
             )
         device = tensors[0].device
@@ -260,7 +261,7 @@ class FullIterationGraph:
             if isinstance(g["lr"], torch.Tensor)
         ]
         entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
-        static_batch = rebuild(batch, iter(entry.static))
+        static_batch = split(batch)[1].fill(entry.static)
         groups = [g for o in self.optimizers for g in o.param_groups]
         graph = f.new_graph() if f.backend == "cuda" else EmulatedStepGraph(groups)
         for g in rng.graph_generators(f.device):
@@ -298,7 +299,7 @@ class FullIterationGraph:
         entry.capture_seconds = time.perf_counter() - start
         entry.pool_bytes = f.memory_allocated() - before
         entry.graph, entry.out = graph, out
-        entry.outputs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        entry.outputs, entry.template = split(out)
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
             f.backend,
@@ -308,7 +309,7 @@ class FullIterationGraph:
         if f.backend != "cuda":
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
-            return rebuild(out, iter([detach_clone(t) for t in entry.outputs]))
+            return entry.template.fill([detach_clone(t) for t in entry.outputs])
         # CUDA: how each .grad relates to the graph. "add": the graph accumulates into the
         # .grad that existed at capture; "assign": it writes fresh gradients (zero_grad with
         # set_to_none=True ran before the capture, "cleared" when it ran inside fn).
@@ -333,7 +334,7 @@ class FullIterationGraph:
         entry.graph.replay()
         for p, grad, _ in entry.grads:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
-        return rebuild(entry.out, iter([detach_clone(t) for t in entry.outputs]))
+        return entry.template.fill([detach_clone(t) for t in entry.outputs])
 
     @staticmethod
     def _sync_grads_in(entry: _Entry) -> None:

@@ -218,3 +218,80 @@ class ParamGradPacking:
         for i, view in zip(self._index, views):
             out[i] = view
         return out
+
+
+def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf tensors requiring grad that ``outputs``' autograd graph reaches (AccumulateGrad)."""
+    # Python wrappers of autograd nodes live only while referenced and their ids are recycled:
+    # keep every visited wrapper alive, so the same node keeps its wrapper and id-dedup holds.
+    seen: dict[int, object] = {}
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    leaves: list[torch.Tensor] = []
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            leaves.append(var)
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return leaves
+
+
+def output_reach(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], leaves: list[torch.Tensor]
+) -> list[tuple[frozenset[int], frozenset[int]]]:
+    """Per output: (indices into ``inputs``, indices into ``leaves``) that it reaches.
+
+    A gradient flows to an input or parameter only through outputs that reach it; autograd
+    gives it none (``None``, not zeros) when no output the loss used reaches it.
+    """
+    in_pos = {id(t): i for i, t in enumerate(inputs)}
+    leaf_pos = {id(t): j for j, t in enumerate(leaves)}
+    found = []
+    for o in outputs:
+        ids = {id(t) for t in reached_leaves([o])}
+        found.append(
+            (
+                frozenset(i for k, i in in_pos.items() if k in ids),
+                frozenset(j for k, j in leaf_pos.items() if k in ids),
+            )
+        )
+    return found
+
+
+class UnusedOutputs:
+    """Which gradients to hand autograd as None when the loss ignored some outputs.
+
+    Autograd gives the bridge ``None`` for an output the loss did not use (materialized zeros
+    are turned off). The backward graph still runs with a zero gradient for it, and every input
+    or parameter reached *only* through such outputs gets None, as in eager: a zero gradient is
+    not the same thing to an optimizer (AdamW's momentum and weight decay would still move it).
+    """
+
+    def __init__(self) -> None:
+        self.reach: list[tuple[frozenset[int], frozenset[int]]] = []
+        self.input_index: list[int] = []  # position of each differentiable input in the result
+        self.leaf_index: list[int | None] = []  # position of each leaf's gradient, None if fused
+        self._cache: dict[tuple[bool, ...], list[int]] = {}
+
+    def setup(self, outputs, inputs, in_rg, leaves) -> None:
+        self.reach = output_reach(outputs, inputs, leaves)
+        self.input_index = list(in_rg)
+        self._cache = {}
+
+    def place_leaves(self, n_inputs: int, kept: list[int | None]) -> None:
+        """``kept[j]``: index of leaf j among the parameters handed to autograd (None: fused)."""
+        self.leaf_index = [None if k is None else n_inputs + k for k in kept]
+
+    def none_positions(self, active: tuple[bool, ...]) -> list[int]:
+        """Positions of the gradients no active output reaches."""
+        found = self._cache.get(active)
+        if found is None:
+            ins = set().union(*(r[0] for r, a in zip(self.reach, active) if a))
+            leaves = set().union(*(r[1] for r, a in zip(self.reach, active) if a))
+            found = [p for k, p in enumerate(self.input_index) if k not in ins]
+            found += [p for j, p in enumerate(self.leaf_index) if p is not None and j not in leaves]
+            self._cache[active] = found
+        return found

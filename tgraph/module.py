@@ -28,10 +28,11 @@ import torch.nn as nn
 from tgraph import bridge
 from tgraph.backend import GraphFactory, explain_capture_failure, resolve_backend
 from tgraph.grads import StateSnapshot
-from tgraph.record import Flight, NoteBackward, Record, graphed_region, inside_graphed_region
-from tgraph.runner import Runner, _collect
+from tgraph.record import Flight, NoteBackward, Record
+from tgraph.runner import Runner
 from tgraph.segment import Segment, mergeable_chains
-from tgraph.signature import MutableArgument, call_key, difference, rebuild
+from tgraph.signature import MutableArgument, call_key, difference, split
+from tgraph.unit import graphed_region, inside_graphed_region
 
 logger = logging.getLogger(__name__)
 
@@ -107,41 +108,25 @@ class _Manager:
             runner = next((r for r in runners or () if r.flight is None), None)
             if runner is None:
                 links = [self.record.producer(t) for t in tensors]
-                runner = Runner(module, key, args, kwargs, tensors, links)
+                runner = Runner(
+                    module,
+                    key,
+                    args,
+                    kwargs,
+                    tensors,
+                    links,
+                    merge=state.merge,
+                    fusion=state.main_grad_fusion,
+                )
                 runner.shared_with = [self.record.consumers(t) for t in tensors]
-                runner.merge = state.merge
-                runner.fusion.enabled = state.main_grad_fusion
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
-            reason = (
-                "every graph captured for this signature is awaiting its backward "
-                "(more calls in flight than in the recorded iteration)"
-            )
-            for r in runners:
-                seg = r.segment
-                if seg is None:
-                    if r.flight is None and r.captured:
-                        outs = bridge.replay(r, tensors)
-                        if not isinstance(outs, str):
-                            return r.outputs(outs)
-                        reason = outs
-                elif r.seg_index == 0:
-                    if seg.flight is None and seg.captured:
-                        outs = bridge.replay(seg, tensors)
-                        if not isinstance(outs, str):
-                            return r.outputs(seg.start(outs, tensors))
-                        reason = outs
-                elif seg.captured:
-                    outs = seg.take(r, tensors)
-                    if outs is not None:
-                        return r.outputs(outs)
-                    reason = (
-                        f"it was captured as module {r.seg_index} of a merged stack ({seg}) but "
-                        "was not called right after the previous module with that module's "
-                        "unmodified output and the inputs shared with the first module (pass "
-                        "merge=False to tgraph.enable to graph it alone)"
-                    )
+            for r in runners:  # the first runner free to replay answers (tgraph.unit)
+                out = r.call(tensors)
+                if not isinstance(out, str):
+                    return out
+                reason = out
         elif state.runners:
             reason = difference(next(iter(state.runners)), key, state.names)
         else:
@@ -152,14 +137,13 @@ class _Manager:
         self.record.add(runner, "fwd")
         self.record.note_inputs(runner, inputs)
         out = self._plain_call(runner.module, args, kwargs)
-        outs: list[torch.Tensor] = []
-        _collect(out, outs)
+        outs, template = split(out)
         idx = [i for i, o in enumerate(outs) if o.requires_grad]
         if idx and torch.is_grad_enabled():
             noted = NoteBackward.apply(self.record, Flight(runner), *(outs[i] for i in idx))
             for i, t in zip(idx, noted):
                 outs[i] = t
-            out = rebuild(out, iter(outs))
+            out = template.fill(outs)
         else:  # no backward: the runner stays busy while its outputs live (see bridge.replay)
             bridge.hold_while_alive(runner, [o for o in outs if all(o is not t for t in inputs)])
         self.record.note_outputs(runner, outs)
@@ -365,8 +349,7 @@ def create_graphs() -> CaptureReport:
                 current.capture_backward(f)
         for current in units:  # forwards whose backward never ran in the recorded iteration
             if current.needs_backward and current.bwd_graph is None:
-                head = current.head if isinstance(current, Segment) else current
-                current.capture_backward(factory_of(head))
+                current.capture_backward(factory_of(current.head))
     except BaseException as exc:
         for f in factories.values():
             f.synchronize()

@@ -14,34 +14,14 @@ flight, because its buffers still hold the activations its backward needs.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import torch
 
-if TYPE_CHECKING:
-    from tgraph.runner import Runner
+Runner = Any  # a tgraph.runner.Runner (or a merged stack); not imported: no import cycle
 
 Phase = Literal["fwd", "bwd"]
-
-_depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
-
-
-@contextlib.contextmanager
-def graphed_region() -> Iterator[None]:
-    """Inside, GraphableModules run as plain modules: they are part of the enclosing graph."""
-    global _depth
-    _depth += 1
-    try:
-        yield
-    finally:
-        _depth -= 1
-
-
-def inside_graphed_region() -> bool:
-    return _depth > 0
 
 
 class Flight:

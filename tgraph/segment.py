@@ -20,25 +20,15 @@ do not modify a tensor that way between the calls of a merged stack. Every modul
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
 added in the backward graph.
 
-A segment quacks like a :class:`tgraph.runner.Runner` for :mod:`tgraph.bridge`.
+A segment is a :class:`tgraph.unit.GraphedUnit` like a runner; only its forward differs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tgraph.backend import GraphFactory
-from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking
-from tgraph.runner import (
-    Runner,
-    UnusedOutputs,
-    autograd_params,
-    capture_backward_graph,
-    capture_forward_graph,
-    kept_positions,
-    reached_leaves,
-    split_grads,
-)
+from tgraph.runner import Runner
+from tgraph.unit import BUSY, GraphedUnit
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
@@ -95,172 +85,82 @@ def sources(head: Runner, prev: Runner, nxt: Runner) -> list[tuple[bool, int]] |
     return found if any(from_prev for from_prev, _ in found) else None
 
 
-class Segment:
+class Segment(GraphedUnit):
     """Runners ``runners[0..k]`` captured as one forward and one backward graph."""
 
     def __init__(self, runners: list[Runner]) -> None:
         self.runners = runners
         for j, r in enumerate(runners):
             r.segment, r.seg_index = self, j
-        self.head = runners[0]
+        self.head, self.members = runners[0], runners
+        self.key = self.head.key
         self._sources = [[]] + [
             sources(self.head, prev, r) for prev, r in zip(runners, runners[1:])
         ]
-        self.key = self.head.key
-        self.device = self.head.device
-        self.flight: int | None = None
-        self.held = False
-        self.ledger = None
-        self.unused = UnusedOutputs()
-        self.debug = False
-        self.fwd_graph = None
-        self.bwd_graph = None
-        self.static_outputs: list[torch.Tensor] = []
-        self.static_grads: list[torch.Tensor | None] = []
-        self.static_grad_outputs: list[torch.Tensor] = []
-        self.params: list[torch.Tensor] = []
-        self.autograd_params: list[torch.Tensor] = []
-        self.needs_backward = False
         self._slices: list[slice] = []
-        self._out_rg: list[int] = []
-        self._out_nodiff: list[int] = []
-        self._leaves: list[torch.Tensor] = []
-        self.packing = ParamGradPacking()
-        self.fusion = MainGradFusion(self.head.fusion.enabled)
-        self._param_grads: list[torch.Tensor | None] = []
-        self._flags: MainGradFlags | None = None
-        self._grad_out_zero: list[bool] = []
         self.pending: list[list[torch.Tensor]] | None = None
         self._next = 0
         self._versions: list[int] = []
         self._head_inputs: list[torch.Tensor] = []
         self._head_versions: list[int] = []
+        self._init_unit(self.head.device, self.head.grad_mode, self.head.fusion.enabled)
 
     def __repr__(self) -> str:
         return f"Segment({len(self.runners)} x {type(self.head.module).__name__})"
 
-    @property
-    def captured(self) -> bool:
-        return self.fwd_graph is not None and (
-            self.bwd_graph is not None or not self.needs_backward
-        )
-
     # ----------------------------------------------------------------- capture
-    def _aliases(self) -> list[torch.Tensor]:
-        return [a for r in self.runners for a in r._aliases.values()]
+    def _prepare_capture(self) -> None:
+        self.head._prepare_capture()
+        for r in self.runners[1:]:
+            r.make_aliases()
 
     def _run_forward(self) -> list[torch.Tensor]:
         head_in = self.head.static_inputs
         outs = self.head._run_forward()
         flat = list(outs)
+        self._slices = [slice(0, len(outs))]
         for r, src in zip(self.runners[1:], self._sources[1:]):
             # rj reads r(j-1)'s outputs of this very run: one autograd graph for the stack
             r.static_inputs = [outs[k] if from_prev else head_in[k] for from_prev, k in src]
             outs = r._run_forward()
+            self._slices.append(slice(len(flat), len(flat) + len(outs)))
             flat += outs
         return flat
 
-    def _run_backward(self) -> tuple:
-        graph_outs = self.fwd_graph.live_outputs or self.static_outputs
-        head = self.head
-        ins = [head.static_inputs[i] for i in head._in_rg] + self._leaves
-        grads = torch.autograd.grad(
-            [graph_outs[i] for i in self._out_rg],
-            ins,
-            grad_outputs=self.static_grad_outputs,
-            retain_graph=self.fwd_graph.retains_autograd_graph,
-            allow_unused=True,
-        )
-        n = len(head._in_rg)
-        rest = self.fusion.apply(self._leaves, self.params, list(grads[n:]))
-        return (*grads[:n], *self.packing.pack(rest))
-
-    def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
-        head = self.head
-        head.prepare_capture()
-        for r in self.runners[1:]:
-            r.prepare_capture(static_inputs=False)
-        self.ledger = factory.ledger
-        inputs = [head.static_inputs[i] for i in head._in_rg]
-        self.fwd_graph, self.static_outputs = capture_forward_graph(
-            factory,
-            self.device,
-            self._aliases(),
-            self._run_forward,
-            inputs,
-            warmup,
-            [m for r in self.runners for m in r.module.modules()],
-            head.static_inputs,
-        )
-        start = 0
-        for r in self.runners:
-            n = len(r.out_template_tensors())
-            self._slices.append(slice(start, start + n))
-            r.static_outputs = self.static_outputs[start : start + n]
-            start += n
-        self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
-        self._out_nodiff = [i for i, o in enumerate(self.static_outputs) if not o.requires_grad]
-        self.needs_backward = head.grad_mode and bool(self._out_rg)
-        if self.needs_backward:
-            rg_outs = [self.static_outputs[i] for i in self._out_rg]
-            static_in = {id(t) for t in head.static_inputs}
-            reached = [t for t in reached_leaves(rg_outs) if id(t) not in static_in]
-            reached_ids = {id(t) for t in reached}
-            for r in self.runners:  # module order, then leaves from outside (tied weights)
-                for p in r.module.parameters():
-                    alias = r._aliases[id(p)]
-                    if id(alias) in reached_ids:
-                        self._leaves.append(alias)
-                        self.params.append(p)
-            aliases = {id(a) for r in self.runners for a in r._aliases.values()}
-            foreign = [t for t in reached if id(t) not in aliases]
-            self._leaves += foreign
-            self.params += foreign
-            self.unused.setup(rg_outs, inputs, head._in_rg, self._leaves)
-
-    def capture_backward(self, factory: GraphFactory) -> None:
-        self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
-        self._grad_out_zero = [True] * len(self.static_grad_outputs)
-        self._flags = MainGradFlags(zip(self._leaves, self.params))
-        self.bwd_graph, grads = capture_backward_graph(
-            factory, self._aliases(), self._run_backward, self._flags, self.fwd_graph
-        )
-        head = self.head
-        self.static_grads, self._param_grads = split_grads(
-            grads, len(head.static_inputs), head._in_rg, self.packing
-        )
-        self.autograd_params = autograd_params(self.fusion, self.params, head._in_rg, self.device)
-        self.unused.place_leaves(len(head.static_inputs), kept_positions(self.fusion, self.params))
-        for r in self.runners:
-            r.samples = []
+    def capture_forward(self, factory, warmup: int) -> None:
+        super().capture_forward(factory, warmup)
+        for r, sl in zip(self.runners, self._slices):
+            r.static_outputs = self.static_outputs[sl]
 
     def drop_graphs(self) -> None:
-        self.fwd_graph = self.bwd_graph = None
-        self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
-        self.params, self._leaves, self.pending = [], [], None
-        self.autograd_params = []
-        self.ledger, self.held, self.unused = None, False, UnusedOutputs()
-        self.packing, self._param_grads, self._flags = ParamGradPacking(), [], None
-        self.fusion = MainGradFusion(self.fusion.enabled)
+        super().drop_graphs()
+        self.pending, self._head_inputs = None, []
         for r in self.runners:
             r.segment = None
             r.drop_graphs()
 
-    # ------------------------------------------------------------------ replay
-    def copy_inputs(self, tensors) -> bool:
-        return self.head.copy_inputs(tensors)
-
-    grads_for_autograd = Runner.grads_for_autograd
-
-    copy_grad_outputs = Runner.copy_grad_outputs
-
-    def after_backward(self) -> None:
-        self._flags.after_replay()
-        if self.debug:
-            self.head.after_backward_debug()  # the head's static inputs
-            for buf in self.static_grad_outputs:
-                buf.fill_(float("nan"))
-            self._grad_out_zero = [False] * len(self.static_grad_outputs)
+    # ------------------------------------------------------------------- calls
+    def call(self, runner: Runner, tensors: list[torch.Tensor]):
+        """Outputs of a member's call, or the reason it must run eagerly: the head replays
+        the stack; each later member takes its outputs of that replay (:meth:`take`)."""
+        if runner.seg_index == 0:
+            if self.flight is not None or not self.captured:
+                return BUSY
+            outs = self.replay(tensors)
+            if isinstance(outs, str):
+                return outs
+            return runner.outputs(self.start(outs, tensors))
+        if not self.captured:
+            return BUSY
+        outs = self.take(runner, tensors)
+        if outs is None:
+            return (
+                f"it was captured as module {runner.seg_index} of a merged stack ({self}) but "
+                "was not called right after the previous module with that module's unmodified "
+                "output and the inputs shared with the first module (pass merge=False to "
+                "tgraph.enable to graph it alone)"
+            )
+        return runner.outputs(outs)
 
     def start(self, outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """After the forward replay on the head's ``inputs``: keep every module's outputs

@@ -2,8 +2,11 @@
 
 A graph replays fixed kernels on fixed buffers, so it is valid only for calls that match its
 capture in every tensor's shape, dtype, device and requires_grad, in every non-tensor argument's
-value, in ``module.training`` and in grad mode. :func:`describe` reduces a call to a hashable
-key; :func:`difference` turns two keys into the sentence a warning or error shows.
+value, in the ``training`` flags of the module and its submodules, in grad mode and autocast.
+:func:`call_key` reduces a call to a hashable :class:`CallKey`; :func:`difference` turns two keys
+into the sentence a warning or error shows. Nested arguments and outputs (tuples, lists, dicts,
+named tuples, Hugging Face ``ModelOutput``) are walked once, with ``torch.utils._pytree``;
+:class:`Template` keeps a structure with its tensors taken out, to be filled again.
 """
 
 from __future__ import annotations
@@ -12,15 +15,42 @@ import enum
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
+
+
+class Template(NamedTuple):
+    """A nested structure with its tensors taken out (no memory pinned)."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple  # the non-tensor leaves; None where a tensor goes
+    tensor_at: tuple[int, ...]  # leaf positions of the tensors
+
+    def fill(self, tensors: list[torch.Tensor]) -> Any:
+        """The structure again, with ``tensors`` in the tensors' places."""
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_at, tensors, strict=True):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def split(obj: Any) -> tuple[list[torch.Tensor], Template]:
+    """``obj``'s tensors (in pytree order) and the template to rebuild it around others."""
+    leaves, spec = pytree.tree_flatten(obj)
+    at = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+    tensors = [leaves[i] for i in at]
+    for i in at:
+        leaves[i] = None
+    return tensors, Template(spec, tuple(leaves), at)
 
 
 class CallKey(NamedTuple):
     """What a graph was captured for: one graphed call, reduced to hashable values."""
 
-    args: tuple
-    """Descriptions of the positional arguments (:func:`describe`)."""
-    kwargs: tuple
-    """``(name, description)`` of the keyword arguments, in the order given."""
+    tree: Any
+    """Structure of ``(args, kwargs)`` (a ``TreeSpec``), or the number of positional arguments
+    when every argument is a tensor and there are no keyword arguments (the fast path)."""
+    leaves: tuple
+    """Per leaf of the arguments, its description (:func:`describe`)."""
     training: tuple[bool, ...]
     """``training`` of the module and of each of its submodules (``module.modules()`` order)."""
     grad: bool
@@ -39,39 +69,33 @@ class MutableArgument(TypeError):
     """A graphed call got a Python object that a graph cannot stand for (see :func:`describe`)."""
 
 
-def describe(obj: Any, tensors: list[torch.Tensor], where: str = "argument") -> Any:
-    """Hashable description of ``obj``; appends its tensors, in order, to ``tensors``.
+def describe(leaf: Any, where: str) -> Any:
+    """Hashable description of one argument leaf (``where`` names it in errors).
 
     Raises:
-        MutableArgument: a non-tensor argument that is an object compared by identity (a cache,
-            a state holder): a graph replays kernels, not Python, so whatever the module does to
-            the object would not happen at replay, and a new object each call matches nothing.
+        MutableArgument: an object compared by identity (a cache, a state holder): a graph
+            replays kernels, not Python, so whatever the module does to the object would not
+            happen at replay, and a new object at each call matches nothing.
         TypeError: a non-tensor argument that is not hashable (it cannot key a graph).
     """
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return (obj.shape, obj.dtype, obj.device, obj.requires_grad)
-    if isinstance(obj, (tuple, list)):
-        return (type(obj), tuple(describe(o, tensors, f"{where}[{i}]") for i, o in enumerate(obj)))
-    if isinstance(obj, dict):
-        return (dict, tuple((k, describe(v, tensors, f"{where}[{k!r}]")) for k, v in obj.items()))
-    if not isinstance(obj, _VALUE_TYPES) and _compared_by_identity(obj):
+    if isinstance(leaf, torch.Tensor):
+        return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
+    if not isinstance(leaf, _VALUE_TYPES) and _compared_by_identity(leaf):
         raise MutableArgument(
-            f"{where} is a {type(obj).__name__} object, compared by identity: a graph replays "
+            f"{where} is a {type(leaf).__name__} object, compared by identity: a graph replays "
             "kernels, not Python, so what the module does to this object (a key/value cache "
             "appending tensors, say) would not happen at replay, and a new object at each call "
             "matches no graph. Pass tensors or plain values instead; for Hugging Face models "
             "pass use_cache=False when training."
         )
     try:
-        hash(obj)
+        hash(leaf)
     except TypeError:
         raise TypeError(
-            f"a graphed module got an unhashable non-tensor argument of type {type(obj).__name__}; "
-            "graphs are keyed by argument values, so pass tensors, numbers, strings, None or "
-            "tuples of them"
+            f"{where} is an unhashable {type(leaf).__name__}; graphs are keyed by argument "
+            "values, so pass tensors, numbers, strings, None or tuples of them"
         ) from None
-    return (type(obj), obj)
+    return (type(leaf), leaf)
 
 
 def _compared_by_identity(obj: Any) -> bool:
@@ -84,25 +108,6 @@ def _compared_by_identity(obj: Any) -> bool:
         return False
     cls = type(obj)
     return cls.__eq__ is object.__eq__ and cls.__hash__ is object.__hash__
-
-
-def rebuild(obj: Any, tensors: Any) -> Any:
-    """Inverse of :func:`describe`: ``obj`` with its tensors replaced from the iterator."""
-    if isinstance(obj, torch.Tensor):
-        return next(tensors)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(rebuild(o, tensors) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(rebuild(o, tensors) for o in obj)
-    if isinstance(obj, dict):
-        items = {k: rebuild(v, tensors) for k, v in obj.items()}
-        if type(obj) is dict:
-            return items
-        try:  # OrderedDict, ModelOutput-like dict subclasses keep their type
-            return type(obj)(items)
-        except TypeError:
-            return items
-    return obj
 
 
 def autocast_state() -> tuple:
@@ -123,23 +128,40 @@ def call_key(
     tensors: list[torch.Tensor],
     params: tuple[torch.Tensor, ...] = (),
 ) -> CallKey:
-    """Key of one call (:class:`CallKey`): a frozen or unfrozen parameter needs another
-    backward graph, a submodule switched to eval another forward graph.
-
-    Keyword arguments are keyed in the order given (their tensors are matched by position).
-    The fast path covers ``forward(tensor, ...)`` without keyword arguments.
+    """Key of one call (:class:`CallKey`); appends the call's tensors, in leaf order, to
+    ``tensors``. A frozen or unfrozen parameter needs another backward graph, a submodule
+    switched to eval another forward graph.
 
     Raises:
         MutableArgument, TypeError: see :func:`describe`.
     """
     frozen = tuple(p.requires_grad for p in params)
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+    state = (training, torch.is_grad_enabled(), autocast_state(), frozen)
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the fast path
         tensors.extend(args)
-        arg_key = tuple((a.shape, a.dtype, a.device, a.requires_grad) for a in args)
-        return CallKey(arg_key, (), training, torch.is_grad_enabled(), autocast_state(), frozen)
-    arg_key = tuple(describe(a, tensors, f"argument {i}") for i, a in enumerate(args))
-    kw_key = tuple((k, describe(v, tensors, f"keyword argument {k!r}")) for k, v in kwargs.items())
-    return CallKey(arg_key, kw_key, training, torch.is_grad_enabled(), autocast_state(), frozen)
+        return CallKey(len(args), tuple(describe(a, "") for a in args), *state)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    paths = leaf_paths(spec)
+    descs = tuple(describe(x, paths[i]) for i, x in enumerate(leaves))
+    tensors.extend(x for x in leaves if isinstance(x, torch.Tensor))
+    return CallKey(spec, descs, *state)
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    """Names of the leaves of a :attr:`CallKey.tree`: ``argument 0['mask']``, ``keyword
+    argument 'cache'``."""
+    if isinstance(tree, int):
+        return [f"argument {i}" for i in range(tree)]
+    numbered = pytree.tree_unflatten(list(range(tree.num_leaves)), tree)
+    names = [""] * tree.num_leaves
+    for path, i in pytree.tree_flatten_with_path(numbered)[0]:
+        (kind, first), rest = path[:2], pytree.keystr(path[2:])
+        names[i] = (
+            f"argument {first.idx}{rest}"
+            if kind.idx == 0
+            else f"keyword argument {first.key!r}{rest}"
+        )
+    return names
 
 
 def format_leaf(desc: Any) -> str:
@@ -148,33 +170,8 @@ def format_leaf(desc: Any) -> str:
         shape, dtype, device, rg = desc
         return f"{tuple(shape)} {str(dtype).removeprefix('torch.')} {device} requires_grad={rg}"
     if isinstance(desc, tuple) and len(desc) == 2 and isinstance(desc[0], type):
-        kind, value = desc
-        if kind in (tuple, list, dict):
-            return f"{kind.__name__} of {len(value)}"
-        return repr(value)
+        return repr(desc[1])
     return repr(desc)
-
-
-def first_difference(old: Any, new: Any, path: str) -> str:
-    """Where two descriptions first differ: ``path[0]['mask'] changed from ... to ...``."""
-    nested = (list, tuple, dict)
-    if (
-        isinstance(old, tuple)
-        and isinstance(new, tuple)
-        and len(old) == len(new) == 2
-        and old[0] in nested
-        and new[0] is old[0]
-        and len(old[1]) == len(new[1])
-    ):
-        for i, (a, b) in enumerate(zip(old[1], new[1])):
-            if old[0] is dict:
-                if a[0] != b[0]:
-                    keys = ([k for k, _ in old[1]], [k for k, _ in new[1]])
-                    return f"{path} keys changed from {keys[0]} to {keys[1]}"
-                a, b, i = a[1], b[1], repr(a[0])
-            if a != b:
-                return first_difference(a, b, f"{path}[{i}]")
-    return f"{path} changed from {format_leaf(old)} to {format_leaf(new)}"
 
 
 def difference(old: CallKey, new: CallKey, names: list[str] | None = None) -> str:
@@ -187,10 +184,7 @@ def difference(old: CallKey, new: CallKey, names: list[str] | None = None) -> st
         i = next(i for i, (a, b) in enumerate(zip(old.training, new.training)) if a != b)
         mode = {True: "train", False: "eval"}
         a, b = old.training[i], new.training[i]
-        if i == 0:
-            who = "module.training"
-        else:
-            who = f"training of submodule {names[i] if names else i!r}"
+        who = "module.training" if i == 0 else f"training of submodule {names[i] if names else i!r}"
         return f"{who} changed from {a} to {b} ({mode[a]} -> {mode[b]})"
     if old.grad != new.grad:
         was, now = ("enabled" if g else "disabled" for g in (old.grad, new.grad))
@@ -203,17 +197,19 @@ def difference(old: CallKey, new: CallKey, names: list[str] | None = None) -> st
         )
     if old.autocast != new.autocast:
         return f"autocast changed from {old.autocast or 'off'} to {new.autocast or 'off'}"
-    if len(old.args) != len(new.args):
-        return f"number of positional arguments changed from {len(old.args)} to {len(new.args)}"
-    for i, (a, b) in enumerate(zip(old.args, new.args)):
+    if old.tree != new.tree:
+        return f"the arguments changed from {_structure(old.tree)} to {_structure(new.tree)}"
+    paths = leaf_paths(new.tree)
+    for path, a, b in zip(paths, old.leaves, new.leaves):
         if a != b:
-            return first_difference(a, b, f"argument {i}")
-    old_d, new_d = dict(old.kwargs), dict(new.kwargs)
-    if old_d.keys() != new_d.keys():
-        return f"keyword arguments changed from {sorted(old_d)} to {sorted(new_d)}"
-    for k in old_d:
-        if old_d[k] != new_d[k]:
-            return first_difference(old_d[k], new_d[k], f"keyword argument {k!r}")
-    if list(old_d) != list(new_d):
-        return f"keyword arguments were passed in another order ({list(old_d)} -> {list(new_d)})"
+            return f"{path} changed from {format_leaf(a)} to {format_leaf(b)}"
     return "no difference in signature (every matching graph is still awaiting its backward)"
+
+
+def first_difference(old: CallKey, new: CallKey, what: str) -> str:
+    """:func:`difference` of two single-argument keys, naming the argument ``what``."""
+    return difference(old, new).replace("argument 0", what, 1)
+
+
+def _structure(tree: Any) -> str:
+    return "[" + ", ".join(leaf_paths(tree)) + "]"

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from tgraph import rng
 from tgraph.backend import (
@@ -26,7 +27,6 @@ from tgraph.backend import (
     RefuseHostSync,
     _default_generators,
     emulated_capture,
-    tree_leaves,
 )
 
 

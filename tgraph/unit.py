@@ -1,0 +1,328 @@
+"""A graphed unit: one forward graph and one backward graph, bridged into autograd.
+
+Two kinds of unit exist, and they differ only in how their forward runs:
+
+* :class:`tgraph.runner.Runner`: one graphed module called with one signature;
+* :class:`tgraph.segment.Segment`: a stack of runners called back to back, as one graph pair.
+
+Everything else lives here, once: capture (warmup, the forward graph, leaf discovery, the
+backward graph), replay (the pool's replay-order guard, input copies, the flight token, the
+autograd node) and the buffers' ownership.
+
+Ownership and aliasing (what a user of the outputs must know):
+
+* ``head.static_inputs`` are the buffers the forward graph reads. Every replay first copies the
+  live inputs into them, unless the live tensor already *is* the buffer (layer i's returned
+  output is layer i+1's static input, so the copy is skipped by pointer identity).
+* ``static_outputs`` are written by every forward replay. The tensors a graphed call returns
+  are views of them, valid until this unit's next forward replay, which cannot happen while the
+  unit is in flight (awaiting its backward). Another graph that may reuse their memory replays
+  only after they are moved out of the pool (:mod:`tgraph.pool`).
+* ``static_grads`` (input gradients) are written by every backward replay and handed to
+  autograd, which consumes them before this unit's next backward. Parameter gradients are
+  packed into one flat static buffer inside the graph; each backward hands autograd views of a
+  fresh clone of it (:class:`tgraph.grads.ParamGradPacking`), never the static memory itself.
+  ``torch.cuda.make_graphed_callables`` hands autograd ``detach()``-ed aliases of its static
+  buffers, which AccumulateGrad adopts as ``.grad``, so the next replay overwrites accumulated
+  gradients (pytorch issue 181723). Gradient accumulation through a unit is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tgraph import rng
+from tgraph.backend import GraphFactory, RefuseHostSync
+from tgraph.bridge import GraphedCall, hold_while_alive
+from tgraph.grads import (
+    MainGradFlags,
+    MainGradFusion,
+    ParamGradPacking,
+    UnusedOutputs,
+    reached_leaves,
+)
+from tgraph.pool import LiveOutputs
+from tgraph.record import Flight
+
+_depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
+
+
+@contextlib.contextmanager
+def graphed_region() -> Iterator[None]:
+    """Inside, GraphableModules run as plain modules: they are part of the enclosing graph."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+def inside_graphed_region() -> bool:
+    return _depth > 0
+
+
+def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.device) -> None:
+    """Eager passes of ``fn`` (forward, plus backward where outputs need grad) before capture.
+
+    The first pass refuses host syncs on ``device``'s tensors, so they fail here with a clear
+    error instead of invalidating a CUDA capture.
+    """
+    for i in range(warmup):
+        with RefuseHostSync(device.type) if i == 0 else contextlib.nullcontext():
+            outs = fn()
+        rg = [o for o in outs if o.requires_grad]
+        if rg:
+            ins = list(input_leaves)
+            ins += [p for p in reached_leaves(rg) if all(p is not x for x in ins)]
+            torch.autograd.grad(rg, ins, [torch.ones_like(o) for o in rg], allow_unused=True)
+        del outs, rg
+
+
+BUSY = (
+    "every graph captured for this signature is awaiting its backward "
+    "(more calls in flight than in the recorded iteration)"
+)
+
+
+class GraphedUnit:
+    """State and mechanics shared by runners and merged stacks (module docstring).
+
+    Subclasses set ``head`` (the runner whose static inputs the forward graph reads),
+    ``members`` (the runners whose modules run in the forward) and implement
+    :meth:`_run_forward` and :meth:`_prepare_capture`.
+    """
+
+    head: Any
+    members: list
+
+    def _init_unit(self, device: torch.device, grad_mode: bool, fusion: bool) -> None:
+        self.device = device
+        self.grad_mode = grad_mode
+        self.flight: int | None = None
+        self.held = False  # in flight only because a no-grad call's outputs are alive
+        self.ledger = None  # the pool's replay-order guard, once captured (tgraph.pool)
+        self.debug = False
+        self.fusion = MainGradFusion(fusion)
+        self._drop_capture()
+
+    def _drop_capture(self) -> None:
+        self.fwd_graph = None
+        self.bwd_graph = None
+        self.static_outputs: list[torch.Tensor] = []
+        self.static_grads: list[torch.Tensor | None] = []
+        self.static_grad_outputs: list[torch.Tensor] = []
+        self.params: list[torch.Tensor] = []  # parameters the backward differentiates
+        self.autograd_params: list[torch.Tensor] = []  # params minus those fused into main_grad
+        self.needs_backward = False
+        self.unused = UnusedOutputs()
+        self.packing = ParamGradPacking()
+        self.fusion = MainGradFusion(self.fusion.enabled)
+        self._out_rg: list[int] = []
+        self._out_nodiff: list[int] = []
+        self._leaves: list[torch.Tensor] = []  # what the backward differentiates (aliases)
+        self._param_grads: list[torch.Tensor | None] = []
+        self._flags: MainGradFlags | None = None
+        self._grad_out_zero: list[bool] = []
+
+    # ----------------------------------------------------------------- capture
+    @property
+    def captured(self) -> bool:
+        return self.fwd_graph is not None and (
+            self.bwd_graph is not None or not self.needs_backward
+        )
+
+    def _run_forward(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _prepare_capture(self) -> None:
+        raise NotImplementedError
+
+    def _aliases(self) -> list[torch.Tensor]:
+        return [a for r in self.members for a in r.aliases.values()]
+
+    def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
+        """Warm up, then capture the forward graph (and find the parameters it reaches)."""
+        self._prepare_capture()
+        self.ledger = factory.ledger
+        head = self.head
+        graph = factory.new_graph(
+            watch=self._aliases(),
+            freeze=[m for r in self.members for m in r.module.modules()],
+            external=head.static_inputs,
+        )
+        for g in rng.graph_generators(self.device):
+            graph.register_generator_state(g)
+        inputs = [head.static_inputs[i] for i in head.in_rg]
+        with factory.side_stream():
+            run_warmup(self._run_forward, inputs, warmup, self.device)
+            self.static_outputs = graph.capture(self._run_forward)
+        self.fwd_graph = graph
+        self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
+        self._out_nodiff = [i for i, o in enumerate(self.static_outputs) if not o.requires_grad]
+        self.needs_backward = self.grad_mode and bool(self._out_rg)
+        if self.needs_backward:
+            self._find_params(inputs)
+        else:
+            for r in self.members:
+                r.samples = []
+
+    def _find_params(self, inputs: list[torch.Tensor]) -> None:
+        """The parameters the forward's autograd graph reaches: module order, then leaves
+        from outside (e.g. weights tied from another module)."""
+        rg_outs = [self.static_outputs[i] for i in self._out_rg]
+        static_in = {id(t) for t in self.head.static_inputs}
+        reached = [t for t in reached_leaves(rg_outs) if id(t) not in static_in]
+        reached_ids = {id(t) for t in reached}
+        for r in self.members:
+            for p in r.module.parameters():
+                alias = r.aliases[id(p)]
+                if id(alias) in reached_ids:
+                    self._leaves.append(alias)
+                    self.params.append(p)
+        aliases = {id(a) for a in self._aliases()}
+        foreign = [t for t in reached if id(t) not in aliases]
+        self._leaves += foreign
+        self.params += foreign
+        self.unused.setup(rg_outs, inputs, self.head.in_rg, self._leaves)
+
+    def _run_backward(self) -> tuple:
+        graph_outs = self.fwd_graph.live_outputs or self.static_outputs
+        head = self.head
+        ins = [head.static_inputs[i] for i in head.in_rg] + self._leaves
+        grads = torch.autograd.grad(
+            [graph_outs[i] for i in self._out_rg],
+            ins,
+            grad_outputs=self.static_grad_outputs,
+            retain_graph=self.fwd_graph.retains_autograd_graph,
+            allow_unused=True,
+        )
+        n = len(head.in_rg)
+        rest = self.fusion.apply(self._leaves, self.params, list(grads[n:]))
+        return (*grads[:n], *self.packing.pack(rest))
+
+    def capture_backward(self, factory: GraphFactory) -> None:
+        """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph; its
+        capture frees the forward's saved activations (tgraph.pool)."""
+        head = self.head
+        self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
+        self._grad_out_zero = [True] * len(self.static_grad_outputs)
+        self._flags = MainGradFlags(zip(self._leaves, self.params))
+        graph = factory.new_graph(watch=self._aliases(), frees=self.fwd_graph)
+        self._flags.before_capture()
+        try:
+            with factory.side_stream():
+                grads = graph.capture(self._run_backward)
+        finally:
+            self._flags.after_capture()
+        self.bwd_graph = graph
+        n_in, n_rg = len(head.static_inputs), len(head.in_rg)
+        self.static_grads = [None] * n_in
+        for k, i in enumerate(head.in_rg):
+            self.static_grads[i] = grads[k]
+        if self.packing.packed:
+            self.packing.flat = grads[n_rg]
+        else:
+            self._param_grads = list(grads[n_rg:])
+        self.autograd_params = self._autograd_params()
+        kept = self.fusion.keep(list(range(len(self.params))))
+        where = {j: k for k, j in enumerate(kept)}
+        self.unused.place_leaves(n_in, [where.get(j) for j in range(len(self.params))])
+        for r in self.members:
+            r.samples = []
+
+    def _autograd_params(self) -> list[torch.Tensor]:
+        """The parameters the autograd node takes: all but those fused into ``main_grad``.
+
+        When fusion leaves the node no input that requires grad, a zero-dim anchor leaf takes
+        their place: without one, the node's outputs would not require grad and its backward
+        (which adds the fused gradients) would never run.
+        """
+        kept = self.fusion.keep(self.params)
+        if self.params and not kept and not self.head.in_rg:
+            return [torch.zeros((), device=self.device, requires_grad=True)]
+        return kept
+
+    def drop_graphs(self) -> None:
+        """Forget every graph and buffer (after a failed capture or on reset)."""
+        self._drop_capture()
+        self.ledger, self.held = None, False
+        for r in self.members:
+            r.drop_capture_state()
+
+    # ------------------------------------------------------------------ replay
+    def replay(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | str:
+        """Replay the forward on live ``tensors``: the static outputs' views, or the reason
+        the call must run eagerly instead."""
+        unsafe = self.ledger.unsafe_forward(self)
+        if unsafe is not None:
+            return unsafe
+        if not self.head.copy_inputs(tensors):
+            return (
+                "an input captured as another graphed module's output buffer arrived as a "
+                "different tensor"
+            )
+        if not self.needs_backward:
+            self.fwd_graph.replay()
+            outs = [o.detach() for o in self.static_outputs]
+            hold_while_alive(self, outs)
+        else:
+            flight = Flight(self)
+            outs = list(GraphedCall.apply(self, flight, *tensors, *self.autograd_params))
+        LiveOutputs(self.ledger, self, outs)  # no other graph overwrites them (tgraph.pool)
+        return outs
+
+    def grads_for_autograd(
+        self, clone: bool = True, active: tuple[bool, ...] | None = None
+    ) -> list[torch.Tensor | None]:
+        """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking).
+
+        ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
+        parameters that only inactive outputs reach get None (:class:`UnusedOutputs`).
+        """
+        kept = self.fusion.keep(self.packing.for_autograd(self._param_grads, clone))
+        if not kept and self.autograd_params:  # the anchor leaf (see _autograd_params)
+            kept = [None]
+        grads = [*self.static_grads, *kept]
+        if active is not None and not all(active):
+            for pos in self.unused.none_positions(active):
+                grads[pos] = None
+        return grads
+
+    def copy_grad_outputs(self, grads) -> None:
+        """Refresh the static grad-output buffers; a None gradient means zeros.
+
+        A buffer already known to hold zeros is not zeroed again (outputs whose gradient is
+        always None, e.g. the inner outputs of a merged stack, cost no kernel per step).
+        """
+        for k, (buf, i) in enumerate(zip(self.static_grad_outputs, self._out_rg)):
+            g = grads[i]
+            if g is None:
+                if not self._grad_out_zero[k]:
+                    buf.zero_()
+                    self._grad_out_zero[k] = True
+            else:
+                if g.data_ptr() != buf.data_ptr():
+                    buf.copy_(g)
+                self._grad_out_zero[k] = False
+
+    def after_backward(self) -> None:
+        self._flags.after_replay()
+        if self.debug:  # stale reads show up as NaN instead of plausible numbers
+            head = self.head
+            for buf, shared in zip(head.static_inputs, head.shared_inputs):
+                if not shared:
+                    _poison(buf.detach())
+            for buf in self.static_grad_outputs:
+                _poison(buf)
+            self._grad_out_zero = [False] * len(self.static_grad_outputs)
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(math.nan)
