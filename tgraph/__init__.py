@@ -17,6 +17,7 @@ from tgraph.module import (
     enable,
     reset,
 )
+from tgraph.optimizer_graph import OptimizerGraph
 from tgraph.rng import register_generator, unregister_generator
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "decode",
     "FullIterationGraph",
     "GraphFallbackWarning",
+    "OptimizerGraph",
     "GraphableModule",
     "create_graphs",
     "disable",

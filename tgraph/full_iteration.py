@@ -85,6 +85,7 @@ from tgraph.backend import (
     stale_stream_override,
 )
 from tgraph.module import GraphFallbackWarning, _manager
+from tgraph.optimizer_graph import SkipNonfiniteStep
 from tgraph.signature import call_key, first_difference, split
 from tgraph.step_state import (
     EmulatedStepGraph,
@@ -130,6 +131,10 @@ class FullIterationGraph:
         backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (resolved from the batch's device;
             ``TGRAPH_BACKEND`` overrides ``"auto"``).
         max_graphs: most batch signatures to capture; a call with yet another signature raises.
+        skip_nonfinite: skip the optimizer steps inside ``fn`` on the device, without a host
+            sync, when ``fn``'s loss (its first tensor output) or the gradients at the
+            optimizer's ``step()`` are not finite: parameters and optimizer state stay untouched
+            (:class:`tgraph.optimizer_graph.SkipNonfiniteStep`). :attr:`skipped_steps` counts them.
 
     Raises:
         TypeError: ``fn`` is not callable.
@@ -143,6 +148,7 @@ class FullIterationGraph:
         backend: str = "auto",
         *,
         max_graphs: int = 4,
+        skip_nonfinite: bool = False,
     ) -> None:
         if not callable(fn):
             raise TypeError(
@@ -156,7 +162,8 @@ class FullIterationGraph:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         if backend not in ("auto", "cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
-        self.fn = fn
+        self._skip = SkipNonfiniteStep(fn) if skip_nonfinite else None
+        self.fn = self._skip or fn
         self.warmup_steps = warmup_steps
         self.backend = backend
         self.max_graphs = max_graphs
@@ -169,6 +176,11 @@ class FullIterationGraph:
     def num_graphs(self) -> int:
         """Number of captured graphs (one per batch signature)."""
         return sum(e.graph is not None for e in self._entries.values())
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped as non-finite (``skip_nonfinite=True``; reads a device counter)."""
+        return 0 if self._skip is None else self._skip.guard.skipped_steps
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

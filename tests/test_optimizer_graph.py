@@ -1,0 +1,326 @@
+"""OptimizerGraph and non-finite skipping (also inside FullIterationGraph), against eager runs.
+
+Bitwise tests: the graph replays the very kernels of the eager step on the same numbers, and the
+learning rate 2**-8 is exact in float32 (the graph reads it from a float32 tensor, eager code
+from a Python double), so parameters and optimizer state must be *equal*, not close. A skipped
+step must leave them bitwise as an eager run that never took it. Schedules change the learning
+rate to values that float32 rounds: those tests compare with ``rtol=1e-4, atol=1e-5`` (as
+tests/test_full_iteration.py), far below what a frozen learning rate moves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tgraph
+from tgraph import optimizer_graph, step_state
+from tgraph.backend import RefuseHostSync
+from tgraph.models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+LR = 2.0**-8
+STEPS = 8
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def make_model(device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG).to(device)
+
+
+def make_optimizer(model: GPT, device: torch.device, kind: str = "adamw"):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=LR * 32, momentum=0.9, fused=True)
+    extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **extra)
+
+
+def make_batches(device: torch.device, n: int = STEPS):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=g)
+        y = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=g)
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def plant(kind: str | None, model: GPT, loss: torch.Tensor) -> torch.Tensor:
+    """A non-finite step: before backward ("loss", "grad_nan") or after it ("grad_inf")."""
+    if kind == "loss":  # the loss is NaN, the gradients are finite: only the loss check sees it
+        return loss + float("nan")
+    if kind == "grad_nan":
+        return loss * float("nan")
+    return loss
+
+
+def plant_after_backward(kind: str | None, model: GPT) -> None:
+    if kind == "grad_inf":
+        with torch.no_grad():
+            next(model.parameters()).grad.view(-1)[3] = float("inf")
+
+
+def train_eager(device, *, clip=None, sched=None, bad=None, kind=None, opt_kind="adamw"):
+    """Eager reference: zero_grad(set_to_none=False); the steps in ``bad`` are not taken."""
+    model = make_model(device)
+    opt = make_optimizer(model, device, opt_kind)
+    schedule = make_schedule(sched, opt)
+    for i, (x, y) in enumerate(make_batches(device)):
+        loss = plant(kind if i in (bad or ()) else None, model, model(x, y)[1])
+        loss.backward()
+        plant_after_backward(kind if i in (bad or ()) else None, model)
+        if i not in (bad or ()):
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        opt.zero_grad(set_to_none=False)
+        if schedule is not None:
+            schedule.step()
+    return model, opt
+
+
+def train_graphed(backend, device, *, clip=None, sched=None, bad=None, kind=None, **kw):
+    model = make_model(device)
+    opt = make_optimizer(model, device, kw.pop("opt_kind", "adamw"))
+    schedule = make_schedule(sched, opt)
+    graph = tgraph.OptimizerGraph(opt, clip_grad_norm=clip, backend=backend, **kw)
+    for i, (x, y) in enumerate(make_batches(device)):
+        loss = plant(kind if i in (bad or ()) else None, model, model(x, y)[1])
+        loss.backward()
+        plant_after_backward(kind if i in (bad or ()) else None, model)
+        graph.step(loss)
+        if schedule is not None:
+            schedule.step()
+    assert graph.captured
+    return model, opt, graph
+
+
+def make_schedule(kind, opt):
+    if kind == "step":
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    if kind == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.0)
+    return None
+
+
+def assert_same_training_state(model, opt, ref_model, ref_opt, exact: bool = True):
+    """Parameters and every optimizer state tensor (Adam's step count included)."""
+    for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+        if exact:
+            assert torch.equal(p, q), f"parameter {i} differs from eager"
+        else:
+            torch.testing.assert_close(p, q, **TOL)
+    for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+        got, ref = opt.state[p], ref_opt.state[q]
+        assert set(got) == set(ref), f"optimizer state {i} has keys {set(got)}, eager {set(ref)}"
+        for k in ref:
+            if exact:
+                assert torch.equal(got[k], ref[k]), f"optimizer state {i} {k!r} differs from eager"
+            else:
+                torch.testing.assert_close(got[k], ref[k], **TOL)
+
+
+@pytest.mark.parametrize("opt_kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_bitwise_equal_to_eager(backend, device, clip, opt_kind):
+    """0.05 is below the gradient norms here: clipping is active at every step."""
+    model, opt, graph = train_graphed(backend, device, clip=clip, opt_kind=opt_kind)
+    ref_model, ref_opt = train_eager(device, clip=clip, opt_kind=opt_kind)
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    assert graph.skipped_steps == 0
+
+
+def test_grad_norm_is_the_eager_clip_grad_norm(backend, device):
+    model = make_model(device)
+    graph = tgraph.OptimizerGraph(
+        make_optimizer(model, device), clip_grad_norm=0.05, backend=backend
+    )
+    ref = make_model(device)
+    ref_opt = make_optimizer(ref, device)
+    for x, y in make_batches(device):
+        model(x, y)[1].backward()
+        graph.step()
+        ref(x, y)[1].backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+        assert torch.equal(graph.grad_norm, norm)
+
+
+@pytest.mark.parametrize("kind", ["loss", "grad_nan", "grad_inf"])
+@pytest.mark.parametrize("k", [0, 5], ids=["first_eager_step", "replay"])
+def test_nonfinite_step_is_skipped_bitwise(backend, device, kind, k):
+    model, opt, graph = train_graphed(backend, device, clip=0.05, bad={k}, kind=kind)
+    ref_model, ref_opt = train_eager(device, clip=0.05, bad={k}, kind=kind)
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    assert graph.skipped_steps == 1
+
+
+def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
+    """The naive version: compute the flag, but let the step through anyway."""
+    monkeypatch.setattr(optimizer_graph._Protected, "select", lambda self, ok: None)
+    model, opt, _ = train_graphed(backend, device, bad={5}, kind="grad_inf")
+    ref_model, ref_opt = train_eager(device, bad={5}, kind="grad_inf")
+    with pytest.raises(AssertionError, match="differs from eager"):
+        assert_same_training_state(model, opt, ref_model, ref_opt)
+
+
+def test_skip_counter_and_no_host_sync_in_replays(backend, device):
+    model = make_model(device)
+    graph = tgraph.OptimizerGraph(
+        make_optimizer(model, device), clip_grad_norm=1.0, backend=backend
+    )
+    bad = {3, 4, 6}
+    for i, (x, y) in enumerate(make_batches(device)):
+        loss = plant("grad_nan" if i in bad else None, model, model(x, y)[1])
+        loss.backward()
+        if graph.captured:  # a replay never reads the device on the host
+            with RefuseHostSync():
+                graph.step(loss)
+        else:
+            graph.step(loss)
+    assert graph.captured
+    counter = graph.guard.skipped_steps_tensor
+    assert counter.device.type == device.type and counter.dtype == torch.int64
+    assert graph.skipped_steps == len(bad)
+
+
+@pytest.mark.parametrize("sched", ["step", "cosine"])
+def test_lr_schedule_reaches_the_optimizer_graph(backend, device, sched):
+    model, opt, _ = train_graphed(backend, device, sched=sched)
+    ref_model, ref_opt = train_eager(device, sched=sched)
+    assert_same_training_state(model, opt, ref_model, ref_opt, exact=False)
+
+
+def test_planted_frozen_lr_is_caught(backend, device, monkeypatch):
+    # The naive implementation: lr stays a Python float (baked at capture), nobody checks it.
+    monkeypatch.setattr(step_state, "holds_tensor_lr", lambda group: False)
+    monkeypatch.setattr(step_state.HyperParams, "_check_baked", lambda self: None)
+    model, opt, _ = train_graphed(backend, device, sched="step")
+    ref_model, ref_opt = train_eager(device, sched="step")
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_same_training_state(model, opt, ref_model, ref_opt, exact=False)
+
+
+def test_beside_per_layer_graphs(backend, device):
+    """The intended use: per-layer graphs for forward/backward, OptimizerGraph for the step."""
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+    graph = tgraph.OptimizerGraph(opt, clip_grad_norm=0.05, backend=backend)
+    tgraph.enable(model, backend=backend, strict=True)
+    try:
+        for i, (x, y) in enumerate(make_batches(device)):
+            loss = plant("grad_nan" if i == 5 else None, model, model(x, y)[1])
+            loss.backward()
+            graph.step(loss)
+            if i == 0:
+                tgraph.create_graphs()
+    finally:
+        tgraph.reset()
+        tgraph.disable(model)
+    ref_model, ref_opt = train_eager(device, clip=0.05, bad={5}, kind="grad_nan")
+    assert_same_training_state(model, opt, ref_model, ref_opt, exact=False)
+    assert graph.skipped_steps == 1
+
+
+def test_grad_ownership_rules(backend, device):
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+    graph = tgraph.OptimizerGraph(opt, backend=backend)
+    batches = make_batches(device)
+    for x, y in batches[:3]:
+        model(x, y)[1].backward()
+        graph.step()
+    assert graph.captured
+    captured = [p.grad for p in model.parameters()]
+    assert all(float(g.abs().sum()) == 0 for g in captured)  # zeroed in place by the graph
+    # .grad replaced (zero_grad(set_to_none=True) before backward): copied in, one warning.
+    opt.zero_grad(set_to_none=True)
+    model(*batches[3])[1].backward()
+    with pytest.warns(UserWarning, match="replaced since capture"):
+        graph.step()
+    assert all(p.grad is g for p, g in zip(model.parameters(), captured))
+    # .grad None where the capture had one: the graph would step it, eager would not.
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=r"\.grad is None"):
+        graph.step()
+
+
+def test_loss_given_at_some_calls_only_is_refused(backend, device):
+    model = make_model(device)
+    graph = tgraph.OptimizerGraph(make_optimizer(model, device), backend=backend)
+    x, y = make_batches(device, 1)[0]
+    loss = model(x, y)[1]
+    loss.backward()
+    graph.step(loss)
+    with pytest.raises(ValueError, match="pass it at every call or at none"):
+        graph.step()
+
+
+def test_host_syncing_optimizer_is_refused(backend, device):
+    model = make_model(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)  # neither capturable nor fused
+    graph = tgraph.OptimizerGraph(opt, backend=backend)
+    fix = "capturable=True" if device.type == "cuda" else "fused=True"
+    with pytest.raises(ValueError, match=rf"AdamW param_group 0 .*{fix}"):
+        for x, y in make_batches(device, 3):
+            model(x, y)[1].backward()
+            graph.step()
+
+
+def test_bad_arguments():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    with pytest.raises(TypeError):
+        tgraph.OptimizerGraph(object())
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        tgraph.OptimizerGraph(opt, clip_grad_norm=0.0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        tgraph.OptimizerGraph(opt, warmup_steps=0)
+    with pytest.raises(ValueError, match="backend"):
+        tgraph.OptimizerGraph(opt, backend="tpu")
+
+
+# -- FullIterationGraph(skip_nonfinite=True) ---------------------------------------------------
+
+
+def full_iteration_run(backend, device, bad, graphed: bool, warmup: int = 3):
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+
+    def fn(batch):
+        x, y, scale = batch
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)[1] * scale  # scale 1.0 (exact) or NaN (planted)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        return loss.detach()
+
+    step = (
+        tgraph.FullIterationGraph(fn, warmup_steps=warmup, backend=backend, skip_nonfinite=True)
+        if graphed
+        else fn
+    )
+    for i, (x, y) in enumerate(make_batches(device)):
+        nan = i in bad
+        if nan and not graphed:
+            continue  # the eager reference never takes the step
+        scale = torch.tensor(float("nan") if nan else 1.0, device=device)
+        step((x, y, scale))
+    return model, opt, step
+
+
+@pytest.mark.parametrize("k", [0, 2, 5], ids=["first_step", "warmup", "replay"])
+def test_full_iteration_skips_nonfinite_bitwise(backend, device, k):
+    model, opt, step = full_iteration_run(backend, device, {k}, graphed=True)
+    ref_model, ref_opt, _ = full_iteration_run(backend, device, {k}, graphed=False)
+    assert step.num_graphs == 1
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    assert step.skipped_steps == 1
+
+
+def test_full_iteration_capture_after_only_skipped_warmups_is_refused(backend, device):
+    """Every warmup skipped: Adam's state would be created inside the graph (not revertible)."""
+    with pytest.raises(tgraph.CaptureError, match="created its state"):
+        full_iteration_run(backend, device, {0, 1}, graphed=True, warmup=2)

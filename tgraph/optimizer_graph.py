@@ -1,0 +1,594 @@
+"""The optimizer step as one graph, beside per-layer graphs, and skipping non-finite steps on the
+device (no host sync).
+
+Usage, next to :func:`tgraph.enable`::
+
+    tgraph.enable(model)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
+    opt_graph = tgraph.OptimizerGraph(opt, clip_grad_norm=1.0)   # skip_nonfinite=True
+    for step, (x, y) in enumerate(loader):
+        _, loss = model(x, y)
+        loss.backward()
+        opt_graph.step(loss)        # clip, skip if loss or grad norm is not finite, step, zero .grad
+        sched.step()                # reaches the graph through a device tensor (tgraph.step_state)
+        if step == 0:
+            tgraph.create_graphs()
+        if step % 100 == 0:
+            print(opt_graph.skipped_steps)   # the only host read, when asked
+
+Skipping without a host sync (:class:`SkipNonfinite`): a 0/1 device flag says whether the loss
+and the gradient norm are finite. Before the optimizer step, the parameters and every tensor of
+the optimizer state are copied into snapshot buffers; after it, each tensor becomes
+``ok * new + (1 - ok) * old`` computed on its *bits* (an integer view of the same memory), so the
+result is bitwise the new value or bitwise the old one: NaN and Inf in the discarded update cannot
+leak, and a skipped step leaves parameters, moments and Adam's step count exactly as an eager run
+that never took it. Cost: one copy and three integer passes over parameters and state. A device
+counter adds ``1 - ok`` at every step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync).
+
+Gradient ownership (why ``.grad`` must stay allocated): a CUDA graph reads the gradients at the
+addresses they had at capture. :class:`OptimizerGraph` therefore owns the ``.grad`` tensors it
+captured: with ``zero_grad=True`` (default) the graph zeroes them in place at the end of every step,
+so the next backward accumulates into the same memory (autograd adds in place into an existing
+``.grad``). This is eager ``optimizer.zero_grad(set_to_none=False)``: every parameter that had a
+gradient at capture is stepped at every replay (a zero gradient still moves AdamW's moments and
+weight decay, exactly as in eager code that zeroes instead of setting to None). If ``.grad`` was
+replaced by another tensor (``zero_grad(set_to_none=True)`` before the backward), it is copied into
+the captured buffer (one warning: it costs a copy per parameter); a ``.grad`` that is None where
+the capture had one, or present where the capture had none, raises (the graph would step a
+different set of parameters than eager code; call :meth:`OptimizerGraph.reset`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves
+
+from tgraph.backend import CaptureError, GraphFactory, explain_capture_failure, resolve_backend
+from tgraph.step_state import EmulatedStepGraph, HyperParams, RefuseLrWrites, StepSnapshot
+
+logger = logging.getLogger(__name__)
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view of ``t``'s memory (arithmetic on it is exact, NaN and Inf included)."""
+    t = t.detach()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_floating_point():
+        return t.view(_BITS[t.element_size()])
+    if t.is_complex():
+        raise ValueError(f"SkipNonfinite cannot protect a {t.dtype} tensor (no integer view)")
+    return t
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters and tensor-valued optimizer state: what a step may change."""
+    out = {id(p): p for g in opt.param_groups for p in g["params"]}
+    for st in opt.state.values():
+        out.update((id(v), v) for v in st.values() if isinstance(v, torch.Tensor))
+    return list(out.values())
+
+
+def _state_layout(opt: torch.optim.Optimizer) -> dict[int, frozenset]:
+    return {
+        id(p): frozenset(k for k, v in st.items() if v is not None) for p, st in opt.state.items()
+    }
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The gradient norm as a device tensor (no host sync), as ``clip_grad_norm_`` computes it."""
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        return torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False)
+    norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def finite(*values: torch.Tensor | None) -> torch.Tensor:
+    """0-dim bool device tensor: every element of every given tensor is finite."""
+    flags = [torch.isfinite(v.detach()).all() for v in values if v is not None]
+    ok = flags[0]
+    for f in flags[1:]:
+        ok = ok & f
+    return ok
+
+
+class _Protected:
+    """One step's snapshot of some tensors (reused buffers: fixed addresses across replays)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for t in tensors:
+            b = _bits(t)
+            cur, snap = self.by_dtype.setdefault(b.dtype, ([], []))
+            cur.append(b)
+            snap.append(torch.empty_like(b))
+
+    def save(self) -> None:
+        for cur, snap in self.by_dtype.values():
+            torch._foreach_copy_(snap, cur)
+
+    def select(self, ok: torch.Tensor) -> None:
+        """Each tensor becomes itself where ``ok`` else its snapshot, bit for bit."""
+        for dtype, (cur, snap) in self.by_dtype.items():
+            keep = ok.to(dtype)
+            torch._foreach_mul_(cur, keep)
+            torch._foreach_mul_(snap, 1 - keep)
+            torch._foreach_add_(cur, snap)
+
+
+class SkipNonfinite:
+    """Skips optimizer steps on a device flag, and counts them on the device.
+
+    ``with guard.protect(optimizers) as commit: opt.step(); commit(ok)`` keeps parameters and
+    state when ``ok`` (a 0-dim bool device tensor, see :func:`finite`) is False. Graph-safe: no
+    host read, fixed buffers. The one exception: an optimizer's *first* step creates its state
+    (Adam's moments); if that step is to be skipped, the new state is deleted, which needs one
+    host read of ``ok``. That happens during eager warmup only; capturing such a step raises.
+    """
+
+    def __init__(self) -> None:
+        self._counter: torch.Tensor | None = None
+        self.state_pending = False
+        """The latest step created optimizer state and was skipped: the state is still missing."""
+        # per set of optimizers: (ids of the protected tensors, their snapshot buffers)
+        self._snapshots: dict[tuple[int, ...], tuple[tuple[int, ...], _Protected]] = {}
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (reads the device counter: one host sync)."""
+        return 0 if self._counter is None else int(self._counter.item())
+
+    @property
+    def skipped_steps_tensor(self) -> torch.Tensor | None:
+        """The device counter itself (0-dim int64; updated in place by every step)."""
+        return self._counter
+
+    def protect(self, optimizers: Iterable[torch.optim.Optimizer]) -> _Step:
+        return _Step(self, list(optimizers))
+
+    def _snapshot(
+        self, opts: list[torch.optim.Optimizer], tensors: list[torch.Tensor]
+    ) -> _Protected:
+        key, ids = tuple(id(o) for o in opts), tuple(id(t) for t in tensors)
+        held = self._snapshots.get(key)
+        if held is None or held[0] != ids:  # new state tensors (first steps): new buffers
+            held = self._snapshots[key] = (ids, _Protected(tensors))
+        return held[1]
+
+    def _count(self, ok: torch.Tensor) -> None:
+        if self._counter is None:
+            self._counter = torch.zeros((), dtype=torch.int64, device=ok.device)
+        self._counter.add_(1 - ok.to(torch.int64))
+
+
+class _Step:
+    """One protected step: snapshot on entry; ``commit(ok)`` keeps or reverts it."""
+
+    def __init__(self, guard: SkipNonfinite, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._guard = guard
+        self._opts = optimizers
+        self._layouts: list[dict[int, frozenset]] = []
+        self._snap: _Protected | None = None
+
+    def __enter__(self) -> Callable[[torch.Tensor], None]:
+        self._layouts = [_state_layout(o) for o in self._opts]
+        tensors = [t for o in self._opts for t in optimizer_tensors(o)]
+        self._snap = self._guard._snapshot(self._opts, tensors)
+        with torch.no_grad():
+            self._snap.save()
+        return self.commit
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    @torch.no_grad()
+    def commit(self, ok: torch.Tensor, count: bool = True) -> None:
+        """Keep the step where ``ok`` else revert it; ``count`` adds a skip to the counter."""
+        created = [_state_layout(o) != before for o, before in zip(self._opts, self._layouts)]
+        if any(created):
+            self._guard.state_pending = self._commit_first_step(ok, created)
+        else:
+            self._guard.state_pending = False
+            self._snap.select(ok)
+        if count:
+            self._guard._count(ok)
+
+    def _commit_first_step(self, ok: torch.Tensor, created: list[bool]) -> bool:
+        """Returns whether the step was skipped (its new state deleted)."""
+        if _capturing():
+            raise CaptureError(
+                "the optimizer created its state (e.g. Adam's moments) inside the captured step, "
+                "so a skipped step could not delete it again: every warmup step so far was "
+                "skipped as non-finite. Run more warmup steps (warmup_steps=...) with finite "
+                "losses before capture."
+            )
+        if bool(ok):  # eager warmup only (see SkipNonfinite): one host read
+            return False
+        self._snap.select(ok)  # parameters and any state that existed before
+        for opt, before, changed in zip(self._opts, self._layouts, created):
+            if not changed:
+                continue
+            for p in list(opt.state):
+                keys = before.get(id(p))
+                if keys is None:
+                    del opt.state[p]
+                else:
+                    for k in [k for k in opt.state[p] if k not in keys]:
+                        del opt.state[p][k]
+        return True
+
+
+def _capturing() -> bool:
+    """A CUDA capture, or an emulated one (which patches this function of torch.cuda)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # CPU-only builds of torch
+        return False
+
+
+# -- the optimizer-step graph ------------------------------------------------------------------
+
+
+def check_graphable_optimizer(opt: torch.optim.Optimizer, device: torch.device) -> None:
+    """Refuse an optimizer whose step reads its step count on the host (as FullIterationGraph)."""
+    name = type(opt).__name__
+    for i, g in enumerate(opt.param_groups):
+        devices = {p.device for p in g["params"]}
+        if devices - {device}:
+            raise ValueError(
+                f"{name} param_group {i} holds parameters on {sorted(map(str, devices))}, but the "
+                f"graph runs on {device}: one OptimizerGraph per device"
+            )
+        if "capturable" in g and not g["capturable"]:
+            if device.type == "cuda":
+                raise ValueError(
+                    f"{name} param_group {i} has capturable=False: its step reads the step count "
+                    f"on the host, which a CUDA graph cannot contain. Construct it with "
+                    f"torch.optim.{name}(..., capturable=True)."
+                )
+            if not g.get("fused"):
+                raise ValueError(
+                    f"{name} param_group {i} has capturable=False and fused=False: its step reads "
+                    f"the step count on the host (.item()). On {device.type} construct it with "
+                    f"torch.optim.{name}(..., fused=True) (capturable=True is CUDA-only)."
+                )
+
+
+class OptimizerGraph:
+    """``optimizer.step()`` with clipping, non-finite skipping and gradient zeroing as one graph.
+
+    Args:
+        optimizer: a torch optimizer whose step needs no host sync: ``fused=True`` or
+            ``capturable=True`` (Adam/AdamW need ``capturable=True`` on CUDA, ``fused=True`` on
+            the CPU). Its float learning rates move into device tensors at capture, so LR
+            schedulers keep working (:class:`tgraph.step_state.HyperParams`).
+        clip_grad_norm: clip the gradients to this total norm first, exactly as
+            ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type)`` (on the device).
+        norm_type: the norm of clipping and of the finiteness check.
+        skip_nonfinite: skip the step (parameters and state untouched, Adam's step count
+            included) when the gradient norm, or the loss passed to :meth:`step`, is not finite.
+        zero_grad: zero the captured ``.grad`` tensors in place at the end of every step (see the
+            module docstring on gradient ownership). With False, zero them yourself in place
+            (``optimizer.zero_grad(set_to_none=False)``).
+        warmup_steps: eager steps before capture (more if a step created optimizer state).
+        backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (from the parameters' device).
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer.
+        ValueError: a bad argument value.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        clip_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        skip_nonfinite: bool = True,
+        zero_grad: bool = True,
+        warmup_steps: int = 1,
+        backend: str = "auto",
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"OptimizerGraph needs a torch.optim.Optimizer, got {type(optimizer)}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
+        if warmup_steps < 1:
+            raise ValueError(
+                f"warmup_steps must be >= 1 (optimizer state is created lazily), got {warmup_steps}"
+            )
+        if backend not in ("auto", "cuda", "emulated"):
+            raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
+        self.optimizer = optimizer
+        self.clip_grad_norm = clip_grad_norm
+        self.norm_type = float(norm_type)
+        self.guard = SkipNonfinite() if skip_nonfinite else None
+        self.zero_grad = zero_grad
+        self.warmup_steps = warmup_steps
+        self.backend = backend
+        self.capture_seconds = 0.0
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._factory: GraphFactory | None = None
+        self._graph: Any = None
+        self._hparams: HyperParams | None = None
+        self._eager_calls = 0
+        self._state_changed = True  # the last eager step created optimizer state
+        self._failed = self._warned = False
+        self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._gradless: list[torch.Tensor] = []
+        self._static_loss: torch.Tensor | None = None
+        self._with_loss: bool | None = None
+        self._norm: torch.Tensor | None = None
+
+    # -- what the graph reads and changes (overridden by tgraph.integrations.megatron) --------
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers the step runs (their learning rates reach the graph)."""
+        return [self.optimizer]
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+
+    def _norm_and_clip(self) -> torch.Tensor | None:
+        grads = [p.grad for p in self.params() if p.grad is not None]
+        if self.clip_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(
+                self.params(), self.clip_grad_norm, self.norm_type
+            )
+        if self.guard is not None:
+            return total_norm(grads, self.norm_type)
+        return None
+
+    def _inner_step(self) -> None:
+        self.optimizer.step()
+
+    def _zero(self) -> None:
+        grads = [p.grad for p in self.params() if p.grad is not None]
+        if self.zero_grad and grads:
+            torch._foreach_zero_(grads)
+
+    def _grad_ownership(self) -> None:
+        """At capture: the .grad tensors the graph reads, and the parameters it never steps."""
+        self._grads = [(p, p.grad) for p in self.params() if p.grad is not None]
+        self._gradless = [p for p in self.params() if p.grad is None]
+        if not self._grads:
+            raise ValueError(
+                "OptimizerGraph: no parameter has a .grad at capture; call step() after "
+                "backward(), as optimizer.step()"
+            )
+
+    def _check_grads(self) -> None:
+        """Before a replay: the graph reads the captured .grad tensors (module docstring)."""
+        for p, g in self._grads:
+            live = p.grad
+            if live is g:
+                continue
+            if live is None:
+                raise ValueError(
+                    "OptimizerGraph: a parameter's .grad is None, but the graph was captured with "
+                    "a gradient for it and would step it (eager code would skip it). Keep .grad "
+                    "allocated (zero_grad=True zeroes it in place; or "
+                    "optimizer.zero_grad(set_to_none=False)), or call reset() to capture anew."
+                )
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "OptimizerGraph: .grad tensors were replaced since capture (zero_grad with "
+                    "set_to_none=True?); copying them into the captured buffers at every step. "
+                    "Keep .grad allocated to avoid the copies.",
+                    stacklevel=3,
+                )
+            g.copy_(live)
+            p.grad = g
+        for p in self._gradless:
+            if p.grad is not None:
+                raise ValueError(
+                    "OptimizerGraph: a parameter without .grad at capture has one now; the graph "
+                    "would not step it. Call reset() to capture anew with it."
+                )
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The captured body: norm (and clip), flag, protected step, zeroing."""
+        with torch.no_grad():
+            norm = self._norm_and_clip()
+            if self.guard is not None:
+                ok = finite(norm, self._static_loss)
+                with self.guard.protect(self.optimizers) as commit:
+                    self._inner_step()
+                    commit(ok)
+            else:
+                self._inner_step()
+            self._zero()
+            if norm is not None:
+                if self._norm is None:
+                    self._norm = torch.zeros_like(norm)
+                self._norm.copy_(norm)
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        """One optimizer step: eager during warmup, then captured, then replayed.
+
+        Args:
+            loss: the step's loss (a device tensor); with ``skip_nonfinite`` a non-finite loss
+                skips the step. Pass it at every call or at none (the graph reads a static copy).
+
+        Raises:
+            ValueError: see :meth:`_check_grads`, a misconfigured optimizer, a changed baked
+                hyper-parameter, or ``loss`` given at some calls only.
+            tgraph.CaptureError: capture failed; later steps run eagerly (with a warning).
+        """
+        self._take_loss(loss)
+        if self._graph is not None:
+            return self._replay()
+        if self._factory is None:
+            device = self.params()[0].device
+            self._factory = GraphFactory(resolve_backend(self.backend, device), device)
+        if self._failed or self._eager_calls < self.warmup_steps or self._state_changed:
+            return self._eager()
+        return self._capture()
+
+    def _take_loss(self, loss: torch.Tensor | None) -> None:
+        given = loss is not None
+        if self._with_loss is None:
+            self._with_loss = given
+        elif given != self._with_loss:
+            raise ValueError(
+                f"OptimizerGraph.step: loss was {'not ' if self._with_loss else ''}passed at the "
+                "first call, the graph reads it (or not) at every step: pass it at every call or "
+                "at none"
+            )
+        if given and self.guard is not None:
+            with torch.no_grad():
+                if self._static_loss is None:
+                    self._static_loss = loss.detach().clone()
+                else:
+                    self._static_loss.copy_(loss.detach())
+
+    def _eager(self) -> None:
+        if self._failed and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "OptimizerGraph: capture failed; running the optimizer step eagerly from now on",
+                stacklevel=3,
+            )
+        before = [_state_layout(o) for o in self.optimizers]
+        with self._factory.side_stream():
+            self._run()
+        self._state_changed = before != [_state_layout(o) for o in self.optimizers] or bool(
+            self.guard and self.guard.state_pending
+        )
+        self._eager_calls += 1
+
+    def _capture(self) -> None:
+        f = self._factory
+        for opt in self.optimizers:
+            check_graphable_optimizer(opt, f.device)
+        self._grad_ownership()
+        hp = HyperParams(self.optimizers)
+        hp.prepare()
+        lr_tensors = [g["lr"] for _, _, g in hp._groups if isinstance(g["lr"], torch.Tensor)]
+        groups = [g for o in self.optimizers for g in o.param_groups]
+        graph = f.new_graph() if f.backend == "cuda" else EmulatedStepGraph(groups)
+        extra = [
+            t for t in (self._norm, self.guard and self.guard.skipped_steps_tensor) if t is not None
+        ]
+        snap = StepSnapshot(
+            self.params(), self.optimizers, extra, f.device, values=f.backend != "cuda"
+        )
+        f.synchronize()
+        start = time.perf_counter()
+        try:
+            with f.side_stream(), RefuseLrWrites(lr_tensors):
+                graph.capture(self._run)
+        except BaseException as exc:
+            f.synchronize()
+            snap.restore()
+            hp.restore()
+            self._failed = True
+            if isinstance(exc, ValueError):
+                raise
+            raise explain_capture_failure("the optimizer step of OptimizerGraph", exc) from exc
+        f.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self._graph, self._hparams = graph, hp
+        logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
+        if f.backend == "cuda":  # a CUDA capture executed nothing: this call's step is a replay
+            graph.replay()
+
+    def _replay(self) -> None:
+        self._hparams.refresh()
+        with torch.no_grad():
+            self._check_grads()
+        self._graph.replay()
+
+    # -- reading results ----------------------------------------------------------------------
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped as non-finite so far (one host read; 0 without ``skip_nonfinite``)."""
+        return 0 if self.guard is None else self.guard.skipped_steps
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The last step's total gradient norm before clipping (a fresh device tensor), or None
+        without clipping and skipping."""
+        return None if self._norm is None else self._norm.clone()
+
+    def reset(self) -> None:
+        """Drop the graph; learning rates become floats again; the next steps warm up anew."""
+        if self._graph is not None:
+            self._graph.reset()
+        if self._hparams is not None:
+            self._hparams.restore()
+        self._reset_state()
+
+
+# -- skipping inside FullIterationGraph --------------------------------------------------------
+
+
+class SkipNonfiniteStep:
+    """``fn`` of a :class:`tgraph.FullIterationGraph` whose optimizer steps are skipped on the
+    device when ``fn``'s loss (its first tensor output) or the gradients are not finite.
+
+    Every optimizer stepping inside ``fn`` is protected from its first ``step()`` call (hook):
+    there the gradient flag is computed (after any clipping in ``fn``) and the parameters and
+    state are saved; after ``fn`` returns, the flag is combined with the loss's and each step is
+    kept or reverted. Eager warmups, the capture and (emulated) replays all run this wrapper.
+    """
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+        self.guard = SkipNonfinite()
+
+    def __call__(self, batch: Any) -> Any:
+        steps: dict[int, tuple[Any, torch.Tensor, Callable]] = {}
+
+        def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if id(opt) in steps:
+                return
+            with torch.no_grad():
+                grads = [
+                    p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None
+                ]
+                ok = finite(total_norm(grads)) if grads else None
+            step = self.guard.protect([opt])
+            steps[id(opt)] = (step, ok, step.__enter__())
+
+        handle = register_optimizer_step_pre_hook(before_step)
+        try:
+            out = self.fn(batch)
+        finally:
+            handle.remove()
+        loss = next((x for x in tree_leaves(out) if isinstance(x, torch.Tensor)), None)
+        if loss is None:
+            raise ValueError(
+                "FullIterationGraph(skip_nonfinite=True): fn returned no tensor; return the loss "
+                "(its first tensor output is checked)"
+            )
+        with torch.no_grad():
+            ok = finite(loss)
+            for _, grad_ok, _ in steps.values():
+                ok = ok if grad_ok is None else ok & grad_ok  # one flag: skip all or none
+            for i, (_, _, commit) in enumerate(steps.values()):
+                commit(ok, count=i == 0)
+        return out
+
+
+__all__ = ["OptimizerGraph", "SkipNonfinite", "SkipNonfiniteStep", "finite", "total_norm"]
