@@ -832,11 +832,12 @@ def describe_run(summary: dict, run: Path, backend: str | None) -> str:
     graphs = "no graphs" if backend is None else f"{backend} graphs"
     procs = f"{summary['world_size']} processes" if summary["world_size"] > 1 else "1 process"
     skipped = f", {summary['skipped_steps']} steps skipped" if summary["skipped_steps"] else ""
+    resumed = f", resumed at step {summary['resumed_at']}" if summary["resumed_at"] else ""
     latest = run / "checkpoints" / "latest"
     target = os.readlink(latest) if latest.is_symlink() else "?"
     return (
         f"done: {summary['steps']} steps (--graph {summary['graph']}, {graphs} on "
-        f"{summary['device']}, {procs}) in {summary['wall_s']:.1f} s{skipped}\n"
+        f"{summary['device']}, {procs}{resumed}) in {summary['wall_s']:.1f} s{skipped}\n"
         f"  train loss {summary['final_train_loss']:.4f}, val loss "
         f"{summary['final_val_loss']:.4f} (nats/byte)\n"
         f"  {summary['median_ms_per_step']:.1f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s "
