@@ -176,7 +176,9 @@ def test_damaged_tensor_bytes_are_detected(tmp_path):
     )
     checkpoint.load(tmp_path)  # intact: verifies
     _damage_tensor_bytes(tmp_path / "model.safetensors")
-    match = r"model\.safetensors is corrupt: the data of \d+ tensor\(s\) \(h\..+\) no longer matches"
+    match = (
+        r"model\.safetensors is corrupt: the data of \d+ tensor\(s\) \(h\..+\) no longer matches"
+    )
     with pytest.raises(CheckpointError, match=match):
         checkpoint.load(tmp_path)
     with pytest.raises(CheckpointError, match=match):
