@@ -324,3 +324,96 @@ def test_full_iteration_capture_after_only_skipped_warmups_is_refused(backend, d
     """Every warmup skipped: Adam's state would be created inside the graph (not revertible)."""
     with pytest.raises(tgraph.CaptureError, match="created its state"):
         full_iteration_run(backend, device, {0, 1}, graphed=True, warmup=2)
+
+
+# -- megatron-core's optimizer protocol (a CPU stand-in here; the real one on the GPU) ----------
+
+
+class FakeFP32Optimizer:
+    """megatron-core's FP32Optimizer protocol, with its host-synchronizing eager ``step``."""
+
+    def __init__(self, model: GPT, device: torch.device, clip_grad: float) -> None:
+        from types import SimpleNamespace
+
+        self.optimizer = make_optimizer(model, device)
+        self.config = SimpleNamespace(
+            clip_grad=clip_grad, log_num_zeros_in_grad=False, grad_norm_skip_threshold=float("inf")
+        )
+        self.params = list(model.parameters())
+        for p in self.params:
+            p.main_grad = torch.zeros_like(p)
+
+    def get_parameters(self):
+        return self.params
+
+    def get_grads_for_grad_norm(self):
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def get_grad_stats_parallel_group(self):
+        return None
+
+    def prepare_grads(self) -> bool:
+        for p in self.params:
+            p.grad = p.main_grad
+        return False
+
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        return True
+
+    def step(self):  # megatron's eager step: norm and clip decisions on the host
+        self.prepare_grads()
+        norm = float(
+            torch.linalg.vector_norm(
+                torch.stack(torch._foreach_norm(self.get_grads_for_grad_norm()))
+            )
+        )
+        coeff = self.config.clip_grad / (norm + 1.0e-6)
+        if coeff < 1.0:
+            torch._foreach_mul_(self.get_grads_for_grad_norm(), coeff)
+        self.step_with_ready_grads()
+        return True, norm, None
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def megatron_like_run(backend, device, mode: str, bad=()):
+    from tgraph.integrations import megatron as tm
+
+    model = make_model(device)
+    mopt = FakeFP32Optimizer(model, device, clip_grad=0.05)
+    graph = tm.MegatronOptimizerGraph(mopt, backend=backend) if mode == "graph" else None
+    for i, (x, y) in enumerate(make_batches(device)):
+        for p in model.parameters():
+            p.main_grad.zero_()  # megatron DDP's zero_grad_buffer()
+        loss = plant("grad_nan" if i in bad else None, model, model(x, y)[1])
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        for p, g in zip(model.parameters(), grads):
+            p.main_grad.add_(g)  # megatron DDP's hooks
+        if mode == "megatron":
+            if i not in bad:
+                mopt.step()
+        elif mode == "graph_safe_eager":
+            if i not in bad:
+                tm.graph_safe_step(mopt)
+        else:
+            graph.step(loss)
+        mopt.zero_grad()
+    return model, mopt.optimizer, graph
+
+
+def test_megatron_protocol_optimizer_graph_matches_megatron_step(backend, device):
+    model, opt, graph = megatron_like_run(backend, device, "graph")
+    ref_model, ref_opt, _ = megatron_like_run(backend, device, "megatron")
+    assert graph.captured
+    assert_same_training_state(model, opt, ref_model, ref_opt, exact=False)
+    assert all(p.grad is None for p in model.parameters())  # megatron's zero_grad() as usual
+
+
+def test_megatron_protocol_skips_nonfinite_bitwise(backend, device):
+    model, opt, graph = megatron_like_run(backend, device, "graph", bad={5})
+    ref_model, ref_opt, _ = megatron_like_run(backend, device, "graph_safe_eager", bad={5})
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    assert graph.skipped_steps == 1

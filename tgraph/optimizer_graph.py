@@ -152,8 +152,12 @@ class SkipNonfinite:
         """The device counter itself (0-dim int64; updated in place by every step)."""
         return self._counter
 
-    def protect(self, optimizers: Iterable[torch.optim.Optimizer]) -> _Step:
-        return _Step(self, list(optimizers))
+    def protect(
+        self, optimizers: Iterable[torch.optim.Optimizer], extra: Iterable[torch.Tensor] = ()
+    ) -> _Step:
+        """Snapshot the optimizers' parameters and state, and ``extra`` tensors (e.g. model
+        weights a mixed-precision optimizer copies its fp32 master weights into)."""
+        return _Step(self, list(optimizers), list(extra))
 
     def _snapshot(
         self, opts: list[torch.optim.Optimizer], tensors: list[torch.Tensor]
@@ -173,15 +177,20 @@ class SkipNonfinite:
 class _Step:
     """One protected step: snapshot on entry; ``commit(ok)`` keeps or reverts it."""
 
-    def __init__(self, guard: SkipNonfinite, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self, guard: SkipNonfinite, optimizers: list[torch.optim.Optimizer], extra: list
+    ) -> None:
         self._guard = guard
         self._opts = optimizers
+        self._extra = extra
         self._layouts: list[dict[int, frozenset]] = []
         self._snap: _Protected | None = None
 
     def __enter__(self) -> Callable[[torch.Tensor], None]:
         self._layouts = [_state_layout(o) for o in self._opts]
-        tensors = [t for o in self._opts for t in optimizer_tensors(o)]
+        tensors = {id(t): t for o in self._opts for t in optimizer_tensors(o)}
+        tensors.update((id(t), t) for t in self._extra)
+        tensors = list(tensors.values())
         self._snap = self._guard._snapshot(self._opts, tensors)
         with torch.no_grad():
             self._snap.save()
@@ -351,6 +360,10 @@ class OptimizerGraph:
             return total_norm(grads, self.norm_type)
         return None
 
+    def _protected_extra(self) -> list[torch.Tensor]:
+        """Tensors besides the optimizers' parameters and state that a skipped step restores."""
+        return []
+
     def _inner_step(self) -> None:
         self.optimizer.step()
 
@@ -407,7 +420,7 @@ class OptimizerGraph:
             norm = self._norm_and_clip()
             if self.guard is not None:
                 ok = finite(norm, self._static_loss)
-                with self.guard.protect(self.optimizers) as commit:
+                with self.guard.protect(self.optimizers, self._protected_extra()) as commit:
                     self._inner_step()
                     commit(ok)
             else:
