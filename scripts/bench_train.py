@@ -51,6 +51,7 @@ CONFIGS: dict[str, dict[str, int]] = {
     "small": dict(n_layer=24, n_embd=512, n_head=8, seq=256, batch=8),
     "medium": dict(n_layer=12, n_embd=1024, n_head=16, seq=512, batch=8),
     "smoke": dict(n_layer=2, n_embd=32, n_head=2, seq=16, batch=2),
+    "tiny_b1": dict(n_layer=12, n_embd=256, n_head=4, seq=128, batch=1),  # issue 16's B1 goal
 }
 MODES = [
     "eager",
@@ -64,8 +65,15 @@ MODES = [
     "megatron_tgraph_layer",
     "megatron_tgraph_layer_hooks",
     "megatron_tgraph_full",
+    "tgraph_layer_opt",
+    "tgraph_layer_opt_noskip",
+    "tgraph_full_skip",
+    "megatron_opt_none",
+    "megatron_opt_local",
+    "megatron_opt_tgraph_layer_opt",
+    "megatron_opt_tgraph_full",
 ]
-CPU_MODES = ["eager", "tgraph_layer", "tgraph_full"]
+CPU_MODES = ["eager", "tgraph_layer", "tgraph_full", "tgraph_layer_opt", "tgraph_full_skip"]
 LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
 # Final-loss agreement. The graph modes run the same kernels as eager, so they agree to ~1e-6;
 # torch.compile fuses kernels (other reduction orders) and Adam's normalised update amplifies
@@ -397,6 +405,150 @@ def mode_megatron(s: Setup, variant: str):
                 delete_cuda_graphs()
 
 
+def mode_tgraph_layer_opt(s: Setup, skip: bool = True):
+    """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step
+    (issue 16); ``skip``: non-finite steps skipped on the device (the default)."""
+    model, opt = s.fresh()
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=skip, backend=s.backend)
+
+    def step(x, y):
+        with s.autocast():
+            _, loss = model(x, y)
+        loss.backward()
+        graph.step(loss)  # zeroes .grad in place (the graph owns the gradient buffers)
+        return loss
+
+    tgraph.enable(model, backend=s.backend)
+    try:
+        step(*s.batch(0))  # recorded iteration (eager optimizer step: warmup)
+        synchronize(s.device)
+        t0 = time.perf_counter()
+        with s.autocast():
+            report = tgraph.create_graphs()
+        step(*s.batch(1))  # the optimizer graph's capture (warmup_steps=1)
+        synchronize(s.device)
+        capture = time.perf_counter() - t0
+        times, loss = drive(s, step, start=2)
+        note = f"{report}; optimizer graph captured={graph.captured}, skip_nonfinite={skip}"
+        return times, loss, capture, note
+    finally:
+        tgraph.reset()
+        tgraph.disable(model)
+
+
+def mode_tgraph_full_skip(s: Setup):
+    """tgraph_full with FullIterationGraph(skip_nonfinite=True): the cost of the device flag."""
+    model, opt = s.fresh()
+
+    def train_step(batch):
+        x, y = batch
+        return eager_step(model, opt, x, y, s).detach()
+
+    graph = tgraph.FullIterationGraph(
+        train_step, warmup_steps=s.warmup - 1, backend=s.backend, skip_nonfinite=True
+    )
+    for i in range(s.warmup - 1):
+        graph(s.batch(i))
+    synchronize(s.device)
+    t0 = time.perf_counter()
+    graph(s.batch(s.warmup - 1))
+    synchronize(s.device)
+    capture = time.perf_counter() - t0
+    times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
+    return times, loss, capture, "skip_nonfinite=True"
+
+
+def mode_megatron_optimizer(s: Setup, variant: str):
+    """Issue 16's harness: megatron-core GPTModel + megatron DDP + megatron's OWN optimizer,
+    ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])`` (clip_grad 1.0).
+
+    variant: "none" (megatron eager, ``opt.step()`` with its host syncs), "local" (megatron-core's
+    own per-layer graphs, same optimizer), "tgraph_layer_opt" (tgraph per-layer graphs plus
+    tgraph.integrations.megatron.MegatronOptimizerGraph), "tgraph_full" (forward_backward and
+    graph_safe_step in one FullIterationGraph(skip_nonfinite=True)).
+    """
+    need_cuda(s)
+    try:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from tgraph.integrations import megatron as tm
+    except ImportError as exc:
+        raise Skip(f"megatron-core not importable ({exc}); pip install 'tgraph[megatron]'") from exc
+    if s.dtype != "fp32":
+        raise Skip("megatron modes are measured in fp32 only")
+    tm.init_single_gpu()
+    d = s.dims
+    model = tm.build_gpt(
+        num_layers=d["n_layer"],
+        hidden_size=d["n_embd"],
+        num_attention_heads=d["n_head"],
+        vocab_size=VOCAB,
+        seq_length=d["seq"],
+        cuda_graph_impl="local" if variant == "local" else "none",
+    )
+    mopt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR), [model])
+    note = "megatron-core GPTModel + DDP + get_megatron_optimizer(adam, lr=1e-3, clip_grad=1.0)"
+    capture = None
+    try:
+        if variant == "tgraph_full":
+            tm.make_graph_safe(mopt)
+
+            def full_step(batch):
+                loss = tm.forward_backward(model, [batch])
+                tm.graph_safe_step(mopt)
+                return loss.detach()
+
+            graph = tgraph.FullIterationGraph(
+                full_step, warmup_steps=s.warmup - 1, skip_nonfinite=True
+            )
+            for i in range(s.warmup - 1):
+                graph(s.batch(i))
+            synchronize(s.device)
+            t0 = time.perf_counter()
+            graph(s.batch(s.warmup - 1))
+            synchronize(s.device)
+            capture = time.perf_counter() - t0
+            times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
+            return times, loss, capture, note + f"; skipped {graph.skipped_steps}"
+        opt_graph = None
+        if variant == "tgraph_layer_opt":
+            tm.enable_layer_graphs(model)
+            opt_graph = tm.MegatronOptimizerGraph(mopt)
+
+        def train_step(x, y):
+            mopt.zero_grad()
+            loss = tm.forward_backward(model, [(x, y)])  # zero_grad_buffer, fwd/bwd, grad sync
+            if opt_graph is None:
+                mopt.step()
+            else:
+                opt_graph.step(loss)
+            return loss.detach()
+
+        train_step(*s.batch(0))  # recorded / warmup iteration
+        synchronize(s.device)
+        t0 = time.perf_counter()
+        if variant == "tgraph_layer_opt":
+            note += f"; {tgraph.create_graphs()}"
+        elif variant == "local":
+            from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+            _CudagraphGlobalRecord.create_cudagraphs()
+        train_step(*s.batch(1))  # the optimizer graph's capture
+        synchronize(s.device)
+        capture = time.perf_counter() - t0 if variant != "none" else None
+        times, loss = drive(s, train_step, start=2)
+        return times, loss, capture, note
+    finally:
+        if variant == "tgraph_layer_opt":
+            tgraph.reset()
+            tgraph.disable(model)
+        if variant == "local":
+            with contextlib.suppress(Exception):
+                from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+                delete_cuda_graphs()
+
+
 MODE_FUNCS: dict[str, Callable] = {
     "eager": mode_eager,
     "graphed_callables": mode_graphed_callables,
@@ -409,6 +561,13 @@ MODE_FUNCS: dict[str, Callable] = {
     "megatron_tgraph_layer": lambda s: mode_megatron(s, "tgraph_layer"),
     "megatron_tgraph_layer_hooks": lambda s: mode_megatron(s, "tgraph_layer_hooks"),
     "megatron_tgraph_full": lambda s: mode_megatron(s, "tgraph_full"),
+    "tgraph_layer_opt": mode_tgraph_layer_opt,
+    "tgraph_layer_opt_noskip": lambda s: mode_tgraph_layer_opt(s, skip=False),
+    "tgraph_full_skip": mode_tgraph_full_skip,
+    "megatron_opt_none": lambda s: mode_megatron_optimizer(s, "none"),
+    "megatron_opt_local": lambda s: mode_megatron_optimizer(s, "local"),
+    "megatron_opt_tgraph_layer_opt": lambda s: mode_megatron_optimizer(s, "tgraph_layer_opt"),
+    "megatron_opt_tgraph_full": lambda s: mode_megatron_optimizer(s, "tgraph_full"),
 }
 
 
@@ -456,8 +615,11 @@ def add_comparisons(rows: list[dict], dtype: str) -> None:
         if r["status"] != "ok":
             r["parity"] = None
         else:
-            # megatron modes have their own init: they are checked against megatron eager
+            # megatron modes have their own init: they are checked against megatron eager (its
+            # own optimizer: against megatron_opt_none)
             base = ok.get("megatron_none") if r["mode"].startswith("megatron") else ref_row
+            if r["mode"].startswith("megatron_opt"):
+                base = ok.get("megatron_opt_none")
             if not base:
                 r["parity"] = "n/a"
                 continue
