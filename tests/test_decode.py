@@ -13,7 +13,7 @@ import torch
 
 from tgraph.backend import CaptureError
 from tgraph.decode import DecodeBuffers, DecodeEngine, GPTDecoder
-from tgraph.decode.graph_runner import default_buckets
+from tgraph.decode.batch import default_buckets
 from tgraph.decode.requests import Request
 from tgraph.models.gpt import GPT, GPTConfig, encode
 
@@ -110,31 +110,39 @@ def test_decode_matches_full_forward(backend, device):
                 assert int(logits[i].argmax()) == r.output[-1]
 
 
-def test_position_buffer_not_refreshed_is_caught(backend, device, monkeypatch):
-    """Planted bug: replays read the positions of an old refresh. Graph tokens must diverge."""
+def test_positions_not_advanced_on_the_device_is_caught(backend, device, monkeypatch):
+    """Planted bug: the step's device-side hand-off forgets to move positions on, so every step
+    of a batch rewrites the same KV position. Graph tokens must diverge."""
     model = tiny_gpt(device)
     ps, new = prompts(3), 15
     expected = DecodeEngine(model, max_batch_size=4, max_seq_len=64, use_graphs=False).generate(
         ps, new
     )
-    refresh = DecodeBuffers.copy_from
 
-    def stale_positions(self, tokens, positions, slots):
-        kept = self.positions.clone()
-        refresh(self, tokens, positions, slots)
-        self.positions.copy_(kept)
+    def no_position_advance(inputs, live, tokens):
+        inputs.tokens.copy_(tokens)
 
-    monkeypatch.setattr(DecodeBuffers, "copy_from", stale_positions)
+    monkeypatch.setattr(DecodeBuffers, "advance", staticmethod(no_position_advance))
     graphed = DecodeEngine(model, max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
     assert graphed.generate(ps, new) != expected
 
 
 def test_buffers_reset_stale_tail(device):
-    buffers = DecodeBuffers(8, dummy_slot=8, device=device)
-    buffers.copy_from([5, 6, 7], [10, 11, 12], [0, 1, 2])
-    buffers.copy_from([9], [4], [2])
-    expected = [[9] + [0] * 7, [4] + [0] * 7, [2] + [8] * 7, [5] + [1] * 7]
-    assert buffers.data.tolist() == expected
+    """A refresh rewrites every row: a shorter batch leaves no stale row behind."""
+    from tgraph.decode.buffers import pack_step_rows
+
+    buffers = DecodeBuffers(4, vocab_size=256, device=device)
+    reqs = [Request(i, [5 + i] * (3 + i), 9, False, slot=i) for i in range(3)]
+    for r in reqs:
+        r.output.append(7 + r.index)
+    buffers.copy_from(*pack_step_rows(reqs, max_rows=4, vocab_size=256))
+    buffers.copy_from(*pack_step_rows(reqs[:1], max_rows=4, vocab_size=256))
+    inputs = buffers.set_batch(4)
+    assert inputs.tokens.tolist() == [7, 0, 0, 0]
+    assert inputs.positions.tolist() == [3, 0, 0, 0]
+    assert inputs.slots.tolist() == [0, 1, 2, 3]  # padding rows: their own (free) slots
+    assert inputs.lengths.tolist() == [4, 1, 1, 1]
+    assert buffers.live(4).tolist() == [1, 0, 0, 0]
 
 
 def _live_logits(engine: DecodeEngine, ps: list[list[int]]) -> torch.Tensor:
@@ -153,9 +161,9 @@ def _live_logits(engine: DecodeEngine, ps: list[list[int]]) -> torch.Tensor:
 
 @pytest.mark.parametrize("plant_bug", [False, True])
 def test_padded_rows_never_touch_live_slots(backend, device, monkeypatch, plant_bug):
-    """3 live rows in bucket 4: the padded row must write only the dummy slot.
+    """3 live rows in bucket 4: the padded row must write only its own free slot (3).
 
-    The dummy slot is poisoned with NaN, so a live row that reads it shows NaN. The planted bug
+    The free slot is poisoned with NaN, so a live row that reads it shows NaN. The planted bug
     points padded rows at slot 0 (a live request): its keys at position 0 are overwritten and
     its logits change, which the comparison with the unpadded eager run must catch. Tolerance:
     the reference runs 3 rows instead of a padded 4, so kernels may round differently (fp32,
@@ -170,11 +178,18 @@ def test_padded_rows_never_touch_live_slots(backend, device, monkeypatch, plant_
     assert ref_engine.stats.eager_steps == 3 and ref_engine.stats.padded_rows == 0
 
     engine = DecodeEngine(model, max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
-    dummy = engine.cache.dummy_slot
-    engine.cache.k[:, dummy] = float("nan")
-    engine.cache.v[:, dummy] = float("nan")
+    engine.cache.k[:, 3] = float("nan")
+    engine.cache.v[:, 3] = float("nan")
     if plant_bug:
-        monkeypatch.setattr(engine.runner.buffers, "dummy_slot", 0)
+        from tgraph.decode import batch as batch_module
+        from tgraph.decode.buffers import SLOTS, pack_step_rows
+
+        def padding_into_slot_0(requests, **kw):
+            ints, floats = pack_step_rows(requests, **kw)
+            ints[SLOTS, len(requests) :] = 0
+            return ints, floats
+
+        monkeypatch.setattr(batch_module, "pack_step_rows", padding_into_slot_0)
     live = _live_logits(engine, ps)
     assert engine.stats.bucket_steps == {4: 3} and engine.stats.padded_rows == 3
     if plant_bug:
@@ -308,7 +323,7 @@ def test_custom_decoder_served_and_capture_failure_explained(backend, device):
     assert graphed.generate(ps, 5) == DecodeEngine(
         model, max_batch_size=2, max_seq_len=64, use_graphs=False
     ).generate(ps, 5)
-    with pytest.raises(CaptureError, match=r"decode step for batch size 2.*\.item\(\)"):
+    with pytest.raises(CaptureError, match=r"decode program for size 2 .*\.item\(\)"):
         DecodeEngine(
             _SyncingDecoder(model),
             max_batch_size=2,
@@ -375,40 +390,33 @@ def test_lookahead_gives_the_tokens_of_step_by_step_decoding(backend, device, sc
 
 
 def test_lookahead_stale_token_hand_off_is_caught(backend, device, monkeypatch):
-    """Planted bug: the step decoded ahead reads the static token buffer as it was (the
-    previous step's input) instead of the just-sampled ids. Tokens must diverge."""
-    from tgraph.decode.graph_runner import DecodeGraphRunner
-
+    """Planted bug: the step hands the next step its own input ids instead of the just-sampled
+    ids (the device-side hand-off forgets the tokens). Tokens must diverge."""
     model = tiny_gpt(device)
     ps, new = prompts(3), 15
     want = DecodeEngine(
         model, max_batch_size=4, max_seq_len=64, use_graphs=False, lookahead=False
     ).generate(ps, new)
-    real = DecodeGraphRunner.replay
 
-    def stale(self, tokens, positions, slots, device_tokens=None):
-        if device_tokens is None:
-            return real(self, tokens, positions, slots)
-        kept = self.buffers.tokens.clone()
-        self.buffers.copy_from(tokens, positions, slots)
-        self.buffers.tokens.copy_(kept)
-        return real(self, list(kept[: len(tokens)].tolist()), positions, slots)
+    def stale_tokens(inputs, live, tokens):
+        inputs.positions.add_(live)
+        inputs.lengths.add_(live)
 
-    monkeypatch.setattr(DecodeGraphRunner, "replay", stale)
+    monkeypatch.setattr(DecodeBuffers, "advance", staticmethod(stale_tokens))
     graphed = DecodeEngine(model, max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
     assert graphed.generate(ps, new) != want
 
 
-def test_decode_ahead_arguments_checked(device):
+def test_padded_batch_arguments_checked(device):
     engine = DecodeEngine(tiny_gpt(device), max_batch_size=2, max_seq_len=8, use_graphs=False)
     a = Request(0, [5, 6, 7], 4, False, slot=0)
-    b = Request(1, [8, 9], 4, False, slot=1)
+    b = Request(1, [8, 9], 4, False, slot=0)
     a.output.append(1)
     b.output.append(2)
-    with pytest.raises(ValueError, match="one token id per row"):
-        engine.decode([a, b], ahead=torch.tensor([3], device=device))
-    a.output += [1, 1, 1]  # position 6: decoding ahead would write position 7, the last slot
-    engine.decode([a], ahead=torch.tensor([3], device=device))
-    a.output.append(1)  # position 7: ahead would need position 8 of an 8-long cache
+    with pytest.raises(ValueError, match="request 1 is in KV slot 0 but row 1"):
+        engine.decode([a, b])
+    a.output += [1, 1, 1, 1]  # position 7: the last of an 8-long cache
+    engine.decode([a])
+    a.output.append(1)  # position 8
     with pytest.raises(ValueError, match="max_seq_len=8"):
-        engine.decode([a], ahead=torch.tensor([3], device=device))
+        engine.decode([a])

@@ -1,21 +1,26 @@
-"""Graph-served decode: a static KV cache, static step inputs, one graph per batch-size bucket.
+"""Graph-served decode: a static KV cache, static inputs, graphs bucketed by batch size (decode)
+and by prompt length (prefill), sampling on the device.
 
 Files, one concept each:
 
 * ``engine.py``: :class:`DecodeEngine`, continuous batching and ``generate``.
-* ``graph_runner.py``: capture (largest bucket first, one pool) and replay of the step graphs.
-* ``buffers.py``: the static inputs (tokens, positions, slots, lengths), ``set_batch``/``copy_from``.
-* ``kv_cache.py``: the preallocated KV cache with its reserved dummy slot.
-* ``interface.py``: the prefill/decode-step interface a model implements to be served.
-* ``gpt.py``: that interface for the toy GPT.
-* ``requests.py``: request validation; ``sampling.py``: greedy/temperature/top-k sampling.
+* ``batch.py``: pad once: buckets and the padded batch/prompt both paths run.
+* ``steps.py``: the decode and prefill programs, and the token read-back to the host.
+* ``graph_runner.py``: capture (largest first, one pool) and replay of the programs.
+* ``buffers.py``: the static inputs, ``set_batch``/``copy_from``/``advance``.
+* ``sampling.py``: greedy/temperature/top-k/top-p with per-request counter-based streams.
+* ``kv_cache.py``: the preallocated KV cache, one slot per row.
+* ``interface.py``: the prefill/decode-step protocol a model implements to be served.
+* ``gpt.py``: that protocol for the toy GPT (a registered adapter).
+* ``requests.py``: request validation; ``stats.py``: what the engine did.
 """
 
-from tgraph.decode.buffers import DecodeBuffers, StepInputs
-from tgraph.decode.engine import DecodeEngine, DecodeStats
+from tgraph.decode.buffers import DecodeBuffers, PrefillBuffers, PrefillInputs, StepInputs
+from tgraph.decode.engine import DecodeEngine
 from tgraph.decode.gpt import GPTDecoder
 from tgraph.decode.interface import DecodeModel, as_decode_model
 from tgraph.decode.kv_cache import KVCache
+from tgraph.decode.stats import DecodeStats
 
 __all__ = [
     "DecodeBuffers",
@@ -24,6 +29,8 @@ __all__ = [
     "DecodeStats",
     "GPTDecoder",
     "KVCache",
+    "PrefillBuffers",
+    "PrefillInputs",
     "StepInputs",
     "as_decode_model",
 ]

@@ -1,156 +1,100 @@
-"""``DecodeEngine``: continuous-batching generation with decode steps served by graphs.
+"""``DecodeEngine``: continuous-batching generation with prefill and decode served by graphs.
 
 Life of a ``generate`` call (top-down, gpt-fast order):
 
-1. Validate every request (:mod:`tgraph.decode.requests`) before any work.
-2. While requests wait and KV slots are free: prefill one request eagerly into its slot and
-   sample its first token.
-3. One decode step for all running requests: replay the graph of the smallest bucket that holds
-   them (padded rows use the dummy slot, their logits are dropped), or run the same step eagerly
-   when ``use_graphs=False`` or the batch is larger than every bucket.
-4. Sample outside the graph; finished requests (own ``max_new_tokens``, EOS) free their slot, and
-   the next waiting requests join at step 2. The running batch shrinks and grows across buckets.
+1. Validate every request, sampling settings included (:mod:`tgraph.decode.requests`).
+2. While requests wait and KV slots are free: pad the prompt to its token-count bucket, replay
+   that bucket's prefill graph (eager above the largest bucket) into the next free slot; the
+   graph also samples the first token, which the host reads (time to first token).
+3. Pad the running requests once (:func:`~tgraph.decode.batch.pad_batch`) and copy that batch
+   into the static buffers. Then decode steps replay the graph of its bucket (or run the very
+   same program eagerly) over and over: each step samples on the device and hands its ids to
+   the next step on the device, so the host copies nothing in while the batch is unchanged.
+4. A request that reaches its ``max_new_tokens`` or EOS leaves; the last running request moves
+   into its KV slot (slots stay rows ``0..n-1``), waiting requests join at step 2, and the new
+   batch is padded and copied in once. The batch shrinks and grows across buckets.
 
-Lookahead (``lookahead=True``, the default): while no running request reaches its
-``max_new_tokens`` in the step just launched, the next step is launched *before* the host reads
-that step's tokens: its token ids are copied on the device from the sampled ids, its positions
-and slots are known on the host. The GPU then never waits for the host's bookkeeping. A request
-that ends with EOS is known one step late: its row of the step decoded ahead is computed and
-discarded (``DecodeStats.wasted_rows``); it writes one key/value past the request's end into its
-own slot, which attention masks out (a later request in that slot overwrites it). Greedy tokens
-are those of ``lookahead=False`` except where a step decoded ahead, still carrying an ended
-request's row, runs in a larger bucket than step-by-step decoding would: other batch shapes can
-change last-bit rounding on a GPU and so flip a near-tie. Seeded sampling is reproducible for a
-given setting (a discarded row also consumes random numbers).
+Lookahead (``lookahead=True``, the default): while no request can reach its ``max_new_tokens``
+in the step just launched, the next step is launched *before* the host reads that step's tokens,
+so the GPU never waits for the host's bookkeeping. A request that ends with EOS is known one
+step late: its row of the step decoded ahead is computed and discarded
+(``DecodeStats.wasted_rows``); it writes one key/value past the request's end into its own slot,
+which attention masks out. Tokens never depend on lookahead: the step decoded ahead has the same
+rows and bucket as the one before it.
+
+Sampling (:mod:`tgraph.decode.sampling`) draws each request's tokens from its own counter-based
+stream keyed by its seed and position, so a seeded request gives the same tokens in any slot,
+bucket or company, with or without graphs.
+
+Per-step host work, and what was removed from it (issue 18, "close the last gap"): a decode step
+of an unchanged batch is one graph replay, one device-to-host copy of the sampled ids into a
+preallocated pinned buffer plus an event, one wait for the older step and the appends of the
+ids. Gone are: building and pinning a host tensor of every row's token, position and slot and
+copying it in before every step (now once per batch change); the device-to-device copy of
+the ids decoded ahead (the graph writes them where the next step reads); the eager argmax or
+softmax/top-k/multinomial launches after every replay (sampling is captured); a pinned
+allocation and a CUDA event created per step (a ring of two); the per-step Python scan of every
+row deciding lookahead (one counter, ``room``, computed per batch); the bucket lookup per step
+(once per padded batch); and, on the device, the gather of every row's whole KV slot at every
+layer (slots are rows, read as views: :mod:`tgraph.decode.kv_cache`).
 
 Example::
 
     engine = DecodeEngine(model, max_batch_size=8, max_seq_len=128)
     engine.generate(["Hello", [72, 105]], max_new_tokens=20)   # -> ["...", [..20 ids..]]
+    engine.generate(["Hello"], 20, temperature=0.8, top_p=0.9, seed=1)
     engine.stats.ms_per_step, engine.stats.bucket_steps
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from tgraph.backend import resolve_backend
-from tgraph.decode.buffers import (
-    DecodeBuffers,
-    StepInputs,
-    as_step_inputs,
-    host_staged,
-    pack_rows,
+from tgraph.backend import GraphFactory, resolve_backend
+from tgraph.decode.batch import (
+    PaddedBatch,
+    check_buckets,
+    default_buckets,
+    default_prefill_buckets,
+    pad_batch,
+    pad_prompt,
 )
-from tgraph.decode.graph_runner import DecodeGraphRunner, check_buckets, default_buckets
+from tgraph.decode.buffers import DecodeBuffers, PrefillBuffers
+from tgraph.decode.graph_runner import BucketGraphs
 from tgraph.decode.interface import as_decode_model
 from tgraph.decode.kv_cache import KVCache
 from tgraph.decode.requests import Prompt, Request, make_requests
-from tgraph.decode.sampling import check_sampling, make_generator, sample
+from tgraph.decode.sampling import Sampler
+from tgraph.decode.stats import DecodeStats
+from tgraph.decode.steps import TokenReadback, decode_program, prefill_program
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class DecodeStats:
-    """What the engine did: capture once, then per ``generate`` call (reset at each call)."""
-
-    backend: str | None
-    """Graph backend (``"cuda"``/``"emulated"``), or None when graphs are off."""
-    buckets: list[int]
-    """Bucket sizes; graphs were captured for them unless graphs are off."""
-    capture_seconds: float = 0.0
-    """Warmup plus capture of all buckets (0 without graphs)."""
-    pool_bytes: int = 0
-    """CUDA memory the graphs' pool took (0 on the emulated backend or without graphs)."""
-    prefills: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    """Decode steps in the latest ``generate`` call."""
-    decode_seconds: float = 0.0
-    """Wall time of those steps: input refresh, replay, sampling and the host read of tokens."""
-    bucket_steps: dict[int, int] = field(default_factory=dict)
-    """Steps run per bucket size (graphed, or eager-padded when graphs are off)."""
-    eager_steps: int = 0
-    """Steps larger than the largest bucket, run eagerly without padding."""
-    live_rows: int = 0
-    """Sum over steps of the running requests."""
-    padded_rows: int = 0
-    """Sum over steps of the padded rows (wasted compute)."""
-    wasted_rows: int = 0
-    """Rows decoded ahead for a request that had just ended with EOS (lookahead), discarded."""
-    generated_tokens: int = 0
-    total_seconds: float = 0.0
-    """Wall time of the latest ``generate`` call."""
-
-    @property
-    def ms_per_step(self) -> float:
-        return 1e3 * self.decode_seconds / max(self.decode_steps, 1)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.total_seconds if self.total_seconds else 0.0
-
-    @property
-    def padding_waste(self) -> float:
-        """Fraction of decoded rows that were padding."""
-        return self.padded_rows / max(self.live_rows + self.padded_rows, 1)
-
-    def summary(self) -> str:
-        """One line: tokens/s, ms per decode step, buckets used, capture time."""
-        used = ", ".join(f"{b}x{n}" for b, n in sorted(self.bucket_steps.items())) or "none"
-        eager = f" + {self.eager_steps} eager" if self.eager_steps else ""
-        mode = self.backend or "eager (no graphs)"
-        return (
-            f"{self.generated_tokens} tokens in {self.total_seconds:.2f}s: "
-            f"{self.tokens_per_s:.1f} tokens/s, {self.ms_per_step:.3f} ms per decode step "
-            f"({self.decode_steps} steps), buckets used [{used}]{eager}, padding "
-            f"{100 * self.padding_waste:.0f}%, capture {self.capture_seconds:.2f}s [{mode}]"
-        )
-
-
-class _Launched:
-    """A decode step on the GPU: its rows and sampled token ids, copied to the host async."""
-
-    def __init__(self, rows: list[Request], tokens: torch.Tensor) -> None:
-        self.rows = list(rows)
-        self.tokens = tokens  # (n,) on the device; the input of a step decoded ahead
-        self._host: torch.Tensor | None = None
-        self._done = None
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record(torch.cuda.current_stream(tokens.device))  # the copy's stream
-
-    def read(self) -> list[int]:
-        """The sampled ids; waits for this step (not for steps launched after it)."""
-        if self._done is None:
-            return self.tokens.tolist()
-        self._done.synchronize()
-        return self._host.tolist()
+VARIANTS = (False, True)  # greedy, sampling
 
 
 class DecodeEngine:
-    """Serve a model's decode steps through one graph per batch-size bucket.
+    """Serve a model's prefill and decode steps through graphs bucketed by size.
 
     Args:
-        model: a :class:`tgraph.models.gpt.GPT` (switched to eval mode) or any object that
-            implements :class:`tgraph.decode.interface.DecodeModel`.
-        max_batch_size: requests decoded together at most; more are queued.
+        model: any object implementing :class:`tgraph.decode.interface.DecodeModel`, or one
+            with a registered adapter (the toy :class:`tgraph.models.gpt.GPT`, switched to eval
+            mode).
+        max_batch_size: requests decoded together at most (KV slots); more are queued.
         max_seq_len: KV capacity per request (prompt + new tokens); at most the model's
             ``max_positions`` (the GPT's ``block_size``).
-        use_graphs: False runs the very same decode step eagerly (padded to the same buckets,
-            so the kernels and shapes match the graphed run exactly).
-        batch_sizes: bucket sizes; default 1, 2, 4, 8, then every 8 up to ``max_batch_size``.
-            Batches larger than the largest bucket run eagerly.
+        use_graphs: False runs the very same programs eagerly (padded to the same buckets, so
+            the kernels and shapes match the graphed run exactly).
+        batch_sizes: decode buckets; default 1, 2, 4, 8, then every 8 up to
+            ``max_batch_size``. Batches larger than the largest bucket run eagerly.
+        prefill_sizes: prefill buckets in prompt tokens; default 16, 32, 64, ... up to
+            ``min(max_seq_len, 512)``; ``[]`` prefills every prompt eagerly, unpadded. Longer
+            prompts than the largest bucket prefill eagerly.
         backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (``TGRAPH_BACKEND`` overrides auto).
         progress: show a progress bar over capture.
         lookahead: launch the next decode step before reading the current step's tokens on the
@@ -170,13 +114,13 @@ class DecodeEngine:
         max_seq_len: int,
         use_graphs: bool = True,
         batch_sizes: Sequence[int] | None = None,
+        prefill_sizes: Sequence[int] | None = None,
         backend: str = "auto",
         progress: bool = True,
         lookahead: bool = True,
     ) -> None:
-        self.decoder = as_decode_model(model)
+        self.decoder = d = as_decode_model(model)
         self.lookahead = lookahead
-        d = self.decoder
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if max_batch_size < 1:
@@ -189,10 +133,18 @@ class DecodeEngine:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.use_graphs = use_graphs
-        if batch_sizes is None:
-            self.buckets = default_buckets(max_batch_size)
-        else:
-            self.buckets = check_buckets(batch_sizes, max_batch_size)
+        if batch_sizes is not None and not list(batch_sizes):
+            raise ValueError("batch_sizes is empty; pass None for the default buckets")
+        self.buckets = (
+            default_buckets(max_batch_size)
+            if batch_sizes is None
+            else check_buckets(batch_sizes, max_batch_size, "batch_sizes")
+        )
+        self.prefill_buckets = (
+            default_prefill_buckets(max_seq_len)
+            if prefill_sizes is None
+            else check_buckets(prefill_sizes, max_seq_len, "prefill_sizes")
+        )
         self.device = torch.device(d.device)
         self.cache = KVCache(
             n_layer=d.n_layer,
@@ -203,84 +155,106 @@ class DecodeEngine:
             dtype=d.dtype,
             device=self.device,
         )
-        self.runner: DecodeGraphRunner | None = None
+        self.buffers = DecodeBuffers(max_batch_size, d.vocab_size, self.device)
+        self.prompt_buffers = PrefillBuffers(max_seq_len, d.vocab_size, self.device)
+        self.sampler = Sampler(d.vocab_size, self.device)
+        self.readback = TokenReadback(max_batch_size, self.device)
         resolved = resolve_backend(backend, self.device) if use_graphs else None
-        self.stats = DecodeStats(backend=resolved, buckets=list(self.buckets))
-        if use_graphs:
-            buffers = DecodeBuffers(self.buckets[-1], self.cache.dummy_slot, self.device)
-            self.runner = DecodeGraphRunner(
-                self._step,
-                buffers,
-                self.buckets,
-                backend=resolved,
-                device=self.device,
-                progress=progress,
+        # One factory: the decode and prefill graphs share one memory pool (tgraph.pool).
+        self.factory = GraphFactory(resolved, self.device) if use_graphs else None
+        self.decode_graphs = BucketGraphs(
+            "decode",
+            lambda key: decode_program(d, self.cache, self.buffers, self.sampler, *key),
+            [(b, s) for b in self.buckets for s in VARIANTS],
+            self.factory,
+            progress=progress,
+        )
+        self.prefill_graphs = BucketGraphs(
+            "prefill",
+            lambda key: prefill_program(d, self.cache, self.prompt_buffers, self.sampler, *key),
+            [(t, s) for t in self.prefill_buckets for s in VARIANTS],
+            self.factory,
+            progress=progress,
+        )
+        self.stats = DecodeStats(
+            backend=resolved, buckets=list(self.buckets), prefill_buckets=self.prefill_buckets
+        )
+        if self.factory is not None:
+            allocated = self.factory.memory_allocated()
+            self.decode_graphs.capture()
+            self.prefill_graphs.capture()
+            self.buffers.reset()  # warmups moved the padding rows' tokens; start clean
+            st = self.stats
+            st.capture_seconds = (
+                self.decode_graphs.capture_seconds + self.prefill_graphs.capture_seconds
             )
-            self.runner.capture()
-            self.stats.capture_seconds = self.runner.capture_seconds
-            self.stats.pool_bytes = self.runner.pool_bytes
+            st.pool_bytes = self.factory.memory_allocated() - allocated
+            for kind in (self.decode_graphs, self.prefill_graphs):
+                for (size, sampling), nbytes in kind.bytes.items():
+                    name = f"{kind.name} {size} {'sampling' if sampling else 'greedy'}"
+                    st.graph_bytes[name] = nbytes
 
-    # -- one step ---------------------------------------------------------------------------
-
-    def _step(self, inputs: StepInputs) -> torch.Tensor:
-        """The decode step every path runs (graph capture, graph replay on CPU, eager)."""
-        with torch.no_grad():
-            return self.decoder.decode_step(inputs, self.cache)
-
-    def _bucket_for(self, rows: int) -> int | None:
-        if self.runner is not None:
-            return self.runner.bucket_for(rows)
-        return next((b for b in self.buckets if b >= rows), None)
-
-    def decode(self, running: Sequence[Request], ahead: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step for ``running`` (at most ``max_batch_size``); returns logits (n, V).
-
-        Args:
-            running: the requests, one row each.
-            ahead: (n,) token ids on the device to decode instead of each request's last
-                output token: the samples of a step whose tokens the host has not appended yet
-                (lookahead). Positions are then one past each request's last appended token.
-
-        The returned tensor may be a view of a graph's static output: the next step overwrites
-        it. Clone it to keep it.
-        """
-        n = len(running)
-        if ahead is not None and tuple(ahead.shape) != (n,):
-            raise ValueError(
-                f"ahead must hold one token id per row, shape ({n},); got {tuple(ahead.shape)}"
-            )
-        shift = 0 if ahead is None else 1
-        tokens = [r.output[-1] for r in running] if ahead is None else [0] * n
-        positions = [r.position + shift for r in running]
-        if positions and max(positions) >= self.max_seq_len:
-            raise ValueError(
-                f"a decode position reaches max_seq_len={self.max_seq_len}: the KV cache has no "
-                "room for it (a request decoded past its prompt + max_new_tokens)"
-            )
-        slots = [r.slot for r in running]
-        bucket = self._bucket_for(n)
-        st = self.stats
-        if bucket is None:  # larger than every bucket: eager, unpadded
-            st.eager_steps += 1
-            width = n
-        else:
-            st.bucket_steps[bucket] = st.bucket_steps.get(bucket, 0) + 1
-            width = bucket
-        st.live_rows += n
-        st.padded_rows += width - n
-        if self.runner is not None and bucket is not None:
-            return self.runner.replay(tokens, positions, slots, ahead)[:n]
-        packed = pack_rows(tokens, positions, slots, width=width, dummy_slot=self.cache.dummy_slot)
-        packed = host_staged(packed, self.device).to(self.device, non_blocking=True)
-        if ahead is not None:
-            packed[0, :n] = ahead
-        return self._step(as_step_inputs(packed))[:n]
+    # -- one prefill, one decode step ------------------------------------------------------
 
     def prefill(self, request: Request) -> torch.Tensor:
-        """Run ``request``'s prompt eagerly into its slot; returns last-position logits (V,)."""
-        tokens = torch.tensor(request.prompt, dtype=torch.int64, device=self.device)
-        with torch.no_grad():
-            return self.decoder.prefill(tokens, request.slot, self.cache)
+        """Prefill ``request``'s prompt into its slot (``request.slot``) and sample its first
+        token into :attr:`prompt_buffers.token`; returns the last position's logits (V,).
+
+        The logits are a graph's static output: the next prefill or decode step overwrites
+        them (clone to keep).
+        """
+        padded = pad_prompt(request, buckets=self.prefill_buckets, vocab_size=self.vocab_size)
+        self.prompt_buffers.copy_from(padded.tokens, padded.ints, padded.floats)
+        self.stats.count_prefill(padded.width, padded.graphed)
+        return self.prefill_graphs.run(padded.key)[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
+
+    def pad(self, running: Sequence[Request]) -> PaddedBatch:
+        """The padded batch of ``running`` (request ``i`` in slot ``i``): see :mod:`.batch`."""
+        return pad_batch(
+            running,
+            buckets=self.buckets,
+            max_rows=self.max_batch_size,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+        )
+
+    def load(self, batch: PaddedBatch) -> None:
+        """Copy ``batch`` into the static buffers (every row; once per batch change)."""
+        self.buffers.copy_from(batch.ints, batch.floats)
+        self.stats.refreshes += 1
+
+    def step(self, batch: PaddedBatch) -> torch.Tensor:
+        """One decode step of the loaded ``batch``: replay its bucket's graph or run the same
+        program eagerly. The sampled ids are then in ``buffers.tokens[:n]`` and the buffers
+        advanced for the next step. Returns the logits (width, V), overwritten by the next
+        step (clone to keep)."""
+        self.stats.count_step(batch.n, batch.width, batch.graphed, batch.sampling)
+        return self.decode_graphs.run(batch.key)
+
+    def decode(self, running: Sequence[Request]) -> torch.Tensor:
+        """One decode step for ``running`` (request ``i`` in slot ``i``, at most
+        ``max_batch_size``), loaded from the host; returns logits (n, V), a view the next step
+        overwrites. The caller appends the tokens it chooses."""
+        batch = self.pad(running)
+        self.load(batch)
+        return self.step(batch)[: batch.n]
+
+    def _compact(self, running: list[Request]) -> list[Request]:
+        """Drop ended requests (slot -1); move the last ones into the freed slots so the
+        running requests hold slots ``0..n-1`` (row == slot) again."""
+        keep = [r for r in running if r.slot >= 0]
+        m = len(keep)
+        held = {r.slot for r in keep}
+        holes = [s for s in range(m) if s not in held]
+        movers = sorted((r for r in keep if r.slot >= m), key=lambda r: r.slot)
+        for hole, r in zip(holes, movers, strict=True):
+            self.cache.move(r.slot, hole)
+            r.slot = hole
+        return sorted(keep, key=lambda r: r.slot)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -289,10 +263,11 @@ class DecodeEngine:
         prompts: Sequence[Prompt],
         max_new_tokens: int | Sequence[int],
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
+        temperature: float | Sequence[float] = 0.0,
+        top_k: int | None | Sequence[int | None] = None,
+        top_p: float | Sequence[float] = 1.0,
         eos_token_id: int | None = None,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[int] | str]:
         """Generate a completion for every prompt with continuous batching.
 
@@ -300,10 +275,14 @@ class DecodeEngine:
             prompts: a list of prompts, each a list (or 1-D tensor) of token ids or a string
                 (encoded with the model's tokenizer, the byte tokenizer for the toy GPT).
             max_new_tokens: new tokens per request, one int for all or one per prompt.
-            temperature: 0 is greedy (argmax); otherwise sample from softmax(logits / T).
-            top_k: sample only among the k most likely tokens.
+            temperature: 0 is greedy (argmax); otherwise sample from softmax(logits / T). One
+                value for all or one per prompt (so are ``top_k``, ``top_p`` and ``seed``).
+            top_k: sample only among the k most likely tokens (None: all).
+            top_p: sample only among the most likely tokens whose mass reaches p (1: all).
             eos_token_id: a request ends after generating this token (it is included).
-            seed: seed of the sampling generator; same seed, same tokens. None: random.
+            seed: an int seeds request ``i``'s own stream with ``seed + i``; a list seeds each
+                request; None draws seeds from torch's default generator. A request with the
+                same prompt, settings and seed gets the same tokens whatever else runs.
 
         Returns:
             One completion per prompt, in prompt order, without the prompt: a list of token ids
@@ -324,73 +303,79 @@ class DecodeEngine:
             max_seq_len=self.max_seq_len,
             max_positions=d.max_positions,
             encode=getattr(d, "encode", None),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
         )
-        check_sampling(temperature, top_k)
         if eos_token_id is not None and not 0 <= eos_token_id < d.vocab_size:
             raise ValueError(
                 f"eos_token_id {eos_token_id} is outside the vocabulary [0, {d.vocab_size})"
             )
-        generator = make_generator(self.device, seed) if temperature > 0 else None
-        st = self.stats = DecodeStats(
-            backend=self.stats.backend,
-            buckets=self.stats.buckets,
-            capture_seconds=self.stats.capture_seconds,
-            pool_bytes=self.stats.pool_bytes,
-        )
-
-        def pick(logits: torch.Tensor) -> torch.Tensor:
-            return sample(logits, temperature=temperature, top_k=top_k, generator=generator)
-
-        def launch(rows: list[Request], ahead: torch.Tensor | None = None) -> _Launched:
-            st.decode_steps += 1
-            return _Launched(rows, pick(self.decode(rows, ahead)))
-
+        st = self.stats = self.stats.fresh()
         start = time.perf_counter()
         waiting = deque(r for r in requests if r.max_new_tokens > 0)
-        free = list(range(self.max_batch_size))  # a heap: the lowest free slot goes first
         running: list[Request] = []
-        step: _Launched | None = None  # launched, its tokens not yet read by the host
-        while waiting or running or step:
-            if step is None:
-                while waiting and free:  # join: prefill waiting requests into free slots
-                    t0 = time.perf_counter()
-                    r = waiting.popleft()
-                    r.slot = heapq.heappop(free)
-                    token = int(pick(self.prefill(r)[None])[0])
-                    st.prefills += 1
-                    st.prefill_seconds += time.perf_counter() - t0
-                    if r.append(token, eos_token_id):
-                        heapq.heappush(free, r.slot)
-                    else:
-                        running.append(r)
-                if not running:
-                    continue
+        while waiting or running:
+            while waiting and len(running) < self.max_batch_size:  # join: prefill into a slot
                 t0 = time.perf_counter()
-                step = launch(running)
-            else:
-                t0 = time.perf_counter()
-            ahead = None
-            # Decode ahead only while the batch cannot change except by EOS: no request of this
-            # step reaches max_new_tokens (nor has ended), so no slot frees and nobody joins.
-            if self.lookahead and all(
-                r.slot >= 0 and len(r.output) + 1 < r.max_new_tokens for r in step.rows
-            ):
-                ahead = launch(step.rows, step.tokens)
-            tokens = step.read()  # waits for that step only; the one ahead keeps the GPU busy
-            st.decode_seconds += time.perf_counter() - t0
-            still = []
-            for r, token in zip(step.rows, tokens, strict=True):
-                if r.slot < 0:  # ended with EOS one step earlier: a row decoded ahead, dropped
-                    st.wasted_rows += 1
-                    continue
+                r = waiting.popleft()
+                r.slot = len(running)
+                self.prefill(r)
+                token = self.prompt_buffers.token.tolist()[0]  # waits: time to first token
+                st.prefills += 1
+                st.prefill_seconds += time.perf_counter() - t0
                 if r.append(token, eos_token_id):
-                    heapq.heappush(free, r.slot)
                     r.slot = -1
                 else:
-                    still.append(r)
-            running, step = still, ahead
+                    running.append(r)
+            if not running:
+                continue
+            t0 = time.perf_counter()
+            batch = self.pad(running)  # the batch changed (a request joined or left): pad once
+            self.load(batch)
+            self._run_batch(batch, eos_token_id)
+            st.decode_seconds += time.perf_counter() - t0
+            running = self._compact(running)
         st.total_seconds = time.perf_counter() - start
         st.generated_tokens = sum(len(r.output) for r in requests)
         logger.debug("generate: %s", st.summary())
-        encode_out = getattr(d, "decode", None)
-        return [encode_out(r.output) if r.is_text else r.output for r in requests]
+        decode_text = getattr(d, "decode", None)
+        return [decode_text(r.output) if r.is_text else r.output for r in requests]
+
+    def _run_batch(self, batch: PaddedBatch, eos: int | None) -> None:
+        """Decode the loaded ``batch`` until a request ends; ended requests get slot -1.
+
+        Invariant: at most two steps await their read (the readback ring); a step is launched
+        ahead only while ``room`` says no request can reach its limit in the steps launched.
+        """
+        requests = batch.requests
+        room = batch.room
+        inflight: deque = deque()
+        ended: set[int] = set()
+
+        def launch() -> None:
+            nonlocal room
+            room -= 1
+            self.stats.decode_steps += 1
+            self.step(batch)
+            inflight.append((self.readback.copy(self.buffers.tokens[: batch.n]), room == 0))
+
+        launch()
+        while inflight:
+            if self.lookahead and room > 0 and not ended and len(inflight) == 1:
+                launch()  # before the host reads the step in flight: the GPU stays busy
+            pending, last = inflight.popleft()
+            tokens = self.readback.read(pending)
+            if not ended and not last and (eos is None or eos not in tokens):
+                for r, t in zip(requests, tokens):  # nobody ends: no per-row checks
+                    r.output.append(t)
+            else:
+                for i, (r, t) in enumerate(zip(requests, tokens)):
+                    if i in ended:  # ended with EOS one step earlier: a row decoded ahead
+                        self.stats.wasted_rows += 1
+                    elif r.append(t, eos):
+                        ended.add(i)
+                        r.slot = -1
+            if not ended and not inflight and room > 0:
+                launch()

@@ -5,6 +5,9 @@
 block's ``ln_1``, ``attn.split_heads`` (``c_attn``), ``attn.c_proj``, ``ln_2``, ``mlp``, then
 ``ln_f`` and ``lm_head``, exactly as ``GPT.forward`` does, but attends to cached keys and values
 instead of recomputing the whole sequence. Dropout is skipped (the model is put in eval mode).
+
+Registered as the :func:`~tgraph.decode.interface.as_decode_model` adapter of ``GPT``, so
+``DecodeEngine(gpt, ...)`` serves the toy model directly; the interface itself knows no model.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tgraph.decode.buffers import StepInputs
+from tgraph.decode.buffers import PrefillInputs, StepInputs
+from tgraph.decode.interface import as_decode_model
 from tgraph.decode.kv_cache import KVCache
 from tgraph.models import gpt as gpt_model
 
@@ -50,20 +54,21 @@ class GPTDecoder:
         return gpt_model.decode(ids)
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, slot: int, cache: KVCache) -> torch.Tensor:
-        """Run the prompt, store its keys/values in ``slot``; return last-position logits (V,)."""
+    def prefill(self, inputs: PrefillInputs, cache: KVCache) -> torch.Tensor:
+        """Run the padded prompt, store its keys/values in its slot; return the logits of its
+        last real position (1, V). Graph-safe: causal attention keeps the padding out."""
         m = self.model
-        T = tokens.shape[0]
-        pos = torch.arange(T, device=tokens.device)
-        x = (m.wte(tokens) + m.wpe(pos))[None]  # (1, T, C)
+        T = inputs.tokens.shape[0]
+        x = (m.wte(inputs.tokens) + m.wpe(cache.key_positions[:T]))[None]  # (1, T, C)
         C = x.shape[-1]
         for layer, block in enumerate(m.h):
             q, k, v = block.attn.split_heads(block.ln_1(x))  # (1, nh, T, hs)
-            cache.write_prefill(layer, slot, k[0], v[0])
+            cache.write_prefill(layer, inputs.slot, k[0], v[0])
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (1, nh, T, hs)
             x = x + block.attn.c_proj(y.transpose(1, 2).reshape(1, T, C))
             x = x + block.mlp(block.ln_2(x))
-        return m.lm_head(m.ln_f(x[0, -1]))  # (V,)
+        last = x[0].index_select(0, inputs.length - 1)  # (1, C): the prompt's last position
+        return m.lm_head(m.ln_f(last))  # (1, V)
 
     @torch.no_grad()
     def decode_step(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
@@ -78,8 +83,13 @@ class GPTDecoder:
         for layer, block in enumerate(m.h):
             q, k, v = block.attn.split_heads(block.ln_1(x))  # (B, nh, 1, hs)
             cache.write_step(layer, inputs.slots, inputs.positions, k[:, :, 0], v[:, :, 0])
-            keys, values = cache.read(layer, inputs.slots)  # (B, nh, S, hs)
+            keys, values = cache.read(layer, B)  # (B, nh, S, hs), views of slots 0..B-1
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, nh, 1, hs)
             x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, 1, C))
             x = x + block.mlp(block.ln_2(x))
         return m.lm_head(m.ln_f(x[:, 0]))  # (B, V)
+
+
+@as_decode_model.register
+def _(model: gpt_model.GPT) -> GPTDecoder:
+    return GPTDecoder(model)

@@ -1,8 +1,9 @@
-"""The small interface a model implements to be served by :class:`~tgraph.decode.DecodeEngine`.
+"""The protocol a model implements to be served by :class:`~tgraph.decode.DecodeEngine`.
 
 The engine owns the KV cache, the static buffers, the graphs, batching and sampling; the model
-only has to say how to run its layers against the cache. Any object with these attributes and
-two methods can be served (the toy GPT gets one from :class:`tgraph.decode.gpt.GPTDecoder`)::
+only says how to run its layers against the cache. Any object with these attributes and two
+methods is served; nothing here knows any particular model (the toy GPT's implementation is
+:class:`tgraph.decode.gpt.GPTDecoder`)::
 
     class MyDecoder:
         n_layer: int          # attention layers (one KV cache entry each)
@@ -13,31 +14,38 @@ two methods can be served (the toy GPT gets one from :class:`tgraph.decode.gpt.G
         dtype: torch.dtype    # dtype of the KV cache
         device: torch.device  # where the KV cache and static buffers live
 
-        def prefill(self, tokens, slot, cache):       # eager, any prompt length T
-            # tokens: (T,) int64. Write keys/values of positions 0..T-1 into `slot`
-            # (cache.write_prefill) and return the logits of the last position, shape (V,).
+        def prefill(self, inputs, cache):             # captured per token-count bucket
+            # inputs: PrefillInputs, a prompt padded to T tokens (positions 0..T-1), its real
+            # length (1,) and slot (1,). Write keys/values of positions 0..T-1 into the slot
+            # (cache.write_prefill), attend causally (so the padding after the prompt cannot
+            # reach it) and return the logits of position length-1, shape (1, V).
 
-        def decode_step(self, inputs, cache):         # captured in a graph per bucket
+        def decode_step(self, inputs, cache):         # captured per batch-size bucket
             # inputs: StepInputs of B rows. For each row write the new token's key/value at
             # [inputs.slots[i], :, inputs.positions[i]] (cache.write_step), attend to keys
-            # 0..inputs.lengths[i]-1 of that slot (cache.read + a mask, stale keys beyond are
-            # arbitrary) and return logits (B, V).
+            # 0..inputs.lengths[i]-1 of row i's slot (cache.read(layer, B)[i] + a mask; stale
+            # keys beyond are arbitrary) and return logits (B, V).
 
         # optional: encode(text) -> list[int] and decode(ids) -> str, for text prompts.
 
-Rules for ``decode_step`` (it is captured as a CUDA graph): no host syncs (``.item()``, printing,
-boolean-mask indexing), no shapes that depend on tensor values, no new CPU tensors, no writes
-outside the slots it is given, and every row independent of the other rows (padded rows must not
-change live rows' logits).
+Rules for both methods (they are captured as CUDA graphs): no host syncs (``.item()``,
+printing, boolean-mask indexing), no shapes that depend on tensor values, no new CPU tensors, no
+writes outside the slots they are given, and every row independent of the other rows (padding
+rows must not change live rows' logits, padding positions must not change the prompt's).
+
+A model type that cannot carry the methods itself gets an adapter registered with
+:func:`as_decode_model` (``@as_decode_model.register(MyModel)``), as ``tgraph.decode.gpt`` does
+for the toy GPT; then ``DecodeEngine(my_model, ...)`` serves it directly.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from tgraph.decode.buffers import StepInputs
+from tgraph.decode.buffers import PrefillInputs, StepInputs
 from tgraph.decode.kv_cache import KVCache
 
 
@@ -53,28 +61,19 @@ class DecodeModel(Protocol):
     dtype: torch.dtype
     device: torch.device
 
-    def prefill(self, tokens: torch.Tensor, slot: int, cache: KVCache) -> torch.Tensor: ...
+    def prefill(self, inputs: PrefillInputs, cache: KVCache) -> torch.Tensor: ...
 
     def decode_step(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor: ...
 
 
+@functools.singledispatch
 def as_decode_model(model: object) -> DecodeModel:
-    """Return ``model`` as a :class:`DecodeModel`: the toy GPT is wrapped, others are checked.
-
-    Args:
-        model: a :class:`tgraph.models.gpt.GPT` or an object implementing :class:`DecodeModel`.
-
-    Returns:
-        An object implementing :class:`DecodeModel`.
+    """Return ``model`` as a :class:`DecodeModel`: an implementation is returned as is, a type
+    with a registered adapter is wrapped (``as_decode_model.register``).
 
     Raises:
-        TypeError: ``model`` is neither.
+        TypeError: ``model`` neither implements the protocol nor has an adapter.
     """
-    from tgraph.decode.gpt import GPTDecoder
-    from tgraph.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return GPTDecoder(model)
     if isinstance(model, DecodeModel):
         return model
     missing = [
@@ -83,7 +82,8 @@ def as_decode_model(model: object) -> DecodeModel:
         if not hasattr(model, name)
     ]
     raise TypeError(
-        f"DecodeEngine cannot serve a {type(model).__name__}: it is not a tgraph GPT and lacks "
-        f"{sorted(missing)} of the decode interface; implement prefill/decode_step as described "
-        "in tgraph.decode.interface"
+        f"DecodeEngine cannot serve a {type(model).__name__}: it lacks {sorted(missing)} of the "
+        "decode interface and no adapter is registered for its type; implement prefill and "
+        "decode_step as described in tgraph.decode.interface, or register an adapter with "
+        "@tgraph.decode.as_decode_model.register"
     )

@@ -1,13 +1,17 @@
-"""A preallocated KV cache at fixed addresses, one slot per running request plus a dummy slot.
+"""A preallocated KV cache at fixed addresses, one slot per running request.
 
 Layout: ``k`` and ``v`` are each one tensor of shape
-``(n_layer, num_slots, n_head, max_seq_len, head_dim)``, allocated once. A request owns one slot
-from prefill until it finishes; its key/value for position ``p`` live at ``[layer, slot, :, p]``.
-Because the tensors never move, a decode-step graph captured once keeps reading and writing the
-right memory at every replay.
+``(n_layer, max_batch_size, n_head, max_seq_len, head_dim)``, allocated once. A request owns one
+slot from prefill until it finishes; its key/value for position ``p`` live at
+``[layer, slot, :, p]``. Because the tensors never move, a graph captured once keeps reading and
+writing the right memory at every replay.
 
-The last slot (``dummy_slot = num_slots - 1``) belongs to no request: the padded rows of a
-batch-size bucket write there, so they can never touch a live request's keys and values.
+Slots are rows. The engine keeps the ``n`` running requests in slots ``0..n-1``, in batch order
+(a request that leaves is replaced by the last one, whose keys and values :meth:`move` copies
+once). So a step of ``B`` rows attends to ``k[layer, :B]`` as it is, a view (:meth:`read`),
+instead of gathering every row's whole slot at every step and layer (``index_select`` of
+``B * n_head * max_seq_len * head_dim`` elements, the largest per-step cost the engine had over
+a hand-written loop at batch 64). Padding rows ``n..B-1`` use their own slots, which are free.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 
 class KVCache:
-    """Static key/value memory for ``max_batch_size`` concurrent requests (+ 1 dummy slot).
+    """Static key/value memory for ``max_batch_size`` concurrent requests, one slot each.
 
     Args:
         n_layer: number of attention layers.
@@ -39,9 +43,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        self.num_slots = max_batch_size + 1
-        self.dummy_slot = max_batch_size
-        """Slot that padded rows write to; never given to a request."""
+        self.num_slots = max_batch_size
         self.max_seq_len = max_seq_len
         shape = (n_layer, self.num_slots, n_head, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -55,18 +57,21 @@ class KVCache:
         """Bytes held by keys and values together."""
         return 2 * self.k.numel() * self.k.element_size()
 
-    def write_prefill(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt's keys and values at positions ``0..T-1`` of ``slot``.
+    def write_prefill(
+        self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store a prompt's keys and values at positions ``0..T-1`` of ``slot``. Graph-safe.
 
         Args:
             layer: layer index.
-            slot: the request's slot.
-            k: keys, shape (n_head, T, head_dim).
+            slot: (1,) int64, the request's slot (a device tensor: one graph serves every slot).
+            k: keys, shape (n_head, T, head_dim); padding positions may be written too (a
+                decode step masks keys at or past its length, and overwrites them as it goes).
             v: values, same shape.
         """
         T = k.shape[1]
-        self.k[layer, slot, :, :T] = k
-        self.v[layer, slot, :, :T] = v
+        self.k[layer, :, :, :T].index_copy_(0, slot, k[None])
+        self.v[layer, :, :, :T].index_copy_(0, slot, v[None])
 
     def write_step(
         self,
@@ -92,15 +97,20 @@ class KVCache:
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather the whole key/value rows of ``slots``.
+    def read(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``0..rows-1`` (row ``i`` is slot ``i``): views, no copy.
 
         Args:
             layer: layer index.
-            slots: (B,) int64 slot of each row.
+            rows: B, the rows of the step.
 
         Returns:
             keys and values, each (B, n_head, max_seq_len, head_dim); positions past a row's
             length hold stale data and must be masked by the caller.
         """
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        return self.k[layer, :rows], self.v[layer, :rows]
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s keys and values into slot ``dst`` (keeps slots == rows)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]

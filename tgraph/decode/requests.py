@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tgraph.decode.sampling import check_sampling, per_request
+
 Prompt = str | Sequence[int] | torch.Tensor
 
 
@@ -26,7 +28,13 @@ class Request:
     """The prompt was a string: the completion is returned as text."""
     output: list[int] = field(default_factory=list)
     slot: int = -1
-    """KV slot while running; -1 while waiting or finished."""
+    """KV slot while running (the engine keeps slot == row of the batch); -1 otherwise."""
+    temperature: float = 0.0
+    """0 is greedy; otherwise sample from softmax(logits / temperature)."""
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int = 0
+    """Seed of this request's own random stream (:mod:`tgraph.decode.sampling`)."""
 
     @property
     def position(self) -> int:
@@ -74,6 +82,10 @@ def make_requests(
     max_seq_len: int,
     max_positions: int,
     encode: Callable[[str], list[int]] | None = None,
+    temperature: float | Sequence[float] = 0.0,
+    top_k: int | None | Sequence[int | None] = None,
+    top_p: float | Sequence[float] = 1.0,
+    seed: int | Sequence[int] | None = None,
 ) -> list[Request]:
     """Validate ``prompts`` and ``max_new_tokens`` and build one :class:`Request` each.
 
@@ -84,6 +96,12 @@ def make_requests(
         max_seq_len: the engine's KV capacity per request (prompt + new tokens).
         max_positions: the model's longest sequence (engine limit, for the error message).
         encode: tokenizer for text prompts.
+        temperature: one value for all requests or one per request (same for the next three).
+        top_k: keep only the k most likely tokens (None keeps all).
+        top_p: keep the smallest set of most likely tokens whose mass reaches p (1 keeps all).
+        seed: an int seeds request ``i`` with ``seed + i`` (so ``generate([p], seed=s + i)``
+            reproduces request ``i`` alone); a list gives each request its seed; None draws the
+            seeds from torch's default generator (``torch.manual_seed`` makes them repeatable).
 
     Returns:
         The requests, in prompt order.
@@ -92,7 +110,7 @@ def make_requests(
         TypeError: ``prompts`` is not a list of prompts (e.g. one bare string or a flat id list).
         ValueError: an empty prompt, a token id outside the vocabulary, a prompt length plus
             ``max_new_tokens`` above ``max_seq_len``, a negative ``max_new_tokens``, or a
-            ``max_new_tokens`` list of the wrong length.
+            ``max_new_tokens`` list of the wrong length, bad sampling settings.
     """
     if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
         raise TypeError(
@@ -113,6 +131,20 @@ def make_requests(
                 f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts; give one "
                 "int for all or one per prompt"
             )
+    n = len(prompts)
+    temps = per_request(temperature, n, "temperature")
+    ks = per_request(top_k, n, "top_k")
+    ps = per_request(top_p, n, "top_p")
+    if seed is None:
+        seeds = torch.randint(0, 2**62, (n,)).tolist()
+    elif isinstance(seed, Sequence):
+        seeds = per_request(seed, n, "seed")
+    else:
+        seeds = [seed + i for i in range(n)]
+    for i, s in enumerate(seeds):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"request {i}: seed must be an int, got {s!r}")
+        check_sampling(temps[i], ks[i], ps[i], where=f"request {i}: ")
     requests = []
     for i, (prompt, limit) in enumerate(zip(prompts, limits)):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
@@ -137,5 +169,16 @@ def make_requests(
                 f"max_new_tokens, or build the engine with a larger max_seq_len (at most the "
                 f"model's {max_positions} positions)"
             )
-        requests.append(Request(i, ids, limit, isinstance(prompt, str)))
+        requests.append(
+            Request(
+                i,
+                ids,
+                limit,
+                isinstance(prompt, str),
+                temperature=float(temps[i]),
+                top_k=ks[i],
+                top_p=float(ps[i]),
+                seed=seeds[i],
+            )
+        )
     return requests
