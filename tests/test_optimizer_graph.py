@@ -417,3 +417,145 @@ def test_megatron_protocol_skips_nonfinite_bitwise(backend, device):
     ref_model, ref_opt, _ = megatron_like_run(backend, device, "graph_safe_eager", bad={5})
     assert_same_training_state(model, opt, ref_model, ref_opt)
     assert graph.skipped_steps == 1
+
+
+# -- on the GPU: no host sync over 20 replays; megatron-core's real optimizer ------------------
+
+
+@pytest.mark.cuda
+def test_no_host_sync_over_20_replays():
+    """torch.cuda.set_sync_debug_mode("error") stays silent over 20 optimizer-graph replays."""
+    device = torch.device("cuda")
+    model = make_model(device)
+    graph = tgraph.OptimizerGraph(make_optimizer(model, device), clip_grad_norm=1.0)
+    batches = make_batches(device, 22)
+    for x, y in batches[:2]:
+        loss = model(x, y)[1]
+        loss.backward()
+        graph.step(loss)
+    assert graph.captured
+    for x, y in batches[2:]:
+        loss = model(x, y)[1]
+        loss.backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.step(loss)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert graph.skipped_steps == 0
+
+
+MDIMS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32)
+
+
+def megatron_run(mode: str, steps: int = 10, bad=()):
+    """megatron GPTModel + DDP + get_megatron_optimizer(adam); NaN planted into a main_grad.
+
+    mode: "megatron" (its own step, with host syncs), "safe" (graph_safe_step, eager),
+    "layer+opt" (per-layer graphs + MegatronOptimizerGraph), "full" (FullIterationGraph).
+    A step in ``bad`` is planted with NaN; the eager modes do not step it.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tgraph.integrations import megatron as tm
+
+    tm.init_single_gpu()
+    model = tm.build_gpt(**MDIMS)
+    mopt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [model])
+    poison = torch.ones((), device="cuda")  # 1.0 (an exact product) or NaN
+    first = next(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        [tuple(torch.randint(0, 256, (4, 32), generator=g).cuda() for _ in range(2))]
+        for _ in range(steps)
+    ]
+
+    def fwd_bwd(mb):
+        loss = tm.forward_backward(model, mb)
+        first.main_grad.mul_(poison)
+        return loss
+
+    def full_step(mb):
+        loss = fwd_bwd(mb)
+        tm.graph_safe_step(mopt)
+        return loss.detach()
+
+    if mode in ("safe", "full"):
+        tm.make_graph_safe(mopt)
+    graph = None
+    if mode == "layer+opt":
+        tm.enable_layer_graphs(model, strict=True)
+        graph = tm.MegatronOptimizerGraph(mopt)
+    if mode == "full":
+        graph = tgraph.FullIterationGraph(full_step, warmup_steps=3, skip_nonfinite=True)
+    losses = []
+    for i, mb in enumerate(batches):
+        poison.fill_(float("nan") if i in bad else 1.0)
+        mopt.zero_grad()
+        if mode == "full":
+            losses.append(graph(mb))
+            continue
+        loss = fwd_bwd(mb)
+        losses.append(loss.detach())
+        if mode == "layer+opt":
+            graph.step(loss)
+            if i == 0:
+                tgraph.create_graphs()
+        elif i not in bad:
+            mopt.step() if mode == "megatron" else tm.graph_safe_step(mopt)
+    if mode == "layer+opt":
+        tgraph.reset()
+        tgraph.disable(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    states = [
+        {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+        for sub in getattr(mopt, "chained_optimizers", [mopt])
+        for st in sub.optimizer.state.values()
+    ]
+    return torch.stack(losses), params, states, graph
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["layer+opt", "full"])
+def test_megatron_optimizer_losses_equal_megatron_eager(mode):
+    ref, ref_params, _, _ = megatron_run("megatron")
+    got, params, _, graph = megatron_run(mode)
+    # capturable Adam computes the bias correction in fp32 on the device, megatron's eager
+    # (capturable=False) in double on the host; the clip coefficient likewise: rounding only.
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(params, ref_params, rtol=1e-4, atol=1e-5)
+    assert graph.skipped_steps == 0
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["layer+opt", "full"])
+def test_megatron_planted_nan_is_skipped(mode):
+    _, ref_params, ref_states, _ = megatron_run("safe", bad={6})
+    _, params, states, graph = megatron_run(mode, bad={6})
+    assert graph.skipped_steps == 1
+    if mode == "full":  # the very kernels of the eager run: bitwise
+        for i, (a, b) in enumerate(zip(params, ref_params)):
+            assert torch.equal(a, b), f"parameter {i} differs from eager"
+        for i, (a, b) in enumerate(zip(states, ref_states)):
+            for k in b:
+                assert torch.equal(a[k], b[k]), f"optimizer state {i} {k!r} differs from eager"
+    else:  # per-layer graphs add gradients into main_grad inside the graph: rounding only
+        torch.testing.assert_close(params, ref_params, rtol=1e-5, atol=1e-6)
+        for a, b in zip(states, ref_states):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+def test_megatron_host_syncing_settings_are_refused():
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tgraph.integrations import megatron as tm
+
+    tm.init_single_gpu()
+    model = tm.build_gpt(**MDIMS)
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, log_num_zeros_in_grad=True)
+    with pytest.raises(ValueError, match="log_num_zeros_in_grad"):
+        tm.make_graph_safe(get_megatron_optimizer(cfg, [model]))
