@@ -13,7 +13,6 @@ from test_layer_parity import check_gradient_accumulation
 
 import tgraph
 from tgraph import rng
-from tgraph.runner import Runner
 from tgraph.unit import GraphedUnit
 
 # ----------------------------------------------------------------- planted bugs
@@ -30,7 +29,7 @@ def check_parity(backend, device):
 def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
     check_parity(backend, device)
     tgraph.reset()
-    monkeypatch.setattr(Runner, "copy_inputs", lambda self, tensors: True)  # never copies
+    monkeypatch.setattr(GraphedUnit, "_copy_inputs", lambda self, tensors: True)  # no copy
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         check_parity(backend, device)
 

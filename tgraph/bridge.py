@@ -16,12 +16,10 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from tgraph.record import Flight
-
 
 class GraphedCall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, unit: Any, flight: Flight, *tensors: torch.Tensor):
+    def forward(ctx, unit: Any, flight: Any, *tensors: torch.Tensor):
         unit.fwd_graph.replay()
         ctx.unit, ctx.flight = unit, flight
         # An output the loss did not use gets None, not zeros: then the parameters only it
@@ -64,18 +62,3 @@ class GraphedCall(torch.autograd.Function):
         unit.after_backward()
         flight.land()
         return (None, None, *unit.grads_for_autograd(active=active))
-
-
-def hold_while_alive(unit: Any, outputs: list[torch.Tensor]) -> None:
-    """Keep ``unit`` in flight while any of ``outputs`` is alive.
-
-    A call without backward (no_grad, frozen or parameter-free modules) has no backward to wait
-    for, yet its outputs are the static buffers the next replay overwrites: ``a = enc(x1);
-    b = enc(x2)`` must not make ``a`` equal ``b``. While an output lives, the next call gets
-    another unit (recording) or runs eagerly with a warning (after capture). Views taken
-    of an output and kept after the output itself is dropped are not tracked.
-    """
-    if outputs:
-        flight = Flight(unit, held=True)
-        for o in outputs:
-            o._tgraph_flight = flight

@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from tgraph import bridge
 from tgraph.backend import GraphFactory, explain_capture_failure, resolve_backend
 from tgraph.grads import StateSnapshot
-from tgraph.record import Flight, NoteBackward, Record
+from tgraph.record import NoteBackward, Record
 from tgraph.runner import Runner
 from tgraph.segment import Segment, mergeable_chains
 from tgraph.signature import MutableArgument, call_key, difference, split
-from tgraph.unit import graphed_region, inside_graphed_region
+from tgraph.unit import Flight, graphed_region, hold_while_alive, inside_graphed_region
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +143,8 @@ class _Manager:
             for i, t in zip(idx, noted):
                 outs[i] = t
             out = template.fill(outs)
-        else:  # no backward: the runner stays busy while its outputs live (see bridge.replay)
-            bridge.hold_while_alive(runner, [o for o in outs if all(o is not t for t in inputs)])
+        else:  # no backward: the runner stays busy while its outputs live
+            hold_while_alive(runner, [o for o in outs if all(o is not t for t in inputs)])
         self.record.note_outputs(runner, outs)
         return out
 

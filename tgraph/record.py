@@ -8,7 +8,7 @@ makes one shared memory pool safe (a graph only reuses memory that, in the real 
 by the time it runs).
 
 A runner is *in flight* from its forward until its backward has run (or its autograd graph has
-been freed without one). :class:`Flight` tokens implement that; a call never reuses a runner in
+been freed without one). :class:`tgraph.unit.Flight` tokens implement that; a call never reuses a runner in
 flight, because its buffers still hold the activations its backward needs.
 """
 
@@ -19,44 +19,9 @@ from typing import Any, Literal
 
 import torch
 
-Runner = Any  # a tgraph.runner.Runner (or a merged stack); not imported: no import cycle
+Runner = Any  # a tgraph.runner.Runner; not imported (no import cycle)
 
 Phase = Literal["fwd", "bwd"]
-
-
-class Flight:
-    """Marks ``runner`` in flight while this token (held by an autograd node) is alive.
-
-    Args:
-        runner: a runner or a merged stack.
-        held: in flight because the outputs of a call without backward are alive, not because
-            a backward is awaited.
-
-    A captured runner's flight is also entered in its pool's :class:`tgraph.pool.PoolLedger`,
-    which checks that no replay overwrites memory the runner still needs.
-    """
-
-    __slots__ = ("runner", "ledger", "__weakref__")
-
-    def __init__(self, runner: Runner, held: bool = False) -> None:
-        self.runner = runner
-        runner.flight = id(self)
-        runner.held = held
-        # a held call's outputs are guarded by tgraph.pool.LiveOutputs, not by its flight
-        self.ledger = runner.ledger if runner.captured and not held else None
-        if self.ledger is not None:
-            self.ledger.enter(self, runner)
-
-    def land(self) -> None:
-        if self.runner.flight == id(self):
-            self.runner.flight = None
-            self.runner.held = False
-        if self.ledger is not None:
-            self.ledger.leave(self)
-            self.ledger = None
-
-    def __del__(self) -> None:  # autograd graph freed without a backward
-        self.land()
 
 
 class Record:
@@ -107,7 +72,7 @@ class NoteBackward(torch.autograd.Function):
     """Identity on the outputs of a recorded call; its backward logs ``(runner, "bwd")``."""
 
     @staticmethod
-    def forward(ctx, record: Record, flight: Flight, *outputs: torch.Tensor):
+    def forward(ctx, record: Record, flight: Any, *outputs: torch.Tensor):  # a unit.Flight
         ctx.record = record
         ctx.flight = flight
         # clones, not views: the caller may modify a recorded output in place, as in eager mode

@@ -86,16 +86,6 @@ class Runner(GraphedUnit):
         """The call's return value, in the structure the module returned."""
         return self.out_template.fill(tensors)
 
-    def copy_inputs(self, tensors: list[torch.Tensor]) -> bool:
-        """Copy live inputs into the static buffers. False if a shared buffer would be clobbered."""
-        for buf, shared, x in zip(self.static_inputs, self.shared_inputs, tensors):
-            if x.data_ptr() == buf.data_ptr() and x.stride() == buf.stride():
-                continue  # already the buffer: layer i's output is layer i+1's input
-            if shared:
-                return False  # the buffer is another runner's output; writing it would corrupt it
-            buf.detach().copy_(x)
-        return True
-
     # ----------------------------------------------------------------- capture
     def _prepare_capture(self) -> None:
         self.static_inputs = [self._static_input(i, s) for i, s in enumerate(self.samples)]

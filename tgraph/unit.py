@@ -38,7 +38,7 @@ import torch
 
 from tgraph import rng
 from tgraph.backend import GraphFactory, RefuseHostSync
-from tgraph.bridge import GraphedCall, hold_while_alive
+from tgraph.bridge import GraphedCall
 from tgraph.grads import (
     MainGradFlags,
     MainGradFusion,
@@ -47,7 +47,6 @@ from tgraph.grads import (
     reached_leaves,
 )
 from tgraph.pool import LiveOutputs
-from tgraph.record import Flight
 
 _depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
 
@@ -65,6 +64,56 @@ def graphed_region() -> Iterator[None]:
 
 def inside_graphed_region() -> bool:
     return _depth > 0
+
+
+class Flight:
+    """Marks ``runner`` in flight while this token (held by an autograd node) is alive.
+
+    Args:
+        runner: a runner or a merged stack.
+        held: in flight because the outputs of a call without backward are alive, not because
+            a backward is awaited.
+
+    A captured runner's flight is also entered in its pool's :class:`tgraph.pool.PoolLedger`,
+    which checks that no replay overwrites memory the runner still needs.
+    """
+
+    __slots__ = ("runner", "ledger", "__weakref__")
+
+    def __init__(self, runner: Any, held: bool = False) -> None:
+        self.runner = runner
+        runner.flight = id(self)
+        runner.held = held
+        # a held call's outputs are guarded by tgraph.pool.LiveOutputs, not by its flight
+        self.ledger = runner.ledger if runner.captured and not held else None
+        if self.ledger is not None:
+            self.ledger.enter(self, runner)
+
+    def land(self) -> None:
+        if self.runner.flight == id(self):
+            self.runner.flight = None
+            self.runner.held = False
+        if self.ledger is not None:
+            self.ledger.leave(self)
+            self.ledger = None
+
+    def __del__(self) -> None:  # autograd graph freed without a backward
+        self.land()
+
+
+def hold_while_alive(unit: Any, outputs: list[torch.Tensor]) -> None:
+    """Keep ``unit`` in flight while any of ``outputs`` is alive.
+
+    A call without backward (no_grad, frozen or parameter-free modules) has no backward to wait
+    for, yet its outputs are the static buffers the next replay overwrites: ``a = enc(x1);
+    b = enc(x2)`` must not make ``a`` equal ``b``. While an output lives, the next call gets
+    another unit (recording) or runs eagerly with a warning (after capture). Views taken
+    of an output and kept after the output itself is dropped are not tracked.
+    """
+    if outputs:
+        flight = Flight(unit, held=True)
+        for o in outputs:
+            o._tgraph_flight = flight
 
 
 def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.device) -> None:
@@ -262,7 +311,7 @@ class GraphedUnit:
         unsafe = self.ledger.unsafe_forward(self)
         if unsafe is not None:
             return unsafe
-        if not self.head.copy_inputs(tensors):
+        if not self._copy_inputs(tensors):
             return (
                 "an input captured as another graphed module's output buffer arrived as a "
                 "different tensor"
@@ -276,6 +325,18 @@ class GraphedUnit:
             outs = list(GraphedCall.apply(self, flight, *tensors, *self.autograd_params))
         LiveOutputs(self.ledger, self, outs)  # no other graph overwrites them (tgraph.pool)
         return outs
+
+    def _copy_inputs(self, tensors: list[torch.Tensor]) -> bool:
+        """Copy live inputs into the head's static buffers; False if a shared buffer (another
+        unit's static output) would be overwritten."""
+        head = self.head
+        for buf, shared, x in zip(head.static_inputs, head.shared_inputs, tensors):
+            if x.data_ptr() == buf.data_ptr() and x.stride() == buf.stride():
+                continue  # already the buffer: layer i's output is layer i+1's input
+            if shared:
+                return False  # the buffer is another runner's output; writing it would corrupt it
+            buf.detach().copy_(x)
+        return True
 
     def grads_for_autograd(
         self, clone: bool = True, active: tuple[bool, ...] | None = None
