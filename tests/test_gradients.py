@@ -1,0 +1,125 @@
+"""What a replay reads and hands back: static inputs refreshed, parameter gradients never the
+static memory, None (not zeros) for outputs the loss did not use, outputs not modified in place."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from layer_models import ATOL, RTOL, gpt_batches, tiny_gpt, train, twin
+from test_layer_parity import check_gradient_accumulation
+from test_signature import Scaled
+
+import tgraph
+from tgraph.grads import UnusedOutputs
+from tgraph.unit import GraphedUnit
+
+
+def check_parity(backend, device):
+    model = tiny_gpt(device)
+    batches = gpt_batches(device, 4)
+    losses, _ = train(twin(model), batches, graphed=True, backend=backend)
+    ref, _ = train(model, batches, graphed=False)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=RTOL, atol=ATOL)
+
+
+def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
+    check_parity(backend, device)
+    tgraph.reset()
+    monkeypatch.setattr(GraphedUnit, "_copy_inputs", lambda self, tensors: True)  # no copy
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        check_parity(backend, device)
+
+
+def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypatch):
+    # What torch.cuda.make_graphed_callables does (pytorch issue 181723): detached aliases let
+    # AccumulateGrad adopt the static buffer as .grad; the next microbatch overwrites it.
+    real = GraphedUnit.grads_for_autograd
+    monkeypatch.setattr(
+        GraphedUnit,
+        "grads_for_autograd",
+        lambda self, clone=True, active=None: real(self, False, active),
+    )
+    with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
+        check_gradient_accumulation(backend, device)
+
+
+def test_inplace_change_of_an_output_before_backward_is_an_error(backend, device):
+    torch.manual_seed(0)
+    mod = Scaled().to(device)
+    tgraph.enable(mod, backend=backend)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    mod(x).sum().backward()
+    tgraph.create_graphs()
+    y = mod(x)
+    with torch.no_grad():
+        y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place after its forward"):
+        y.sum().backward()
+
+
+class TwoOut(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def two_out_steps(mod, x, graphed: bool, backend: str):
+    opt = torch.optim.AdamW(mod.parameters(), lr=0.1)
+    grads = []
+    for step in range(4):  # b used at steps 0 (recorded) and 1, unused at steps 2 and 3
+        a, b = mod(x)
+        (a.sum() + b.sum() if step < 2 else a.sum()).backward()
+        grads.append((mod.b.weight.grad, None if x.grad is None else x.grad.clone()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        if graphed and step == 0:
+            tgraph.create_graphs()
+    return grads
+
+
+def test_unused_output_gives_no_gradient(backend, device):
+    torch.manual_seed(0)
+    mod = TwoOut().to(device)
+    eager = copy.deepcopy(mod)
+    tgraph.enable(mod, backend=backend, strict=True)
+    x = torch.randn(8, 4, device=device, requires_grad=True)
+    got = two_out_steps(mod, x, True, backend)
+    want = two_out_steps(eager, x, False, backend)
+    torch.testing.assert_close(got[1], want[1], rtol=RTOL, atol=ATOL)
+    for (gb, gx), (wb, wx) in zip(got[2:], want[2:]):
+        assert wb is None and gb is None, "b is reached only through the unused output"
+        torch.testing.assert_close(gx, wx, rtol=RTOL, atol=ATOL)  # a's path only
+    for p, q in zip(mod.parameters(), eager.parameters()):  # AdamW left b alone, as eagerly
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+
+
+def test_planted_bug_unused_output_gives_zeros_is_caught(backend, device, monkeypatch):
+    monkeypatch.setattr(UnusedOutputs, "none_positions", lambda self, active: [])
+    torch.manual_seed(0)
+    mod = TwoOut().to(device)
+    tgraph.enable(mod, backend=backend, strict=True)
+    x = torch.randn(8, 4, device=device, requires_grad=True)
+    got = two_out_steps(mod, x, True, backend)
+    assert torch.count_nonzero(got[2][0]) == 0  # zeros: the bug AdamW turns into drift
+
+
+def test_planted_bug_stale_grad_output_buffer_is_caught(backend, device, monkeypatch):
+    """The known-zero branch runs now: when b's gradient goes from used to unused, its buffer
+    must be zeroed, or x.grad keeps b's old contribution."""
+    from tgraph.runner import Runner
+
+    def never_zero(self, grads):
+        for buf, i in zip(self.static_grad_outputs, self._out_rg):
+            if grads[i] is not None:
+                buf.copy_(grads[i])
+
+    monkeypatch.setattr(Runner, "copy_grad_outputs", never_zero)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        test_unused_output_gives_no_gradient(backend, device)
