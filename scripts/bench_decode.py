@@ -2,13 +2,25 @@
 
     python scripts/bench_decode.py --batches 1,8,64 --steps 100 --out bench_out
     python scripts/bench_decode.py --smoke --out /tmp/smoke   # seconds, CPU, emulated graphs
+    python scripts/bench_decode.py --batches 1 --profile-batch 1 --out bench_out  # + profile
 
 Fixed-batch modes (same toy GPT, same prompts, greedy, one token per step):
   hand_eager   a static-KV decode step written in this script, run eagerly
   hand_graph   the same step captured by hand in one ``torch.cuda.CUDAGraph`` per batch size
   engine_eager / engine_graphs   ``tgraph.decode.DecodeEngine(use_graphs=False / True)``
   engine_graphs_no_lookahead     DecodeEngine graphs reading every step's tokens before the next
-  hf_generate  ``transformers`` LlamaForCausalLM of the same size, ``generate`` (eager)
+  engine_graphs_sampled          DecodeEngine graphs, sampling in the graph (T 0.8, top-k 40,
+                                 top-p 0.95, seeded): what in-graph sampling costs per step
+  hf_generate  ``transformers`` LlamaForCausalLM of the same size, ``generate`` (eager; only at
+               ``--hf-batches``)
+Time to first token (``--ttft``, batch 1, one prompt of ``--prompt-len``): ``generate(prompt, 1)``
+wall time, median of ``--ttft-repeats``: ttft_prefill_graphs (prefill graphs by token bucket),
+ttft_prefill_eager (decode graphs, eager prefill), ttft_engine_eager (no graphs), ttft_hf.
+Every row has its peak memory; engine rows carry the memory each captured graph added
+(``engine_stats.graph_bytes``). ``ratios`` in the JSON: each fixed-batch mode's ms/step over
+hand_graph's and HF's ms/step over it, and TTFT over ttft_prefill_eager's; ``goals`` checks the
+issue-18 targets. ``--profile-batch B`` writes torch.profiler tables of hand_graph and
+engine_graphs at batch B (``bench_decode_profile.txt``).
 Mixed workload: requests with different prompt and output lengths arriving over time, served by
 continuous batching (hand-written slots over one max-batch graph, and DecodeEngine): tokens/s,
 ms per step, padding waste, peak memory.
@@ -60,8 +72,11 @@ FIXED_MODES = [
     "engine_eager",
     "engine_graphs",
     "engine_graphs_no_lookahead",
+    "engine_graphs_sampled",
     "hf_generate",
 ]
+TTFT_MODES = ["ttft_prefill_graphs", "ttft_prefill_eager", "ttft_engine_eager", "ttft_hf"]
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.95, seed=0)
 MIXED_MODES = ["hand_continuous_eager", "hand_continuous_graph", "engine_eager", "engine_graphs"]
 
 
@@ -215,14 +230,14 @@ def _per_step_ms(run, n: int, device: torch.device, repeats: int) -> float | Non
     )  # noise larger than the decode steps: no number rather than a wrong one
 
 
-def make_engine(b: Bench, max_batch: int, use_graphs: bool, lookahead: bool = True):
+def make_engine(b: Bench, max_batch: int, use_graphs: bool, lookahead: bool = True, **extra):
     try:
         from tgraph.decode import DecodeEngine
     except ImportError as exc:
         raise Skip(f"tgraph.decode.DecodeEngine is not importable yet ({exc})") from exc
     synchronize(b.device)
     t0 = time.perf_counter()
-    kwargs = dict(max_batch_size=max_batch, max_seq_len=b.max_seq, use_graphs=use_graphs)
+    kwargs = dict(max_batch_size=max_batch, max_seq_len=b.max_seq, use_graphs=use_graphs, **extra)
     if not lookahead:
         kwargs["lookahead"] = False
     try:
@@ -249,26 +264,33 @@ def engine_stats(engine) -> dict | None:
 
 
 def fixed_engine(
-    b: Bench, batch: int, use_graphs: bool, repeats: int, lookahead: bool = True
+    b: Bench,
+    batch: int,
+    use_graphs: bool,
+    repeats: int,
+    lookahead: bool = True,
+    sampling: dict | None = None,
 ) -> dict:
     engine, setup_s = make_engine(b, batch, use_graphs, lookahead)
     prompts = b.prompts(batch)
     n = b.steps
-    tokens = engine.generate(prompts, n)  # also the warmup
+    kw = sampling or {}
+    tokens = engine.generate(prompts, n, **kw)  # also the warmup
     per_call = []
     for _ in range(repeats):
-        engine.generate(prompts, n)
+        engine.generate(prompts, n, **kw)
         per_call.append(engine_stats(engine) or {})
     stats = per_call[-1]
     if all("ms_per_step" in st for st in per_call):
         ms, method = statistics.median(st["ms_per_step"] for st in per_call), "engine stats"
     else:
-        run = lambda k: engine.generate(prompts, k)  # noqa: E731
+        run = lambda k: engine.generate(prompts, k, **kw)  # noqa: E731
         ms, method = _per_step_ms(run, n, b.device, repeats), "(T(n)-T(1))/(n-1) of generate"
     return {
         "ms_median": ms,
         "capture_s": stats.get("capture_seconds", setup_s),
-        "tokens": [list(t)[-n:] for t in tokens],
+        # sampled tokens are not comparable with greedy hand_eager: no agreement column
+        **({} if sampling else {"tokens": [list(t)[-n:] for t in tokens]}),
         "engine_stats": stats,
         "engine_ms_per_step": stats.get("ms_per_step"),
         "method": f"{method}: decode steps of generate(), wall incl. the per-step host read "
@@ -277,7 +299,7 @@ def fixed_engine(
     }
 
 
-def fixed_hf(b: Bench, batch: int, repeats: int) -> dict:
+def hf_model(b: Bench):
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as exc:
@@ -296,6 +318,11 @@ def fixed_hf(b: Bench, batch: int, repeats: int) -> dict:
     model = LlamaForCausalLM(cfg).to(b.device).eval()
     model.generation_config.eos_token_id = None  # never stop early: every call decodes n tokens
     model.generation_config.pad_token_id = 0
+    return model
+
+
+def fixed_hf(b: Bench, batch: int, repeats: int) -> dict:
+    model = hf_model(b)
     ids = torch.tensor(b.prompts(batch), device=b.device)
     mask = torch.ones_like(ids)
 
@@ -314,20 +341,65 @@ def fixed_hf(b: Bench, batch: int, repeats: int) -> dict:
     }
 
 
+def ttft(b: Bench, mode: str, repeats: int) -> dict:
+    """Median wall time of one request's prompt to its first token on the host."""
+    prompt = b.prompts(1)
+    if mode == "ttft_hf":
+        model = hf_model(b)
+        ids = torch.tensor(prompt, device=b.device)
+
+        def first() -> None:
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1)
+
+        stats = {}
+    else:
+        graphs = mode != "ttft_engine_eager"
+        extra = {} if mode == "ttft_prefill_graphs" else {"prefill_sizes": []}
+        engine, _ = make_engine(b, 1, graphs, **extra)
+
+        def first() -> None:
+            engine.generate(prompt, 1)
+
+        stats = None
+    first()  # warmup
+    ms = 1e3 * statistics.median(_timed(first, b.device, 1) for _ in range(repeats))
+    if stats is None:
+        stats = engine_stats(engine) or {}
+    return {
+        "ms_median": ms,
+        "ttft_ms": ms,
+        "capture_s": stats.get("capture_seconds"),
+        "engine_stats": stats or None,
+        "method": "wall of generate(prompt, 1) incl. the host read of the first token, "
+        f"synchronized, median of {repeats}",
+    }
+
+
 def run_fixed(b: Bench, mode: str, batch: int, repeats: int) -> dict:
     row = {"workload": f"batch {batch}", "batch": batch, "mode": mode, "status": "ok", "reason": ""}
+    if mode.startswith("ttft_"):
+        row["workload"] = f"ttft prompt {b.prompt_len}"
     base = fresh_memory(b.device)
     try:
         if mode in ("hand_eager", "hand_graph"):
             res = fixed_hand(b, batch, mode == "hand_graph")
+        elif mode.startswith("ttft_"):
+            res = ttft(b, mode, repeats)
         elif mode.startswith("engine_"):
             res = fixed_engine(
-                b, batch, mode != "engine_eager", repeats, lookahead=not mode.endswith("lookahead")
+                b,
+                batch,
+                mode != "engine_eager",
+                repeats,
+                lookahead=not mode.endswith("lookahead"),
+                sampling=SAMPLED if mode.endswith("sampled") else None,
             )
         else:
             res = fixed_hf(b, batch, repeats)
         synchronize(b.device)
         row.update(res, peak_mem_mib=peak_memory_mib(b.device, since=base))
+        # ttft rows: first tokens per second (one request)
         row["tokens_per_s"] = batch * 1e3 / row["ms_median"] if row["ms_median"] else None
         if row["ms_median"] is None:  # _per_step_ms: timing noise larger than the decode steps
             row.update(status="skipped", reason="timing noise larger than the decode steps")
@@ -524,6 +596,47 @@ def add_parity(rows: list[dict]) -> None:
         r.pop("tokens", None)  # keep the JSON small
 
 
+def add_ratios(rows: list[dict]) -> tuple[dict, dict]:
+    """Per fixed-batch mode: ms over hand_graph's, HF's ms over its; TTFT over eager prefill's.
+    Returns (ratios, goals): the issue-18 targets and whether the numbers meet them."""
+
+    def ms(workload: str, mode: str) -> float | None:
+        r = next((x for x in rows if x["workload"] == workload and x["mode"] == mode), None)
+        return r.get("ms_median") if r and r["status"] == "ok" else None
+
+    ratios: dict = {}
+    for r in rows:
+        if r["status"] != "ok" or not r.get("ms_median") or r["workload"] == "mixed":
+            continue
+        if r["workload"].startswith("ttft"):
+            base = ms(r["workload"], "ttft_prefill_eager")
+            r["x_ttft_prefill_eager"] = r["ms_median"] / base if base else None
+            ratios[f"{r['workload']}/{r['mode']}"] = {"x_prefill_eager": r["x_ttft_prefill_eager"]}
+            continue
+        hand, hf = ms(r["workload"], "hand_graph"), ms(r["workload"], "hf_generate")
+        r["x_hand_graph"] = r["ms_median"] / hand if hand else None
+        r["hf_speedup"] = hf / r["ms_median"] if hf else None
+        ratios[f"{r['workload']}/{r['mode']}"] = {
+            "x_hand_graph": r["x_hand_graph"],
+            "hf_speedup": r["hf_speedup"],
+        }
+    goals = {}
+    for r in rows:
+        if r["mode"] == "engine_graphs" and r.get("x_hand_graph") is not None:
+            x = r["x_hand_graph"]
+            goals[f"{r['workload']}: engine_graphs <= 1.05x hand_graph"] = [round(x, 3), x <= 1.05]
+            if r["batch"] == 1 and r.get("hf_speedup") is not None:
+                h = r["hf_speedup"]
+                goals["batch 1: engine_graphs >= 10x hf_generate"] = [round(h, 2), h >= 10]
+        if r["mode"] == "ttft_prefill_graphs" and r.get("x_ttft_prefill_eager") is not None:
+            x = r["x_ttft_prefill_eager"]
+            goals[f"{r['workload']}: prefill graphs <= 0.5x eager prefill"] = [
+                round(x, 3),
+                x <= 0.5,
+            ]
+    return ratios, goals
+
+
 def markdown(payload: dict) -> str:
     meta = payload["meta"]
     parts = [
@@ -534,6 +647,13 @@ def markdown(payload: dict) -> str:
         f"Model: {meta['model']}. Prompt length {meta['prompt_len']}, {meta['steps']} "
         f"decode steps after {meta['warmup']} warmup steps; greedy. {meta['notes']}",
     ]
+    if payload.get("goals"):
+        parts += ["", "## Goals (issue 18)", ""]
+        parts.append(
+            markdown_table(
+                ["goal", "measured", "met"], [[k, v[0], v[1]] for k, v in payload["goals"].items()]
+            )
+        )
     headers = [
         "mode",
         "ms/step",
@@ -552,13 +672,16 @@ def markdown(payload: dict) -> str:
         )
         parts += ["", f"## {wl}", ""]
         h = headers if wl != "mixed" else headers[:3] + ["padding waste"] + headers[4:]
+        if wl.startswith("ttft"):
+            h = ["mode", "TTFT ms", "first tok/s", "x prefill eager"] + headers[4:]
         table = []
         for r in rows:
-            third = (
-                r.get("padding_waste")
-                if wl == "mixed"
-                else (r["ms_median"] / graph if graph and r.get("ms_median") else None)
-            )
+            if wl == "mixed":
+                third = r.get("padding_waste")
+            elif wl.startswith("ttft"):
+                third = r.get("x_ttft_prefill_eager")
+            else:
+                third = r["ms_median"] / graph if graph and r.get("ms_median") else None
             table.append(
                 [
                     r["mode"],
@@ -575,10 +698,64 @@ def markdown(payload: dict) -> str:
     return "\n".join(parts)
 
 
+def profile(b: Bench, batches: list[int], out: str, steps: int = 20) -> None:
+    """torch.profiler tables of hand_graph and engine_graphs steps at each batch size (where the
+    engine's step costs more than the hand-written loop: host time, copies, extra kernels)."""
+    parts = []
+    for batch in batches:
+        parts += _profile_batch(b, batch, steps)
+    path = os.path.join(out, "bench_decode_profile.txt")
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n\n".join(parts) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
+def _profile_batch(b: Bench, batch: int, steps: int) -> list[str]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if b.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sort = "self_cuda_time_total" if b.device.type == "cuda" else "self_cpu_time_total"
+    parts = []
+    kv = StaticKV(b.model, batch, b.max_seq)
+    for row, p in enumerate(b.prompts(batch)):
+        kv.prefill_row(row, p)
+    step = HandStep(kv, True, b.device)
+    for _ in range(3):
+        kv.advance(step())
+    synchronize(b.device)
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            kv.advance(step())
+        synchronize(b.device)
+    parts += [f"== hand_graph, batch {batch}, {steps} steps ==", _table(prof, sort)]
+    engine, _ = make_engine(b, batch, True)
+    prompts = b.prompts(batch)
+    engine.generate(prompts, steps)
+    synchronize(b.device)
+    with torch_profile(activities=activities) as prof:
+        engine.generate(prompts, steps)
+        synchronize(b.device)
+    parts += [f"== engine_graphs generate, batch {batch}, {steps} tokens ==", _table(prof, sort)]
+    return parts
+
+
+def _table(prof, sort: str) -> str:
+    return prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--modes", default=",".join(FIXED_MODES))
+    p.add_argument("--hf-batches", default="1", help="batches at which hf_generate runs")
+    p.add_argument("--ttft-modes", default=",".join(TTFT_MODES))
+    p.add_argument("--no-ttft", action="store_true")
+    p.add_argument("--ttft-repeats", type=int, default=20)
+    p.add_argument("--profile-batch", default="", help="profile these batch sizes (e.g. 1,64)")
     p.add_argument("--mixed-modes", default=",".join(MIXED_MODES))
     p.add_argument("--no-mixed", action="store_true")
     p.add_argument("--mixed-requests", type=int, default=96)
@@ -596,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         dims, a.device, a.batches, a.steps, a.warmup = DIMS["smoke"], "cpu", "1,3", 4, 2
         a.prompt_len, a.mixed_requests, a.mixed_max_batch, a.repeats = 5, 6, 2, 1
+        a.ttft_repeats, a.hf_batches = 2, "1,3"
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     max_prompt, max_new = max(a.prompt_len, 48), 96 if not a.smoke else 8
     max_seq = max(a.prompt_len + a.warmup + a.steps, max_prompt + max_new) + 8
@@ -610,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> dict:
         rows = [dict(r) for r in results]  # parity on copies: the token lists stay for later rows
         add_parity(rows)
+        ratios, goals = add_ratios(rows)
         payload = {
             "meta": {
                 "env": env,
@@ -629,16 +808,28 @@ def main(argv: list[str] | None = None) -> int:
                 "idle row-steps / computed row-steps.",
                 "smoke": a.smoke,
             },
+            "ratios": ratios,
+            "goals": goals,
             "results": rows,
         }
         write_outputs(a.out, "bench_decode", payload, markdown(payload))
         return payload
 
+    hf_batches = {int(x) for x in a.hf_batches.split(",") if x}
     for batch in (int(x) for x in a.batches.split(",")):
         print(f"[batch {batch}]", flush=True)
         for m in a.modes.split(","):
+            if m == "hf_generate" and batch not in hf_batches:
+                continue
             results.append(run_fixed(b, m, batch, a.repeats))
             save()  # a run killed by a time limit keeps what it measured
+    if not a.no_ttft:
+        print(f"[time to first token, prompt {a.prompt_len}]", flush=True)
+        for m in a.ttft_modes.split(","):
+            results.append(run_fixed(b, m, 1, a.ttft_repeats))
+            save()
+    if a.profile_batch:
+        profile(b, [int(x) for x in a.profile_batch.split(",")], a.out)
     if not a.no_mixed:
         print(f"[mixed: {a.mixed_requests} requests, max batch {a.mixed_max_batch}]", flush=True)
         reqs = mixed_requests(a.mixed_requests, max_prompt if not a.smoke else 6, max_new, a.seed)
