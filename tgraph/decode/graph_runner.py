@@ -37,6 +37,10 @@ def free_memory(device: torch.device) -> str:
     return f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB"
 
 
+def reserved_memory(device: torch.device | None) -> int:
+    return torch.cuda.memory_reserved(device) if device is not None and device.type == "cuda" else 0
+
+
 class BucketGraphs:
     """Programs of one kind (decode or prefill), each captured as a graph when graphs are on.
 
@@ -45,7 +49,7 @@ class BucketGraphs:
         make_program: builds the program of a key ``(size, variant)``.
         keys: the keys to capture; sizes sorted largest first at capture.
         factory: the graph factory (one pool for all graphs of an engine); None: no graphs.
-        warmup: eager runs of the largest key before the first capture.
+        warmup: eager runs of each variant of the largest size before the first capture.
         progress: a tqdm bar over the captures.
     """
 
@@ -69,7 +73,8 @@ class BucketGraphs:
         self.graphs: dict[Hashable, tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.bytes: dict[Hashable, int] = {}
-        """CUDA memory each capture added (0 on the emulated backend)."""
+        """CUDA memory the allocator reserved for each capture (the pool's growth: outputs plus
+        temporaries no earlier graph's memory could hold; 0 on the emulated backend)."""
 
     def program(self, key: Hashable) -> Program:
         if key not in self._programs:
@@ -93,19 +98,20 @@ class BucketGraphs:
         try:
             with torch.no_grad(), factory.side_stream():
                 # Host syncs fail here with a clear error, before a CUDA capture is invalidated.
-                with RefuseHostSync():
-                    for _ in range(self.warmup):
-                        self.program(key)()
+                with RefuseHostSync():  # every variant of the largest size: lazy inits happen here
+                    for key in [k for k in self.keys if k[0] == self.keys[0][0]]:
+                        for _ in range(self.warmup):
+                            self.program(key)()
                 factory.synchronize()
                 bar = tqdm(self.keys, desc=f"capture {self.name} graphs", disable=not self.progress)
                 for key in bar:
                     bar.set_postfix(size=key[0], sampling=key[1])
-                    before = factory.memory_allocated()
+                    before = reserved_memory(device)
                     graph = factory.new_graph()
                     out = graph.capture(self.program(key))
                     self.graphs[key] = (graph, out)
                     factory.synchronize()
-                    self.bytes[key] = factory.memory_allocated() - before
+                    self.bytes[key] = reserved_memory(device) - before
             factory.synchronize()
         except BaseException as exc:
             self.graphs.clear()

@@ -20,7 +20,8 @@ class DecodeStats:
     pool_bytes: int = 0
     """CUDA memory the graphs' shared pool took (0 on the emulated backend or without graphs)."""
     graph_bytes: dict[str, int] = field(default_factory=dict)
-    """Memory each capture added, e.g. ``"decode 8 greedy"``, ``"prefill 32 sampling"``."""
+    """Memory the pool grew by at each capture, e.g. ``"decode 8 greedy"``,
+    ``"prefill 32 sampling"`` (largest first: smaller graphs mostly reuse the larger ones')."""
     prefills: int = 0
     prefill_seconds: float = 0.0
     """Wall time of the prefills, each up to its first token on the host (time to first token)."""
