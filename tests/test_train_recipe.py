@@ -157,8 +157,12 @@ def test_graph_modes_train_the_same_parameters(graph, run_cfg, device):
 
 def test_validation_without_recorded_eval_forward_falls_back(run_cfg, monkeypatch):
     """Planted bug: skip the recorded validation forward; validation then misses every graph."""
-    real = tg.evaluate
-    monkeypatch.setattr(tg, "evaluate", lambda m, b, env: 0.0 if len(b) == 1 else real(m, b, env))
+    from gpt_training import trainer  # recipes/gpt_training: on sys.path once the recipe loaded
+
+    real = trainer.evaluate
+    monkeypatch.setattr(
+        trainer, "evaluate", lambda m, b, env: 0.0 if len(b) == 1 else real(m, b, env)
+    )
     with pytest.warns(tgraph.GraphFallbackWarning, match="training changed from True to False"):
         tg.train(run_cfg("layer", graph="layer"))
 

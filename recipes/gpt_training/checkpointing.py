@@ -1,0 +1,305 @@
+"""Checkpoints: ``<out>/checkpoints/step_NNNNNN/{model files, trainer.pt}`` and the run directory's rules.
+
+A checkpoint holds the weights (``tgraph.checkpoint``: safetensors with a sha256 per tensor) and
+``trainer.pt`` (optimizer, step, every rank's RNG states, config), its sha256 recorded beside the
+weights'. Each is written to a temporary directory and renamed into place, so a killed run leaves
+only complete checkpoints; ``checkpoints/latest`` links the newest checkpoint of the current run.
+A fresh run never writes into a directory holding another run's checkpoints without
+``--overwrite``; a resume checks the checkpoint's config against the run's, except the run-only
+fields (``TrainConfig.run_only_fields``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tgraph import checkpoint
+from tgraph.checkpoint import CheckpointError
+from tgraph.data import BatchSampler
+
+from .config import TrainConfig
+from .parallel import DistEnv
+
+logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
+
+CHECKPOINT_FORMAT = 1
+
+
+class RunDirectoryError(CheckpointError):
+    """The command line does not fit what ``--out`` holds (exit code 2, like a bad argument)."""
+
+
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    dirs = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(dirs, key=_step_of)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[5:])
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` links (the newest of the current run), or None.
+
+    Without a usable link (a directory copied without it) the highest step stands in.
+    """
+    if not root.is_dir():
+        return None
+    try:
+        return checkpoint.find_checkpoint(root)
+    except FileNotFoundError:
+        return None
+
+
+def earlier_checkpoints_hint(path: Path) -> str:
+    """``--resume`` advice naming the newest checkpoint of ``path``'s run that precedes it."""
+    earlier = []
+    if path.name.startswith("step_") and path.name[5:].isdigit():
+        earlier = [d for d in _checkpoint_dirs(path.parent) if _step_of(d) < _step_of(path)]
+    if not earlier:
+        return "Resume from an earlier checkpoint (--resume DIR) or start a fresh run"
+    return f"Resume from an earlier checkpoint: --resume {earlier[-1]}"
+
+
+def resolve_resume(cfg: TrainConfig) -> Path | None:
+    """The checkpoint directory ``cfg.resume`` names, or None for a fresh run.
+
+    Raises:
+        CheckpointError: "latest" with no complete checkpoint under ``<out>/checkpoints``.
+    """
+    if not cfg.resume:
+        return None
+    if cfg.resume != "latest":
+        return Path(cfg.resume)
+    root = Path(cfg.out) / "checkpoints"
+    found = latest_checkpoint(root)
+    if found is None:
+        raise CheckpointError(
+            f"--resume latest: no checkpoint under {root}; expected directories step_NNNNNN "
+            "written by this recipe. Check --out, or start a fresh run without --resume."
+        )
+    return found
+
+
+def claim_run_directory(cfg: TrainConfig, resume_dir: Path | None, env: DistEnv) -> None:
+    """Make sure this run may write checkpoints under ``<out>/checkpoints``.
+
+    A fresh run into a directory that holds another run's checkpoints would interleave its
+    checkpoints with the old ones (pruning and ``latest`` would mix the two runs), so it is
+    refused unless ``--overwrite`` is given, which deletes them (rank 0, before any training).
+
+    Raises:
+        RunDirectoryError: the directory holds checkpoints this run does not continue, without
+            ``--overwrite``; or ``--overwrite`` would delete the checkpoint being resumed.
+    """
+    root = Path(cfg.out) / "checkpoints"
+    existing = _checkpoint_dirs(root) if root.is_dir() else []
+    if not existing:
+        return
+    continues = resume_dir is not None and resume_dir.resolve().parent == root.resolve()
+    if continues and cfg.overwrite:
+        raise RunDirectoryError(
+            f"--overwrite would delete {resume_dir}, the checkpoint you resume from: drop "
+            "--overwrite to continue the run, or drop --resume to start it afresh"
+        )
+    if continues:
+        return
+    newest = latest_checkpoint(root)
+    if not cfg.overwrite:
+        raise RunDirectoryError(
+            f"{cfg.out} already holds a run (newest checkpoint {newest}). Continue it with "
+            f"--resume latest (add --steps N to train longer), choose another --out, or pass "
+            "--overwrite to delete its checkpoints and start afresh"
+        )
+    if env.is_main:
+        logger.warning("--overwrite: deleting %d checkpoints under %s", len(existing), root)
+        for d in existing:
+            shutil.rmtree(d)
+        for name in ("latest", ".latest-tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                (root / name).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (Path(cfg.out) / "summary.json").unlink()
+    if env.world_size > 1:
+        dist.barrier()  # no rank starts before the old checkpoints are gone
+
+
+def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
+    """Load and check ``path/trainer.pt`` against the current run.
+
+    Returns:
+        The trainer state: ``step``, ``optimizer``, ``rng`` (one entry per rank), ``config``.
+
+    Raises:
+        CheckpointError: missing directory or file, unreadable file, or a configuration (or
+            world size) that differs from the checkpoint's in a field that changes the numbers.
+    """
+    if not path.is_dir():
+        raise CheckpointError(
+            f"no checkpoint at {path}: expected a directory written by recipes/train_gpt.py, "
+            f"e.g. {cfg.out}/checkpoints/step_000200, or --resume latest"
+        )
+    file = path / "trainer.pt"
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: trainer.pt is missing. This recipe renames a "
+            "checkpoint into place only once every file is written, so the directory was copied "
+            "or edited partially; resume from another checkpoint in its parent directory."
+        )
+    recorded = _recorded_trainer_sha256(path)
+    data = file.read_bytes()
+    if recorded is not None and hashlib.sha256(data).hexdigest() != recorded:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: the sha256 of {file} differs from the one recorded "
+            f"in {path / checkpoint.CONFIG_NAME} when it was saved. {earlier_checkpoints_hint(path)}"
+        )
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {file} cannot be read ({type(e).__name__}: {e}). "
+            f"{earlier_checkpoints_hint(path)}"
+        ) from e
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path}: trainer.pt has format {state.get('format') if isinstance(state, dict) else None!r},"
+            f" expected {CHECKPOINT_FORMAT}; it was not written by this version of the recipe"
+        )
+    may_change = cfg.run_only_fields()  # the RunOnly groups' fields (config.py)
+    diffs = [
+        f"{k}={state['config'].get(k)!r} in the checkpoint but {v!r} now"
+        for k, v in asdict(cfg).items()
+        if k not in may_change and state["config"].get(k) != v
+    ]
+    if state["world_size"] != world_size:
+        diffs.append(
+            f"world size {state['world_size']} in the checkpoint but {world_size} now "
+            "(each rank resumes its own data shard and RNG streams)"
+        )
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this run: {'; '.join(diffs)}. Resume with the "
+            f"checkpoint's settings (see {file.parent.parent.parent / 'config.json'}) or start a "
+            "fresh run with another --out."
+        )
+    return state
+
+
+def _recorded_trainer_sha256(path: Path) -> str | None:
+    """The sha256 of ``trainer.pt`` recorded in the checkpoint's config.json (None: not recorded)."""
+    with contextlib.suppress(FileNotFoundError, CheckpointError):
+        _, extra = checkpoint.read_config(path)
+        if isinstance(extra, dict) and isinstance(extra.get("trainer_sha256"), str):
+            return extra["trainer_sha256"]
+    return None  # a missing or corrupt config.json is reported when the weights load
+
+
+def load_model_weights(model: torch.nn.Module, path: Path) -> None:
+    """Copy the weights of checkpoint ``path`` into ``model`` (strict: names and shapes).
+
+    The weights' sha256 checksums are verified (``tgraph.checkpoint.load_state_dict``).
+
+    Raises:
+        CheckpointError: the model files are missing, damaged or of another shape.
+    """
+    try:
+        checkpoint.load_into(model, path)
+    except (FileNotFoundError, CheckpointError) as e:
+        raise CheckpointError(
+            f"cannot resume from {path}: {e}. {earlier_checkpoints_hint(path)}"
+        ) from e
+
+
+def rng_state(sampler: BatchSampler, device: torch.device) -> dict:
+    """This rank's generators: torch's CPU (dropout on a CPU), the data sampler's, CUDA's."""
+    state = {"cpu": torch.get_rng_state(), "data": sampler.state_dict()["generator"]}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, sampler: BatchSampler, device: torch.device) -> None:
+    """Restore what :func:`rng_state` saved."""
+    torch.set_rng_state(state["cpu"])
+    sampler.load_state_dict({"generator": state["data"]})
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sampler: BatchSampler,
+    cfg: TrainConfig,
+    env: DistEnv,
+    extra_meta: dict,
+    lr_decay_steps: int,
+) -> Path:
+    """Write ``root/step_NNNNNN`` atomically (every rank calls this: RNG states are gathered).
+
+    Files go to ``root/.tmp-step_NNNNNN``, are flushed to disk, and the directory is renamed into
+    place; ``root/latest`` is then re-pointed with an atomic symlink swap. ``trainer.pt`` is
+    written first and its sha256 recorded in ``config.json`` next to the weights' checksums.
+
+    Pruning keeps the ``keep_checkpoints`` newest checkpoints at or below ``step``: those of
+    this run. Higher steps (left by a run resumed from an earlier checkpoint) are never pruned
+    in their favour; this run replaces each of them when it writes that step.
+
+    Returns:
+        The checkpoint directory.
+    """
+    rngs = [rng_state(sampler, env.device)]
+    if env.world_size > 1:
+        rngs = [None] * env.world_size
+        dist.all_gather_object(rngs, rng_state(sampler, env.device))
+    final = root / f"step_{step:06d}"
+    if env.is_main:
+        tmp = root / f".tmp-{final.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "optimizer": opt.state_dict(),
+            "rng": rngs,
+            "config": asdict(cfg),
+            "world_size": env.world_size,
+            "lr_decay_steps": lr_decay_steps,
+        }
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        checkpoint.atomic_write_bytes(tmp / "trainer.pt", buf.getvalue())
+        meta = {"train_config": asdict(cfg), "step": step, **extra_meta}
+        meta["trainer_sha256"] = hashlib.sha256(buf.getvalue()).hexdigest()
+        checkpoint.save(model, tmp, extra=meta)
+        if final.exists():  # the same step written again (a resumed run): swap it out first
+            old = root / f".old-{final.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        link = root / ".latest-tmp"
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        link.symlink_to(final.name)
+        os.replace(link, root / "latest")
+        this_run = [d for d in _checkpoint_dirs(root) if _step_of(d) <= step]
+        for old in this_run[: -cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    if env.world_size > 1:
+        dist.barrier()  # nobody resumes from, or races ahead of, a half-written checkpoint
+    return final

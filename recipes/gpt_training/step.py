@@ -1,0 +1,170 @@
+"""One training step in the configured graph mode: all of the recipe's graph-mode code.
+
+``--graph none`` runs the step eagerly. ``layer`` graphs every transformer block
+(``tgraph.enable``): the first step runs eagerly and is recorded, together with one validation
+forward, then ``tgraph.create_graphs()`` captures and later calls replay. ``full`` captures
+forward, backward, the all-reduce and AdamW as one graph (``tgraph.FullIterationGraph``) after
+``FULL_WARMUP`` eager calls. The three modes run the same eager step function, so they compute
+the same numbers.
+
+Data parallelism depends on the mode too. Eager and per-layer graphs use DDP: per-layer graphs
+return parameter gradients through autograd, so DDP's hooks fire as usual. A full-iteration graph
+holds the whole step, and DDP's reducer (Python-side bucketing, rebuilt after the first
+iterations) does not belong in one: the step all-reduces one flat gradient buffer itself, inside
+the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tgraph
+from tgraph.backend import resolve_backend
+
+from .config import TrainConfig
+from .parallel import DistEnv, all_finite, synchronize
+
+logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
+
+FULL_WARMUP = 3  # eager calls of the full-iteration step before its capture (tgraph's default)
+
+
+class StepOutput(NamedTuple):
+    loss: torch.Tensor | None
+    """The step's loss (a device tensor, not read on the host), or None: --on-nonfinite skip
+    skipped the update. With --graph full it is the graph's static output: the next replay
+    overwrites it."""
+    capture_s: float | None
+    """Seconds this call spent capturing graphs; None when it captured none."""
+
+
+class TrainStep:
+    """Call once per optimizer step: ``step(x, y) -> StepOutput``. Build it with :func:`make_step`.
+
+    Attributes:
+        net: what the forward runs through: the model, or its DDP wrapper (eager and per-layer
+            graphs under torchrun).
+        backend: the graph backend in use ("cuda" or "emulated"), None when eager.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        env: DistEnv,
+        record_eval: Callable[[], object],
+    ) -> None:
+        self.cfg, self.opt, self.env = cfg, opt, env
+        self.params = list(model.parameters())
+        self.record_eval = record_eval
+        self.calls = 0
+        self.net: torch.nn.Module = model
+        if env.world_size > 1 and cfg.graph != "full":
+            self.net = DDP(
+                model, device_ids=[env.device.index] if env.device.type == "cuda" else None
+            )
+        elif env.world_size > 1:
+            for p in self.params:
+                dist.broadcast(p.data, src=0)  # what DDP's constructor does for the others
+        self.full_graph: tgraph.FullIterationGraph | None = None
+        if cfg.graph == "layer":
+            tgraph.enable(self.net, backend=cfg.backend)
+        elif cfg.graph == "full":
+            self.full_graph = tgraph.FullIterationGraph(
+                lambda batch: self.eager_step(*batch), warmup_steps=FULL_WARMUP, backend=cfg.backend
+            )
+        self.backend: str | None = None
+        if cfg.graph != "none":
+            with contextlib.suppress(ValueError):  # enable / FullIterationGraph report bad values
+                self.backend = resolve_backend(cfg.backend, env.device)
+        if self.backend == "emulated" and env.is_main:
+            logger.info(
+                "graphs are emulated (no GPU): tgraph's CPU stand-in for CUDA graphs runs the "
+                "same record/capture/replay code and catches the same bugs, but is not faster "
+                "than eager; the speed-up needs a GPU"
+            )
+
+    def eager_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step, run eagerly (or recorded, or captured); returns the loss, or None
+        when --on-nonfinite skip skipped it."""
+        cfg, env, params = self.cfg, self.env, self.params
+        self.opt.zero_grad(set_to_none=True)
+        _, loss = self.net(x, y)
+        loss.backward()
+        if env.world_size > 1 and cfg.graph == "full":
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # one all-reduce in all
+            dist.all_reduce(flat)
+            flat /= env.world_size
+            for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(chunk.view_as(p))
+        if cfg.on_nonfinite == "skip":
+            # The one host sync per step that skipping costs (never with --graph full). The
+            # gradients are all-reduced already; the flag is too, so every rank skips together.
+            grads = [p.grad for p in params if p.grad is not None]
+            if not all_finite([loss.detach(), *grads], env):
+                return None
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
+        self.opt.step()
+        return loss.detach()
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> StepOutput:
+        t0 = time.perf_counter()
+        first = self.calls == 0
+        self.calls += 1
+        if self.full_graph is None:
+            loss = self.eager_step(x, y)
+        else:
+            loss = self.full_graph((x, y))
+            if self.calls == FULL_WARMUP + 1:
+                synchronize(self.env.device)  # this call captured the graph and replayed it once
+                return StepOutput(loss, time.perf_counter() - t0)
+        if first and self.cfg.graph == "layer":
+            # Record one validation forward too (eval mode, no grad, validation's batch shape),
+            # so create_graphs() captures a graph for it and validation replays instead of
+            # falling back to eager with a warning. Its loss is discarded; it draws no RNG.
+            self.record_eval()
+            report = tgraph.create_graphs()  # logs the report
+            return StepOutput(loss, report.seconds)
+        return StepOutput(loss, None)
+
+    def close(self) -> None:
+        """Give the model back without per-layer graphs (the end of a successful run)."""
+        if self.cfg.graph == "layer":
+            tgraph.disable(self.net)
+
+
+def make_step(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    env: DistEnv,
+    record_eval: Callable[[], object],
+) -> TrainStep:
+    """The training step of ``cfg.graph``, with the data parallelism that mode needs.
+
+    Args:
+        cfg: the graph mode and backend, gradient clipping, non-finite handling.
+        model: the model on ``env.device``, every rank's copy identical or about to be made so
+            (DDP's constructor or a broadcast from rank 0, collectives every rank must reach).
+        opt: its optimizer, learning rates in device tensors (``optim.make_optimizer``).
+        env: rank, world size and device.
+        record_eval: runs one validation forward of ``model``; ``--graph layer`` calls it after
+            the first (recorded) step so validation gets its own graphs.
+
+    Returns:
+        The step; ``step.close()`` removes per-layer graphs at the end.
+
+    Raises:
+        ValueError: a backend tgraph cannot use on ``env.device`` (from tgraph).
+    """
+    return TrainStep(cfg, model, opt, env, record_eval)
