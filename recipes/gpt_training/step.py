@@ -39,9 +39,9 @@ FULL_WARMUP = 3  # eager calls of the full-iteration step before its capture (tg
 
 class StepOutput(NamedTuple):
     loss: torch.Tensor | None
-    """The step's loss (a device tensor, not read on the host), or None: --on-nonfinite skip
-    skipped the update. With --graph full it is the graph's static output: the next replay
-    overwrites it."""
+    """The step's loss (a detached device tensor, not read on the host; safe to keep: with
+    --graph full a clone of the graph's output), or None: --on-nonfinite skip skipped the
+    update."""
     capture_s: float | None
     """Seconds this call spent capturing graphs; None when it captured none."""
 
@@ -118,6 +118,8 @@ class TrainStep:
         return loss.detach()
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> StepOutput:
+        """Run one optimizer step; the call that captures graphs also reports their seconds
+        (``--graph layer``: the first; ``full``: call ``FULL_WARMUP + 1``)."""
         t0 = time.perf_counter()
         first = self.calls == 0
         self.calls += 1
