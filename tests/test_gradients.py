@@ -1,5 +1,6 @@
-"""What a replay reads and hands back: static inputs refreshed, parameter gradients never the
-static memory, None (not zeros) for outputs the loss did not use, outputs not modified in place."""
+"""What a replay reads and hands back: static inputs refreshed, parameter gradients handed over
+without a copy yet never overwritten while held, None (not zeros) for outputs the loss did not
+use, outputs not modified in place."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_layer_parity import check_gradient_accumulation
 from test_signature import Scaled
 
 import tgraph
-from tgraph.grads import UnusedOutputs
+from tgraph.grads import ParamGradPacking, UnusedOutputs
 from tgraph.unit import GraphedUnit
 
 
@@ -34,16 +35,52 @@ def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
 
 
 def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypatch):
-    # What torch.cuda.make_graphed_callables does (pytorch issue 181723): detached aliases let
-    # AccumulateGrad adopt the static buffer as .grad; the next microbatch overwrites it.
-    real = GraphedUnit.grads_for_autograd
-    monkeypatch.setattr(
-        GraphedUnit,
-        "grads_for_autograd",
-        lambda self, clone=True, active=None: real(self, False, active),
-    )
+    # What torch.cuda.make_graphed_callables does (pytorch issue 181723): .grad aliases the
+    # static buffer, and the next microbatch's replay overwrites it.
+    monkeypatch.setattr(ParamGradPacking, "rescue", lambda self: None)
     with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
         check_gradient_accumulation(backend, device)
+
+
+def test_usual_step_hands_over_gradients_without_a_copy(backend, device):
+    """backward, step, zero_grad(set_to_none=True): .grad is the static memory, never copied;
+    a gradient kept past the next replay (accumulation) gets its own copy first."""
+    torch.manual_seed(0)
+    mod = Scaled().to(device)
+    tgraph.enable(mod, backend=backend, strict=True)
+    x = torch.randn(4, 8, device=device)
+    mod(x).sum().backward()
+    mod.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    mod(x).sum().backward()
+    unit = next(iter(mod._tgraph.runners.values()))[0]
+    flat = unit.packing.flat.untyped_storage().data_ptr()
+    assert mod.lin.weight.grad.untyped_storage().data_ptr() == flat, "handed over, not copied"
+    first = mod.lin.weight.grad.clone()
+    mod(2 * x).sum().backward()  # accumulate: the first gradient was moved out before replay
+    assert mod.lin.weight.grad.untyped_storage().data_ptr() != flat
+    torch.testing.assert_close(mod.lin.weight.grad, 3 * first, rtol=RTOL, atol=ATOL)
+
+
+def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device):
+    """A hook's list or a loop variable keeps last step's gradient: the next replays move the
+    graph's memory out from under it instead of overwriting it."""
+    torch.manual_seed(0)
+    mod = Scaled().to(device)
+    tgraph.enable(mod, backend=backend, strict=True)
+    x = torch.randn(4, 8, device=device)
+    mod(x).sum().backward()
+    mod.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    kept = []
+    mod.lin.weight.register_hook(lambda g: kept.append(g))
+    for scale in (1.0, 2.0, 3.0):
+        mod(scale * x).sum().backward()
+        last = mod.lin.weight.grad  # a loop variable holding the gradient
+        mod.zero_grad(set_to_none=True)
+    torch.testing.assert_close(kept[1], 2 * kept[0], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(kept[2], 3 * kept[0], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(last, kept[2], rtol=RTOL, atol=ATOL)
 
 
 def test_inplace_change_of_an_output_before_backward_is_an_error(backend, device):

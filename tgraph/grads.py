@@ -176,13 +176,20 @@ class ParamGradPacking:
     """Parameter gradients leave a backward graph in one flat static buffer.
 
     The backward graph writes every parameter gradient into static memory that its next
-    replay overwrites, so autograd must not keep those buffers as ``.grad``
-    (``make_graphed_callables`` lets it: pytorch issue 181723). Handing autograd the static
-    buffers while holding a reference makes AccumulateGrad clone each one: one allocation and
-    one copy kernel per parameter per step. Instead, the captured backward packs all
-    gradients into one flat buffer (one in-graph copy), and each replay clones that buffer once
-    and hands autograd views of the clone, which AccumulateGrad adopts without copying. Exact
-    under gradient accumulation; one kernel launch instead of one per parameter.
+    replay overwrites (and that graphs captured before it may reuse, :mod:`tgraph.pool`).
+    Handing autograd per-parameter static buffers while holding a reference makes
+    AccumulateGrad clone each one: one allocation and one copy kernel per parameter per step.
+    Instead, the captured backward packs all gradients into one flat buffer (one in-graph copy)
+    and each replay hands autograd fresh views of it, which AccumulateGrad adopts as ``.grad``
+    without copying: no extra memory and no copy in the usual step (backward, optimizer step,
+    ``zero_grad(set_to_none=True)``).
+
+    Those ``.grad`` tensors then alias static memory, so before anything may overwrite it (this
+    unit's next backward, or a replay of a graph captured before it) :meth:`rescue` moves the
+    graph's memory out from under every tensor still viewing it, which keeps a copy: gradient
+    accumulation stays exact, unlike ``make_graphed_callables``, whose aliases are overwritten
+    (pytorch issue 181723). Aliases are counted on the buffer's storage, so a gradient kept
+    anywhere (``.grad``, a hook's list, a loop variable) is protected alike.
     """
 
     def __init__(self) -> None:
@@ -190,6 +197,7 @@ class ParamGradPacking:
         self._n = 0
         self._index: list[int] = []
         self._shapes: list[torch.Tensor] = []  # meta tensors: the shapes to unflatten into
+        self._baseline = 0
 
     def pack(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Inside the captured function: gradients -> [flat] (or unchanged if not packable)."""
@@ -202,12 +210,25 @@ class ParamGradPacking:
         self._shapes = [torch.empty(g.shape, device="meta") for _, g in present]
         return [torch.cat([g.reshape(-1) for _, g in present])]
 
+    def set_flat(self, flat: torch.Tensor) -> None:
+        """After capture: the static flat buffer; nothing aliases it yet."""
+        self.flat = flat
+        self._baseline = self._aliases()
+
     @property
     def packed(self) -> bool:
         return bool(self._index)
 
-    def for_autograd(self, unpacked: list[torch.Tensor | None], clone: bool = True) -> list:
-        """Per-parameter gradients for autograd after a replay (views of one fresh clone)."""
+    def _aliases(self) -> int:
+        return torch._C._storage_Use_Count(self.flat.untyped_storage()._cdata)
+
+    def aliased(self) -> bool:
+        """Some tensor other than the static buffer itself still views its memory."""
+        return self.packed and self._aliases() > self._baseline
+
+    def for_autograd(self, unpacked: list[torch.Tensor | None], clone: bool = False) -> list:
+        """Per-parameter gradients for autograd after a replay: views of the flat buffer
+        (``clone``: of a fresh copy of it)."""
         if not self.packed:
             return unpacked  # held references make AccumulateGrad clone them
         flat = self.flat.clone() if clone else self.flat
@@ -218,6 +239,22 @@ class ParamGradPacking:
         for i, view in zip(self._index, views):
             out[i] = view
         return out
+
+    @torch.no_grad()
+    def rescue(self) -> None:
+        """Before the flat buffer may be overwritten: if anything still views it (a ``.grad``,
+        a gradient a hook kept, a variable of the user's), move the graph's memory out from
+        under them. Their storage gets a copy of the values; the buffer takes the original
+        memory, which the graph writes. One copy, only when something is still held.
+        """
+        if not self.aliased():
+            return
+        held = self.flat.untyped_storage()
+        graph_memory = held.clone()
+        held._swap_data_ptr_(graph_memory)  # every alias now views the copy
+        self.flat.set_(graph_memory, 0, self.flat.shape)  # the buffer views the graph's memory
+        del held, graph_memory
+        self._baseline = self._aliases()
 
 
 def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:

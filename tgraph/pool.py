@@ -61,6 +61,7 @@ class PoolLedger:
         self._live: dict[int, tuple[Any, int, float]] = {}
         self._clobbered: dict[int, str] = {}  # id(flight) -> the graph that overwrote it
         self._held: dict[int, tuple[Any, int, LiveOutputs]] = {}  # id(token) -> (unit, low, token)
+        self._grads: dict[int, tuple[Any, int]] = {}  # id(unit) -> (unit, its backward's index)
 
     def stamp(self) -> int:
         """The capture index of the next capture."""
@@ -74,12 +75,22 @@ class PoolLedger:
         """``unit``'s returned outputs are alive while ``token`` is (:class:`LiveOutputs`)."""
         self._held[id(token)] = (unit, unit.fwd_graph.index, token)
 
+    def hold_grads(self, unit: Any) -> None:
+        """``unit``'s backward handed autograd views of its packed gradient buffer."""
+        self._grads[id(unit)] = (unit, unit.bwd_graph.index)
+
     def rescue_outputs(self, index: int, unit: Any) -> None:
-        """Before ``unit`` replays a graph of capture ``index``: move the outputs the caller
-        holds of other units out of the memory that graph may reuse."""
+        """Before ``unit`` replays a graph of capture ``index``: move what the caller holds out
+        of the memory that graph may reuse: outputs of other units, and parameter gradients
+        (``.grad``) that are views of a backward's packed buffer (this unit's own too: its
+        backward rewrites that buffer, its forward may reuse it)."""
         for other, low, token in list(self._held.values()):
             if other is not unit and index <= low:
                 token.rescue()
+        for key, (other, low) in list(self._grads.items()):
+            if index <= low:
+                other.rescue_grads()
+                del self._grads[key]
 
     def leave(self, flight: Any) -> None:
         self._live.pop(id(flight), None)

@@ -275,7 +275,7 @@ class GraphedUnit:
         for k, i in enumerate(head.in_rg):
             self.static_grads[i] = grads[k]
         if self.packing.packed:
-            self.packing.flat = grads[n_rg]
+            self.packing.set_flat(grads[n_rg])
         else:
             self._param_grads = list(grads[n_rg:])
         self.autograd_params = self._autograd_params()
@@ -339,9 +339,10 @@ class GraphedUnit:
         return True
 
     def grads_for_autograd(
-        self, clone: bool = True, active: tuple[bool, ...] | None = None
+        self, clone: bool = False, active: tuple[bool, ...] | None = None
     ) -> list[torch.Tensor | None]:
-        """Input gradients (static) + parameter gradients (fresh views; see ParamGradPacking).
+        """Input gradients (static) + parameter gradients (views of the packed buffer, which
+        :meth:`rescue_grads` protects; see ParamGradPacking).
 
         ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
         parameters that only inactive outputs reach get None (:class:`UnusedOutputs`).
@@ -350,10 +351,16 @@ class GraphedUnit:
         if not kept and self.autograd_params:  # the anchor leaf (see _autograd_params)
             kept = [None]
         grads = [*self.static_grads, *kept]
+        if not clone and self.packing.packed:
+            self.ledger.hold_grads(self)  # rescued before the buffer may be overwritten
         if active is not None and not all(active):
             for pos in self.unused.none_positions(active):
                 grads[pos] = None
         return grads
+
+    def rescue_grads(self) -> None:
+        """Before the packed gradient buffer may be overwritten (tgraph.pool)."""
+        self.packing.rescue()
 
     def copy_grad_outputs(self, grads) -> None:
         """Refresh the static grad-output buffers; a None gradient means zeros.
