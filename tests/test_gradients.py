@@ -14,6 +14,7 @@ from test_layer_parity import check_gradient_accumulation
 from test_signature import Scaled
 
 import tgraph
+from tgraph import grads
 from tgraph.grads import ParamGradPacking, UnusedOutputs
 from tgraph.unit import GraphedUnit
 
@@ -37,7 +38,7 @@ def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
 def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypatch):
     # What torch.cuda.make_graphed_callables does (pytorch issue 181723): .grad aliases the
     # static buffer, and the next microbatch's replay overwrites it.
-    monkeypatch.setattr(ParamGradPacking, "rescue", lambda self: None)
+    monkeypatch.setattr(ParamGradPacking, "rescue", lambda self, params: None)
     with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
         check_gradient_accumulation(backend, device)
 
@@ -62,9 +63,13 @@ def test_usual_step_hands_over_gradients_without_a_copy(backend, device):
     torch.testing.assert_close(mod.lin.weight.grad, 3 * first, rtol=RTOL, atol=ATOL)
 
 
-def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device):
+@pytest.mark.parametrize("swaps", [True, False], ids=["swap", "older_torch"])
+def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device, swaps, monkeypatch):
     """A hook's list or a loop variable keeps last step's gradient: the next replays move the
     graph's memory out from under it instead of overwriting it."""
+    if swaps and not grads.SWAPS_STORAGE:
+        pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")
+    monkeypatch.setattr(grads, "SWAPS_STORAGE", swaps)
     torch.manual_seed(0)
     mod = Scaled().to(device)
     tgraph.enable(mod, backend=backend, strict=True)
@@ -74,6 +79,12 @@ def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device):
     tgraph.create_graphs()
     kept = []
     mod.lin.weight.register_hook(lambda g: kept.append(g))
+    if not swaps:  # tgraph cannot move the memory: it refuses to overwrite it
+        mod(x).sum().backward()
+        mod.zero_grad(set_to_none=True)
+        with pytest.raises(RuntimeError, match="Keep a clone"):
+            mod(x).sum().backward()
+        return
     for scale in (1.0, 2.0, 3.0):
         mod(scale * x).sum().backward()
         last = mod.lin.weight.grad  # a loop variable holding the gradient

@@ -25,6 +25,8 @@ import torch
 from tgraph import rng
 
 FLAG = "grad_added_to_main_grad"
+# PyTorch >= 2.13 can swap the memory of two storages (ParamGradPacking.rescue)
+SWAPS_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class MainGradFlags:
@@ -241,20 +243,41 @@ class ParamGradPacking:
         return out
 
     @torch.no_grad()
-    def rescue(self) -> None:
+    def rescue(self, params: list[torch.Tensor]) -> None:
         """Before the flat buffer may be overwritten: if anything still views it (a ``.grad``,
         a gradient a hook kept, a variable of the user's), move the graph's memory out from
-        under them. Their storage gets a copy of the values; the buffer takes the original
+        under them: their storage gets a copy of the values, the buffer keeps the original
         memory, which the graph writes. One copy, only when something is still held.
+
+        PyTorch without ``UntypedStorage._swap_data_ptr_`` (before 2.13): each ``.grad`` of
+        ``params`` that views the buffer gets its own copy; anything else viewing it raises.
+
+        Raises:
+            RuntimeError: an older PyTorch, and a tensor other than a ``.grad`` views the buffer.
         """
         if not self.aliased():
             return
         held = self.flat.untyped_storage()
-        graph_memory = held.clone()
-        held._swap_data_ptr_(graph_memory)  # every alias now views the copy
-        self.flat.set_(graph_memory, 0, self.flat.shape)  # the buffer views the graph's memory
-        del held, graph_memory
-        self._baseline = self._aliases()
+        if SWAPS_STORAGE:
+            graph_memory = held.clone()
+            held._swap_data_ptr_(graph_memory)  # every alias now views the copy
+            self.flat.set_(graph_memory, 0, self.flat.shape)  # the buffer keeps graph memory
+            del held, graph_memory
+            self._baseline = self._aliases()
+            return
+        ptr = held.data_ptr()
+        del held
+        for p in params:
+            g = p.grad
+            if g is not None and g.untyped_storage().data_ptr() == ptr:
+                g.data = g.data.clone()
+        if self.aliased():
+            raise RuntimeError(
+                "a tensor other than a parameter's .grad still holds parameter gradients of a "
+                "graphed backward (a variable or a gradient hook keeping p.grad?) and the next "
+                "replay would overwrite it; this PyTorch cannot move the graph's memory out from "
+                "under it (PyTorch >= 2.13 can). Keep a clone (g.clone()) instead."
+            )
 
 
 def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:

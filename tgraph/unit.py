@@ -360,7 +360,7 @@ class GraphedUnit:
 
     def rescue_grads(self) -> None:
         """Before the packed gradient buffer may be overwritten (tgraph.pool)."""
-        self.packing.rescue()
+        self.packing.rescue(self.params)
 
     def copy_grad_outputs(self, grads) -> None:
         """Refresh the static grad-output buffers; a None gradient means zeros.
