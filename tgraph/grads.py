@@ -25,7 +25,8 @@ import torch
 from tgraph import rng
 
 FLAG = "grad_added_to_main_grad"
-# PyTorch >= 2.13 can swap the memory of two storages (ParamGradPacking.rescue)
+# PyTorch >= 2.13 can swap the memory of two storages (ParamGradPacking.rescue); older
+# versions get a copy of the parameter gradients at every backward instead.
 SWAPS_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
@@ -191,7 +192,10 @@ class ParamGradPacking:
     graph's memory out from under every tensor still viewing it, which keeps a copy: gradient
     accumulation stays exact, unlike ``make_graphed_callables``, whose aliases are overwritten
     (pytorch issue 181723). Aliases are counted on the buffer's storage, so a gradient kept
-    anywhere (``.grad``, a hook's list, a loop variable) is protected alike.
+    anywhere (``.grad``, a hook's list, a loop variable) is protected alike. Moving memory from
+    under a storage needs PyTorch >= 2.13 (``UntypedStorage._swap_data_ptr_``); with an older
+    PyTorch each backward hands autograd views of a fresh copy of the buffer instead (one copy
+    and one parameter-gradient set of memory more per step).
     """
 
     def __init__(self) -> None:
@@ -243,41 +247,20 @@ class ParamGradPacking:
         return out
 
     @torch.no_grad()
-    def rescue(self, params: list[torch.Tensor]) -> None:
+    def rescue(self) -> None:
         """Before the flat buffer may be overwritten: if anything still views it (a ``.grad``,
         a gradient a hook kept, a variable of the user's), move the graph's memory out from
         under them: their storage gets a copy of the values, the buffer keeps the original
         memory, which the graph writes. One copy, only when something is still held.
-
-        PyTorch without ``UntypedStorage._swap_data_ptr_`` (before 2.13): each ``.grad`` of
-        ``params`` that views the buffer gets its own copy; anything else viewing it raises.
-
-        Raises:
-            RuntimeError: an older PyTorch, and a tensor other than a ``.grad`` views the buffer.
         """
         if not self.aliased():
             return
         held = self.flat.untyped_storage()
-        if SWAPS_STORAGE:
-            graph_memory = held.clone()
-            held._swap_data_ptr_(graph_memory)  # every alias now views the copy
-            self.flat.set_(graph_memory, 0, self.flat.shape)  # the buffer keeps graph memory
-            del held, graph_memory
-            self._baseline = self._aliases()
-            return
-        ptr = held.data_ptr()
-        del held
-        for p in params:
-            g = p.grad
-            if g is not None and g.untyped_storage().data_ptr() == ptr:
-                g.data = g.data.clone()
-        if self.aliased():
-            raise RuntimeError(
-                "a tensor other than a parameter's .grad still holds parameter gradients of a "
-                "graphed backward (a variable or a gradient hook keeping p.grad?) and the next "
-                "replay would overwrite it; this PyTorch cannot move the graph's memory out from "
-                "under it (PyTorch >= 2.13 can). Keep a clone (g.clone()) instead."
-            )
+        graph_memory = held.clone()
+        held._swap_data_ptr_(graph_memory)  # every alias now views the copy
+        self.flat.set_(graph_memory, 0, self.flat.shape)  # the buffer keeps the graph's memory
+        del held, graph_memory
+        self._baseline = self._aliases()
 
 
 def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from tgraph import grads as grads_module
 from tgraph import rng
 from tgraph.backend import GraphFactory, RefuseHostSync
 from tgraph.bridge import GraphedCall
@@ -347,6 +348,7 @@ class GraphedUnit:
         ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
         parameters that only inactive outputs reach get None (:class:`UnusedOutputs`).
         """
+        clone = clone or not grads_module.SWAPS_STORAGE  # see ParamGradPacking
         kept = self.fusion.keep(self.packing.for_autograd(self._param_grads, clone))
         if not kept and self.autograd_params:  # the anchor leaf (see _autograd_params)
             kept = [None]
@@ -360,7 +362,7 @@ class GraphedUnit:
 
     def rescue_grads(self) -> None:
         """Before the packed gradient buffer may be overwritten (tgraph.pool)."""
-        self.packing.rescue(self.params)
+        self.packing.rescue()
 
     def copy_grad_outputs(self, grads) -> None:
         """Refresh the static grad-output buffers; a None gradient means zeros.
