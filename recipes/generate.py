@@ -8,7 +8,7 @@
 
 --ckpt takes a run directory of recipes/train_gpt.py (meaning its latest checkpoint), its
 checkpoints/ directory, or one checkpoint directory (model.safetensors + config.json written by
-tgraph.checkpoint.save). --temperature 0 (the default) decodes greedily: the most likely byte at
+tgraph.toy.checkpoint.save). --temperature 0 (the default) decodes greedily: the most likely byte at
 every step, which for a small model soon repeats itself; 0.8 with --top-k 40 reads better.
 Prints each sample under a separator line, then one summary line: tokens/s, ms per decode step,
 buckets used and capture time. On a CPU the graphs are emulated (tgraph's stand-in for CUDA
@@ -24,9 +24,9 @@ import sys
 
 import torch
 
-from tgraph import checkpoint
-from tgraph.checkpoint import CheckpointError
 from tgraph.decode import DecodeEngine
+from tgraph.toy import checkpoint
+from tgraph.toy.checkpoint import CheckpointError
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -51,9 +51,9 @@ from gpt_training.optim import lr_at
 from gpt_training.parallel import exit_now
 from gpt_training.trainer import NonFiniteLossError, TrainingInterrupted, train
 
-from tgraph.checkpoint import CheckpointError
-from tgraph.data import BatchSampler
-from tgraph.models.gpt import GPT
+from tgraph.toy.checkpoint import CheckpointError
+from tgraph.toy.corpus import BatchSampler
+from tgraph.toy.gpt import GPT
 
 # The names the tests reach through this file (they load it by path, as "train_gpt").
 __all__ = [

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import tgraph
-from tgraph.data import BatchSampler, load_split
+from tgraph.toy.corpus import BatchSampler, load_split
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -59,7 +59,7 @@ from bench_common import (  # noqa: E402
 )
 
 from tgraph.backend import GraphFactory  # noqa: E402
-from tgraph.models.gpt import GPT, GPTConfig  # noqa: E402
+from tgraph.toy.gpt import GPT, GPTConfig  # noqa: E402
 
 VOCAB = 1024
 DIMS = {

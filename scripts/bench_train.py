@@ -43,7 +43,7 @@ from bench_common import (  # noqa: E402
 )
 
 import tgraph  # noqa: E402
-from tgraph.models.gpt import GPT, GPTConfig  # noqa: E402
+from tgraph.toy.gpt import GPT, GPTConfig  # noqa: E402
 
 VOCAB = 1024  # DESIGN.md reference configuration
 CONFIGS: dict[str, dict[str, int]] = {

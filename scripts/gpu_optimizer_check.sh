@@ -41,7 +41,7 @@ stage sync-debug 50 python - "$OUT/sync_debug.json" <<'EOF'
 """set_sync_debug_mode("error") over 20 replays: optimizer graph alone, the whole per-layer +
 optimizer-graph step, FullIterationGraph(skip_nonfinite=True); toy GPT tiny, B8."""
 import json, sys, torch, tgraph
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy.gpt import GPT, GPTConfig
 
 def check(name, step, prepare=lambda i: None, n=20):
     """prepare(i) runs in the default mode, step(i) under set_sync_debug_mode("error")."""

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tgraph
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 WARMUP = tgraph.full_iteration.DDP_MIN_WARMUP

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tgraph
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy.gpt import GPT, GPTConfig
 
 # Graphed and eager runs execute the same kernels on the same values in the same order, so on
 # the emulated backend results are bitwise equal in practice; on CUDA a graph may pick another

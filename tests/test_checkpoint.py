@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tgraph
-from tgraph import checkpoint
-from tgraph.checkpoint import CheckpointError
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy import checkpoint
+from tgraph.toy.checkpoint import CheckpointError
+from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 
@@ -147,8 +147,8 @@ def test_save_rejects_bad_input(tmp_path):
 
 def test_torn_save_is_detected(tmp_path):
     """New weights under an old config (a save killed between the two renames): clear error."""
-    from tgraph import checkpoint
-    from tgraph.models.gpt import GPT, GPTConfig
+    from tgraph.toy import checkpoint
+    from tgraph.toy.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tgraph import data
+from tgraph.toy import corpus as data
 
 
 @pytest.fixture(scope="module")

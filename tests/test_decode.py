@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from tgraph.backend import CaptureError
-from tgraph.decode import DecodeBuffers, DecodeEngine, GPTDecoder
+from tgraph.decode import DecodeBuffers, DecodeEngine
 from tgraph.decode.batch import default_buckets
 from tgraph.decode.requests import Request
-from tgraph.models.gpt import GPT, GPTConfig, encode
+from tgraph.toy.gpt import GPT, GPTConfig, encode
+from tgraph.toy.gpt_decode import GPTDecoder
 
 CFG = dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 
@@ -337,7 +338,7 @@ def test_generate_recipe(backend, device, tmp_path, capsys, monkeypatch):
     import importlib.util
     from pathlib import Path
 
-    from tgraph import checkpoint
+    from tgraph.toy import checkpoint
 
     path = Path(__file__).parents[1] / "recipes" / "generate.py"
     spec = importlib.util.spec_from_file_location("generate_recipe", path)

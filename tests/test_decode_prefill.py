@@ -13,8 +13,8 @@ import torch
 from test_decode import prompts, tiny_gpt
 
 from tgraph.decode import DecodeEngine
-from tgraph.decode import gpt as gpt_decoder
 from tgraph.decode.requests import Request
+from tgraph.toy import gpt_decode as gpt_decoder
 
 LENGTHS = (1, 5, 16, 17, 40)  # bucket 16, exactly 16, the next bucket, above the largest
 

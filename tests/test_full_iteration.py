@@ -16,7 +16,7 @@ import torch
 
 import tgraph
 from tgraph import full_iteration, step_state
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 TOL = dict(rtol=1e-4, atol=1e-5)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tgraph
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy.gpt import GPT, GPTConfig
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 WORKER = Path(__file__).with_name("full_iteration_ddp_worker.py")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tgraph import checkpoint
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy import checkpoint
+from tgraph.toy.gpt import GPT, GPTConfig
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "generate.py"
 spec = importlib.util.spec_from_file_location("generate_recipe", RECIPE)

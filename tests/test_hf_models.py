@@ -285,7 +285,7 @@ def toy_gpt_and_hf_twin(device):
     GPT2LMHeadModel holding exactly the same weights."""
     from transformers import GPT2LMHeadModel
 
-    from tgraph.models.gpt import GPT, GPTConfig
+    from tgraph.toy.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     toy = GPT(GPTConfig(vocab_size=VOCAB, block_size=MAX_POS, n_layer=2, n_head=4, n_embd=64))

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tgraph
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy.gpt import GPT, GPTConfig
 
 STEPS = 5
 

@@ -16,7 +16,7 @@ import torch
 import tgraph
 from tgraph import optimizer_graph, step_state
 from tgraph.backend import RefuseHostSync
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LR = 2.0**-8

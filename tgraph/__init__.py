@@ -5,7 +5,7 @@ whole-step graphs (:class:`FullIterationGraph`) and graph-served decode (:mod:`t
 Importing tgraph has no side effects.
 """
 
-from tgraph import checkpoint, decode, rng
+from tgraph import decode, rng
 from tgraph.backend import CaptureError, capture_stream, resolve_backend
 from tgraph.full_iteration import FullIterationGraph
 from tgraph.module import (
@@ -24,7 +24,6 @@ __all__ = [
     "CaptureError",
     "CaptureReport",
     "capture_stream",
-    "checkpoint",
     "decode",
     "FullIterationGraph",
     "GraphFallbackWarning",

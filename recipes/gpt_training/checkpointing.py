@@ -1,6 +1,6 @@
 """Checkpoints: ``<out>/checkpoints/step_NNNNNN/{model files, trainer.pt}`` and the run directory's rules.
 
-A checkpoint holds the weights (``tgraph.checkpoint``: safetensors with a sha256 per tensor) and
+A checkpoint holds the weights (``tgraph.toy.checkpoint``: safetensors with a sha256 per tensor) and
 ``trainer.pt`` (optimizer, step, every rank's RNG states, config), its sha256 recorded beside the
 weights'. Each is written to a temporary directory and renamed into place, so a killed run leaves
 only complete checkpoints; ``checkpoints/latest`` links the newest checkpoint of the current run.
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tgraph import checkpoint
-from tgraph.checkpoint import CheckpointError
-from tgraph.data import BatchSampler
+from tgraph.toy import checkpoint
+from tgraph.toy.checkpoint import CheckpointError
+from tgraph.toy.corpus import BatchSampler
 
 from .config import TrainConfig
 from .parallel import DistEnv
@@ -207,7 +207,7 @@ def _recorded_trainer_sha256(path: Path) -> str | None:
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     """Copy the weights of checkpoint ``path`` into ``model`` (strict: names and shapes).
 
-    The weights' sha256 checksums are verified (``tgraph.checkpoint.load_state_dict``).
+    The weights' sha256 checksums are verified (``tgraph.toy.checkpoint.load_state_dict``).
 
     Raises:
         CheckpointError: the model files are missing, damaged or of another shape.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tgraph.models.gpt import GPTConfig
+from tgraph.toy.gpt import GPTConfig
 
 GRAPH_MODES = ("none", "layer", "full")
 NONFINITE_MODES = ("stop", "skip")

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 import tgraph
-from tgraph.data import BatchSampler, corpus_stats, fixed_batches, load_split
-from tgraph.models.gpt import GPT
+from tgraph.toy.corpus import BatchSampler, corpus_stats, fixed_batches, load_split
+from tgraph.toy.gpt import GPT
 
 from .checkpointing import (
     RunDirectoryError,

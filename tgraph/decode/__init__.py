@@ -10,14 +10,13 @@ Files, one concept each:
 * ``buffers.py``: the static inputs, ``set_batch``/``copy_from``/``advance``.
 * ``sampling.py``: greedy/temperature/top-k/top-p with per-request counter-based streams.
 * ``kv_cache.py``: the preallocated KV cache, one slot per row.
-* ``interface.py``: the prefill/decode-step protocol a model implements to be served.
-* ``gpt.py``: that protocol for the toy GPT (a registered adapter).
+* ``interface.py``: the prefill/decode-step protocol a model implements to be served (the toy
+  GPT's adapter is ``tgraph/toy/gpt_decode.py``).
 * ``requests.py``: request validation; ``stats.py``: what the engine did.
 """
 
 from tgraph.decode.buffers import DecodeBuffers, PrefillBuffers, PrefillInputs, StepInputs
 from tgraph.decode.engine import DecodeEngine
-from tgraph.decode.gpt import GPTDecoder
 from tgraph.decode.interface import DecodeModel, as_decode_model
 from tgraph.decode.kv_cache import KVCache
 from tgraph.decode.stats import DecodeStats
@@ -27,7 +26,6 @@ __all__ = [
     "DecodeEngine",
     "DecodeModel",
     "DecodeStats",
-    "GPTDecoder",
     "KVCache",
     "PrefillBuffers",
     "PrefillInputs",

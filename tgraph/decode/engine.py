@@ -83,7 +83,7 @@ class DecodeEngine:
 
     Args:
         model: any object implementing :class:`tgraph.decode.interface.DecodeModel`, or one
-            with a registered adapter (the toy :class:`tgraph.models.gpt.GPT`, switched to eval
+            with a registered adapter (the toy :class:`tgraph.toy.gpt.GPT`, switched to eval
             mode).
         max_batch_size: requests decoded together at most (KV slots); more are queued.
         max_seq_len: KV capacity per request (prompt + new tokens); at most the model's

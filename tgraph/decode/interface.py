@@ -3,7 +3,7 @@
 The engine owns the KV cache, the static buffers, the graphs, batching and sampling; the model
 only says how to run its layers against the cache. Any object with these attributes and two
 methods is served; nothing here knows any particular model (the toy GPT's implementation is
-:class:`tgraph.decode.gpt.GPTDecoder`)::
+:class:`tgraph.toy.gpt_decode.GPTDecoder`)::
 
     class MyDecoder:
         n_layer: int          # attention layers (one KV cache entry each)
@@ -34,7 +34,7 @@ writes outside the slots they are given, and every row independent of the other 
 rows must not change live rows' logits, padding positions must not change the prompt's).
 
 A model type that cannot carry the methods itself gets an adapter registered with
-:func:`as_decode_model` (``@as_decode_model.register(MyModel)``), as ``tgraph.decode.gpt`` does
+:func:`as_decode_model` (``@as_decode_model.register(MyModel)``), as ``tgraph.toy.gpt_decode`` does
 for the toy GPT; then ``DecodeEngine(my_model, ...)`` serves it directly.
 """
 

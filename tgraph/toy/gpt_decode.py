@@ -1,7 +1,7 @@
 """KV-cache prefill and decode step for the toy GPT, reusing its own submodules and weights.
 
 :class:`GPTDecoder` implements :class:`tgraph.decode.interface.DecodeModel` for
-:class:`tgraph.models.gpt.GPT` without changing the model: it calls ``wte``, ``wpe``, each
+:class:`tgraph.toy.gpt.GPT` without changing the model: it calls ``wte``, ``wpe``, each
 block's ``ln_1``, ``attn.split_heads`` (``c_attn``), ``attn.c_proj``, ``ln_2``, ``mlp``, then
 ``ln_f`` and ``lm_head``, exactly as ``GPT.forward`` does, but attends to cached keys and values
 instead of recomputing the whole sequence. Dropout is skipped (the model is put in eval mode).
@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from tgraph.decode.buffers import PrefillInputs, StepInputs
 from tgraph.decode.interface import as_decode_model
 from tgraph.decode.kv_cache import KVCache
-from tgraph.models import gpt as gpt_model
+from tgraph.toy import gpt as gpt_model
 
 
 class GPTDecoder:
-    """Serve a :class:`~tgraph.models.gpt.GPT` through the decode interface.
+    """Serve a :class:`~tgraph.toy.gpt.GPT` through the decode interface.
 
     Args:
         model: the GPT; switched to eval mode (dropout off). Its weights are used in place, so

@@ -17,7 +17,7 @@ its standard library. :func:`load_split` turns them into one byte stream per spl
   stream of length ``L`` and reads from disk only the files that overlap them (sizes come from
   ``os.stat``), so no rank holds another rank's data and nothing is cached between runs.
 
-The size depends on the Python version; ``python -m tgraph.data`` prints it. CPython 3.11.7,
+The size depends on the Python version; ``python -m tgraph.toy.corpus`` prints it. CPython 3.11.7,
 no tests, ``val_fraction=0.05``: train 692 files, 10.91 MB; validation 42 files, 1.23 MB.
 
 Batches: :class:`BatchSampler` draws ``(x, y)`` windows at offsets from its own seeded

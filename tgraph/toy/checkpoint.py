@@ -42,7 +42,7 @@ from typing import IO, Any
 import torch
 import torch.nn as nn
 
-from tgraph.models.gpt import GPT, GPTConfig
+from tgraph.toy.gpt import GPT, GPTConfig
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -132,7 +132,7 @@ def save(model: nn.Module, directory: str | os.PathLike, *, extra: dict | None =
     """Save a GPT's weights and config to ``directory`` (created if needed), atomically.
 
     Args:
-        model: a :class:`~tgraph.models.gpt.GPT`, possibly wrapped (DDP, torch.compile) or with
+        model: a :class:`~tgraph.toy.gpt.GPT`, possibly wrapped (DDP, torch.compile) or with
             ``tgraph.enable`` applied.
         directory: checkpoint directory.
         extra: JSON-serializable metadata stored under ``"extra"`` in ``config.json`` (e.g.
@@ -225,13 +225,13 @@ def _require(directory: Path, name: str) -> Path:
     if not directory.is_dir():
         raise FileNotFoundError(
             f"checkpoint directory {str(directory)!r} does not exist; pass the directory "
-            "written by tgraph.checkpoint.save (e.g. the training recipe's --out)"
+            "written by tgraph.toy.checkpoint.save (e.g. the training recipe's --out)"
         )
     path = directory / name
     if not path.is_file():
         raise FileNotFoundError(
             f"checkpoint {str(directory)!r} has no {name}; expected {WEIGHTS_NAME} and "
-            f"{CONFIG_NAME} written by tgraph.checkpoint.save (was the save interrupted?)"
+            f"{CONFIG_NAME} written by tgraph.toy.checkpoint.save (was the save interrupted?)"
         )
     return path
 
@@ -362,7 +362,7 @@ def _load_checked(target: nn.Module, state: dict, directory: str | os.PathLike) 
         raise CheckpointError(
             f"checkpoint {str(directory)!r} does not match {type(target).__name__}: "
             f"{'; '.join(parts)}. Build the model from the checkpoint's config.json "
-            "(tgraph.checkpoint.load) instead"
+            "(tgraph.toy.checkpoint.load) instead"
         )
     target.load_state_dict(state, strict=True)
 
