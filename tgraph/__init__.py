@@ -15,6 +15,7 @@ from tgraph.module import (
     create_graphs,
     disable,
     enable,
+    memory_report,
     reset,
 )
 from tgraph.optimizer_graph import OptimizerGraph
@@ -32,6 +33,7 @@ __all__ = [
     "create_graphs",
     "disable",
     "enable",
+    "memory_report",
     "register_generator",
     "rng",
     "reset",

@@ -444,6 +444,9 @@ class GraphFactory:
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.backend == "cuda" else 0
 
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.backend == "cuda" else 0
+
 
 def explain_capture_failure(what: str, exc: BaseException) -> CaptureError:
     """Wrap an exception raised while capturing ``what`` into a CaptureError with the cause."""

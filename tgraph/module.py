@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from tgraph import memory
 from tgraph.backend import GraphFactory, explain_capture_failure, resolve_backend
 from tgraph.grads import StateSnapshot
+from tgraph.memory import MemoryReport
 from tgraph.record import NoteBackward, Record
 from tgraph.runner import Runner
 from tgraph.segment import Segment, mergeable_chains
@@ -73,6 +75,8 @@ class CaptureReport:
     """Backends used."""
     eager_modules: list[str]
     """Enabled modules that stay eager, with the reason."""
+    memory: MemoryReport
+    """The graphs' memory by kind (:func:`memory_report`)."""
 
     def __str__(self) -> str:
         eager = f"; eager: {', '.join(self.eager_modules)}" if self.eager_modules else ""
@@ -80,7 +84,7 @@ class CaptureReport:
             f"tgraph: captured {self.graphs} graphs for {self.runners} runners "
             f"({self.segments} merged stacks) on "
             f"{'/'.join(self.backends)} in {self.seconds:.2f}s, pool {self.pool_bytes / 2**20:.1f} MiB"
-            f"{eager}"
+            f"{eager}; {self.memory}"
         )
 
 
@@ -94,6 +98,7 @@ class _Manager:
         self.roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.report: CaptureReport | None = None
         self.segments: list[Segment] = []
+        self.units: list = []  # every captured unit (runners and merged stacks)
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         tensors: list[torch.Tensor] = []
@@ -360,6 +365,7 @@ def create_graphs() -> CaptureReport:
     for f in factories.values():
         f.synchronize()
     m.captured = True
+    m.units = units
     m.record.clear()
     called = {id(r.module) for r in runners}
     eager = [
@@ -375,6 +381,7 @@ def create_graphs() -> CaptureReport:
         pool_bytes=sum(f.memory_allocated() for f in factories.values()) - before,
         backends=sorted({f.backend for f in factories.values()}),
         eager_modules=eager,
+        memory=memory.memory_report(units),
     )
     logger.info("%s", m.report)
     return m.report
@@ -385,6 +392,7 @@ def reset() -> None:
     for seg in _manager.segments:
         seg.drop_graphs()
     _manager.segments = []
+    _manager.units = []
     for r in _manager.all_runners():
         r.drop_graphs()
     for mod in _manager.modules:
@@ -393,3 +401,12 @@ def reset() -> None:
     _manager.record.clear()
     _manager.captured = False
     _manager.report = None
+
+
+def memory_report() -> MemoryReport:
+    """Where the captured per-layer graphs' memory goes, by kind (:mod:`tgraph.memory`).
+
+    Returns:
+        A :class:`tgraph.memory.MemoryReport` (all zeros before :func:`create_graphs`).
+    """
+    return memory.memory_report(_manager.units)

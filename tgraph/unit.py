@@ -47,7 +47,8 @@ from tgraph.grads import (
     UnusedOutputs,
     reached_leaves,
 )
-from tgraph.pool import LiveOutputs
+from tgraph.memory import UnitMemory, tensor_bytes
+from tgraph.pool import LiveOutputs, saved_activations
 
 _depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
 
@@ -171,6 +172,7 @@ class GraphedUnit:
         self.autograd_params: list[torch.Tensor] = []  # params minus those fused into main_grad
         self.needs_backward = False
         self.unused = UnusedOutputs()
+        self.memory = UnitMemory()
         self.packing = ParamGradPacking()
         self.fusion = MainGradFusion(self.fusion.enabled)
         self._out_rg: list[int] = []
@@ -210,9 +212,14 @@ class GraphedUnit:
             graph.register_generator_state(g)
         inputs = [head.static_inputs[i] for i in head.in_rg]
         with factory.side_stream():
+            base, peak = factory.memory_allocated(), factory.max_memory_allocated()
             run_warmup(self._run_forward, inputs, warmup, self.device)
+            warm_peak = factory.max_memory_allocated()
+            before = factory.memory_allocated()
             self.static_outputs = graph.capture(self._run_forward)
+            captured = factory.memory_allocated() - before
         self.fwd_graph = graph
+        self._account_forward(captured, warm_peak - base if warm_peak > peak else 0)
         self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
         self._out_nodiff = [i for i, o in enumerate(self.static_outputs) if not o.requires_grad]
         self.needs_backward = self.grad_mode and bool(self._out_rg)
@@ -221,6 +228,23 @@ class GraphedUnit:
         else:
             for r in self.members:
                 r.samples = []
+
+    def _account_forward(self, captured: int, warmup_peak: int) -> None:
+        """Bytes of the forward's buffers (tgraph.memory); ``captured``: allocated by the
+        capture (CUDA), ``warmup_peak``: the warmup's rise of the peak (0 if it did not)."""
+        head, m = self.head, UnitMemory(warmup_peak=warmup_peak)
+        shared = [t for t, s in zip(head.static_inputs, head.shared_inputs) if s]
+        m.static_inputs = tensor_bytes(
+            head.static_inputs, skip=[t.untyped_storage().data_ptr() for t in shared]
+        )
+        m.static_outputs = tensor_bytes(self.static_outputs)
+        if self.fwd_graph.live_outputs is None:  # CUDA: what the capture allocated, less outputs
+            m.saved_activations = max(0, captured - m.static_outputs)
+        else:  # emulated: the tensors autograd saved, less parameters, inputs and outputs
+            own = [t.untyped_storage().data_ptr() for t in self.fwd_graph.external_tensors()]
+            own += [t.untyped_storage().data_ptr() for t in self.static_outputs]
+            m.saved_activations = tensor_bytes(saved_activations(self.fwd_graph.live_outputs), own)
+        self.memory = m
 
     def _find_params(self, inputs: list[torch.Tensor]) -> None:
         """The parameters the forward's autograd graph reaches: module order, then leaves
@@ -285,6 +309,13 @@ class GraphedUnit:
         self.unused.place_leaves(n_in, [where.get(j) for j in range(len(self.params))])
         for r in self.members:
             r.samples = []
+        m = self.memory
+        m.grad_outputs = tensor_bytes(self.static_grad_outputs)
+        m.input_grads = tensor_bytes(self.static_grads)
+        held = [self.packing.flat] if self.packing.packed else self._param_grads
+        m.param_grads = tensor_bytes(held)
+        copied = not (self.packing.packed and grads_module.SWAPS_STORAGE)  # see ParamGradPacking
+        m.param_grad_copy = m.param_grads if copied and self.autograd_params else 0
 
     def _autograd_params(self) -> list[torch.Tensor]:
         """The parameters the autograd node takes: all but those fused into ``main_grad``.

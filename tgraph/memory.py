@@ -1,0 +1,106 @@
+"""Where per-layer graphs' memory goes, by kind (issue 15).
+
+Every unit records, at capture, the bytes of each kind of buffer it owns (:class:`UnitMemory`);
+:func:`memory_report` adds them up over every captured unit. The kinds:
+
+* ``static_inputs``: input buffers the forward graph reads (outside the pool; shared inputs,
+  which are another unit's static outputs, are not counted twice);
+* ``static_outputs``: the forward graph's outputs (pool, held);
+* ``saved_activations``: what the backward graph reads from the forward (pool; alive from a
+  forward replay to its backward replay, reused by other graphs otherwise, so it counts in the
+  pool's reserved memory, not in ``torch.cuda.memory_allocated`` between steps);
+* ``grad_outputs``: the buffers incoming gradients are copied into (outside the pool);
+* ``input_grads``: the backward graph's input gradients (pool, held);
+* ``param_grads``: the packed parameter-gradient buffer (pool, held);
+* ``param_grad_copy``: the copy of it handed to autograd at each backward, when PyTorch cannot
+  swap storage memory (:class:`tgraph.grads.ParamGradPacking`); 0 otherwise;
+* ``warmup_peak``: the most memory one unit's eager warmup held at once above what was
+  allocated before it (transient; CUDA only).
+
+On CUDA, ``saved_activations`` is measured (memory allocated by the forward capture minus its
+outputs); on the emulated backend it is the size of the tensors autograd saved in the capture.
+The other kinds are sizes of the buffers themselves, so their sum can be checked against
+``torch.cuda.memory_allocated`` (:attr:`MemoryReport.held`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+import torch
+
+KINDS = (
+    "static_inputs",
+    "static_outputs",
+    "saved_activations",
+    "grad_outputs",
+    "input_grads",
+    "param_grads",
+    "param_grad_copy",
+    "warmup_peak",
+)
+
+
+@dataclass
+class UnitMemory:
+    """Bytes of one unit's buffers, by kind (module docstring)."""
+
+    static_inputs: int = 0
+    static_outputs: int = 0
+    saved_activations: int = 0
+    grad_outputs: int = 0
+    input_grads: int = 0
+    param_grads: int = 0
+    param_grad_copy: int = 0
+    warmup_peak: int = 0
+
+
+@dataclass
+class MemoryReport(UnitMemory):
+    """:class:`UnitMemory` summed over every captured unit (``warmup_peak``: the largest)."""
+
+    units: int = 0
+
+    @property
+    def held(self) -> int:
+        """Bytes held between steps by the buffers (what ``memory_allocated`` sees)."""
+        return (
+            self.static_inputs
+            + self.static_outputs
+            + self.grad_outputs
+            + self.input_grads
+            + self.param_grads
+        )
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k) / 2**20:.1f}" for k in KINDS if getattr(self, k))
+        return f"graph memory MiB ({self.units} units): {parts}; held {self.held / 2**20:.1f}"
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None], skip: Iterable[int] = ()) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (storages in ``skip`` excluded)."""
+    seen = set(skip)
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def memory_report(units: Iterable) -> MemoryReport:
+    """Add up the :class:`UnitMemory` of ``units`` (captured :class:`tgraph.unit.GraphedUnit`)."""
+    report = MemoryReport()
+    for u in units:
+        m = u.memory
+        report.units += 1
+        for f in fields(UnitMemory):
+            if f.name == "warmup_peak":
+                report.warmup_peak = max(report.warmup_peak, m.warmup_peak)
+            else:
+                setattr(report, f.name, getattr(report, f.name) + getattr(m, f.name))
+    return report
