@@ -158,7 +158,9 @@ def test_nonfinite_step_is_skipped_bitwise(backend, device, kind, k):
 
 
 def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
-    """The naive version: compute the flag, but let the step through anyway."""
+    """The naive version: compute the flag, but let the step through anyway (neither the
+    fused kernels' found_inf mask nor the snapshot select)."""
+    monkeypatch.setattr(optimizer_graph, "masks_with_found_inf", lambda opt: False)
     monkeypatch.setattr(optimizer_graph._Protected, "select", lambda self, ok: None)
     model, opt, _ = train_graphed(backend, device, bad={5}, kind="grad_inf")
     ref_model, ref_opt = train_eager(device, bad={5}, kind="grad_inf")
@@ -225,6 +227,8 @@ def test_beside_per_layer_graphs(backend, device):
 
 
 def test_grad_ownership_rules(backend, device):
+    """zero_grad=True: .grad is None after every step (as optimizer.zero_grad()); the graph copies
+    each step's gradients into its own buffers, so autograd's tensors are used as they come."""
     model = make_model(device)
     opt = make_optimizer(model, device)
     graph = tgraph.OptimizerGraph(opt, backend=backend)
@@ -232,19 +236,76 @@ def test_grad_ownership_rules(backend, device):
     for x, y in batches[:3]:
         model(x, y)[1].backward()
         graph.step()
+        assert all(p.grad is None for p in model.parameters())
     assert graph.captured
-    captured = [p.grad for p in model.parameters()]
-    assert all(float(g.abs().sum()) == 0 for g in captured)  # zeroed in place by the graph
-    # .grad replaced (zero_grad(set_to_none=True) before backward): copied in, one warning.
-    opt.zero_grad(set_to_none=True)
-    model(*batches[3])[1].backward()
-    with pytest.warns(UserWarning, match="replaced since capture"):
-        graph.step()
-    assert all(p.grad is g for p, g in zip(model.parameters(), captured))
     # .grad None where the capture had one: the graph would step it, eager would not.
-    opt.zero_grad(set_to_none=True)
     with pytest.raises(ValueError, match=r"\.grad is None"):
         graph.step()
+
+
+def test_zero_grad_false_leaves_grad_to_the_caller(backend, device):
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+    graph = tgraph.OptimizerGraph(opt, zero_grad=False, backend=backend)
+    ref_model = make_model(device)
+    ref_opt = make_optimizer(ref_model, device)
+    for x, y in make_batches(device):
+        model(x, y)[1].backward()
+        grads = [p.grad for p in model.parameters()]
+        graph.step()
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+        opt.zero_grad(set_to_none=False)  # in place: the graph copies the new values anyway
+        ref_model(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+    assert graph.captured
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+
+
+def test_capture_right_after_the_state_creating_step(backend, device):
+    """warmup_steps=1: the first (eager) step creates Adam's state, the second is captured (the
+    H200 run: `assert graph.captured` after two steps failed, the capture then ran inside
+    set_sync_debug_mode("error"))."""
+    model = make_model(device)
+    graph = tgraph.OptimizerGraph(
+        make_optimizer(model, device), clip_grad_norm=1.0, backend=backend
+    )
+    for x, y in make_batches(device, 2):
+        loss = model(x, y)[1]
+        loss.backward()
+        graph.step(loss)
+    assert graph.captured
+
+
+def test_capture_that_creates_state_runs_eagerly(backend, device):
+    """A parameter gets its first gradient at the capturing step: its state is created there,
+    which a graph must not contain (it would re-create it at every replay). The capture is undone,
+    the step runs eagerly, the next one is captured; bitwise equal to eager."""
+    kw = dict(backend=backend, warmup_steps=1)
+
+    def run(graphed: bool):
+        model = make_model(device)
+        opt = make_optimizer(model, device)
+        graph = tgraph.OptimizerGraph(opt, **kw) if graphed else None
+        head = model.lm_head.weight if hasattr(model, "lm_head") else None
+        frozen = [p for p in model.parameters() if p is not head][-1]
+        for i, (x, y) in enumerate(make_batches(device)):
+            model(x, y)[1].backward()
+            if i == 0:
+                frozen.grad = None  # no gradient (no state) at the first step only
+            if graphed:
+                graph.step()
+                if i == 1:
+                    assert not graph.captured
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return model, opt, graph
+
+    model, opt, graph = run(True)
+    ref_model, ref_opt, _ = run(False)
+    assert graph.captured
+    assert_same_training_state(model, opt, ref_model, ref_opt)
 
 
 def test_loss_given_at_some_calls_only_is_refused(backend, device):
@@ -259,14 +320,33 @@ def test_loss_given_at_some_calls_only_is_refused(backend, device):
 
 
 def test_host_syncing_optimizer_is_refused(backend, device):
+    """Refused at the first step, before any eager step: such an optimizer keeps its step count
+    on the host, and the skip guard of an eager step would mix it with device tensors (the H200
+    run: "Expected all tensors to be on the same device, ... cuda:0 and cpu")."""
     model = make_model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)  # neither capturable nor fused
     graph = tgraph.OptimizerGraph(opt, backend=backend)
     fix = "capturable=True" if device.type == "cuda" else "fused=True"
+    x, y = make_batches(device, 1)[0]
+    loss = model(x, y)[1]
+    loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=rf"AdamW param_group 0 .*{fix}"):
-        for x, y in make_batches(device, 3):
-            model(x, y)[1].backward()
-            graph.step()
+        graph.step(loss)
+    assert not opt.state  # no step was taken
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_skip_guard_groups_tensors_by_device():
+    """A tensor on another device than the flag (a host step count) is selected on its own
+    device, never in one foreach list with device tensors."""
+    t = [torch.ones(3), torch.zeros((), dtype=torch.float32)]
+    prot = optimizer_graph._Protected(t)
+    assert all(len(cur) == 1 or d.type == "cpu" for (d, _), (cur, _) in prot.by_dtype.items())
+    prot.save()
+    t[0].add_(1.0)
+    prot.select(torch.tensor(False))
+    assert torch.equal(t[0], torch.ones(3))
 
 
 def test_bad_arguments():
@@ -429,7 +509,7 @@ def test_no_host_sync_over_20_replays():
     model = make_model(device)
     graph = tgraph.OptimizerGraph(make_optimizer(model, device), clip_grad_norm=1.0)
     batches = make_batches(device, 22)
-    for x, y in batches[:2]:
+    for x, y in batches[:2]:  # eager (creates Adam's state), then the capture
         loss = model(x, y)[1]
         loss.backward()
         graph.step(loss)

@@ -78,6 +78,16 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return list(out.values())
 
 
+def masks_with_found_inf(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` skips its update on ``opt.found_inf == 1`` without side effects:
+    torch's fused Adam/AdamW/SGD (the kernels GradScaler drives)."""
+    return (
+        type(opt).__module__.startswith("torch.optim")
+        and bool(getattr(opt, "_step_supports_amp_scaling", False))
+        and all(g.get("fused") for g in opt.param_groups)
+    )
+
+
 def _state_layout(opt: torch.optim.Optimizer) -> dict[int, frozenset]:
     return {
         id(p): frozenset(k for k, v in st.items() if v is not None) for p, st in opt.state.items()
@@ -105,10 +115,14 @@ class _Protected:
     """One step's snapshot of some tensors (reused buffers: fixed addresses across replays)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # grouped by device too: a non-capturable optimizer keeps its step count on the host
+        # (eager warmups only; such an optimizer is refused before capture)
+        self.by_dtype: dict[
+            tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]
+        ] = {}
         for t in tensors:
             b = _bits(t)
-            cur, snap = self.by_dtype.setdefault(b.dtype, ([], []))
+            cur, snap = self.by_dtype.setdefault((b.device, b.dtype), ([], []))
             cur.append(b)
             snap.append(torch.empty_like(b))
 
@@ -118,8 +132,8 @@ class _Protected:
 
     def select(self, ok: torch.Tensor) -> None:
         """Each tensor becomes itself where ``ok`` else its snapshot, bit for bit."""
-        for dtype, (cur, snap) in self.by_dtype.items():
-            keep = ok.to(dtype)
+        for (device, dtype), (cur, snap) in self.by_dtype.items():
+            keep = ok.to(device=device, dtype=dtype)
             torch._foreach_mul_(cur, keep)
             torch._foreach_mul_(snap, 1 - keep)
             torch._foreach_add_(cur, snap)
@@ -153,11 +167,23 @@ class SkipNonfinite:
         return self._counter
 
     def protect(
-        self, optimizers: Iterable[torch.optim.Optimizer], extra: Iterable[torch.Tensor] = ()
+        self,
+        optimizers: Iterable[torch.optim.Optimizer],
+        extra: Iterable[torch.Tensor] = (),
+        ok: torch.Tensor | None = None,
     ) -> _Step:
         """Snapshot the optimizers' parameters and state, and ``extra`` tensors (e.g. model
-        weights a mixed-precision optimizer copies its fp32 master weights into)."""
-        return _Step(self, list(optimizers), list(extra))
+        weights a mixed-precision optimizer copies its fp32 master weights into).
+
+        With ``ok`` known before the step and only fused torch optimizers (Adam, AdamW, SGD
+        with ``fused=True``), nothing is snapshotted: their kernels read ``found_inf``
+        (``1 - ok``, as :class:`torch.amp.GradScaler` sets it) and leave parameters and state
+        untouched on a skipped step (Adam's step count is incremented, then decremented: exact).
+        ``commit`` must then be given the same ``ok``.
+        """
+        opts = list(optimizers)
+        mask = ok is not None and all(masks_with_found_inf(o) for o in opts)
+        return _Step(self, opts, list(extra), found_inf_of=ok if mask else None)
 
     def _snapshot(
         self, opts: list[torch.optim.Optimizer], tensors: list[torch.Tensor]
@@ -178,26 +204,48 @@ class _Step:
     """One protected step: snapshot on entry; ``commit(ok)`` keeps or reverts it."""
 
     def __init__(
-        self, guard: SkipNonfinite, optimizers: list[torch.optim.Optimizer], extra: list
+        self,
+        guard: SkipNonfinite,
+        optimizers: list[torch.optim.Optimizer],
+        extra: list,
+        found_inf_of: torch.Tensor | None = None,
     ) -> None:
         self._guard = guard
         self._opts = optimizers
         self._extra = extra
+        self._ok = found_inf_of  # set: the fused kernels mask the update (found_inf)
         self._layouts: list[dict[int, frozenset]] = []
         self._snap: _Protected | None = None
 
     def __enter__(self) -> Callable[[torch.Tensor], None]:
         self._layouts = [_state_layout(o) for o in self._opts]
-        tensors = {id(t): t for o in self._opts for t in optimizer_tensors(o)}
-        tensors.update((id(t), t) for t in self._extra)
+        if self._ok is not None:
+            # only what the optimizers do not own needs a snapshot (usually nothing)
+            owned = {id(p) for o in self._opts for g in o.param_groups for p in g["params"]}
+            tensors = {id(t): t for t in self._extra if id(t) not in owned}
+            with torch.no_grad():
+                found_inf = (~self._ok).to(torch.float32)
+            for o in self._opts:
+                o.found_inf = found_inf
+        else:
+            tensors = {id(t): t for o in self._opts for t in optimizer_tensors(o)}
+            tensors.update((id(t), t) for t in self._extra)
         tensors = list(tensors.values())
-        self._snap = self._guard._snapshot(self._opts, tensors)
-        with torch.no_grad():
-            self._snap.save()
+        self._snap = self._guard._snapshot(self._opts, tensors) if tensors else None
+        if self._snap is not None:
+            with torch.no_grad():
+                self._snap.save()
         return self.commit
 
     def __exit__(self, *exc: Any) -> None:
+        if self._ok is not None:
+            for o in self._opts:
+                o.__dict__.pop("found_inf", None)
         return None
+
+    def _select(self, ok: torch.Tensor) -> None:
+        if self._snap is not None:
+            self._snap.select(ok)
 
     @torch.no_grad()
     def commit(self, ok: torch.Tensor, count: bool = True) -> None:
@@ -207,7 +255,7 @@ class _Step:
             self._guard.state_pending = self._commit_first_step(ok, created)
         else:
             self._guard.state_pending = False
-            self._snap.select(ok)
+            self._select(ok)
         if count:
             self._guard._count(ok)
 
@@ -222,7 +270,7 @@ class _Step:
             )
         if bool(ok):  # eager warmup only (see SkipNonfinite): one host read
             return False
-        self._snap.select(ok)  # parameters and any state that existed before
+        self._select(ok)  # parameters and any state that existed before
         for opt, before, changed in zip(self._opts, self._layouts, created):
             if not changed:
                 continue
@@ -234,6 +282,22 @@ class _Step:
                     for k in [k for k in opt.state[p] if k not in keys]:
                         del opt.state[p][k]
         return True
+
+
+def _flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Buffers shaped like ``tensors``: views of one allocation per (device, dtype)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    for (device, dtype), idx in groups.items():
+        flat = torch.empty(sum(tensors[i].numel() for i in idx), device=device, dtype=dtype)
+        offset = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = flat[offset : offset + n].view(tensors[i].shape)
+            offset += n
+    return out
 
 
 def _capturing() -> bool:
@@ -334,8 +398,9 @@ class OptimizerGraph:
         self._eager_calls = 0
         self._state_changed = True  # the last eager step created optimizer state
         self._failed = self._warned = False
-        self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, graph's buffer)
         self._gradless: list[torch.Tensor] = []
+        self._checked = False
         self._static_loss: torch.Tensor | None = None
         self._with_loss: bool | None = None
         self._norm: torch.Tensor | None = None
@@ -367,50 +432,55 @@ class OptimizerGraph:
     def _inner_step(self) -> None:
         self.optimizer.step()
 
-    def _zero(self) -> None:
-        grads = [p.grad for p in self.params() if p.grad is not None]
-        if self.zero_grad and grads:
-            torch._foreach_zero_(grads)
+    def _clear_grads(self) -> None:
+        """After a step (eager, captured or replayed): ``.grad = None``, as
+        ``optimizer.zero_grad()``; the next backward hands autograd's tensors over unchanged."""
+        if self.zero_grad:
+            for p in self.params():
+                p.grad = None
 
     def _grad_ownership(self) -> None:
-        """At capture: the .grad tensors the graph reads, and the parameters it never steps."""
-        self._grads = [(p, p.grad) for p in self.params() if p.grad is not None]
+        """At capture: the graph's own gradient buffers (one flat allocation, fixed address),
+        filled with this step's gradients; the parameters it never steps."""
+        live = [(p, p.grad) for p in self.params() if p.grad is not None]
         self._gradless = [p for p in self.params() if p.grad is None]
-        if not self._grads:
+        if not live:
             raise ValueError(
                 "OptimizerGraph: no parameter has a .grad at capture; call step() after "
                 "backward(), as optimizer.step()"
             )
+        buffers = _flat_like([g for _, g in live])
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, [g for _, g in live])
+        self._grads = [(p, b) for (p, _), b in zip(live, buffers)]
+        for p, b in self._grads:
+            p.grad = b
 
     def _check_grads(self) -> None:
-        """Before a replay: the graph reads the captured .grad tensors (module docstring)."""
-        for p, g in self._grads:
+        """Before a replay: copy the step's gradients into the graph's buffers (one
+        multi-tensor copy; module docstring)."""
+        dst, src = [], []
+        for p, b in self._grads:
             live = p.grad
-            if live is g:
-                continue
             if live is None:
                 raise ValueError(
                     "OptimizerGraph: a parameter's .grad is None, but the graph was captured with "
-                    "a gradient for it and would step it (eager code would skip it). Keep .grad "
-                    "allocated (zero_grad=True zeroes it in place; or "
-                    "optimizer.zero_grad(set_to_none=False)), or call reset() to capture anew."
+                    "a gradient for it and would step it (eager code would skip it). Call reset() "
+                    "to capture anew when the set of parameters with gradients changes."
                 )
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    "OptimizerGraph: .grad tensors were replaced since capture (zero_grad with "
-                    "set_to_none=True?); copying them into the captured buffers at every step. "
-                    "Keep .grad allocated to avoid the copies.",
-                    stacklevel=3,
-                )
-            g.copy_(live)
-            p.grad = g
-        for p in self._gradless:
-            if p.grad is not None:
-                raise ValueError(
-                    "OptimizerGraph: a parameter without .grad at capture has one now; the graph "
-                    "would not step it. Call reset() to capture anew with it."
-                )
+            if live is not b:
+                dst.append(b)
+                src.append(live)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if not self._checked:  # the set of gradient-less parameters is checked once per capture
+            self._checked = True
+            for p in self._gradless:
+                if p.grad is not None:
+                    raise ValueError(
+                        "OptimizerGraph: a parameter without .grad at capture has one now; the "
+                        "graph would not step it. Call reset() to capture anew with it."
+                    )
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -420,12 +490,11 @@ class OptimizerGraph:
             norm = self._norm_and_clip()
             if self.guard is not None:
                 ok = finite(norm, self._static_loss)
-                with self.guard.protect(self.optimizers, self._protected_extra()) as commit:
+                with self.guard.protect(self.optimizers, self._protected_extra(), ok) as commit:
                     self._inner_step()
                     commit(ok)
             else:
                 self._inner_step()
-            self._zero()
             if norm is not None:
                 if self._norm is None:
                     self._norm = torch.zeros_like(norm)
@@ -448,6 +517,11 @@ class OptimizerGraph:
             return self._replay()
         if self._factory is None:
             device = self.params()[0].device
+            # before any step: a host-stepping optimizer would be refused at capture anyway,
+            # and its eager steps keep tensors on the host (Adam's step count) that the skip
+            # guard would mix with device tensors
+            for opt in self.optimizers:
+                check_graphable_optimizer(opt, device)
             self._factory = GraphFactory(resolve_backend(self.backend, device), device)
         if self._failed or self._eager_calls < self.warmup_steps or self._state_changed:
             return self._eager()
@@ -477,19 +551,21 @@ class OptimizerGraph:
                 "OptimizerGraph: capture failed; running the optimizer step eagerly from now on",
                 stacklevel=3,
             )
-        before = [_state_layout(o) for o in self.optimizers]
         with self._factory.side_stream():
             self._run()
-        self._state_changed = before != [_state_layout(o) for o in self.optimizers] or bool(
-            self.guard and self.guard.state_pending
-        )
+        self._clear_grads()
+        # A skipped first step deleted the state it created: the next step creates it again,
+        # which a capture must not contain. (A capture that creates state anyway is undone
+        # and run eagerly, see _capture.)
+        self._state_changed = bool(self.guard and self.guard.state_pending)
         self._eager_calls += 1
 
     def _capture(self) -> None:
         f = self._factory
         for opt in self.optimizers:
             check_graphable_optimizer(opt, f.device)
-        self._grad_ownership()
+        layout = [_state_layout(o) for o in self.optimizers]
+        live_grads = [(p, p.grad) for p in self.params()]
         hp = HyperParams(self.optimizers)
         hp.prepare()
         lr_tensors = [g["lr"] for _, _, g in hp._groups if isinstance(g["lr"], torch.Tensor)]
@@ -501,31 +577,63 @@ class OptimizerGraph:
         snap = StepSnapshot(
             self.params(), self.optimizers, extra, f.device, values=f.backend != "cuda"
         )
+        self._grad_ownership()
         f.synchronize()
         start = time.perf_counter()
         try:
             with f.side_stream(), RefuseLrWrites(lr_tensors):
                 graph.capture(self._run)
         except BaseException as exc:
+            created = [_state_layout(o) for o in self.optimizers] != layout
             f.synchronize()
-            snap.restore()
+            snap.restore()  # also deletes state the capture created
             hp.restore()
+            self._grads, self._gradless = [], []
+            if created and isinstance(exc, CaptureError):
+                # The step created optimizer state (SkipNonfinite refuses to capture that, e.g.
+                # the first step of a parameter that had no gradient before): not capturable,
+                # but not a failure either. Run it eagerly; capture at the next step.
+                return self._eager()
             self._failed = True
             if isinstance(exc, ValueError):
                 raise
             raise explain_capture_failure("the optimizer step of OptimizerGraph", exc) from exc
+        if [_state_layout(o) for o in self.optimizers] != layout:  # created state: undo
+            f.synchronize()
+            graph.reset()
+            snap.restore()
+            hp.restore()
+            self._grads, self._gradless = [], []
+            return self._eager()
         f.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self._graph, self._hparams = graph, hp
         logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
         if f.backend == "cuda":  # a CUDA capture executed nothing: this call's step is a replay
             graph.replay()
+        self._after_step(live_grads)
+
+    def _after_step(self, live_grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        if self.zero_grad:
+            self._clear_grads()
+        else:  # the caller's gradient tensors stay .grad (they zero them themselves)
+            for p, g in live_grads:
+                p.grad = g
 
     def _replay(self) -> None:
         self._hparams.refresh()
+        emulated = self._factory.backend != "cuda"
+        live = None if self.zero_grad and not emulated else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
             self._check_grads()
+        if emulated:  # the emulated replay re-runs the step's Python: it must see the buffers
+            for p, b in self._grads:
+                p.grad = b
         self._graph.replay()
+        if live is not None:
+            self._after_step(live)
+        else:
+            self._clear_grads()
 
     # -- reading results ----------------------------------------------------------------------
 
