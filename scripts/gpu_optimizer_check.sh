@@ -69,7 +69,8 @@ graph = tgraph.OptimizerGraph(opt, clip_grad_norm=1.0)
 tgraph.enable(model)
 def layer_opt_step(i):
     loss = model(x, y)[1]; loss.backward(); graph.step(loss)
-layer_opt_step(0); tgraph.create_graphs(); layer_opt_step(1)
+layer_opt_step(0); tgraph.create_graphs(); layer_opt_step(1)  # eager (state), then the capture
+assert graph.captured, "the optimizer graph must be captured before the sync check"
 held = {}
 def fwd_bwd(i):
     held["loss"] = model(x, y)[1]; held["loss"].backward()
@@ -96,7 +97,7 @@ stage bench-toy 80 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes
 
 stage bench-megatron 110 python scripts/bench_train.py --configs tiny --dtypes fp32 --steps 60 \
   --warmup 5 --out "$OUT/megatron" \
-  --modes megatron_opt_none,megatron_opt_local,megatron_opt_tgraph_layer_opt,megatron_opt_tgraph_full
+  --modes megatron_opt_none,megatron_opt_none_capturable,megatron_opt_local,megatron_opt_tgraph_layer_opt,megatron_opt_tgraph_full
 
 {
   echo "=== summary ==="

@@ -621,10 +621,40 @@ def test_megatron_planted_nan_is_skipped(mode):
         for i, (a, b) in enumerate(zip(states, ref_states)):
             for k in b:
                 assert torch.equal(a[k], b[k]), f"optimizer state {i} {k!r} differs from eager"
-    else:  # per-layer graphs add gradients into main_grad inside the graph: rounding only
-        torch.testing.assert_close(params, ref_params, rtol=1e-5, atol=1e-6)
+    else:
+        # Per-layer graphs add gradients into main_grad inside the graph: other rounding. The
+        # attention key bias (linear_qkv.bias, K part) has an exactly-zero gradient (softmax is
+        # invariant to a per-row constant), so its gradient is pure rounding noise, which Adam
+        # turns into updates of up to lr * noise / eps per step (eps=1e-8): those elements
+        # differ by ~1e-6 between any two reduction orders (the H200 run: 9 of 192 elements of
+        # parameter 7, layer 0's linear_qkv.bias, index 30 = K of head 0, by 2.1e-6). Tolerance
+        # as test_megatron_optimizer_losses_equal_megatron_eager.
+        torch.testing.assert_close(params, ref_params, rtol=1e-4, atol=1e-5)
         for a, b in zip(states, ref_states):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+def test_megatron_full_iteration_bitwise_equals_graph_safe_eager():
+    """Without any NaN: FullIterationGraph(skip_nonfinite) around graph_safe_step vs the same
+    step eager. Tells apart a skip bug from a difference of the captured step itself (the H200
+    run had parameter 0 differ after a planted NaN); the message names where they part."""
+    _, ref_params, ref_states, _ = megatron_run("safe")
+    _, params, states, graph = megatron_run("full")
+    assert graph.skipped_steps == 0
+    bad = [
+        f"{i}: max |diff| {float((a - b).abs().max()):.3g}"
+        for i, (a, b) in enumerate(zip(params, ref_params))
+        if not torch.equal(a, b)
+    ]
+    bad += [
+        f"state {i} {k}"
+        for i, (a, b) in enumerate(zip(states, ref_states))
+        for k in b
+        if not torch.equal(a[k], b[k])
+    ]
+    assert not bad, f"{len(bad)} tensors differ from eager graph_safe_step: {bad[:8]}"
 
 
 @pytest.mark.megatron

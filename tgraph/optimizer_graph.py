@@ -17,25 +17,26 @@ Usage, next to :func:`tgraph.enable`::
             print(opt_graph.skipped_steps)   # the only host read, when asked
 
 Skipping without a host sync (:class:`SkipNonfinite`): a 0/1 device flag says whether the loss
-and the gradient norm are finite. Before the optimizer step, the parameters and every tensor of
-the optimizer state are copied into snapshot buffers; after it, each tensor becomes
-``ok * new + (1 - ok) * old`` computed on its *bits* (an integer view of the same memory), so the
-result is bitwise the new value or bitwise the old one: NaN and Inf in the discarded update cannot
-leak, and a skipped step leaves parameters, moments and Adam's step count exactly as an eager run
-that never took it. Cost: one copy and three integer passes over parameters and state. A device
-counter adds ``1 - ok`` at every step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync).
+and the gradient norm are finite. For torch's fused Adam/AdamW/SGD the flag goes into the
+kernels' own ``found_inf`` input (as ``torch.amp.GradScaler`` drives them): a skipped step leaves
+parameters and moments untouched and Adam's step count comes back exactly; nothing is copied.
+Other optimizers (e.g. megatron's capturable foreach AdamW): before the step, the parameters and
+every state tensor are copied into snapshot buffers; after it, each becomes
+``ok * new + (1 - ok) * old`` computed on its *bits* (an integer view), bitwise the new or the old
+value (one copy and three integer passes). A first step that created state and is skipped gets
+that state deleted (one host read, eager warmup only). A device counter adds ``1 - ok`` at every
+step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync).
 
-Gradient ownership (why ``.grad`` must stay allocated): a CUDA graph reads the gradients at the
-addresses they had at capture. :class:`OptimizerGraph` therefore owns the ``.grad`` tensors it
-captured: with ``zero_grad=True`` (default) the graph zeroes them in place at the end of every step,
-so the next backward accumulates into the same memory (autograd adds in place into an existing
-``.grad``). This is eager ``optimizer.zero_grad(set_to_none=False)``: every parameter that had a
-gradient at capture is stepped at every replay (a zero gradient still moves AdamW's moments and
-weight decay, exactly as in eager code that zeroes instead of setting to None). If ``.grad`` was
-replaced by another tensor (``zero_grad(set_to_none=True)`` before the backward), it is copied into
-the captured buffer (one warning: it costs a copy per parameter); a ``.grad`` that is None where
-the capture had one, or present where the capture had none, raises (the graph would step a
-different set of parameters than eager code; call :meth:`OptimizerGraph.reset`).
+Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors
+(per-layer graphs do at every backward). :class:`OptimizerGraph` owns one flat gradient buffer;
+before each replay the step's ``.grad`` tensors are copied into it with one multi-tensor copy,
+and with ``zero_grad=True`` (default) ``.grad`` is set to None after every step, as
+``optimizer.zero_grad()`` does, so the next backward's AccumulateGrad adopts autograd's tensors
+without an add kernel per parameter. Every parameter that had a gradient at capture is stepped at
+every replay: a ``.grad`` that is None where the capture had one raises, and so does one present
+where the capture had none (call :meth:`OptimizerGraph.reset`). Capture happens at the first step
+after ``warmup_steps`` eager ones; a captured step that would create optimizer state is undone and
+run eagerly, and the next step is captured.
 """
 
 from __future__ import annotations
