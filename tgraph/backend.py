@@ -177,7 +177,7 @@ class EmulatedGraph:
             (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
         ]
         self._modes = [(m, m.training) for m in self._freeze]
-        with RefuseHostSync(), emulated_capture():
+        with RefuseHostSync(), emulated_capture(), self._rng_relative():
             out = fn()
         self._fn = fn
         self._outputs = tree_leaves(out)
@@ -185,6 +185,22 @@ class EmulatedGraph:
         if self._pool is not None:
             self._pool.captured(self)
         return out
+
+    def _rng_relative(self) -> contextlib.AbstractContextManager:
+        """Model CUDA's graph-relative RNG positions for the default CPU generator (registered).
+
+        A CUDA graph's random kernels draw at (the generator's offset when the graph replays) +
+        (an offset within the graph baked at capture). ``torch.cuda.get_rng_state()`` inside a
+        capture returns that within-graph offset, and ``set_rng_state`` inside another capture
+        positions *that* graph's draws relative to *its* replay offset. So a state saved in one
+        graph (``torch.utils.checkpoint``'s forward) and restored in another (its recompute in
+        the backward graph) repeats the saved draws only if both graphs replay from the same
+        generator offset. Here, a state read during a run is tagged with the generator state at
+        the run's start; restoring it during a run that started elsewhere gives other numbers.
+        """
+        if all(g is not torch.default_generator for g in self._registered):
+            return contextlib.nullcontext()
+        return _relative_rng(torch.default_generator.get_state())
 
     def pool_outputs(self) -> list[torch.Tensor]:
         """The captured outputs: memory of the pool that this graph's replays write."""
@@ -208,7 +224,7 @@ class EmulatedGraph:
             m.training = training
         try:
             self.live_outputs = None
-            with emulated_capture():
+            with emulated_capture(), self._rng_relative():
                 new = tree_leaves(self._fn())
             with torch.no_grad():
                 for dst, src in zip(self._outputs, new, strict=True):
@@ -251,6 +267,39 @@ def emulated_capture() -> Iterator[None]:
 
 def _capturing() -> bool:
     return True
+
+
+_rng_bases: list[torch.Tensor] = []  # generator state at the start of each running graph
+
+
+@contextlib.contextmanager
+def _relative_rng(base: torch.Tensor) -> Iterator[None]:
+    """See :meth:`EmulatedGraph._rng_relative`: inside, ``torch.get_rng_state()`` tags the state
+    with ``base`` and ``torch.set_rng_state(state)`` of a state tagged with another base lands
+    on other random numbers (as a CUDA graph replayed from another offset would)."""
+    _rng_bases.append(base)
+    saved = (torch.get_rng_state, torch.set_rng_state)
+    if len(_rng_bases) == 1:
+        torch.get_rng_state, torch.set_rng_state = _tagged_get_rng_state, _relative_set_rng_state
+    try:
+        yield
+    finally:
+        _rng_bases.pop()
+        if not _rng_bases:
+            torch.get_rng_state, torch.set_rng_state = saved
+
+
+def _tagged_get_rng_state() -> torch.Tensor:
+    state = torch.default_generator.get_state()
+    state._tgraph_rng_base = _rng_bases[-1]
+    return state
+
+
+def _relative_set_rng_state(new_state: torch.Tensor) -> None:
+    torch.default_generator.set_state(new_state)
+    base = getattr(new_state, "_tgraph_rng_base", None)
+    if base is not None and _rng_bases and not torch.equal(base, _rng_bases[-1]):
+        torch.empty(1).random_()  # same position in the graph, another replay offset
 
 
 class CudaGraph:
@@ -453,6 +502,13 @@ def explain_capture_failure(what: str, exc: BaseException) -> CaptureError:
     if isinstance(exc, CaptureError):
         return CaptureError(f"capturing {what} failed: {exc}")
     hint = CAPTURE_HINT
+    if "Checkpointing is not compatible with .grad()" in str(exc):
+        hint = (
+            "Reentrant activation checkpointing (torch.utils.checkpoint.checkpoint with "
+            "use_reentrant=True, or megatron's tensor_parallel.checkpoint) cannot run inside a "
+            "graphed module: its backward graph differentiates with torch.autograd.grad. Use "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+        )
     if "legacy stream depend on a capturing" in str(exc):
         hint += STALE_STREAM_HINT
     return CaptureError(f"capturing {what} failed: {type(exc).__name__}: {exc}. {hint}")

@@ -58,7 +58,7 @@ class GraphedCall(torch.autograd.Function):
             return (None,) * len(ctx.needs_input_grad)
         unit.ledger.before_backward(flight, unit)
         unit.copy_grad_outputs(grads)
-        unit.bwd_graph.replay()
+        unit.replay_backward()  # tgraph.unit: the RNG offset a recompute needs
         unit.after_backward()
         flight.land()
         return (None, None, *unit.grads_for_autograd(active=active))

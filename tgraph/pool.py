@@ -184,16 +184,36 @@ def saved_activations(outputs: list[Any]) -> list[torch.Tensor]:
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        names = [n for n in dir(node) if n.startswith("_saved_")]
+        # The packed values (_raw_saved_*), never the unpacked ones: unpacking a tensor saved
+        # under torch.utils.checkpoint would recompute it. A checkpoint keeps only its inputs.
+        names = [n for n in dir(node) if n.startswith("_raw_saved_")]
         values = [getattr(node, n) for n in names]
-        if hasattr(node, "saved_tensors"):  # a custom autograd.Function's context
+        if not names and hasattr(node, "saved_tensors"):  # a custom autograd.Function's context
             values.append(node.saved_tensors)
         for v in values:
             for t in v if isinstance(v, (tuple, list)) else (v,):
-                if isinstance(t, torch.Tensor):
-                    found.append(t)
+                found += _packed_tensors(t)
         stack.extend(nxt for nxt, _ in node.next_functions)
     return found
+
+
+def _packed_tensors(saved: Any) -> list[torch.Tensor]:
+    """The tensors a saved value keeps alive: itself, or for a tensor packed by
+    ``torch.utils.checkpoint`` (a holder, recomputed at backward) the checkpoint's inputs."""
+    if isinstance(saved, torch.Tensor):
+        return [saved]
+    data = getattr(saved, "data", None)  # a torch._C._autograd.SavedTensor
+    if isinstance(data, torch.Tensor):
+        return [data]
+    hook = getattr(saved, "unpack_hook", None)
+    cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ())) if hook else {}
+    frame = cells["frame"].cell_contents if "frame" in cells else None
+    out = []
+    for arg in getattr(frame, "saved_args", None) or ():
+        t = getattr(arg, "data", arg)
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -181,6 +181,8 @@ class GraphedUnit:
         self._param_grads: list[torch.Tensor | None] = []
         self._flags: MainGradFlags | None = None
         self._grad_out_zero: list[bool] = []
+        self.recomputes = False  # the forward checkpoints (torch.utils.checkpoint): see RngRewind
+        self._rng_at_forward: list[torch.Tensor] | None = None
 
     # ----------------------------------------------------------------- capture
     @property
@@ -225,6 +227,8 @@ class GraphedUnit:
         self.needs_backward = self.grad_mode and bool(self._out_rg)
         if self.needs_backward:
             self._find_params(inputs)
+            outs = self.fwd_graph.live_outputs or self.static_outputs
+            self.recomputes = recomputes([outs[i] for i in self._out_rg])
         else:
             for r in self.members:
                 r.samples = []
@@ -266,6 +270,11 @@ class GraphedUnit:
         self.unused.setup(rg_outs, inputs, self.head.in_rg, self._leaves)
 
     def _run_backward(self) -> tuple:
+        if self.recomputes:
+            # One draw, so that the backward graph's replays always load the generator's
+            # offset (a CUDA graph whose draws add up to nothing skips that; the recompute's
+            # fork_rng restores the offset it started from).
+            torch.empty(1, device=self.device).uniform_()
         graph_outs = self.fwd_graph.live_outputs or self.static_outputs
         head = self.head
         ins = [head.static_inputs[i] for i in head.in_rg] + self._leaves
@@ -288,6 +297,8 @@ class GraphedUnit:
         self._grad_out_zero = [True] * len(self.static_grad_outputs)
         self._flags = MainGradFlags(zip(self._leaves, self.params))
         graph = factory.new_graph(watch=self._aliases(), frees=self.fwd_graph)
+        for g in rng.graph_generators(self.device):  # as on CUDA, where every graph has them
+            graph.register_generator_state(g)
         self._flags.before_capture()
         try:
             with factory.side_stream():
@@ -354,9 +365,33 @@ class GraphedUnit:
             hold_while_alive(self, outs)
         else:
             flight = Flight(self)
+            if self.recomputes:
+                self._rng_at_forward = _rng_states(self.device)
             outs = list(GraphedCall.apply(self, flight, *tensors, *self.autograd_params))
         LiveOutputs(self.ledger, self, outs)  # no other graph overwrites them (tgraph.pool)
         return outs
+
+    def replay_backward(self) -> None:
+        """Replay the backward graph; a recomputing unit's replays from the generator offset
+        its forward replay started from.
+
+        ``torch.utils.checkpoint`` saves the RNG state before the checkpointed forward and
+        restores it before the recompute. Inside graphs that state is a position *within* the
+        forward graph (CUDA), and the recompute inside the backward graph positions that graph's
+        draws relative to the offset the backward graph replays from. Replaying the backward
+        from the forward replay's offset (then putting the generator back where it was) makes
+        the recompute draw the forward's numbers: the same dropout masks as eager checkpointing.
+        """
+        if not self.recomputes or self._rng_at_forward is None:
+            self.bwd_graph.replay()
+            return
+        now = _rng_states(self.device)
+        _set_rng_states(self.device, self._rng_at_forward)
+        try:
+            self.bwd_graph.replay()
+        finally:
+            _set_rng_states(self.device, now)
+            self._rng_at_forward = None
 
     def _copy_inputs(self, tensors: list[torch.Tensor]) -> bool:
         """Copy live inputs into the head's static buffers; False if a shared buffer (another
@@ -422,6 +457,46 @@ class GraphedUnit:
             for buf in self.static_grad_outputs:
                 _poison(buf)
             self._grad_out_zero = [False] * len(self.static_grad_outputs)
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The generator ``torch.utils.checkpoint`` saves and restores for ``device``'s tensors."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    return [_default_generator(device).get_state()]  # host-side seed and offset on CUDA
+
+
+def _set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
+    _default_generator(device).set_state(states[0])
+
+
+def _checkpoint_hook(saved: Any) -> bool:
+    hook = getattr(saved, "unpack_hook", None)
+    return getattr(hook, "__module__", None) == "torch.utils.checkpoint"
+
+
+def recomputes(outputs: list[torch.Tensor]) -> bool:
+    """Whether the autograd graph behind ``outputs`` recomputes (non-reentrant
+    ``torch.utils.checkpoint``: its saved tensors are unpacked by checkpoint's hook)."""
+    seen: dict[int, Any] = {}
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        for name in dir(node):
+            if name.startswith("_raw_saved_"):
+                v = getattr(node, name)
+                if any(_checkpoint_hook(x) for x in (v if isinstance(v, (list, tuple)) else (v,))):
+                    return True
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return False
 
 
 def _poison(t: torch.Tensor) -> None:
