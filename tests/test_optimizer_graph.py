@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tgraph
-from tgraph import optimizer_graph, step_state
+from tgraph import nonfinite, optimizer_graph, step_state
 from tgraph.backend import RefuseHostSync
 from tgraph.toy.gpt import GPT, GPTConfig
 
@@ -160,8 +160,8 @@ def test_nonfinite_step_is_skipped_bitwise(backend, device, kind, k):
 def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
     """The naive version: compute the flag, but let the step through anyway (neither the
     fused kernels' found_inf mask nor the snapshot select)."""
-    monkeypatch.setattr(optimizer_graph, "masks_with_found_inf", lambda opt: False)
-    monkeypatch.setattr(optimizer_graph._Protected, "select", lambda self, ok: None)
+    monkeypatch.setattr(nonfinite, "masks_with_found_inf", lambda opt: False)
+    monkeypatch.setattr(nonfinite._Protected, "select", lambda self, ok: None)
     model, opt, _ = train_graphed(backend, device, bad={5}, kind="grad_inf")
     ref_model, ref_opt = train_eager(device, bad={5}, kind="grad_inf")
     with pytest.raises(AssertionError, match="differs from eager"):
@@ -341,7 +341,7 @@ def test_skip_guard_groups_tensors_by_device():
     """A tensor on another device than the flag (a host step count) is selected on its own
     device, never in one foreach list with device tensors."""
     t = [torch.ones(3), torch.zeros((), dtype=torch.float32)]
-    prot = optimizer_graph._Protected(t)
+    prot = nonfinite._Protected(t)
     assert all(len(cur) == 1 or d.type == "cpu" for (d, _), (cur, _) in prot.by_dtype.items())
     prot.save()
     t[0].add_(1.0)

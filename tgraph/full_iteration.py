@@ -85,7 +85,7 @@ from tgraph.backend import (
     stale_stream_override,
 )
 from tgraph.module import GraphFallbackWarning, _manager
-from tgraph.optimizer_graph import SkipNonfiniteStep
+from tgraph.nonfinite import SkipNonfiniteStep
 from tgraph.signature import call_key, first_difference, split
 from tgraph.step_state import (
     EmulatedStepGraph,
@@ -134,7 +134,7 @@ class FullIterationGraph:
         skip_nonfinite: skip the optimizer steps inside ``fn`` on the device, without a host
             sync, when ``fn``'s loss (its first tensor output) or the gradients at the
             optimizer's ``step()`` are not finite: parameters and optimizer state stay untouched
-            (:class:`tgraph.optimizer_graph.SkipNonfiniteStep`). :attr:`skipped_steps` counts them.
+            (:class:`tgraph.nonfinite.SkipNonfiniteStep`). :attr:`skipped_steps` counts them.
 
     Raises:
         TypeError: ``fn`` is not callable.
