@@ -12,7 +12,7 @@ from layer_models import ATOL, RTOL
 from test_signature import CachedBlock, DropBlock
 
 import tgraph
-from tgraph.grads import StateSnapshot
+from tgraph.snapshot import Snapshot
 
 
 def test_create_graphs_without_record_is_a_clear_error():
@@ -172,12 +172,12 @@ def test_batchnorm_statistics_equal_eager_after_capture(backend, device):
 
 
 def test_planted_bug_buffers_not_restored_is_caught(backend, device, monkeypatch):
-    real = StateSnapshot.restore
+    real = Snapshot.restore
 
     def forget_buffers(self):
         self._buffers = []
         real(self)
 
-    monkeypatch.setattr(StateSnapshot, "restore", forget_buffers)
+    monkeypatch.setattr(Snapshot, "restore", forget_buffers)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         test_batchnorm_statistics_equal_eager_after_capture(backend, device)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgraph.backend import CaptureError
 from tgraph.decode import DecodeBuffers, DecodeEngine
 from tgraph.decode.batch import default_buckets
 from tgraph.decode.requests import Request
+from tgraph.guards import CaptureError
 from tgraph.toy.gpt import GPT, GPTConfig, encode
 from tgraph.toy.gpt_decode import GPTDecoder
 

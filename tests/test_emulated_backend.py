@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tgraph.backend import CaptureError, EmulatedGraph, GraphFactory
+from tgraph.backend import EmulatedGraph, GraphFactory
+from tgraph.guards import CaptureError
 
 
 def test_replay_reads_only_the_captured_inputs_and_writes_the_captured_outputs():

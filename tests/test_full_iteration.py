@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tgraph
-from tgraph import full_iteration, step_state
+from tgraph import full_iteration, hyperparams
 from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -142,8 +142,8 @@ def test_lr_schedule_reaches_the_graph(backend, device, opt_kind, sched):
 @pytest.mark.parametrize("opt_kind", ["sgd_fused", "adamw"])
 def test_planted_frozen_lr_is_caught(backend, device, opt_kind, monkeypatch):
     # The naive implementation: lr stays a Python float (baked at capture), nobody checks it.
-    monkeypatch.setattr(step_state, "holds_tensor_lr", lambda group: False)
-    monkeypatch.setattr(step_state.HyperParams, "_check_baked", lambda self: None)
+    monkeypatch.setattr(hyperparams, "holds_tensor_lr", lambda group: False)
+    monkeypatch.setattr(hyperparams.HyperParams, "_check_baked", lambda self: None)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         assert_same(run_pair(backend, device, opt_kind, sched="step"))
 
@@ -159,7 +159,7 @@ def _assign_float_lr(opt, i):
 @pytest.mark.parametrize("opt_kind", ["sgd_fused", "adamw"])
 def test_lr_replaced_by_a_float_is_copied_into_the_graph(backend, device, opt_kind, monkeypatch):
     assert_same(run_pair(backend, device, opt_kind, after_step=_assign_float_lr))
-    monkeypatch.setattr(step_state.HyperParams, "_refresh_tensor_lrs", lambda self: None)
+    monkeypatch.setattr(hyperparams.HyperParams, "_refresh_tensor_lrs", lambda self: None)
     with pytest.raises(
         AssertionError, match="Tensor-likes are not close"
     ):  # planted: the float never reaches it

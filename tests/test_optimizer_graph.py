@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tgraph
-from tgraph import nonfinite, optimizer_graph, step_state
-from tgraph.backend import RefuseHostSync
+from tgraph import hyperparams, nonfinite
+from tgraph.guards import RefuseHostSync
 from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -197,8 +197,8 @@ def test_lr_schedule_reaches_the_optimizer_graph(backend, device, sched):
 
 def test_planted_frozen_lr_is_caught(backend, device, monkeypatch):
     # The naive implementation: lr stays a Python float (baked at capture), nobody checks it.
-    monkeypatch.setattr(step_state, "holds_tensor_lr", lambda group: False)
-    monkeypatch.setattr(step_state.HyperParams, "_check_baked", lambda self: None)
+    monkeypatch.setattr(hyperparams, "holds_tensor_lr", lambda group: False)
+    monkeypatch.setattr(hyperparams.HyperParams, "_check_baked", lambda self: None)
     model, opt, _ = train_graphed(backend, device, sched="step")
     ref_model, ref_opt = train_eager(device, sched="step")
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):

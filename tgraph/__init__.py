@@ -6,8 +6,9 @@ Importing tgraph has no side effects.
 """
 
 from tgraph import decode, rng
-from tgraph.backend import CaptureError, capture_stream, resolve_backend
+from tgraph.backend import capture_stream, resolve_backend
 from tgraph.full_iteration import FullIterationGraph
+from tgraph.guards import CaptureError
 from tgraph.module import (
     CaptureReport,
     GraphableModule,

@@ -22,35 +22,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tgraph.guards import RefuseHostReads, RefuseHostSync
 from tgraph.pool import EmulatedPool, PoolLedger
 
 BACKENDS = ("cuda", "emulated")
-
-# Host-side sync points: illegal while a CUDA stream is capturing. The emulated backend refuses
-# them during capture so CPU tests see the same failure as the GPU.
-_HOST_SYNC_OPS = {
-    "aten::_local_scalar_dense": ".item(), float()/int()/bool() of a tensor, `if tensor:` or "
-    "printing a tensor",
-    "aten::nonzero": "torch.nonzero / boolean-mask indexing (data-dependent output shape)",
-    "aten::masked_select": "masked_select / boolean-mask indexing (data-dependent output shape)",
-    "aten::_unique2": "torch.unique (data-dependent output shape)",
-    "aten::unique_consecutive": "torch.unique_consecutive (data-dependent output shape)",
-    "aten::unique_dim": "torch.unique (data-dependent output shape)",
-}
-
-CAPTURE_HINT = (
-    "Common causes: a host sync inside the captured region (.item(), bool(tensor), printing a "
-    "tensor, torch.nonzero, boolean-mask indexing), a CPU tensor created or read inside it, or "
-    "memory allocated outside the graph's pool. Move such code out of the graphed module or "
-    "function."
-)
-
-
-class CaptureError(RuntimeError):
-    """Raised when a graph could not be captured. The message names the likely cause."""
 
 
 def resolve_backend(backend: str, device: torch.device | str | None) -> str:
@@ -86,33 +63,6 @@ def resolve_backend(backend: str, device: torch.device | str | None) -> str:
     return backend
 
 
-class RefuseHostSync(TorchDispatchMode):
-    """Raise CaptureError on host-sync ops (run around a warmup pass to fail before capture).
-
-    Args:
-        device_type: refuse only syncs on tensors of this device type (``"cuda"`` for a CUDA
-            warmup: ``.item()`` of a CPU tensor is harmless there, and megatron-core's RNG
-            tracker does one); None refuses every sync (the emulated backend, whose "device"
-            tensors live on the CPU).
-    """
-
-    def __init__(self, device_type: str | None = None) -> None:
-        super().__init__()
-        self._device_type = device_type
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name in _HOST_SYNC_OPS and (
-            self._device_type is None
-            or any(isinstance(a, torch.Tensor) and a.device.type == self._device_type for a in args)
-        ):
-            raise CaptureError(
-                f"host synchronization during graph capture: {name} ({_HOST_SYNC_OPS[name]}). "
-                "A CUDA graph cannot contain it; move it out of the captured region."
-            )
-        return func(*args, **(kwargs or {}))
-
-
 def _default_generators() -> list[torch.Generator]:
     return [torch.default_generator]
 
@@ -130,6 +80,9 @@ class EmulatedGraph:
         freeze: modules whose ``training`` flags the replays see as they were at capture (a real
             graph replays the kernels of the capture's control flow, e.g. dropout on or off).
         external: tensors the function reads that live outside the pool (static inputs).
+        frozen_values: dicts (optimizers' ``param_groups``) whose Python values the replays
+            see as they were at capture: a CUDA graph bakes those floats into its kernels, so a
+            learning rate that did not reach a tensor is frozen here exactly as on a GPU.
     """
 
     retains_autograd_graph = True
@@ -143,8 +96,11 @@ class EmulatedGraph:
         freeze: Iterable[torch.nn.Module] = (),
         external: Iterable[torch.Tensor] = (),
         stamp: Callable[[], int] | None = None,
+        frozen_values: Iterable[dict] = (),
     ) -> None:
         self._fn: Callable[[], Any] | None = None
+        self._frozen_dicts = list(frozen_values)
+        self._values: list[tuple[dict, dict]] = []
         self._outputs: list[Any] = []
         self._registered: list[torch.Generator] = []
         self._frozen: list[tuple[torch.Generator, torch.Tensor]] = []
@@ -177,11 +133,14 @@ class EmulatedGraph:
             (g, g.get_state()) for g in known if all(g is not r for r in self._registered)
         ]
         self._modes = [(m, m.training) for m in self._freeze]
-        with RefuseHostSync(), emulated_capture(), self._rng_relative():
+        with RefuseHostSync(), RefuseHostReads(), emulated_capture(), self._rng_relative():
             out = fn()
         self._fn = fn
         self._outputs = tree_leaves(out)
         self.live_outputs = self._outputs
+        self._values = [
+            (d, {k: v for k, v in d.items() if k != "params"}) for d in self._frozen_dicts
+        ]
         if self._pool is not None:
             self._pool.captured(self)
         return out
@@ -218,8 +177,11 @@ class EmulatedGraph:
         attrs = [(obj, dict(vars(obj))) for obj in self._watch]
         live = [(g, g.get_state()) for g, _ in self._frozen]
         modes = [(m, m.training) for m, _ in self._modes]
+        values = [(d, {k: d[k] for k in frozen if k in d}) for d, frozen in self._values]
         for g, state in self._frozen:  # unregistered generators replay the capture's numbers
             g.set_state(state)
+        for d, frozen in self._values:  # the capture's hyper-parameters, baked in
+            d.update(frozen)
         for m, training in self._modes:  # the capture's control flow, not today's flags
             m.training = training
         try:
@@ -238,6 +200,8 @@ class EmulatedGraph:
                 g.set_state(state)
             for m, training in modes:
                 m.training = training
+            for d, live_values in values:
+                d.update(live_values)
             for obj, saved in attrs:
                 vars(obj).clear()
                 vars(obj).update(saved)
@@ -382,15 +346,6 @@ def stale_stream_override() -> Iterator[None]:
         setter(before)
 
 
-STALE_STREAM_HINT = (
-    " A captured backward synchronized with the default stream: an AccumulateGrad node created "
-    "on it before capture is still alive (DDP and megatron-core DDP keep them; so does a live "
-    "loss of an eager step). Build the DDP wrapper under torch.cuda.stream(tgraph.capture_stream()), "
-    "upgrade PyTorch (set_override_stale_capture_stream lets tgraph redirect the sync), or use "
-    "per-layer graphs (tgraph.enable), which do not have this problem."
-)
-
-
 def _unstick_generators(device: torch.device) -> None:
     """After an aborted capture, give CUDA generators a fresh state object.
 
@@ -459,6 +414,7 @@ class GraphFactory:
         frees: Any = None,
         freeze: Iterable[torch.nn.Module] = (),
         external: Iterable[torch.Tensor] = (),
+        frozen_values: Iterable[dict] = (),
     ) -> EmulatedGraph | CudaGraph:
         """A graph of this factory's pool. The emulated-only arguments are documented on
         :class:`EmulatedGraph`; a CUDA graph gets that behaviour from the hardware."""
@@ -471,6 +427,7 @@ class GraphFactory:
             freeze=freeze,
             external=external,
             stamp=self.ledger.stamp,
+            frozen_values=frozen_values,
         )
 
     @contextlib.contextmanager
@@ -495,20 +452,3 @@ class GraphFactory:
 
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) if self.backend == "cuda" else 0
-
-
-def explain_capture_failure(what: str, exc: BaseException) -> CaptureError:
-    """Wrap an exception raised while capturing ``what`` into a CaptureError with the cause."""
-    if isinstance(exc, CaptureError):
-        return CaptureError(f"capturing {what} failed: {exc}")
-    hint = CAPTURE_HINT
-    if "Checkpointing is not compatible with .grad()" in str(exc):
-        hint = (
-            "Reentrant activation checkpointing (torch.utils.checkpoint.checkpoint with "
-            "use_reentrant=True, or megatron's tensor_parallel.checkpoint) cannot run inside a "
-            "graphed module: its backward graph differentiates with torch.autograd.grad. Use "
-            "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
-        )
-    if "legacy stream depend on a capturing" in str(exc):
-        hint += STALE_STREAM_HINT
-    return CaptureError(f"capturing {what} failed: {type(exc).__name__}: {exc}. {hint}")

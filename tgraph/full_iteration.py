@@ -78,24 +78,21 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from tgraph import rng
-from tgraph.backend import (
-    GraphFactory,
-    explain_capture_failure,
-    resolve_backend,
-    stale_stream_override,
-)
+from tgraph.backend import GraphFactory, resolve_backend, stale_stream_override
+from tgraph.guards import RefuseLrWrites, explain_capture_failure
+from tgraph.hyperparams import HyperParams
 from tgraph.module import GraphFallbackWarning, _manager
 from tgraph.nonfinite import SkipNonfiniteStep
 from tgraph.signature import call_key, first_difference, split
-from tgraph.step_state import (
-    EmulatedStepGraph,
-    HyperParams,
-    RefuseLrWrites,
-    StepSnapshot,
-    detach_clone,
-)
+from tgraph.snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
+
+
+def detach_clone(t: torch.Tensor) -> torch.Tensor:
+    """An output handed to the caller: its own memory, safe to keep past the next replay."""
+    return t.detach().clone()
+
 
 DDP_MIN_WARMUP = 11
 """Eager DDP iterations PyTorch requires before a capture (CUDA notes, DDP section)."""
@@ -275,12 +272,20 @@ class FullIterationGraph:
         entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
         static_batch = split(batch)[1].fill(entry.static)
         groups = [g for o in self.optimizers for g in o.param_groups]
-        graph = f.new_graph() if f.backend == "cuda" else EmulatedStepGraph(groups)
+        graph = f.new_graph(frozen_values=groups)  # emulated: hyper-parameters baked, as on a GPU
         for g in rng.graph_generators(f.device):
             graph.register_generator_state(g)
         params = self._params()
         buffers = {id(b): b for m in self._modules.values() for b in nn.Module.buffers(m)}.values()
-        snap = StepSnapshot(params, self.optimizers, buffers, f.device, values=f.backend != "cuda")
+        runs = f.backend != "cuda"  # an emulated capture executes the step; a CUDA one does not
+        snap = Snapshot(
+            params,
+            buffers,
+            f.device,
+            optimizers=self.optimizers,
+            params_values=runs,
+            state_values=runs,
+        )
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
         grads_before = {id(p): p.grad for p in params}

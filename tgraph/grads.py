@@ -11,9 +11,7 @@ flags the backward sets and sets them again after every replay. Parameters whose
 back through autograd are untouched (their hook accumulates eagerly, as in eager execution), so
 ``main_grad`` and the flags end exactly as eager execution leaves them.
 
-**Warmup and capture side effects.** Warmup passes really run (and the emulated capture too):
-they advance RNG state, accumulate into ``main_grad`` and update module buffers (e.g. running
-statistics). :class:`StateSnapshot` restores all of it after ``create_graphs()``.
+**Warmup and capture side effects** are undone by :class:`tgraph.snapshot.Snapshot`.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-
-from tgraph import rng
 
 FLAG = "grad_added_to_main_grad"
 # PyTorch >= 2.13 can swap the memory of two storages (ParamGradPacking.rescue); older
@@ -133,46 +129,6 @@ class MainGradFusion:
                     "buffer. Call tgraph.reset() and tgraph.create_graphs() again after "
                     "re-creating gradient buffers."
                 )
-
-
-class StateSnapshot:
-    """Everything a warmup or an emulated capture may change, saved to be restored.
-
-    Args:
-        params: parameters whose ``main_grad`` / ``grad_added_to_main_grad`` / ``.grad`` to keep.
-        buffers: module buffers (running statistics and the like).
-        device: the device whose generators to snapshot (CPU generators always are).
-    """
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor],
-        buffers: Iterable[torch.Tensor],
-        device: torch.device | None,
-    ) -> None:
-        params = list(params)
-        self._device = device
-        self._main_grads = [
-            (p, p.main_grad.detach().clone())
-            for p in params
-            if isinstance(getattr(p, "main_grad", None), torch.Tensor)
-        ]
-        self._flags = [(p, getattr(p, FLAG)) for p in params if hasattr(p, FLAG)]
-        self._grads = [(p, p.grad) for p in params]
-        self._buffers = [(b, b.detach().clone()) for b in buffers]
-        self._rng = rng.get_states(device)
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for p, saved in self._main_grads:
-            p.main_grad.copy_(saved)
-        for p, flag in self._flags:
-            setattr(p, FLAG, flag)
-        for p, g in self._grads:
-            p.grad = g
-        for b, saved in self._buffers:
-            b.copy_(saved)
-        rng.set_states(self._rng, self._device)
 
 
 class ParamGradPacking:

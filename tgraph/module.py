@@ -26,13 +26,14 @@ import torch
 import torch.nn as nn
 
 from tgraph import memory
-from tgraph.backend import GraphFactory, explain_capture_failure, resolve_backend
-from tgraph.grads import StateSnapshot
+from tgraph.backend import GraphFactory, resolve_backend
+from tgraph.guards import explain_capture_failure
 from tgraph.memory import MemoryReport
 from tgraph.record import NoteBackward, Record
 from tgraph.runner import Runner
 from tgraph.segment import Segment, mergeable_chains
 from tgraph.signature import MutableArgument, call_key, difference, split
+from tgraph.snapshot import Snapshot
 from tgraph.unit import Flight, graphed_region, hold_while_alive, inside_graphed_region
 
 logger = logging.getLogger(__name__)
@@ -320,7 +321,7 @@ def create_graphs() -> CaptureReport:
         r.debug = st.debug
     params = {id(p): p for root in m.roots for p in root.parameters()}
     buffers = {id(b): b for mod in m.modules for b in nn.Module.buffers(mod)}
-    snaps = [StateSnapshot(params.values(), buffers.values(), dev) for _, dev in factories]
+    snaps = [Snapshot(params.values(), buffers.values(), dev) for _, dev in factories]
     before = sum(f.memory_allocated() for f in factories.values())
     for f in factories.values():
         f.synchronize()

@@ -10,7 +10,7 @@ Usage, next to :func:`tgraph.enable`::
         _, loss = model(x, y)
         loss.backward()
         opt_graph.step(loss)        # clip, skip if loss or grad norm is not finite, step, zero .grad
-        sched.step()                # reaches the graph through a device tensor (tgraph.step_state)
+        sched.step()                # reaches the graph through a device tensor (tgraph.hyperparams)
         if step == 0:
             tgraph.create_graphs()
         if step % 100 == 0:
@@ -48,9 +48,11 @@ from typing import Any
 
 import torch
 
-from tgraph.backend import CaptureError, GraphFactory, explain_capture_failure, resolve_backend
+from tgraph.backend import GraphFactory, resolve_backend
+from tgraph.guards import CaptureError, RefuseLrWrites, explain_capture_failure
+from tgraph.hyperparams import HyperParams
 from tgraph.nonfinite import SkipNonfinite, finite, state_layout, total_norm
-from tgraph.step_state import EmulatedStepGraph, HyperParams, RefuseLrWrites, StepSnapshot
+from tgraph.snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ class OptimizerGraph:
         optimizer: a torch optimizer whose step needs no host sync: ``fused=True`` or
             ``capturable=True`` (Adam/AdamW need ``capturable=True`` on CUDA, ``fused=True`` on
             the CPU). Its float learning rates move into device tensors at capture, so LR
-            schedulers keep working (:class:`tgraph.step_state.HyperParams`).
+            schedulers keep working (:class:`tgraph.hyperparams.HyperParams`).
         clip_grad_norm: clip the gradients to this total norm first, exactly as
             ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type)`` (on the device).
         norm_type: the norm of clipping and of the finiteness check.
@@ -333,12 +335,18 @@ class OptimizerGraph:
         hp.prepare()
         lr_tensors = [g["lr"] for _, _, g in hp._groups if isinstance(g["lr"], torch.Tensor)]
         groups = [g for o in self.optimizers for g in o.param_groups]
-        graph = f.new_graph() if f.backend == "cuda" else EmulatedStepGraph(groups)
+        graph = f.new_graph(frozen_values=groups)  # emulated: hyper-parameters baked, as on a GPU
         extra = [
             t for t in (self._norm, self.guard and self.guard.skipped_steps_tensor) if t is not None
         ]
-        snap = StepSnapshot(
-            self.params(), self.optimizers, extra, f.device, values=f.backend != "cuda"
+        runs = f.backend != "cuda"  # an emulated capture executes the step; a CUDA one does not
+        snap = Snapshot(
+            self.params(),
+            extra,
+            f.device,
+            optimizers=self.optimizers,
+            params_values=runs,
+            state_values=runs,
         )
         self._grad_ownership()
         f.synchronize()

@@ -38,7 +38,7 @@ import torch
 
 from tgraph import grads as grads_module
 from tgraph import rng
-from tgraph.backend import GraphFactory, RefuseHostSync
+from tgraph.backend import GraphFactory
 from tgraph.bridge import GraphedCall
 from tgraph.grads import (
     MainGradFlags,
@@ -47,6 +47,7 @@ from tgraph.grads import (
     UnusedOutputs,
     reached_leaves,
 )
+from tgraph.guards import RefuseHostSync
 from tgraph.memory import UnitMemory, tensor_bytes
 from tgraph.pool import LiveOutputs, saved_activations
 

@@ -23,7 +23,8 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from tgraph.backend import GraphFactory, RefuseHostSync, explain_capture_failure
+from tgraph.backend import GraphFactory
+from tgraph.guards import RefuseHostSync, explain_capture_failure
 
 logger = logging.getLogger(__name__)
 

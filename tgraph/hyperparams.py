@@ -1,0 +1,84 @@
+"""The optimizer hyper-parameters a captured step reads, and how they reach the graph.
+
+A graph bakes every Python number it reads into its kernels. So learning rates move into device
+tensors that schedulers keep updating (:meth:`HyperParams.prepare`, :meth:`HyperParams.refresh`),
+and a value that cannot (a float another optimizer reads on the host) is refused at the next step
+with a message naming the fix, never frozen silently. Used by :class:`tgraph.FullIterationGraph`
+and :class:`tgraph.OptimizerGraph`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def holds_tensor_lr(group: dict) -> bool:
+    """Whether this param_group's optimizer reads a tensor ``lr`` without a host sync."""
+    return bool(group.get("fused") or group.get("capturable"))
+
+
+class HyperParams:
+    """The optimizer hyper-parameters a captured step reads, and how they reach the graph."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._groups = [
+            (type(o).__name__, i, g) for o in optimizers for i, g in enumerate(o.param_groups)
+        ]
+        self._converted: list[tuple[dict, torch.Tensor, float]] = []
+        self._tensor_lrs: list[tuple[dict, torch.Tensor]] = []
+        self._baked: list[tuple[str, int, dict, str, Any]] = []
+
+    def prepare(self) -> None:
+        """Move float learning rates into device tensors; remember the values a graph bakes."""
+        for _, _, g in self._groups:
+            lr = g["lr"]
+            if not isinstance(lr, torch.Tensor) and holds_tensor_lr(g):
+                # float32: the fused kernels read the tensor lr as float (FusedAdamKernel.cu).
+                t = torch.tensor(float(lr), dtype=torch.float32, device=g["params"][0].device)
+                self._converted.append((g, t, lr))
+                g["lr"] = t
+        self._tensor_lrs = [
+            (g, g["lr"]) for _, _, g in self._groups if isinstance(g["lr"], torch.Tensor)
+        ]
+        self._baked = [
+            (name, i, g, k, v)
+            for name, i, g in self._groups
+            for k, v in g.items()
+            if k not in ("params", "initial_lr") and not isinstance(v, torch.Tensor)
+        ]
+
+    def refresh(self) -> None:
+        """Before a replay: bring replaced learning rates into their tensors; refuse baked changes."""
+        self._refresh_tensor_lrs()
+        self._check_baked()
+
+    def _refresh_tensor_lrs(self) -> None:
+        for g, t in self._tensor_lrs:
+            live = g["lr"]
+            if live is not t:  # a scheduler (older PyTorch) or the user assigned a new value
+                with torch.no_grad():
+                    t.copy_(live) if isinstance(live, torch.Tensor) else t.fill_(float(live))
+                g["lr"] = t
+
+    def _check_baked(self) -> None:
+        for name, i, g, k, v in self._baked:
+            if g.get(k, v) != v:
+                fix = (
+                    f"build {name} with fused=True (or capturable=True for Adam/AdamW) so tgraph "
+                    "holds the learning rate in a device tensor"
+                    if k == "lr"
+                    else "call step.reset() to capture again with the new value"
+                )
+                raise ValueError(
+                    f"{name} param_group {i}: {k!r} changed from {v!r} to {g[k]!r} after capture, "
+                    f"but the captured graph baked {v!r} into its kernels. To fix: {fix}."
+                )
+
+    def restore(self) -> None:
+        """Undo :meth:`prepare`: float learning rates again (current values)."""
+        for g, t, _ in self._converted:
+            if g["lr"] is t:
+                g["lr"] = float(t)
+        self._converted.clear()
