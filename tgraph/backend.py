@@ -11,6 +11,10 @@
 
 ``"auto"`` picks ``"cuda"`` for CUDA tensors and ``"emulated"`` otherwise; the environment
 variable ``TGRAPH_BACKEND`` overrides ``"auto"``.
+
+Over 400 lines: both backends and their factory belong together, since the emulated graph is
+the executable model of every CUDA-graph property the CPU tests rely on (static memory, frozen
+generators and hyper-parameters, graph-relative RNG, pool reuse through tgraph.pool).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ After ``create_graphs()`` a call that no graph was captured for (new shape, dtyp
 requires_grad, non-tensor value, train/eval switch, grad mode) runs eagerly and warns once,
 naming what changed; with ``strict=True`` it raises instead. A graph is never replayed for a call
 it was not captured for.
+
+Over 400 lines: the whole per-layer life cycle (enable, record, create, replay dispatch, reset)
+reads in one place; the mechanisms themselves live in unit.py, record.py and pool.py.
 """
 
 from __future__ import annotations

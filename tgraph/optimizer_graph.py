@@ -37,6 +37,9 @@ every replay: a ``.grad`` that is None where the capture had one raises, and so 
 where the capture had none (call :meth:`OptimizerGraph.reset`). Capture happens at the first step
 after ``warmup_steps`` eager ones; a captured step that would create optimizer state is undone and
 run eagerly, and the next step is captured.
+
+Over 400 lines: the step graph, its gradient hand-off and its refusals are one mechanism;
+skipping non-finite steps lives in tgraph/nonfinite.py.
 """
 
 from __future__ import annotations

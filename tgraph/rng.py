@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 _extra: list[torch.Generator] = []
@@ -74,3 +76,35 @@ def set_states(states: list[tuple[torch.Generator | None, torch.Tensor]], device
             torch.cuda.set_rng_state(state, device)
         else:
             g.set_state(state)
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator ``torch.utils.checkpoint`` saves and restores for ``device``'s tensors."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
+def _checkpoint_hook(saved: Any) -> bool:
+    hook = getattr(saved, "unpack_hook", None)
+    return getattr(hook, "__module__", None) == "torch.utils.checkpoint"
+
+
+def recomputes(outputs: list[torch.Tensor]) -> bool:
+    """Whether the autograd graph behind ``outputs`` recomputes (non-reentrant
+    ``torch.utils.checkpoint``: its saved tensors are unpacked by checkpoint's hook)."""
+    seen: dict[int, Any] = {}
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        for name in dir(node):
+            if name.startswith("_raw_saved_"):
+                v = getattr(node, name)
+                if any(_checkpoint_hook(x) for x in (v if isinstance(v, (list, tuple)) else (v,))):
+                    return True
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return False

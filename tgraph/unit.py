@@ -25,6 +25,9 @@ Ownership and aliasing (what a user of the outputs must know):
   ``torch.cuda.make_graphed_callables`` hands autograd ``detach()``-ed aliases of its static
   buffers, which AccumulateGrad adopts as ``.grad``, so the next replay overwrites accumulated
   gradients (pytorch issue 181723). Gradient accumulation through a unit is exact.
+
+Over 400 lines on purpose: it is the one home of the graphed unit; keeping capture, replay and
+flights together keeps a forward replay within 8 file boundaries (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -229,7 +232,7 @@ class GraphedUnit:
         if self.needs_backward:
             self._find_params(inputs)
             outs = self.fwd_graph.live_outputs or self.static_outputs
-            self.recomputes = recomputes([outs[i] for i in self._out_rg])
+            self.recomputes = rng.recomputes([outs[i] for i in self._out_rg])
         else:
             for r in self.members:
                 r.samples = []
@@ -367,7 +370,7 @@ class GraphedUnit:
         else:
             flight = Flight(self)
             if self.recomputes:
-                self._rng_at_forward = _rng_states(self.device)
+                self._rng_at_forward = rng.default_generator(self.device).get_state()
             outs = list(GraphedCall.apply(self, flight, *tensors, *self.autograd_params))
         LiveOutputs(self.ledger, self, outs)  # no other graph overwrites them (tgraph.pool)
         return outs
@@ -386,12 +389,12 @@ class GraphedUnit:
         if not self.recomputes or self._rng_at_forward is None:
             self.bwd_graph.replay()
             return
-        now = _rng_states(self.device)
-        _set_rng_states(self.device, self._rng_at_forward)
+        now = rng.default_generator(self.device).get_state()
+        rng.default_generator(self.device).set_state(self._rng_at_forward)
         try:
             self.bwd_graph.replay()
         finally:
-            _set_rng_states(self.device, now)
+            rng.default_generator(self.device).set_state(now)
             self._rng_at_forward = None
 
     def _copy_inputs(self, tensors: list[torch.Tensor]) -> bool:
@@ -458,46 +461,6 @@ class GraphedUnit:
             for buf in self.static_grad_outputs:
                 _poison(buf)
             self._grad_out_zero = [False] * len(self.static_grad_outputs)
-
-
-def _default_generator(device: torch.device) -> torch.Generator:
-    """The generator ``torch.utils.checkpoint`` saves and restores for ``device``'s tensors."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[index]
-    return torch.default_generator
-
-
-def _rng_states(device: torch.device) -> list[torch.Tensor]:
-    return [_default_generator(device).get_state()]  # host-side seed and offset on CUDA
-
-
-def _set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
-    _default_generator(device).set_state(states[0])
-
-
-def _checkpoint_hook(saved: Any) -> bool:
-    hook = getattr(saved, "unpack_hook", None)
-    return getattr(hook, "__module__", None) == "torch.utils.checkpoint"
-
-
-def recomputes(outputs: list[torch.Tensor]) -> bool:
-    """Whether the autograd graph behind ``outputs`` recomputes (non-reentrant
-    ``torch.utils.checkpoint``: its saved tensors are unpacked by checkpoint's hook)."""
-    seen: dict[int, Any] = {}
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        for name in dir(node):
-            if name.startswith("_raw_saved_"):
-                v = getattr(node, name)
-                if any(_checkpoint_hook(x) for x in (v if isinstance(v, (list, tuple)) else (v,))):
-                    return True
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return False
 
 
 def _poison(t: torch.Tensor) -> None:
