@@ -1,0 +1,228 @@
+"""megatron-core's own optimizer (``get_megatron_optimizer``) under tgraph, without host syncs.
+
+:func:`make_graph_safe` checks the optimizer and makes its torch optimizer capturable;
+:func:`graph_safe_step` does megatron's step (grad norm, clipping, the inner step) with device
+tensors only, so it can run inside :class:`tgraph.FullIterationGraph`; beside per-layer graphs,
+:class:`MegatronOptimizerGraph` graphs it on its own (see :mod:`tgraph.integrations.megatron`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import tgraph
+
+# -- megatron-core's own optimizer without host syncs (issue 16) -------------------------------
+#
+# megatron-core's optimizer step syncs with the host four times per step (megatron/core/optimizer,
+# read at core_v0.17.0 and main): clip_grads.get_grad_norm_fp32 returns ``total_norm.item() **
+# (1 / norm_type)`` unless TransformerEngine's multi_tensor_scale_tensor is installed;
+# clip_grad_by_total_norm_fp32 branches on ``clip_coeff < 1.0`` in Python; without TE or apex the
+# local l2-norm fallback builds ``torch.tensor(list_of_cuda_norms)`` and ``float(...)`` of it; and
+# MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan reads ``found_inf.item()``. Its
+# inner optimizer, torch's AdamW when neither TE nor apex is installed, is built with
+# ``capturable=OptimizerConfig.optimizer_cuda_graph`` (False by default) and then reads its step
+# count on the host. graph_safe_step does the same math on the device instead.
+
+
+def _sub_optimizers(mopt) -> list:
+    """The megatron optimizers of a ChainedOptimizer (or ``[mopt]``), stubs left out."""
+    subs = list(getattr(mopt, "chained_optimizers", [mopt]))
+    return [s for s in subs if not getattr(s, "is_stub_optimizer", False)]
+
+
+def make_graph_safe(mopt) -> list[torch.optim.Optimizer]:
+    """Check that a megatron-core optimizer can step inside a graph; make its torch optimizer
+    capturable.
+
+    Torch optimizers inside (AdamW/Adam/SGD, megatron's choice without TransformerEngine or apex)
+    get ``capturable=True`` (their step count moves to the GPU; the same update up to rounding
+    of the bias correction). Anything that needs the host every step is refused.
+
+    Args:
+        mopt: what ``get_megatron_optimizer`` returned.
+
+    Returns:
+        The inner torch optimizers (their learning rates reach the graphs as device tensors).
+
+    Raises:
+        ValueError: a dynamic loss scaler (fp16), ``log_num_zeros_in_grad``, a finite
+            ``grad_norm_skip_threshold``, or a non-torch inner optimizer that is not capturable;
+            each message names the ``OptimizerConfig`` field to change.
+    """
+    inners = []
+    for sub in _sub_optimizers(mopt):
+        cfg = sub.config
+        if getattr(sub, "grad_scaler", None) is not None:
+            raise ValueError(
+                f"{type(sub).__name__} has a loss scaler: megatron updates it on the host from "
+                "found_inf.item() at every step (fp16 or OptimizerConfig.loss_scale), which a "
+                "graph cannot contain. Train in bf16 or fp32 without loss_scale for graphs."
+            )
+        if getattr(cfg, "log_num_zeros_in_grad", False):
+            raise ValueError(
+                "OptimizerConfig.log_num_zeros_in_grad=True counts zeros with .item() at every "
+                "step; set it to False under tgraph graphs"
+            )
+        if math.isfinite(getattr(cfg, "grad_norm_skip_threshold", math.inf)):
+            raise ValueError(
+                "OptimizerConfig.grad_norm_skip_threshold is finite: megatron compares the grad "
+                "norm on the host. Leave it at inf; tgraph's skip_nonfinite skips non-finite "
+                "steps on the device"
+            )
+        inner = sub.optimizer
+        for g in inner.param_groups:
+            on_cpu = all(p.device.type == "cpu" for p in g["params"])
+            if "capturable" not in g or g["capturable"] or (on_cpu and g.get("fused")):
+                continue  # (fused on the CPU: no host sync, and capturable is CUDA-only)
+            if not type(inner).__module__.startswith("torch.optim"):
+                raise ValueError(
+                    f"{type(inner).__name__} (inside megatron's {type(sub).__name__}) has "
+                    "capturable=False. Build it with OptimizerConfig(optimizer_cuda_graph=True)."
+                )
+            g["capturable"] = True
+            for p in g["params"]:
+                st = inner.state.get(p, {})
+                if isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
+                    st["step"] = st["step"].to(p.device, torch.float32)
+        inners.append(inner)
+    return inners
+
+
+def _grads_for_norm(sub) -> list[torch.Tensor]:
+    get = getattr(sub, "get_grads_for_grad_norm", None) or sub.get_main_grads_for_grad_norm
+    return get()
+
+
+def _norm_and_clip(subs: list) -> torch.Tensor:
+    """After ``prepare_grads()``: megatron's fp32 gradient norm and clipping, on the device."""
+    import torch.distributed as dist
+
+    grads = [g for sub in subs for g in _grads_for_norm(sub)]
+    sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).float() ** 2
+    group = subs[0].get_grad_stats_parallel_group()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    norm = sq.sqrt()
+    clip = subs[0].config.clip_grad
+    if clip > 0.0:  # megatron multiplies only when the coefficient is below 1; x * 1.0 is exact
+        coeff = (clip / (norm + 1.0e-6)).clamp_max(1.0)
+        params = [p for sub in subs for p in sub.get_parameters() if p.grad is not None]
+        torch._foreach_mul_([p.grad for p in params], coeff)
+    return norm
+
+
+def graph_safe_step(mopt) -> torch.Tensor:
+    """``mopt.step()`` without host syncs: the same gradient norm, clipping and inner step.
+
+    Per sub-optimizer: ``prepare_grads()`` (``.grad`` = ``main_grad``), the fp32 norm of
+    megatron's gradients for the norm (summed over its grad-stats group when that has several
+    ranks), clipping by ``clip_grad / (norm + 1e-6)`` clamped at 1, then
+    ``step_with_ready_grads()``. ``.grad`` is left as before the call (megatron leaves it
+    aliasing ``main_grad`` until ``zero_grad()``; a graph replay cannot run that Python). Call
+    :func:`make_graph_safe` once first. Usable eagerly and inside a
+    :class:`tgraph.FullIterationGraph` (whose ``skip_nonfinite`` protects the inner step).
+
+    Returns:
+        The total gradient norm before clipping, a 0-dim fp32 device tensor (megatron returns a
+        float).
+    """
+    subs = _sub_optimizers(mopt)
+    saved = [(p, p.grad) for sub in subs for p in sub.get_parameters()]
+    try:
+        for sub in subs:
+            sub.prepare_grads()
+        norm = _norm_and_clip(subs)
+        for sub in subs:
+            sub.step_with_ready_grads()
+    finally:
+        for p, g in saved:
+            p.grad = g
+    return norm
+
+
+class MegatronOptimizerGraph(tgraph.OptimizerGraph):
+    """A megatron-core optimizer's step (:func:`graph_safe_step`) as one tgraph graph.
+
+    Beside :func:`enable_layer_graphs`, megatron's loop becomes::
+
+        opt_graph = MegatronOptimizerGraph(mopt)     # skip_nonfinite=True
+        for batch in batches:
+            loss = forward_backward(model, batch)    # zero_grad_buffer(), fwd/bwd, grad sync
+            opt_graph.step(loss)
+            mopt.zero_grad()                         # as usual (sets .grad to None)
+            scheduler.step(1)                        # megatron's OptimizerParamScheduler
+
+    Gradients are megatron DDP's ``main_grad`` buffers, which never move: the graph reads them
+    directly, and ``model.zero_grad_buffer()`` zeroes them in place before the next backward (so
+    ``zero_grad`` is False here). Clipping follows ``OptimizerConfig.clip_grad``. With
+    ``skip_nonfinite``, the inner optimizer's parameters and state, and every parameter of the
+    optimizer's ``model_chunks``, are restored bitwise when the loss or the norm is not finite.
+
+    Args:
+        mopt: what ``get_megatron_optimizer`` returned (made graph-safe here).
+        skip_nonfinite, warmup_steps, backend: as :class:`tgraph.OptimizerGraph`.
+    """
+
+    def __init__(
+        self,
+        mopt,
+        *,
+        skip_nonfinite: bool = True,
+        warmup_steps: int = 1,
+        backend: str = "auto",
+    ) -> None:
+        self.megatron_optimizer = mopt
+        self._inners = make_graph_safe(mopt)
+        if not self._inners:
+            raise ValueError(f"{type(mopt).__name__} holds no optimizer with parameters")
+        super().__init__(
+            self._inners[0],
+            skip_nonfinite=skip_nonfinite,
+            zero_grad=False,
+            warmup_steps=warmup_steps,
+            backend=backend,
+        )
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self._inners)
+
+    def _protected_extra(self) -> list[torch.Tensor]:
+        chunks = getattr(self.megatron_optimizer, "model_chunks", None) or []
+        return [p for chunk in chunks for p in chunk.parameters()]
+
+    def _norm_and_clip(self) -> torch.Tensor:
+        subs = _sub_optimizers(self.megatron_optimizer)
+        self._saved_grads = [(p, p.grad) for sub in subs for p in sub.get_parameters()]
+        for sub in subs:
+            sub.prepare_grads()
+        return _norm_and_clip(subs)
+
+    def _inner_step(self) -> None:
+        for sub in _sub_optimizers(self.megatron_optimizer):
+            sub.step_with_ready_grads()
+        for p, g in self._saved_grads:  # .grad as before the step (see graph_safe_step)
+            p.grad = g
+
+    def _grad_ownership(self) -> None:
+        params = {id(p): p for p in [*self.params(), *self._protected_extra()]}.values()
+        self._grads = [
+            (p, p.main_grad) for p in params if getattr(p, "main_grad", None) is not None
+        ]
+        self._gradless = []
+        if not self._grads:
+            raise ValueError(
+                "MegatronOptimizerGraph: no parameter has main_grad; wrap the model in "
+                "megatron-core's DistributedDataParallel (its grad buffers have fixed addresses)"
+            )
+
+    def _check_grads(self) -> None:
+        for p, g in self._grads:
+            if p.main_grad is not g:
+                raise ValueError(
+                    "MegatronOptimizerGraph: a parameter's main_grad moved since capture (the DDP "
+                    "grad buffer was rebuilt?); call reset() to capture anew"
+                )
