@@ -165,6 +165,7 @@ class OptimizerGraph:
         self._hparams: HyperParams | None = None
         self._eager_calls = 0
         self._state_changed = True  # the last eager step created optimizer state
+        self._stepped: set[int] = set()  # parameters that had a gradient at an eager step
         self._failed = self._warned = False
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, graph's buffer)
         self._gradless: list[torch.Tensor] = []
@@ -293,6 +294,10 @@ class OptimizerGraph:
             self._factory = GraphFactory(resolve_backend(self.backend, device), device)
         if self._failed or self._eager_calls < self.warmup_steps or self._state_changed:
             return self._eager()
+        if any(p.grad is not None and id(p) not in self._stepped for p in self.params()):
+            # a parameter's first step creates its optimizer state, which a capture must not
+            # contain (undoing it would free pool memory still referenced): step it eagerly
+            return self._eager()
         return self._capture()
 
     def _take_loss(self, loss: torch.Tensor | None) -> None:
@@ -319,6 +324,7 @@ class OptimizerGraph:
                 "OptimizerGraph: capture failed; running the optimizer step eagerly from now on",
                 stacklevel=3,
             )
+        self._stepped.update(id(p) for p in self.params() if p.grad is not None)
         with self._factory.side_stream():
             self._run()
         self._clear_grads()
@@ -374,9 +380,9 @@ class OptimizerGraph:
             raise explain_capture_failure("the optimizer step of OptimizerGraph", exc) from exc
         if [state_layout(o) for o in self.optimizers] != layout:  # created state: undo
             f.synchronize()
-            graph.reset()
-            snap.restore()
+            snap.restore()  # drop the state first: the graph's pool must hold no live tensor
             hp.restore()
+            graph.reset()
             self._grads, self._gradless = [], []
             return self._eager()
         f.synchronize()
