@@ -615,44 +615,38 @@ def test_megatron_planted_nan_is_skipped(mode):
     _, ref_params, ref_states, _ = megatron_run("safe", bad={6})
     _, params, states, graph = megatron_run(mode, bad={6})
     assert graph.skipped_steps == 1
-    if mode == "full":  # the very kernels of the eager run: bitwise
-        for i, (a, b) in enumerate(zip(params, ref_params)):
-            assert torch.equal(a, b), f"parameter {i} differs from eager"
-        for i, (a, b) in enumerate(zip(states, ref_states)):
-            for k in b:
-                assert torch.equal(a[k], b[k]), f"optimizer state {i} {k!r} differs from eager"
-    else:
-        # Per-layer graphs add gradients into main_grad inside the graph: other rounding. The
-        # attention key bias (linear_qkv.bias, K part) has an exactly-zero gradient (softmax is
-        # invariant to a per-row constant), so its gradient is pure rounding noise, which Adam
-        # turns into updates of up to lr * noise / eps per step (eps=1e-8): those elements
-        # differ by ~1e-6 between any two reduction orders (the H200 run: 9 of 192 elements of
-        # parameter 7, layer 0's linear_qkv.bias, index 30 = K of head 0, by 2.1e-6). Tolerance
-        # as test_megatron_optimizer_losses_equal_megatron_eager.
-        torch.testing.assert_close(params, ref_params, rtol=1e-4, atol=1e-5)
-        for a, b in zip(states, ref_states):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # Not bitwise, with or without a planted NaN: the H200 run of
+    # test_megatron_full_iteration_matches_graph_safe_eager (no NaN at all) found the captured
+    # step 1e-9 off eager graph_safe_step in most tensors (other kernel choices under capture)
+    # and 1.7e-6 in the attention key bias, whose gradient is exactly zero (softmax ignores a
+    # per-row constant), so pure rounding noise that Adam scales by lr / eps (eps=1e-8). The
+    # per-layer mode adds gradients into main_grad inside the graph: other rounding again. A
+    # step that was not skipped moves parameters by ~lr = 1e-3, far outside this tolerance.
+    torch.testing.assert_close(params, ref_params, rtol=1e-4, atol=1e-5)
+    for a, b in zip(states, ref_states):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.megatron
 @pytest.mark.cuda
-def test_megatron_full_iteration_bitwise_equals_graph_safe_eager():
+def test_megatron_full_iteration_matches_graph_safe_eager():
     """Without any NaN: FullIterationGraph(skip_nonfinite) around graph_safe_step vs the same
-    step eager. Tells apart a skip bug from a difference of the captured step itself (the H200
-    run had parameter 0 differ after a planted NaN); the message names where they part."""
+    step eager, within rounding (see test_megatron_planted_nan_is_skipped); the message names
+    where they part."""
     _, ref_params, ref_states, _ = megatron_run("safe")
     _, params, states, graph = megatron_run("full")
     assert graph.skipped_steps == 0
+    close = dict(rtol=1e-4, atol=1e-5)
     bad = [
         f"{i}: max |diff| {float((a - b).abs().max()):.3g}"
         for i, (a, b) in enumerate(zip(params, ref_params))
-        if not torch.equal(a, b)
+        if not torch.allclose(a, b, **close)
     ]
     bad += [
         f"state {i} {k}"
         for i, (a, b) in enumerate(zip(states, ref_states))
         for k in b
-        if not torch.equal(a[k], b[k])
+        if isinstance(b[k], torch.Tensor) and not torch.allclose(a[k], b[k], **close)
     ]
     assert not bad, f"{len(bad)} tensors differ from eager graph_safe_step: {bad[:8]}"
 
