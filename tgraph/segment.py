@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from tgraph.runner import Runner
-from tgraph.unit import BUSY, GraphedUnit
+from tgraph.unit import BUSY, GraphedUnit, run_warmup
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
@@ -126,6 +126,32 @@ class Segment(GraphedUnit):
             self._slices.append(slice(len(flat), len(flat) + len(outs)))
             flat += outs
         return flat
+
+    def _warmup(self, inputs: list[torch.Tensor], warmup: int) -> None:
+        """Warm the stack up one block at a time: each block's forward and backward run before
+        the next block's, on a detached copy of the previous block's output, so the warmup
+        holds one block's activations instead of the whole stack's (an eager step's worth,
+        which would add to the optimizer state and the capture's own memory at the peak)."""
+        head_in = self.head.static_inputs
+        for _ in range(warmup):
+            prev: list[torch.Tensor] = []
+            for r, src in zip(self.runners, self._sources):
+                if r is self.head:
+                    fn, leaves = r._run_forward, inputs
+                else:
+                    r.static_inputs = [
+                        prev[k].detach().requires_grad_(prev[k].requires_grad)
+                        if from_prev
+                        else head_in[k]
+                        for from_prev, k in src
+                    ]
+                    fn = r._run_forward
+                    leaves = [t for t in r.static_inputs if t.requires_grad]
+                run_warmup(fn, leaves, 1, self.device)
+                with torch.no_grad():
+                    prev = [o.detach() for o in fn()]  # this block's output, for the next
+        for r in self.runners[1:]:
+            r.static_inputs = []
 
     def capture_forward(self, factory, warmup: int) -> None:
         super().capture_forward(factory, warmup)

@@ -219,7 +219,7 @@ class GraphedUnit:
         inputs = [head.static_inputs[i] for i in head.in_rg]
         with factory.side_stream():
             base, peak = factory.memory_allocated(), factory.max_memory_allocated()
-            run_warmup(self._run_forward, inputs, warmup, self.device)
+            self._warmup(inputs, warmup)
             warm_peak = factory.max_memory_allocated()
             before = factory.memory_allocated()
             self.static_outputs = graph.capture(self._run_forward)
@@ -236,6 +236,10 @@ class GraphedUnit:
         else:
             for r in self.members:
                 r.samples = []
+
+    def _warmup(self, inputs: list[torch.Tensor], warmup: int) -> None:
+        """Eager passes before capture (:func:`run_warmup`); a merged stack overrides this."""
+        run_warmup(self._run_forward, inputs, warmup, self.device)
 
     def _account_forward(self, captured: int, warmup_peak: int) -> None:
         """Bytes of the forward's buffers (tgraph.memory); ``captured``: allocated by the
