@@ -130,8 +130,8 @@ class Segment(GraphedUnit):
     def _warmup(self, inputs: list[torch.Tensor], warmup: int) -> None:
         """Warm the stack up one block at a time: each block's forward and backward run before
         the next block's, on a detached copy of the previous block's output, so the warmup
-        holds one block's activations instead of the whole stack's (an eager step's worth,
-        which would add to the optimizer state and the capture's own memory at the peak)."""
+        holds one block's activations instead of the whole stack's (H200, 12 blocks d256: the
+        warmup's rise 278 -> 101 MiB; docs/BENCHMARKS.md)."""
         head_in = self.head.static_inputs
         for _ in range(warmup):
             prev: list[torch.Tensor] = []
