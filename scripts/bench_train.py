@@ -332,13 +332,9 @@ def mode_tgraph_full(s: Setup):
     return times, loss, capture, "capture_s = the capturing call (capture + its step)"
 
 
-def mode_megatron(s: Setup, variant: str):
-    """megatron-core GPTModel + its DDP (main_grad), same dims; fused AdamW on main_grad.
-
-    variant: "none" (megatron eager), "local" (megatron-core's own per-layer graphs),
-    "tgraph_layer" (tgraph per-layer graphs on megatron's TransformerLayers) or
-    "tgraph_full" (forward_backward_func + optimizer step in one tgraph.FullIterationGraph).
-    """
+def megatron_model(s: Setup, variant: str):
+    """(tgraph's megatron integration, a megatron-core GPTModel + DDP of the cell's dims), or
+    Skip when megatron-core is missing or the cell is not fp32 on CUDA."""
     need_cuda(s)
     try:
         from tgraph.integrations import megatron as tm
@@ -358,6 +354,17 @@ def mode_megatron(s: Setup, variant: str):
         seq_length=d["seq"],
         cuda_graph_impl="local" if variant == "local" else "none",
     )
+    return tm, model
+
+
+def mode_megatron(s: Setup, variant: str):
+    """megatron-core GPTModel + its DDP (main_grad), same dims; fused AdamW on main_grad.
+
+    variant: "none" (megatron eager), "local" (megatron-core's own per-layer graphs),
+    "tgraph_layer" (tgraph per-layer graphs on megatron's TransformerLayers) or
+    "tgraph_full" (forward_backward_func + optimizer step in one tgraph.FullIterationGraph).
+    """
+    tm, model = megatron_model(s, variant)
     params = list(model.parameters())
     opt = make_optimizer(params, s.device)
 
@@ -468,25 +475,9 @@ def mode_megatron_optimizer(s: Setup, variant: str):
     tgraph.integrations.megatron.MegatronOptimizerGraph), "tgraph_full" (forward_backward and
     graph_safe_step in one FullIterationGraph(skip_nonfinite=True)).
     """
-    need_cuda(s)
-    try:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    tm, model = megatron_model(s, variant)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from tgraph.integrations import megatron as tm
-    except ImportError as exc:
-        raise Skip(f"megatron-core not importable ({exc}); pip install 'tgraph[megatron]'") from exc
-    if s.dtype != "fp32":
-        raise Skip("megatron modes are measured in fp32 only")
-    tm.init_single_gpu()
-    d = s.dims
-    model = tm.build_gpt(
-        num_layers=d["n_layer"],
-        hidden_size=d["n_embd"],
-        num_attention_heads=d["n_head"],
-        vocab_size=VOCAB,
-        seq_length=d["seq"],
-        cuda_graph_impl="local" if variant == "local" else "none",
-    )
     capturable = variant == "none_capturable"  # megatron eager, capturable AdamW (see below)
     mopt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=LR, optimizer_cuda_graph=capturable), [model]

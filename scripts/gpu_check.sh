@@ -5,25 +5,7 @@
 # benchmark (batch 1/8/64 + mixed workload), plots, then a summary table. Every stage runs even
 # when an earlier one failed; each is bounded by `timeout` and its exit code is recorded.
 # Files in $OUT (7, flat): log.txt, bench_train.{json,md,png}, bench_decode.{json,md,png}.
-set -o pipefail
-OUT="${OUT:-./gpu_check_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-LOG="$OUT/log.txt"
-: >"$LOG"
-declare -a STAGES=()
-
-stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, tee into the log, keep going
-  local name="$1" limit="$2"
-  shift 2
-  echo "=== [$name] $* (limit ${limit}s) ===" | tee -a "$LOG"
-  local t0=$SECONDS
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc=$?
-  STAGES+=("$name rc=$rc ($((SECONDS - t0))s)")
-  echo "=== [$name] exit $rc after $((SECONDS - t0))s ===" | tee -a "$LOG"
-}
+source "$(dirname "$0")/gpu_stages.sh" ./gpu_check_out
 
 stage env 30 bash -c '
   date -u; uname -a

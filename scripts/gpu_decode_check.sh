@@ -9,25 +9,7 @@
 # memory per mode) and a torch.profiler table at batch 1 and 64; then the goals table.
 # Every stage runs even when an earlier one failed; each is bounded by `timeout`.
 # Files in $OUT: log.txt, bench_decode.{json,md}, bench_decode_profile.txt.
-set -o pipefail
-OUT="${OUT:-./gpu_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-LOG="$OUT/log.txt"
-: >"$LOG"
-declare -a STAGES=()
-
-stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, tee into the log, keep going
-  local name="$1" limit="$2"
-  shift 2
-  echo "=== [$name] $* (limit ${limit}s) ===" | tee -a "$LOG"
-  local t0=$SECONDS
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc=$?
-  STAGES+=("$name rc=$rc ($((SECONDS - t0))s)")
-  echo "=== [$name] exit $rc after $((SECONDS - t0))s ===" | tee -a "$LOG"
-}
+source "$(dirname "$0")/gpu_stages.sh" ./gpu_out
 
 stage env 20 bash -c '
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi unavailable"

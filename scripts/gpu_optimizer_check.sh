@@ -8,25 +8,8 @@
 # then goals.json. Every stage runs even when an earlier one failed; each exit code is recorded.
 # Files in $OUT: log.txt, pytest.xml, sync_debug.json, toy/bench_train.{json,md},
 # megatron/bench_train.{json,md}, goals.json.
-set -o pipefail
-OUT="${OUT:-./gpu_out}"
+source "$(dirname "$0")/gpu_stages.sh" ./gpu_out
 mkdir -p "$OUT/toy" "$OUT/megatron"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-LOG="$OUT/log.txt"
-: >"$LOG"
-declare -a STAGES=()
-
-stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, tee into the log, keep going
-  local name="$1" limit="$2"
-  shift 2
-  echo "=== [$name] $* (limit ${limit}s) ===" | tee -a "$LOG"
-  local t0=$SECONDS
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc=$?
-  STAGES+=("$name rc=$rc ($((SECONDS - t0))s)")
-  echo "=== [$name] exit $rc after $((SECONDS - t0))s ===" | tee -a "$LOG"
-}
 
 stage env 20 bash -c '
   date -u; nvidia-smi --query-gpu=name,driver_version --format=csv || true

@@ -84,7 +84,7 @@ from torch.utils._pytree import tree_leaves
 from tgraph import rng
 from tgraph.backend import GraphFactory, resolve_backend, stale_stream_override
 from tgraph.guards import RefuseLrWrites, explain_capture_failure
-from tgraph.hyperparams import HyperParams
+from tgraph.hyperparams import HyperParams, check_graphable_optimizer
 from tgraph.module import GraphFallbackWarning, _manager
 from tgraph.nonfinite import SkipNonfiniteStep
 from tgraph.signature import call_key, first_difference, split
@@ -400,30 +400,12 @@ class FullIterationGraph:
                     )
 
     def _check_optimizers(self, device: torch.device) -> None:
+        elsewhere = (
+            f" but the batch is on {device}; move the batch to the parameters' device before "
+            "calling the step (a graph reads static device buffers only)"
+        )
         for opt in self.optimizers:
-            name = type(opt).__name__
-            for i, g in enumerate(opt.param_groups):
-                devices = {p.device for p in g["params"]}
-                if devices != {device}:
-                    raise ValueError(
-                        f"{name} param_group {i} holds parameters on {sorted(map(str, devices))} "
-                        f"but the batch is on {device}; move the batch to the parameters' device "
-                        "before calling the step (a graph reads static device buffers only)"
-                    )
-                if "capturable" in g and not g["capturable"]:
-                    if device.type == "cuda":
-                        raise ValueError(
-                            f"{name} param_group {i} has capturable=False: its step reads the step "
-                            f"count on the host, which a CUDA graph cannot contain. Construct it "
-                            f"with torch.optim.{name}(..., capturable=True)."
-                        )
-                    if not g.get("fused"):
-                        raise ValueError(
-                            f"{name} param_group {i} has capturable=False and fused=False: its "
-                            f"step reads the step count on the host (.item()). On {device.type} "
-                            f"construct it with torch.optim.{name}(..., fused=True) "
-                            "(capturable=True is CUDA-only)."
-                        )
+            check_graphable_optimizer(opt, device, elsewhere)
 
 
 class _Watch:

@@ -53,7 +53,7 @@ import torch
 
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.guards import CaptureError, RefuseLrWrites, explain_capture_failure
-from tgraph.hyperparams import HyperParams
+from tgraph.hyperparams import HyperParams, check_graphable_optimizer
 from tgraph.nonfinite import SkipNonfinite, finite, state_layout, total_norm
 from tgraph.snapshot import Snapshot
 
@@ -79,29 +79,7 @@ def _flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 # -- the optimizer-step graph ------------------------------------------------------------------
 
 
-def check_graphable_optimizer(opt: torch.optim.Optimizer, device: torch.device) -> None:
-    """Refuse an optimizer whose step reads its step count on the host (as FullIterationGraph)."""
-    name = type(opt).__name__
-    for i, g in enumerate(opt.param_groups):
-        devices = {p.device for p in g["params"]}
-        if devices - {device}:
-            raise ValueError(
-                f"{name} param_group {i} holds parameters on {sorted(map(str, devices))}, but the "
-                f"graph runs on {device}: one OptimizerGraph per device"
-            )
-        if "capturable" in g and not g["capturable"]:
-            if device.type == "cuda":
-                raise ValueError(
-                    f"{name} param_group {i} has capturable=False: its step reads the step count "
-                    f"on the host, which a CUDA graph cannot contain. Construct it with "
-                    f"torch.optim.{name}(..., capturable=True)."
-                )
-            if not g.get("fused"):
-                raise ValueError(
-                    f"{name} param_group {i} has capturable=False and fused=False: its step reads "
-                    f"the step count on the host (.item()). On {device.type} construct it with "
-                    f"torch.optim.{name}(..., fused=True) (capturable=True is CUDA-only)."
-                )
+_ELSEWHERE = ", but the graph runs on {device}: one OptimizerGraph per device"
 
 
 class OptimizerGraph:
@@ -290,7 +268,7 @@ class OptimizerGraph:
             # and its eager steps keep tensors on the host (Adam's step count) that the skip
             # guard would mix with device tensors
             for opt in self.optimizers:
-                check_graphable_optimizer(opt, device)
+                check_graphable_optimizer(opt, device, _ELSEWHERE.format(device=device))
             self._factory = GraphFactory(resolve_backend(self.backend, device), device)
         if self._failed or self._eager_calls < self.warmup_steps or self._state_changed:
             return self._eager()
@@ -337,7 +315,7 @@ class OptimizerGraph:
     def _capture(self) -> None:
         f = self._factory
         for opt in self.optimizers:
-            check_graphable_optimizer(opt, f.device)
+            check_graphable_optimizer(opt, f.device, _ELSEWHERE.format(device=f.device))
         layout = [state_layout(o) for o in self.optimizers]
         live_grads = [(p, p.grad) for p in self.params()]
         hp = HyperParams(self.optimizers)

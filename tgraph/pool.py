@@ -84,13 +84,12 @@ class PoolLedger:
         of the memory that graph may reuse: outputs of other units, and parameter gradients
         (``.grad``) that are views of a backward's packed buffer (this unit's own too: its
         backward rewrites that buffer, its forward may reuse it)."""
-        for other, low, token in list(self._held.values()):
-            if other is not unit and index <= low:
-                token.rescue()
-        for key, (other, low) in list(self._grads.items()):
-            if index <= low:
-                other.rescue_grads()
-                del self._grads[key]
+        for token in [
+            t for other, low, t in self._held.values() if other is not unit and index <= low
+        ]:
+            token.rescue()  # leaves the ledger
+        for key in [k for k, (_, low) in self._grads.items() if index <= low]:
+            self._grads.pop(key)[0].packing.rescue()
 
     def leave(self, flight: Any) -> None:
         self._live.pop(id(flight), None)

@@ -136,20 +136,10 @@ class Segment(GraphedUnit):
         for _ in range(warmup):
             prev: list[torch.Tensor] = []
             for r, src in zip(self.runners, self._sources):
-                if r is self.head:
-                    fn, leaves = r._run_forward, inputs
-                else:
-                    r.static_inputs = [
-                        prev[k].detach().requires_grad_(prev[k].requires_grad)
-                        if from_prev
-                        else head_in[k]
-                        for from_prev, k in src
-                    ]
-                    fn = r._run_forward
-                    leaves = [t for t in r.static_inputs if t.requires_grad]
-                run_warmup(fn, leaves, 1, self.device)
-                with torch.no_grad():
-                    prev = [o.detach() for o in fn()]  # this block's output, for the next
+                if r is not self.head:  # the previous block's output of this pass, or shared
+                    r.static_inputs = [prev[k] if p else head_in[k] for p, k in src]
+                leaves = [t for t in r.static_inputs if t.requires_grad]
+                prev = run_warmup(r._run_forward, leaves, 1, self.device)
         for r in self.runners[1:]:
             r.static_inputs = []
 

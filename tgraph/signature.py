@@ -27,6 +27,8 @@ class Template(NamedTuple):
 
     def fill(self, tensors: list[torch.Tensor]) -> Any:
         """The structure again, with ``tensors`` in the tensors' places."""
+        if self.tensor_at and self.spec.is_leaf():  # a bare tensor: the common case
+            return tensors[0]
         leaves = list(self.leaves)
         for i, t in zip(self.tensor_at, tensors, strict=True):
             leaves[i] = t

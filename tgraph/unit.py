@@ -122,12 +122,16 @@ def hold_while_alive(unit: Any, outputs: list[torch.Tensor]) -> None:
             o._tgraph_flight = flight
 
 
-def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.device) -> None:
+def run_warmup(
+    fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.device
+) -> list[torch.Tensor]:
     """Eager passes of ``fn`` (forward, plus backward where outputs need grad) before capture.
 
     The first pass refuses host syncs on ``device``'s tensors, so they fail here with a clear
-    error instead of invalidating a CUDA capture.
+    error instead of invalidating a CUDA capture. Returns the last pass's outputs, detached
+    (leaves that require grad where the outputs did).
     """
+    last: list[torch.Tensor] = []
     for i in range(warmup):
         with RefuseHostSync(device.type) if i == 0 else contextlib.nullcontext():
             outs = fn()
@@ -136,7 +140,9 @@ def run_warmup(fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.
             ins = list(input_leaves)
             ins += [p for p in reached_leaves(rg) if all(p is not x for x in ins)]
             torch.autograd.grad(rg, ins, [torch.ones_like(o) for o in rg], allow_unused=True)
+        last = [o.detach().requires_grad_(o.requires_grad) for o in outs]
         del outs, rg
+    return last
 
 
 BUSY = (
@@ -414,15 +420,15 @@ class GraphedUnit:
         return True
 
     def grads_for_autograd(
-        self, clone: bool = False, active: tuple[bool, ...] | None = None
+        self, active: tuple[bool, ...] | None = None
     ) -> list[torch.Tensor | None]:
         """Input gradients (static) + parameter gradients (views of the packed buffer, which
-        :meth:`rescue_grads` protects; see ParamGradPacking).
+        the pool's ledger protects, or of a copy of it; see ParamGradPacking).
 
         ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
         parameters that only inactive outputs reach get None (:class:`UnusedOutputs`).
         """
-        clone = clone or not grads_module.SWAPS_STORAGE  # see ParamGradPacking
+        clone = not grads_module.SWAPS_STORAGE  # see ParamGradPacking
         kept = self.fusion.keep(self.packing.for_autograd(self._param_grads, clone))
         if not kept and self.autograd_params:  # the anchor leaf (see _autograd_params)
             kept = [None]
@@ -433,10 +439,6 @@ class GraphedUnit:
             for pos in self.unused.none_positions(active):
                 grads[pos] = None
         return grads
-
-    def rescue_grads(self) -> None:
-        """Before the packed gradient buffer may be overwritten (tgraph.pool)."""
-        self.packing.rescue()
 
     def copy_grad_outputs(self, grads) -> None:
         """Refresh the static grad-output buffers; a None gradient means zeros.
