@@ -122,13 +122,19 @@ def synchronize(device: torch.device) -> None:
 
 
 def fresh_memory(device: torch.device) -> int:
-    """Free what the previous mode left, restart the peak-memory counter; return the bytes
-    still allocated (the baseline a mode's peak is measured from: memory earlier modes keep,
-    such as cuBLAS workspaces of their streams, is not charged to the next mode)."""
+    """Free what the previous mode left (its cuBLAS workspaces included), restart the
+    peak-memory counter; return the bytes still allocated (the baseline a mode's peak is
+    measured from)."""
     gc.collect()
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
+    # cuBLAS keeps a workspace per (thread, stream) for the process's life; freed here, each
+    # mode pays for the workspaces of its own streams instead of the first mode that used them
+    # (the previous mode's graphs are gone: nothing replays into the freed memory).
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import os
 import sys
 import time
@@ -73,6 +74,8 @@ MODES = [
     "megatron_opt_local",
     "megatron_opt_tgraph_layer_opt",
     "megatron_opt_tgraph_full",
+    "eager_ckpt",
+    "tgraph_layer_ckpt",
 ]
 CPU_MODES = ["eager", "tgraph_layer", "tgraph_full", "tgraph_layer_opt", "tgraph_full_skip"]
 LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
@@ -199,6 +202,23 @@ def mode_eager(s: Setup):
     return times, loss, None, ""
 
 
+def checkpoint_blocks(model: GPT) -> GPT:
+    """Activation recompute: every block's forward through non-reentrant
+    ``torch.utils.checkpoint`` (what a user writes; tgraph graphs it as it is)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.h:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
+
+
+def mode_eager_ckpt(s: Setup):
+    model, opt = s.fresh()
+    checkpoint_blocks(model)
+    times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s))
+    return times, loss, None, "every block under torch.utils.checkpoint (non-reentrant)"
+
+
 def mode_graphed_callables(s: Setup):
     need_cuda(s)
     model, opt = s.fresh()
@@ -290,11 +310,16 @@ def mode_floor(s: Setup):
     return times, loss, capture, "one CUDAGraph: forward+backward+AdamW step"
 
 
-def mode_tgraph_layer(s: Setup):
+def mode_tgraph_layer(s: Setup, ckpt: bool = False):
     model, opt = s.fresh()
+    if ckpt:
+        checkpoint_blocks(model)
     tgraph.enable(model, backend=s.backend)
     try:
         eager_step(model, opt, *s.batch(0), s)  # recorded iteration (a real training step)
+        # As README's loop: the recorded step's gradients are dropped before capture (the next
+        # step would drop them anyway); alive, they add their size to the capture's peak.
+        opt.zero_grad(set_to_none=True)
         synchronize(s.device)
         t0 = time.perf_counter()
         # Capture under the same autocast state as the recorded calls: the call signature does
@@ -566,6 +591,8 @@ MODE_FUNCS: dict[str, Callable] = {
     "megatron_opt_local": lambda s: mode_megatron_optimizer(s, "local"),
     "megatron_opt_tgraph_layer_opt": lambda s: mode_megatron_optimizer(s, "tgraph_layer_opt"),
     "megatron_opt_tgraph_full": lambda s: mode_megatron_optimizer(s, "tgraph_full"),
+    "eager_ckpt": mode_eager_ckpt,
+    "tgraph_layer_ckpt": lambda s: mode_tgraph_layer(s, ckpt=True),
 }
 
 

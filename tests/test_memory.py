@@ -45,3 +45,42 @@ def test_report_names_every_kind_it_holds(backend, device):
     for kind in ("static_outputs", "saved_activations", "param_grads", "held"):
         assert kind in text
     assert torch.cuda.is_available() or "pool 0.0 MiB" in text
+
+
+def test_report_counts_the_recorded_steps_grads(backend, device):
+    """Gradients still alive at create_graphs() add to the capture's peak: the report says how
+    much, and how to avoid it; zeroed first, it reports none."""
+    for zero_first in (False, True):
+        model = tiny_gpt(device)
+        tgraph.enable(model, backend=backend)
+        x, y = gpt_batches(device, 1)[0]
+        model(x, y)[1].backward()
+        if zero_first:
+            model.zero_grad(set_to_none=True)
+        grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        report = tgraph.create_graphs()
+        assert report.memory.grads_at_capture == grads == tgraph.memory_report().grads_at_capture
+        assert ("zero_grad(set_to_none=True) before create_graphs()" in str(report)) != zero_first
+        tgraph.reset()
+        tgraph.disable(model)
+
+
+def test_capture_samples_are_dropped_before_the_backward_captures(backend, device, monkeypatch):
+    """A runner's recorded inputs are copied into its static inputs when its forward is
+    captured; held on, every later capture would hold them too (the capture's peak)."""
+    from tgraph.unit import GraphedUnit
+
+    seen = []
+    capture_backward = GraphedUnit.capture_backward
+
+    def spy(self, factory):
+        seen.append(sum(len(r.samples) for r in tgraph.module._manager.all_runners()))
+        return capture_backward(self, factory)
+
+    monkeypatch.setattr(GraphedUnit, "capture_backward", spy)
+    model = tiny_gpt(device)
+    tgraph.enable(model, backend=backend, merge=False)
+    x, y = gpt_batches(device, 1)[0]
+    model(x, y)[1].backward()
+    tgraph.create_graphs()
+    assert seen and seen == [0] * len(seen)

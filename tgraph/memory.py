@@ -17,6 +17,10 @@ Every unit records, at capture, the bytes of each kind of buffer it owns (:class
 * ``warmup_peak``: the most memory one unit's eager warmup held at once above what was
   allocated before it (transient; CUDA only).
 
+Not the graphs' own, but reported because it adds to the capture's peak:
+:attr:`MemoryReport.grads_at_capture`, the parameter ``.grad`` of the recorded step that were
+still alive when ``create_graphs()`` ran.
+
 On CUDA, ``saved_activations`` is measured (memory allocated by the forward capture minus its
 outputs); on the emulated backend it is the size of the tensors autograd saved in the capture.
 The other kinds are sizes of the buffers themselves, so their sum can be checked against
@@ -61,6 +65,9 @@ class MemoryReport(UnitMemory):
     """:class:`UnitMemory` summed over every captured unit (``warmup_peak``: the largest)."""
 
     units: int = 0
+    #: bytes of parameter ``.grad`` alive while ``create_graphs()`` captured (the recorded
+    #: step's, not the graphs'): they add to the capture's peak; zeroing them first saves it
+    grads_at_capture: int = 0
 
     @property
     def held(self) -> int:
@@ -75,7 +82,14 @@ class MemoryReport(UnitMemory):
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {getattr(self, k) / 2**20:.1f}" for k in KINDS if getattr(self, k))
-        return f"graph memory MiB ({self.units} units): {parts}; held {self.held / 2**20:.1f}"
+        text = f"graph memory MiB ({self.units} units): {parts}; held {self.held / 2**20:.1f}"
+        if self.grads_at_capture:
+            text += (
+                f"; {self.grads_at_capture / 2**20:.1f} MiB of parameter .grad were alive during "
+                "capture (optimizer.zero_grad(set_to_none=True) before create_graphs() frees "
+                "them first)"
+            )
+        return text
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None], skip: Iterable[int] = ()) -> int:
@@ -92,9 +106,9 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], skip: Iterable[int] = (
     return total
 
 
-def memory_report(units: Iterable) -> MemoryReport:
+def memory_report(units: Iterable, grads_at_capture: int = 0) -> MemoryReport:
     """Add up the :class:`UnitMemory` of ``units`` (captured :class:`tgraph.unit.GraphedUnit`)."""
-    report = MemoryReport()
+    report = MemoryReport(grads_at_capture=grads_at_capture)
     for u in units:
         m = u.memory
         report.units += 1

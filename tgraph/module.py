@@ -323,6 +323,7 @@ def create_graphs() -> CaptureReport:
             factories[k] = GraphFactory(*k)
         r.debug = st.debug
     params = {id(p): p for root in m.roots for p in root.parameters()}
+    grads_alive = memory.tensor_bytes(p.grad for p in params.values())
     buffers = {id(b): b for mod in m.modules for b in nn.Module.buffers(mod)}
     snaps = [Snapshot(params.values(), buffers.values(), dev) for _, dev in factories]
     before = sum(f.memory_allocated() for f in factories.values())
@@ -385,7 +386,7 @@ def create_graphs() -> CaptureReport:
         pool_bytes=sum(f.memory_allocated() for f in factories.values()) - before,
         backends=sorted({f.backend for f in factories.values()}),
         eager_modules=eager,
-        memory=memory.memory_report(units),
+        memory=memory.memory_report(units, grads_at_capture=grads_alive),
     )
     logger.info("%s", m.report)
     return m.report
@@ -413,4 +414,5 @@ def memory_report() -> MemoryReport:
     Returns:
         A :class:`tgraph.memory.MemoryReport` (all zeros before :func:`create_graphs`).
     """
-    return memory.memory_report(_manager.units)
+    report = _manager.report
+    return report.memory if _manager.captured and report is not None else MemoryReport()

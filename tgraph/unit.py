@@ -213,6 +213,8 @@ class GraphedUnit:
     def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
         """Warm up, then capture the forward graph (and find the parameters it reaches)."""
         self._prepare_capture()
+        for r in self.members:  # copied into static inputs (or unused): drop them before the
+            r.samples = []  # later captures, whose peak they would otherwise add to
         self.ledger = factory.ledger
         head = self.head
         graph = factory.new_graph(
@@ -239,9 +241,6 @@ class GraphedUnit:
             self._find_params(inputs)
             outs = self.fwd_graph.live_outputs or self.static_outputs
             self.recomputes = rng.recomputes([outs[i] for i in self._out_rg])
-        else:
-            for r in self.members:
-                r.samples = []
 
     def _warmup(self, inputs: list[torch.Tensor], warmup: int) -> None:
         """Eager passes before capture (:func:`run_warmup`); a merged stack overrides this."""
@@ -332,8 +331,6 @@ class GraphedUnit:
         kept = self.fusion.keep(list(range(len(self.params))))
         where = {j: k for k, j in enumerate(kept)}
         self.unused.place_leaves(n_in, [where.get(j) for j in range(len(self.params))])
-        for r in self.members:
-            r.samples = []
         m = self.memory
         m.grad_outputs = tensor_bytes(self.static_grad_outputs)
         m.input_grads = tensor_bytes(self.static_grads)
