@@ -20,6 +20,8 @@ import torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batches", type=int, default=8, help="distinct batches, cycled")
     p.add_argument("--out", default="probe_megatron_capturable.json")
     a = p.parse_args()
 
@@ -29,11 +31,15 @@ def main() -> None:
 
     tm.init_single_gpu()
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 1024, (8, 129), generator=g).cuda() for _ in range(8)]
+    batches = [torch.randint(0, 1024, (8, 129), generator=g).cuda() for _ in range(a.batches)]
     runs = {}
-    for name in ("default", "optimizer_cuda_graph", "make_graph_safe"):
+    for name in ("default", "default_one_ulp", "optimizer_cuda_graph", "make_graph_safe"):
         model = tm.build_gpt(
-            num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=1024, seq_length=128
+            num_layers=a.layers,
+            hidden_size=256,
+            num_attention_heads=4,
+            vocab_size=1024,
+            seq_length=128,
         )
         mopt = get_megatron_optimizer(
             OptimizerConfig(
@@ -43,6 +49,10 @@ def main() -> None:
         )
         if name == "make_graph_safe":
             tm.make_graph_safe(mopt)
+        if name == "default_one_ulp":  # the chaos baseline: one weight moved by one ulp
+            w = next(p for p in model.parameters() if p.dim() == 2)
+            with torch.no_grad():
+                w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")).cuda())
         runs[name] = (model, mopt)
 
     def inner(mopt):
@@ -62,7 +72,7 @@ def main() -> None:
     }
     rows = []
     for step in range(a.steps):
-        tokens = batches[step % 8]
+        tokens = batches[step % len(batches)]
         losses, norms = {}, {}
         for name, (model, mopt) in runs.items():
             mopt.zero_grad()

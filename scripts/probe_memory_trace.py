@@ -136,6 +136,7 @@ def child(config: str, merge: bool, pickle_dir: str | None) -> dict:
 
     m0, a0 = mark(), alloc()
     step()
+    opt.zero_grad(set_to_none=True)  # as README's loop: no stale .grad through the capture
     m1, a1 = mark(), alloc()
     report = tgraph.create_graphs()
     m2, a2 = mark(), alloc()
