@@ -25,7 +25,9 @@ every state tensor are copied into snapshot buffers; after it, each becomes
 ``ok * new + (1 - ok) * old`` computed on its *bits* (an integer view), bitwise the new or the old
 value (one copy and three integer passes). A first step that created state and is skipped gets
 that state deleted (one host read, eager warmup only). A device counter adds ``1 - ok`` at every
-step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync).
+step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync). With
+``skip_nonfinite_how="conditional"`` the captured step sits in a CUDA-graph IF node on the flag
+instead, where torch builds them (tgraph/nonfinite.py).
 
 Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors
 (per-layer graphs do at every backward). :class:`OptimizerGraph` owns one flat gradient buffer;
@@ -54,7 +56,7 @@ import torch
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.guards import CaptureError, RefuseLrWrites, explain_capture_failure
 from tgraph.hyperparams import HyperParams, check_graphable_optimizer
-from tgraph.nonfinite import SkipNonfinite, finite, state_layout, total_norm
+from tgraph.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
 from tgraph.snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,9 @@ class OptimizerGraph:
         norm_type: the norm of clipping and of the finiteness check.
         skip_nonfinite: skip the step (parameters and state untouched, Adam's step count
             included) when the gradient norm, or the loss passed to :meth:`step`, is not finite.
+        skip_nonfinite_how: ``"auto"``, ``"mask"`` or ``"conditional"`` (the captured step inside
+            a CUDA-graph IF node on the flag, where torch builds them): see
+            :class:`tgraph.nonfinite.SkipNonfinite`.
         zero_grad: zero the captured ``.grad`` tensors in place at the end of every step (see the
             module docstring on gradient ownership). With False, zero them yourself in place
             (``optimizer.zero_grad(set_to_none=False)``).
@@ -113,6 +118,7 @@ class OptimizerGraph:
         clip_grad_norm: float | None = None,
         norm_type: float = 2.0,
         skip_nonfinite: bool = True,
+        skip_nonfinite_how: str = "auto",
         zero_grad: bool = True,
         warmup_steps: int = 1,
         backend: str = "auto",
@@ -125,12 +131,16 @@ class OptimizerGraph:
             raise ValueError(
                 f"warmup_steps must be >= 1 (optimizer state is created lazily), got {warmup_steps}"
             )
+        if skip_nonfinite_how not in HOWS:
+            raise ValueError(
+                f"skip_nonfinite_how must be one of {HOWS}, got {skip_nonfinite_how!r}"
+            )
         if backend not in ("auto", "cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
         self.optimizer = optimizer
         self.clip_grad_norm = clip_grad_norm
         self.norm_type = float(norm_type)
-        self.guard = SkipNonfinite() if skip_nonfinite else None
+        self.guard = SkipNonfinite(skip_nonfinite_how) if skip_nonfinite else None
         self.zero_grad = zero_grad
         self.warmup_steps = warmup_steps
         self.backend = backend
