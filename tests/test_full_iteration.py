@@ -423,3 +423,42 @@ def test_optimizer_first_seen_at_a_later_capture_keeps_its_schedule(backend, dev
         finals.append([p.detach().clone() for p in [*a.parameters(), *b.parameters()]])
     for x, y in zip(*finals):
         torch.testing.assert_close(y, x, **TOL)
+
+
+@pytest.mark.cuda
+def test_gradients_the_step_drops_are_freed_during_capture(monkeypatch):
+    """A CUDA capture executes nothing; the previous step's ``.grad``, which the captured
+    ``zero_grad(set_to_none=True)`` drops, must not be held through the capture (a snapshot or
+    bookkeeping reference would add their size to the capture's peak)."""
+    import weakref
+
+    from tgraph.backend import CudaGraph
+
+    device = torch.device("cuda")
+    model = make_model(device)
+    opt = make_optimizer("adamw", model, device)
+
+    def step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graph = tgraph.FullIterationGraph(step, warmup_steps=WARMUP)
+    batches = make_batches(device)
+    for b in batches[:WARMUP]:
+        graph(b)
+    refs = [weakref.ref(p.grad) for p in model.parameters()]
+    alive_at_capture_end = []
+    real = CudaGraph.capture
+
+    def spy(self, fn):
+        out = real(self, fn)
+        alive_at_capture_end.append(sum(r() is not None for r in refs))
+        return out
+
+    monkeypatch.setattr(CudaGraph, "capture", spy)
+    graph(batches[WARMUP])
+    assert alive_at_capture_end == [0]

@@ -71,6 +71,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,10 +290,12 @@ class FullIterationGraph:
             optimizers=self.optimizers,
             params_values=runs,
             state_values=runs,
+            weak_grads=not runs,
         )
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
-        grads_before = {id(p): p.grad for p in params}
+        # weakly: a gradient the step drops is freed during the capture (its peak), not held
+        grads_before = {id(p): None if p.grad is None else weakref.ref(p.grad) for p in params}
         try:
             with f.side_stream(), stale_stream_override(), RefuseLrWrites(lr_tensors):
                 out = graph.capture(lambda: self.fn(static_batch))
@@ -336,10 +339,10 @@ class FullIterationGraph:
         # set_to_none=True ran before the capture, "cleared" when it ran inside fn).
         entry.grads = []
         for p in params:
-            g0, g = grads_before[id(p)], p.grad
+            ref, g = grads_before[id(p)], p.grad
             if g is None:
                 continue
-            mode = "add" if g is g0 else ("cleared" if g0 is not None else "assign")
+            mode = "add" if ref is not None and g is ref() else ("cleared" if ref else "assign")
             entry.grads.append((p, g, mode))
         return self._replay(entry, tensors, first=True)
 

@@ -10,6 +10,7 @@ gradients and optimizer state. A CUDA capture executes nothing, so for it only P
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -34,6 +35,10 @@ class Snapshot:
         params_values: also clone parameter and gradient values (a step that updates them runs).
         state_values: clone buffers, ``main_grad`` and optimizer-state values (False: a CUDA
             capture, which executes nothing).
+        weak_grads: hold ``.grad`` by weak reference (a CUDA capture of a whole step): a
+            gradient the captured step drops (``zero_grad(set_to_none=True)``) is freed during
+            the capture instead of adding its size to the capture's peak, and restores as None,
+            which is what the step leaves anyway.
     """
 
     def __init__(
@@ -45,13 +50,23 @@ class Snapshot:
         optimizers: Iterable[torch.optim.Optimizer] = (),
         params_values: bool = False,
         state_values: bool = True,
+        weak_grads: bool = False,
     ) -> None:
         params = list(params)
         self._device = device
         keep = _clone if params_values else (lambda t: None)
         state = _clone if state_values else (lambda t: None)
         self._params = [(p, keep(p)) for p in params]
-        self._grads = [(p, p.grad, None if p.grad is None else keep(p.grad)) for p in params]
+        grad_ref = weakref.ref if weak_grads else (lambda t: t)
+        self._grads = [
+            (
+                p,
+                None if p.grad is None else grad_ref(p.grad),
+                None if p.grad is None else keep(p.grad),
+            )
+            for p in params
+        ]
+        self._weak_grads = weak_grads
         self._main_grads = [
             (p, state(p.main_grad))
             for p in params
@@ -74,6 +89,8 @@ class Snapshot:
             if saved is not None:
                 p.copy_(saved)
         for p, grad, saved in self._grads:
+            if self._weak_grads and grad is not None:
+                grad = grad()  # None: the captured code dropped it (zero_grad(set_to_none))
             p.grad = grad
             if saved is not None:
                 grad.copy_(saved)
