@@ -342,7 +342,10 @@ class FullIterationGraph:
             ref, g = grads_before[id(p)], p.grad
             if g is None:
                 continue
-            mode = "add" if ref is not None and g is ref() else ("cleared" if ref else "assign")
+            if ref is None:
+                mode = "assign"
+            else:
+                mode = "add" if g is ref() else "cleared"
             entry.grads.append((p, g, mode))
         return self._replay(entry, tensors, first=True)
 
