@@ -83,6 +83,32 @@ def test_usual_step_hands_over_gradients_without_a_copy(backend, device, swaps):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
 
 
+def test_packed_gradients_are_the_views_unflatten_gives():
+    """ParamGradPacking hands autograd, per parameter, a contiguous view of the flat buffer at
+    its offset (a fresh tensor where empty), exactly what torch's unflatten_dense_tensors
+    gives, for 0-d, 1-d, n-d and empty gradients."""
+    shapes = [(3, 4), (5,), (), (2, 0, 3), (0,), (1,), (2, 3, 2)]
+    gs = [torch.randn(s) for s in shapes]
+    packing = ParamGradPacking()
+    (flat,) = packing.pack([gs[0], None, *gs[1:]])
+    packing.set_flat(flat)
+    got = packing.for_autograd([])
+    assert got[1] is None
+    want = torch._C._nn.unflatten_dense_tensors(flat, gs)
+    ptr = flat.untyped_storage().data_ptr()
+    for a, b, g in zip([got[0], *got[2:]], want, gs, strict=True):
+        assert (a.shape, a.stride(), a.storage_offset()) == (
+            b.shape,
+            b.stride(),
+            b.storage_offset(),
+        )
+        assert (a._base is flat) == (b._base is flat) == (g.numel() > 0)
+        assert (a.untyped_storage().data_ptr() == ptr) == (b.untyped_storage().data_ptr() == ptr)
+        assert a._version == b._version and a.requires_grad == b.requires_grad
+        assert (a.dtype, a.device) == (b.dtype, b.device)
+        torch.testing.assert_close(a, g, rtol=0, atol=0)
+
+
 def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device, swaps):
     """A hook's list or a loop variable keeps last step's gradient: the next replays never
     overwrite it (memory moved out from under it, or a copy handed over)."""

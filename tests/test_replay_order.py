@@ -213,3 +213,20 @@ def test_planted_bug_kept_outputs_not_rescued_is_caught_on_cpu(monkeypatch):
     xs = inputs("cpu")
     got = reversed_order(models, xs)
     assert got[2].isnan().all() and not got[0].isnan().any()
+
+
+def test_the_ledger_forgets_outputs_once_freed(backend, device):
+    """Outputs the caller dropped leave the ledger: steady-state training keeps it small (it was
+    one entry per step, so every replay's rescue scan grew with the step count)."""
+    models, _ = three_models(device)
+    record_in_order(models, backend, device, strict=True)
+    xs = inputs(device)
+    ledger = tgraph.module._manager.units[0].ledger
+    for _ in range(20):
+        for m, x in zip(models, xs):
+            m(x).square().mean().backward()
+    assert len(ledger._held) == 0 and len(ledger._live) == 0
+    kept = models[0](xs[0])  # held by the caller, awaiting its backward
+    assert len(ledger._held) == 1 and len(ledger._live) == 1
+    del kept
+    assert len(ledger._held) == 0 and len(ledger._live) == 0

@@ -25,12 +25,13 @@ class GraphedCall(torch.autograd.Function):
         # An output the loss did not use gets None, not zeros: then the parameters only it
         # reaches get no gradient, as in eager (tgraph.grads.UnusedOutputs).
         ctx.set_materialize_grads(False)
-        outs = tuple(o.detach() for o in unit.static_outputs)
+        outs = tuple([o.detach() for o in unit.static_outputs])
         # The backward graph may read the outputs as saved activations: saving them lets
         # autograd check their version counters (an in-place change raises, as in eager).
         # Keeping them on ctx instead would make a reference cycle through the autograd node.
         ctx.save_for_backward(*outs)
-        ctx.mark_non_differentiable(*(outs[i] for i in unit._out_nodiff))
+        if unit._out_nodiff:  # marking none is the default
+            ctx.mark_non_differentiable(*[outs[i] for i in unit._out_nodiff])
         return outs
 
     @staticmethod

@@ -20,6 +20,7 @@ reads in one place; the mechanisms themselves live in unit.py, record.py and poo
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import warnings
 import weakref
@@ -106,7 +107,7 @@ class _Manager:
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         tensors: list[torch.Tensor] = []
-        training = tuple(m.training for m in state.submodules)
+        training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
         try:
             key = call_key(args, kwargs, training, tensors, state.params)
         except MutableArgument as exc:
@@ -181,6 +182,7 @@ class _Manager:
 
 
 _manager = _Manager()
+_TRAINING = operator.attrgetter("training")
 
 
 class GraphableModule(nn.Module):

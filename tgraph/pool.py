@@ -60,7 +60,9 @@ class PoolLedger:
         # id(flight) -> (unit, lowest safe index, highest safe index)
         self._live: dict[int, tuple[Any, int, float]] = {}
         self._clobbered: dict[int, str] = {}  # id(flight) -> the graph that overwrote it
-        self._held: dict[int, tuple[Any, int, LiveOutputs]] = {}  # id(token) -> (unit, low, token)
+        # id(token) -> (unit, low, weak reference to the token): the outputs keep their token
+        # alive, the ledger must not (a token whose outputs are all freed leaves at once)
+        self._held: dict[int, tuple[Any, int, weakref.ref]] = {}
         self._grads: dict[int, tuple[Any, int]] = {}  # id(unit) -> (unit, its backward's index)
 
     def stamp(self) -> int:
@@ -73,7 +75,7 @@ class PoolLedger:
 
     def hold_outputs(self, token: LiveOutputs, unit: Any) -> None:
         """``unit``'s returned outputs are alive while ``token`` is (:class:`LiveOutputs`)."""
-        self._held[id(token)] = (unit, unit.fwd_graph.index, token)
+        self._held[id(token)] = (unit, unit.fwd_graph.index, weakref.ref(token))
 
     def hold_grads(self, unit: Any) -> None:
         """``unit``'s backward handed autograd views of its packed gradient buffer."""
@@ -84,12 +86,16 @@ class PoolLedger:
         of the memory that graph may reuse: outputs of other units, and parameter gradients
         (``.grad``) that are views of a backward's packed buffer (this unit's own too: its
         backward rewrites that buffer, its forward may reuse it)."""
-        for token in [
-            t for other, low, t in self._held.values() if other is not unit and index <= low
-        ]:
-            token.rescue()  # leaves the ledger
-        for key in [k for k, (_, low) in self._grads.items() if index <= low]:
-            self._grads.pop(key)[0].packing.rescue()
+        if self._held:
+            for ref in [
+                r for other, low, r in self._held.values() if other is not unit and index <= low
+            ]:
+                token = ref()
+                if token is not None:  # a freed token has left the ledger (its __del__)
+                    token.rescue()  # leaves the ledger
+        if self._grads:
+            for key in [k for k, (_, low) in self._grads.items() if index <= low]:
+                self._grads.pop(key)[0].packing.rescue()
 
     def leave(self, flight: Any) -> None:
         self._live.pop(id(flight), None)

@@ -12,6 +12,7 @@ named tuples, Hugging Face ``ModelOutput``) are walked once, with ``torch.utils.
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -137,16 +138,29 @@ def call_key(
     Raises:
         MutableArgument, TypeError: see :func:`describe`.
     """
-    frozen = tuple(p.requires_grad for p in params)
-    state = (training, torch.is_grad_enabled(), autocast_state(), frozen)
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the fast path
-        tensors.extend(args)
-        return CallKey(len(args), tuple(describe(a, "") for a in args), *state)
+    # Called for every graphed call: the hot path of a replayed step. The same fields as
+    # ``CallKey(tree, leaves, training, grad, autocast, frozen)``, built without per-element
+    # generator frames (``map`` over C getters) and without the named tuple's Python __new__.
+    frozen = tuple(map(_REQUIRES_GRAD, params))
+    grad = torch.is_grad_enabled()
+    autocast = autocast_state()
+    if not kwargs:
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                break
+        else:  # the fast path: positional tensors only (describe() of each, inlined)
+            tensors.extend(args)
+            descs = tuple([(a.shape, a.dtype, a.device, a.requires_grad) for a in args])
+            return _new_key(CallKey, (len(args), descs, training, grad, autocast, frozen))
     leaves, spec = pytree.tree_flatten((args, kwargs))
     paths = leaf_paths(spec)
     descs = tuple(describe(x, paths[i]) for i, x in enumerate(leaves))
     tensors.extend(x for x in leaves if isinstance(x, torch.Tensor))
-    return CallKey(spec, descs, *state)
+    return CallKey(spec, descs, training, grad, autocast, frozen)
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_new_key = tuple.__new__  # CallKey(*fields) without the generated __new__'s Python frame
 
 
 def leaf_paths(tree: Any) -> list[str]:
