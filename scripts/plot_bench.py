@@ -2,8 +2,9 @@
 
     python scripts/plot_bench.py bench_out/bench_train.json bench_out/bench_decode.json --out bench_out
 
-Writes ``bench_train.png`` (one panel per config/dtype, ms/step per mode, lower is better) and
-``bench_decode.png`` (tokens/s per mode, grouped by batch size and the mixed workload).
+Writes ``bench_train.png`` (one panel per config/dtype, ms/step per mode, lower is better),
+``bench_train_memory.png`` (the same panels: peak MiB with capture, and steady MiB, per mode; GPU
+runs only) and ``bench_decode.png`` (tokens/s per mode, grouped by batch size and the mixed workload).
 Modes that were skipped or failed are left out of the bars.
 """
 
@@ -55,6 +56,44 @@ def plot_train(payload: dict, out: Path) -> Path:
     return path
 
 
+def plot_train_memory(payload: dict, out: Path) -> Path | None:
+    """Peak (capture included) and steady-state MiB per mode, one panel per config/dtype."""
+    rows = [r for r in payload["results"] if r["status"] == "ok" and r.get("peak_mem_mib")]
+    if not rows:
+        return None  # CPU runs measure no memory
+    cells = list(dict.fromkeys((r["config"], r["dtype"]) for r in rows))
+    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4.5), squeeze=False)
+    for ax, (cfg, dt) in zip(axes[0], cells):
+        sel = [r for r in rows if (r["config"], r["dtype"]) == (cfg, dt)]
+        xs = range(len(sel))
+        for shift, key, label, color in (
+            (-0.2, "peak_mem_mib", "peak, capture included", "tab:red"),
+            (0.2, "steady_peak_mib", "steady state", "tab:green"),
+        ):
+            vals = [r.get(key) or 0.0 for r in sel]
+            bars = ax.bar([x + shift for x in xs], vals, 0.4, label=label, color=color)
+            for bar, v in zip(bars, vals):
+                ax.annotate(
+                    f"{v:.0f}",
+                    (bar.get_x() + bar.get_width() / 2, v),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
+        ax.set_xticks(list(xs), [r["mode"] for r in sel], rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("MiB above the mode's start (lower is better)")
+        ax.set_title(f"{cfg} {dt}")
+        top = max(max(r.get("peak_mem_mib") or 0.0, r.get("steady_peak_mib") or 0.0) for r in sel)
+        ax.set_ylim(0, top * 1.3)  # headroom for the legend
+        ax.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.suptitle("Training memory: " + _title(payload["meta"]))
+    fig.tight_layout()
+    path = out / "bench_train_memory.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_decode(payload: dict, out: Path) -> Path:
     rows = [r for r in payload["results"] if r["status"] == "ok" and r.get("tokens_per_s")]
     workloads = list(dict.fromkeys(r["workload"] for r in payload["results"]))
@@ -91,8 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(a.out) if a.out else Path(name).parent
         out.mkdir(parents=True, exist_ok=True)
         kind = "decode" if any("workload" in r for r in payload.get("results", [])) else "train"
-        path = plot_decode(payload, out) if kind == "decode" else plot_train(payload, out)
-        print(f"wrote {path}")
+        if kind == "decode":
+            print(f"wrote {plot_decode(payload, out)}")
+            continue
+        print(f"wrote {plot_train(payload, out)}")
+        memory = plot_train_memory(payload, out)
+        if memory is not None:
+            print(f"wrote {memory}")
     return 0
 
 

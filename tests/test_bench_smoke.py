@@ -102,6 +102,15 @@ def test_plot_bench_writes_pngs(smoke_out: Path) -> None:
     for name in ("bench_train.png", "bench_decode.png"):
         png = (smoke_out / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    assert not (smoke_out / "bench_train_memory.png").exists()  # a CPU run measures no memory
+
+
+def test_plot_bench_draws_memory_of_a_gpu_run(tmp_path: Path) -> None:
+    gpu_json = ROOT / "docs/benchmarks/2026-12-01_h200_session4_train_memory.json"
+    proc = _run("plot_bench.py", str(gpu_json), "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    png = (tmp_path / "bench_train_memory.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
 @pytest.fixture
