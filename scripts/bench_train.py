@@ -334,7 +334,8 @@ def mode_tgraph_layer(s: Setup, ckpt: bool = False):
         tgraph.disable(model)
 
 
-def mode_tgraph_full(s: Setup):
+def mode_tgraph_full(s: Setup, skip: bool = False):
+    """``skip``: FullIterationGraph(skip_nonfinite=True), the cost of the device flag."""
     FullIterationGraph = getattr(tgraph, "FullIterationGraph", None)
     if FullIterationGraph is None:
         raise Skip("tgraph.FullIterationGraph is not importable yet (full-iteration issue)")
@@ -345,7 +346,9 @@ def mode_tgraph_full(s: Setup):
         return eager_step(model, opt, x, y, s).detach()
 
     # warmup_steps eager calls, then the call that captures (and runs) the step.
-    step_graph = FullIterationGraph(train_step, warmup_steps=s.warmup - 1, backend=s.backend)
+    step_graph = FullIterationGraph(
+        train_step, warmup_steps=s.warmup - 1, backend=s.backend, skip_nonfinite=skip
+    )
     for i in range(s.warmup - 1):
         step_graph(s.batch(i))
     synchronize(s.device)
@@ -354,7 +357,8 @@ def mode_tgraph_full(s: Setup):
     synchronize(s.device)
     capture = time.perf_counter() - t0
     times, loss = drive(s, lambda x, y: step_graph((x, y)), start=s.warmup)
-    return times, loss, capture, "capture_s = the capturing call (capture + its step)"
+    note = "capture_s = the capturing call (capture + its step)"
+    return times, loss, capture, note + ("; skip_nonfinite=True" if skip else "")
 
 
 def megatron_model(s: Setup, variant: str):
@@ -469,28 +473,6 @@ def mode_tgraph_layer_opt(s: Setup, skip: bool = True):
         tgraph.disable(model)
 
 
-def mode_tgraph_full_skip(s: Setup):
-    """tgraph_full with FullIterationGraph(skip_nonfinite=True): the cost of the device flag."""
-    model, opt = s.fresh()
-
-    def train_step(batch):
-        x, y = batch
-        return eager_step(model, opt, x, y, s).detach()
-
-    graph = tgraph.FullIterationGraph(
-        train_step, warmup_steps=s.warmup - 1, backend=s.backend, skip_nonfinite=True
-    )
-    for i in range(s.warmup - 1):
-        graph(s.batch(i))
-    synchronize(s.device)
-    t0 = time.perf_counter()
-    graph(s.batch(s.warmup - 1))
-    synchronize(s.device)
-    capture = time.perf_counter() - t0
-    times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
-    return times, loss, capture, "skip_nonfinite=True"
-
-
 def mode_megatron_optimizer(s: Setup, variant: str):
     """Issue 16's harness: megatron-core GPTModel + megatron DDP + megatron's OWN optimizer,
     ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])`` (clip_grad 1.0).
@@ -585,7 +567,7 @@ MODE_FUNCS: dict[str, Callable] = {
     "megatron_tgraph_full": lambda s: mode_megatron(s, "tgraph_full"),
     "tgraph_layer_opt": mode_tgraph_layer_opt,
     "tgraph_layer_opt_noskip": lambda s: mode_tgraph_layer_opt(s, skip=False),
-    "tgraph_full_skip": mode_tgraph_full_skip,
+    "tgraph_full_skip": lambda s: mode_tgraph_full(s, skip=True),
     "megatron_opt_none": lambda s: mode_megatron_optimizer(s, "none"),
     "megatron_opt_none_capturable": lambda s: mode_megatron_optimizer(s, "none_capturable"),
     "megatron_opt_local": lambda s: mode_megatron_optimizer(s, "local"),

@@ -26,6 +26,18 @@ def _title(meta: dict) -> str:
     return f"{env.get('gpu') or 'CPU'}, torch {env.get('torch')}, {env.get('date', '')[:10]}"
 
 
+def _label_bars(ax, bars, vals: list[float], fmt: str, fontsize: int) -> None:
+    """Each bar's value above it."""
+    for bar, v in zip(bars, vals):
+        ax.annotate(
+            format(v, fmt),
+            (bar.get_x() + bar.get_width() / 2, v),
+            ha="center",
+            va="bottom",
+            fontsize=fontsize,
+        )
+
+
 def plot_train(payload: dict, out: Path) -> Path:
     rows = [r for r in payload["results"] if r["status"] == "ok" and r.get("ms_median")]
     cells = list(dict.fromkeys((r["config"], r["dtype"]) for r in payload["results"]))
@@ -36,15 +48,7 @@ def plot_train(payload: dict, out: Path) -> Path:
         sel = [r for r in rows if (r["config"], r["dtype"]) == (cfg, dt)]
         names = [r["mode"] for r in sel]
         vals = [r["ms_median"] for r in sel]
-        bars = ax.bar(range(len(sel)), vals, color="tab:blue")
-        for bar, v in zip(bars, vals):
-            ax.annotate(
-                f"{v:.2f}",
-                (bar.get_x() + bar.get_width() / 2, v),
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
+        _label_bars(ax, ax.bar(range(len(sel)), vals, color="tab:blue"), vals, ".2f", 8)
         ax.set_xticks(range(len(sel)), names, rotation=35, ha="right", fontsize=8)
         ax.set_ylabel("ms per training step (median, lower is better)")
         ax.set_title(f"{cfg} {dt}")
@@ -72,14 +76,7 @@ def plot_train_memory(payload: dict, out: Path) -> Path | None:
         ):
             vals = [r.get(key) or 0.0 for r in sel]
             bars = ax.bar([x + shift for x in xs], vals, 0.4, label=label, color=color)
-            for bar, v in zip(bars, vals):
-                ax.annotate(
-                    f"{v:.0f}",
-                    (bar.get_x() + bar.get_width() / 2, v),
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                )
+            _label_bars(ax, bars, vals, ".0f", 7)
         ax.set_xticks(list(xs), [r["mode"] for r in sel], rotation=35, ha="right", fontsize=8)
         ax.set_ylabel("MiB above the mode's start (lower is better)")
         ax.set_title(f"{cfg} {dt}")
