@@ -115,12 +115,17 @@ class _Manager:
         self.report: CaptureReport | None = None
         self.segments: list[Segment] = []
         self.units: list = []  # every captured unit (runners and merged stacks)
+        self.fallbacks: list[str] = []  # why calls ran eagerly (a few distinct reasons)
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         if torch.is_inference_mode_enabled():
             return self._eager(
-                module, state, args, kwargs, "it runs under torch.inference_mode(), whose "
-                "tensors a graph's static buffers cannot take (use torch.no_grad() to graph it)"
+                module,
+                state,
+                args,
+                kwargs,
+                "it runs under torch.inference_mode(), whose "
+                "tensors a graph's static buffers cannot take (use torch.no_grad() to graph it)",
             )
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
@@ -129,7 +134,9 @@ class _Manager:
         except MutableArgument as exc:
             return self._eager(module, state, args, kwargs, str(exc))
         except RuntimeError as exc:  # e.g. a nested tensor, which has no sizes
-            return self._eager(module, state, args, kwargs, f"its arguments cannot key a graph ({exc})")
+            return self._eager(
+                module, state, args, kwargs, f"its arguments cannot key a graph ({exc})"
+            )
         runners = state.runners.get(key)
         if not self.captured:
             runner = next((r for r in runners or () if r.flight is None), None)
@@ -191,6 +198,8 @@ class _Manager:
         )
         if state.strict:
             raise GraphFallbackError(msg + " (strict=True turns this fallback into an error)")
+        if len(self.fallbacks) < 8 and reason not in self.fallbacks:
+            self.fallbacks.append(reason)
         if reason not in state.warned:
             state.warned.add(reason)
             warnings.warn(msg, GraphFallbackWarning, stacklevel=4)
@@ -334,6 +343,11 @@ def create_graphs() -> CaptureReport:
     m = _manager
     if m.captured:
         raise RuntimeError("graphs already exist; call tgraph.reset() before create_graphs() again")
+    if not m.record.events and m.fallbacks:
+        logger.warning(
+            "tgraph: nothing to capture: every graphed call ran eagerly (%s)", m.fallbacks[0]
+        )
+        return _empty_report(m.fallbacks)
     if not m.record.events:
         raise RuntimeError(
             "nothing recorded: call tgraph.enable(model), run one training iteration (forward "
@@ -433,6 +447,19 @@ def create_graphs() -> CaptureReport:
     return m.report
 
 
+def _empty_report(reasons: list[str]) -> CaptureReport:
+    return CaptureReport(
+        graphs=0,
+        runners=0,
+        segments=0,
+        seconds=0.0,
+        pool_bytes=0,
+        backends=[],
+        eager_modules=[f"every call ran eagerly: {r}" for r in reasons],
+        memory=MemoryReport(),
+    )
+
+
 def _refuse_hooks(units: list) -> None:
     """A hook on a graphed module would run during warmup and capture and never at replay."""
     for u in units:
@@ -464,6 +491,7 @@ def reset() -> None:
     _manager.record.clear()
     _manager.captured = False
     _manager.report = None
+    _manager.fallbacks = []
 
 
 def memory_report() -> MemoryReport:
