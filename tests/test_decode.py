@@ -367,6 +367,37 @@ def test_serves_model_with_per_layer_graphs_enabled(backend, device):
     assert DecodeEngine(model, **kw).generate(ps, 10) == DecodeEngine(plain, **kw).generate(ps, 10)
 
 
+def test_sampling_during_training_leaves_the_model_training(backend, device):
+    """Sampling every N steps of a training run: the engine decodes without dropout, then the
+    model is back in train mode and its per-layer graphs still replay (strict: no fallback)."""
+    import tgraph
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, dropout=0.1)).to(device)
+    reference = GPT(GPTConfig(**CFG, dropout=0.1)).to(device)
+    reference.load_state_dict(model.state_dict())
+    reference.eval()
+    tgraph.enable(model, backend=backend, strict=True)
+    x = torch.randint(0, 256, (2, 16), device=device)
+
+    def train_step() -> None:
+        model(x, x)[1].backward()
+
+    train_step()  # recorded
+    tgraph.create_graphs()
+    train_step()  # replayed
+    kw = dict(max_batch_size=2, max_seq_len=64)
+    graphed, eager = engines(model, backend, **kw)
+    assert all(m.training for m in model.modules())  # after capture
+    ps = prompts(2)
+    expected = DecodeEngine(reference, use_graphs=False, **kw).generate(ps, 8)
+    assert graphed.generate(ps, 8) == eager.generate(ps, 8) == expected  # no dropout
+    assert all(m.training for m in model.modules())  # after generate
+    assert not reference.training  # an eval model stays in eval mode
+    train_step()  # strict=True: a fallback to eager (a mode mismatch) would raise
+    assert all(m.training for m in model.modules())
+
+
 @pytest.mark.parametrize("scenario", ["50_steps", "join_and_leave"])
 def test_lookahead_gives_the_tokens_of_step_by_step_decoding(backend, device, scenario):
     """Steps launched before the host reads the previous tokens (device-side token hand-off)
