@@ -146,6 +146,33 @@ def test_buffers_reset_stale_tail(device):
     assert buffers.live(4).tolist() == [1, 0, 0, 0]
 
 
+def test_padding_rows_are_padding_at_every_step(backend, device):
+    """A request leaves a batch of 4 (bucket 4 keeps running 3): from the next step on, its old
+    row is a padding row again (not live, position 0, its own slot), so it neither advances nor
+    writes past its slot's end; every step of the run is checked."""
+    engine = DecodeEngine(
+        tiny_gpt(device), max_batch_size=4, max_seq_len=64, backend=backend, progress=False
+    )
+    real_step = engine.step
+    seen = []
+
+    def checked_step(batch):
+        pad = slice(batch.n, batch.width)
+        rows = torch.arange(batch.width)[pad].tolist()
+        assert engine.buffers.live(batch.width)[pad].tolist() == [0] * len(rows)
+        inputs = engine.buffers.set_batch(batch.width)
+        assert inputs.positions[pad].tolist() == [0] * len(rows)
+        assert inputs.lengths[pad].tolist() == [1] * len(rows)
+        assert inputs.slots[pad].tolist() == rows
+        seen.append((batch.n, batch.width))
+        return real_step(batch)
+
+    engine.step = checked_step
+    out = engine.generate(prompts(4), [3, 20, 20, 20])
+    assert [len(o) for o in out] == [3, 20, 20, 20]
+    assert (4, 4) in seen and (3, 4) in seen  # the batch shrank inside bucket 4
+
+
 def _live_logits(engine: DecodeEngine, ps: list[list[int]]) -> torch.Tensor:
     """Prefill ``ps`` into slots 0.. and return the live rows' logits of 3 decode steps."""
     reqs = [Request(i, p, 5, False, slot=i) for i, p in enumerate(ps)]
