@@ -155,6 +155,38 @@ def test_resume_from_an_earlier_checkpoint_keeps_its_own_latest(tmp_path, monkey
     assert_same(params(out / "checkpoints" / "latest"), uninterrupted)
 
 
+def test_checkpoint_killed_mid_write_leaves_the_previous_one_to_resume(finished, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
+    """The step-8 checkpoint dies after trainer.pt, inside the model save: no step_000008
+    appears, latest still names step_000004, and resuming it gives the uninterrupted weights."""
+    from tgraph.toy import checkpoint
+
+    out = tmp_path / "run"
+    real_save = checkpoint.save
+
+    def save_or_die(model, directory, **kw):
+        if directory.name.endswith("step_000008"):
+            (directory / "model.safetensors").write_bytes(b"half")
+            raise _Killed
+        return real_save(model, directory, **kw)
+
+    monkeypatch.setattr(checkpoint, "save", save_or_die)
+    with pytest.raises(_Killed):
+        tg.train(cfg(out))
+    monkeypatch.undo()
+    assert ckpts(out) == ["step_000004"] and latest(out) == "step_000004"
+    assert tg.train(cfg(out, resume="latest"))["resumed_at"] == 4
+    assert_same(params(out / "checkpoints" / "latest"), params(finished / "checkpoints" / "latest"))
+
+
+def test_pruning_keeps_the_newest_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    tg.train(cfg(out, ckpt_every=2, keep_checkpoints=1))
+    assert ckpts(out) == ["step_000008"] and latest(out) == "step_000008"
+    with pytest.raises(tg.RunDirectoryError, match="nothing to do"):  # the kept one resumes
+        tg.train(cfg(out, resume="latest"))
+
+
 # -- 2. non-finite losses and damaged checkpoints -----------------------------------------------
 
 
