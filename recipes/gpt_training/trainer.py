@@ -154,8 +154,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
     resume_dir = resolve_resume(cfg)
     state = read_checkpoint(resume_dir, cfg, env.world_size) if resume_dir else None
     claim_run_directory(cfg, resume_dir, env)
-    if env.is_main:
-        prepare_run_directory(run)
+    prepare_run_directory(run)  # every rank: each raises the same error, none waits for another
     cfg = cfg.with_steps(state["config"].get("steps") if state else None)
     start = state["step"] if state else 0
     if state and start >= cfg.steps:
