@@ -115,7 +115,7 @@ class _Manager:
         self.report: CaptureReport | None = None
         self.segments: list[Segment] = []
         self.units: list = []  # every captured unit (runners and merged stacks)
-        self.fallbacks: list[str] = []  # why calls ran eagerly (a few distinct reasons)
+        self.eager_calls = 0  # fallbacks to eager since the last reset (create_graphs' message)
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         if torch.is_inference_mode_enabled():
@@ -190,6 +190,7 @@ class _Manager:
             return nn.Module.__call__(module, *args, **kwargs)
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
+        self.eager_calls += 1
         name = type(module).__name__
         msg = (
             f"no captured graph of {name} matches this call: {reason}. "
@@ -198,8 +199,6 @@ class _Manager:
         )
         if state.strict:
             raise GraphFallbackError(msg + " (strict=True turns this fallback into an error)")
-        if len(self.fallbacks) < 8 and reason not in self.fallbacks:
-            self.fallbacks.append(reason)
         if reason not in state.warned:
             state.warned.add(reason)
             warnings.warn(msg, GraphFallbackWarning, stacklevel=4)
@@ -343,11 +342,15 @@ def create_graphs() -> CaptureReport:
     m = _manager
     if m.captured:
         raise RuntimeError("graphs already exist; call tgraph.reset() before create_graphs() again")
-    if not m.record.events and m.fallbacks:
-        logger.warning(
-            "tgraph: nothing to capture: every graphed call ran eagerly (%s)", m.fallbacks[0]
+    if not m.record.events and m.eager_calls:
+        reasons = sorted({r for mod in m.modules for r in mod._tgraph.warned})
+        raise RuntimeError(
+            f"nothing recorded: all {m.eager_calls} calls of graphed modules since "
+            "tgraph.enable (or tgraph.reset) ran eagerly instead"
+            + (f" ({reasons[0]})" if reasons else "")
+            + ". Make those calls graphable (the GraphFallbackWarning says why each fell back), "
+            "run one iteration again, then call tgraph.create_graphs()"
         )
-        return _empty_report(m.fallbacks)
     if not m.record.events:
         raise RuntimeError(
             "nothing recorded: call tgraph.enable(model), run one training iteration (forward "
@@ -447,19 +450,6 @@ def create_graphs() -> CaptureReport:
     return m.report
 
 
-def _empty_report(reasons: list[str]) -> CaptureReport:
-    return CaptureReport(
-        graphs=0,
-        runners=0,
-        segments=0,
-        seconds=0.0,
-        pool_bytes=0,
-        backends=[],
-        eager_modules=[f"every call ran eagerly: {r}" for r in reasons],
-        memory=MemoryReport(),
-    )
-
-
 def _refuse_hooks(units: list) -> None:
     """A hook on a graphed module would run during warmup and capture and never at replay."""
     for u in units:
@@ -491,7 +481,7 @@ def reset() -> None:
     _manager.record.clear()
     _manager.captured = False
     _manager.report = None
-    _manager.fallbacks = []
+    _manager.eager_calls = 0
 
 
 def memory_report() -> MemoryReport:
