@@ -260,3 +260,37 @@ def test_training_output_kept_across_steps(backend, device, how):
     want = _bank_run(ref, data, how=how)
     got = _bank_run(model, data, backend, how=how)
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_held_outputs_are_protected_without_storage_swaps(backend, device, monkeypatch):
+    """On a PyTorch without ``UntypedStorage._swap_data_ptr_`` (< 2.13): outputs the caller
+    holds across calls (the previous step's tensor, still in the loop variable) are moved out
+    by re-pointing the returned tensors; a ``.detach()`` kept of them falls back, saying so."""
+    monkeypatch.setattr(tgraph.grads, "SWAPS_STORAGE", False)
+    model, ref = make_pair(device)
+    data = batches(device, STEPS)
+    want = [ref(x).detach().clone() for x, _ in data]
+    tgraph.enable(model, backend=backend, strict=True)
+    kept = []
+    for i, (x, _) in enumerate(data):
+        out = model(x)  # the previous `out` is still alive during this call
+        out.sum().backward()
+        kept.append(out)
+        if i == 0:
+            tgraph.create_graphs()
+    for got, w in zip(kept, want, strict=True):
+        torch.testing.assert_close(got.detach(), w, **TOL)
+
+    def blocks(x):
+        h = model.inp(x)
+        for b in model.blocks:
+            h = b(h)
+        return h
+
+    out = blocks(data[0][0])
+    out.sum().backward()
+    held = out.detach()  # a view of the graph's memory, invisible to tgraph
+    del out
+    with pytest.raises(RuntimeError, match="still held"):
+        blocks(data[1][0])
+    del held

@@ -42,48 +42,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from tgraph.guards import CaptureError, RefuseHostReads
+from tgraph.guards import CaptureError, RefuseHostReads, check_registered, refusal
 from tgraph.pool import NEVER, poison_, saved_activations
 
-# Operations a CUDA graph cannot contain: they read device values on the host (a sync) or make
-# an output whose shape depends on them. `_local_scalar_dense` is `.item()` and every implicit
-# `bool()`/`float()` of a tensor.
-_REFUSED = {
-    "aten::_local_scalar_dense": ".item(), float()/int()/bool() of a tensor or `if tensor:`",
-    "aten::is_nonzero": "bool() of a tensor or `if tensor:`",
-    "aten::equal": "torch.equal (returns a Python bool)",
-    "aten::nonzero": "torch.nonzero / torch.where(cond) (data-dependent output shape)",
-    "aten::argwhere": "torch.argwhere (data-dependent output shape)",
-    "aten::masked_select": "masked_select / boolean-mask indexing (data-dependent output shape)",
-    "aten::_unique": "torch.unique (data-dependent output shape)",
-    "aten::_unique2": "torch.unique (data-dependent output shape)",
-    "aten::unique_dim": "torch.unique (data-dependent output shape)",
-    "aten::unique_consecutive": "torch.unique_consecutive (data-dependent output shape)",
-    "aten::unique_dim_consecutive": "torch.unique_consecutive (data-dependent output shape)",
-    "aten::bincount": "torch.bincount (output size read from the data)",
-    "aten::_nested_tensor_from_mask": "a nested tensor from a padding mask (data-dependent sizes)",
-    "aten::_nested_tensor_from_mask_left_aligned": "a check of a padding mask (a host read)",
-}
-_MASK_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
-# Operations whose output holds no value a later operation may rely on: skipped at replay.
+# Operations skipped at replay: their output holds no value a later operation may rely on.
 _ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"}
-
-
-def _refusal(func: Any, args: tuple, kwargs: dict) -> str | None:
-    name = func._schema.name
-    if name in _REFUSED:
-        if name == "aten::_local_scalar_dense" and args and args[0].device.type == "meta":
-            return None
-        return _REFUSED[name]
-    if name in _MASK_INDEXING:
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        for t in indices or ():
-            if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8):
-                return "boolean-mask indexing x[mask] (data-dependent output shape)"
-    if name == "aten::repeat_interleave" and kwargs.get("output_size") is None:
-        if args and isinstance(args[0], torch.Tensor) and len(args) < 3:
-            return "repeat_interleave with tensor repeats and no output_size"
-    return None
 
 
 class _Pins:
@@ -172,19 +135,15 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        why = _refusal(func, args, kwargs)
+        why = refusal(func, args, kwargs)
         if why is not None:
             raise CaptureError(
                 f"host synchronization during graph capture: {func._schema.name} ({why}). A "
                 "CUDA graph cannot contain it; move it out of the captured region."
             )
         gen = kwargs.get("generator")
-        if gen is not None and not self._graph.registers(gen):
-            raise CaptureError(
-                f"a graphed region draws from a torch.Generator ({gen!r}, device {gen.device}) "
-                "that is not registered with the graph: every replay would repeat the capture's "
-                "random numbers. Register it before capture with tgraph.register_generator(g)."
-            )
+        if gen is not None:
+            check_registered(gen, self._graph._registered)
         out = func(*args, **kwargs)
         self.tape.append(self._record(func, args, kwargs, out))
         return out

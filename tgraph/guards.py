@@ -16,17 +16,46 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Host-side sync points: illegal while a CUDA stream is capturing. The emulated backend refuses
-# them during capture so CPU tests see the same failure as the GPU.
-_HOST_SYNC_OPS = {
-    "aten::_local_scalar_dense": ".item(), float()/int()/bool() of a tensor, `if tensor:` or "
-    "printing a tensor",
-    "aten::nonzero": "torch.nonzero / boolean-mask indexing (data-dependent output shape)",
+# Operations a CUDA graph cannot contain: they read device values on the host (a sync) or make
+# an output whose shape depends on them. `_local_scalar_dense` is `.item()` and every implicit
+# `bool()`/`float()` of a tensor.
+_REFUSED = {
+    "aten::_local_scalar_dense": ".item(), float()/int()/bool() of a tensor or `if tensor:`",
+    "aten::is_nonzero": "bool() of a tensor or `if tensor:`",
+    "aten::equal": "torch.equal (returns a Python bool)",
+    "aten::nonzero": "torch.nonzero / torch.where(cond) (data-dependent output shape)",
+    "aten::argwhere": "torch.argwhere (data-dependent output shape)",
     "aten::masked_select": "masked_select / boolean-mask indexing (data-dependent output shape)",
+    "aten::_unique": "torch.unique (data-dependent output shape)",
     "aten::_unique2": "torch.unique (data-dependent output shape)",
-    "aten::unique_consecutive": "torch.unique_consecutive (data-dependent output shape)",
     "aten::unique_dim": "torch.unique (data-dependent output shape)",
+    "aten::unique_consecutive": "torch.unique_consecutive (data-dependent output shape)",
+    "aten::unique_dim_consecutive": "torch.unique_consecutive (data-dependent output shape)",
+    "aten::bincount": "torch.bincount (output size read from the data)",
+    "aten::_nested_tensor_from_mask": "a nested tensor from a padding mask (data-dependent sizes)",
+    "aten::_nested_tensor_from_mask_left_aligned": "a check of a padding mask (a host read)",
 }
+_MASK_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+def refusal(func, args: tuple, kwargs: dict) -> str | None:
+    """What a CUDA capture of this operation would fail on, or None (a host read, or a
+    data-dependent output shape)."""
+    name = func._schema.name
+    if name in _REFUSED:
+        if name == "aten::_local_scalar_dense" and args and args[0].device.type == "meta":
+            return None
+        return _REFUSED[name]
+    if name in _MASK_INDEXING:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        for t in indices or ():
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8):
+                return "boolean-mask indexing x[mask] (data-dependent output shape)"
+    if name == "aten::repeat_interleave" and kwargs.get("output_size") is None:
+        if args and isinstance(args[0], torch.Tensor) and len(args) < 3:
+            return "repeat_interleave with tensor repeats and no output_size"
+    return None
+
 
 CAPTURE_HINT = (
     "Common causes: a host sync inside the captured region (.item(), bool(tensor), printing a "
@@ -50,21 +79,39 @@ class RefuseHostSync(TorchDispatchMode):
             tensors live on the CPU).
     """
 
-    def __init__(self, device_type: str | None = None) -> None:
+    def __init__(
+        self, device_type: str | None = None, generators: list[torch.Generator] | None = None
+    ) -> None:
         super().__init__()
         self._device_type = device_type
+        self._generators = generators  # None: do not check the generators drawn from
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name in _HOST_SYNC_OPS and (
+        kwargs = kwargs or {}
+        why = refusal(func, args, kwargs)
+        if why is not None and (
             self._device_type is None
             or any(isinstance(a, torch.Tensor) and a.device.type == self._device_type for a in args)
         ):
             raise CaptureError(
-                f"host synchronization during graph capture: {name} ({_HOST_SYNC_OPS[name]}). "
+                f"host synchronization during graph capture: {func._schema.name} ({why}). "
                 "A CUDA graph cannot contain it; move it out of the captured region."
             )
-        return func(*args, **(kwargs or {}))
+        gen = kwargs.get("generator")
+        if gen is not None and self._generators is not None:
+            check_registered(gen, self._generators)
+        return func(*args, **kwargs)
+
+
+def check_registered(gen: torch.Generator, registered: list[torch.Generator]) -> None:
+    """Refuse a draw from ``gen`` unless it is one of ``registered`` (compared by the C++
+    generator: a dispatch mode sees a new Python wrapper of the same one)."""
+    if all(g._cdata != gen._cdata for g in registered):
+        raise CaptureError(
+            f"a graphed region draws from a torch.Generator ({gen!r}, device {gen.device}) "
+            "that is not registered with the graph: every replay would repeat the capture's "
+            "random numbers. Register it before capture with tgraph.register_generator(g)."
+        )
 
 
 # Tensor methods that read a tensor's values on the host without `_local_scalar_dense` (printing

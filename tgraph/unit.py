@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,8 +137,9 @@ def run_warmup(
     (leaves that require grad where the outputs did).
     """
     last: list[torch.Tensor] = []
+    gens = [*rng.graph_generators(device), rng.default_generator(device)]
     for i in range(warmup):
-        with RefuseHostSync(device.type) if i == 0 else contextlib.nullcontext():
+        with RefuseHostSync(device.type, gens) if i == 0 else contextlib.nullcontext():
             outs = fn()
         rg = [o for o in outs if o.requires_grad]
         if rg:
@@ -206,6 +208,7 @@ class GraphedUnit:
         self._aliasing_outputs: list[int] = []  # outputs that are (views of) static inputs
         self._output_uses: list[int] = []  # uses of each static output's memory by tgraph
         self._output_internal: list[list[torch.Tensor]] = []  # tgraph's tensors on each
+        self._last_outputs: weakref.ref | None = None  # LiveOutputs of the latest replay
 
     # ----------------------------------------------------------------- capture
     @property
@@ -467,6 +470,12 @@ class GraphedUnit:
         holds (a ``.detach()`` or a view kept across steps) get their own memory."""
         for i, o in enumerate(self.static_outputs):
             if _uses(o) > self._output_uses[i]:
+                token = self._last_outputs() if self._last_outputs is not None else None
+                if token is not None:  # the returned tensors themselves: re-pointed, one copy
+                    token.rescue()
+                    self._last_outputs = None
+                if _uses(o) <= self._output_uses[i]:
+                    continue
                 if not grads_module.SWAPS_STORAGE:
                     return (
                         "an output of its previous call (or a view or .detach() of it) is still "
@@ -507,7 +516,8 @@ class GraphedUnit:
                 for i in self._copy_in:
                     if self.baked.is_buffer[i]:
                         self._live[i].copy_(self.baked.held[i])
-        LiveOutputs(self.ledger, self, outs)  # no other graph overwrites them (tgraph.pool)
+        token = LiveOutputs(self.ledger, self, outs)  # no other graph overwrites them
+        self._last_outputs = weakref.ref(token)  # (tgraph.pool) nor this unit's next replay
         return outs
 
     def replay_backward(self) -> None:
