@@ -9,6 +9,7 @@ ownership are the unit's (:mod:`tgraph.unit`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,7 +152,7 @@ class Runner(GraphedUnit):
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
-            out = torch.nn.Module.__call__(self.module, *args, **kwargs)
+            out = module_call(self.module)(*args, **kwargs)
         tensors, template = split(out)
         if not tensors:
             raise TypeError(
@@ -161,6 +162,30 @@ class Runner(GraphedUnit):
         if self.out_template is None:  # warmup; replays keep the capture's template
             self.out_template = template
         return tensors
+
+
+def compiled_call(module: torch.nn.Module, options: dict[str, Any] | None) -> Any:
+    """``torch.compile`` of ``module``'s call (its forward and hooks), or None when ``options``
+    is None. Compilation is lazy: the first call of the returned callable compiles. Modules of
+    one class share the compiled code: dynamo guards on the module's attributes and treats its
+    parameters as inputs, so a stack of identical layers compiles once."""
+    if options is None:
+        return None
+
+    def call(*args, _tgraph_module=module, **kwargs):
+        return torch.nn.Module.__call__(_tgraph_module, *args, **kwargs)
+
+    return torch.compile(call, **options)
+
+
+def module_call(module: torch.nn.Module) -> Any:
+    """How warmup and capture call ``module``: its compiled call when enabled with
+    ``compile=...`` (:func:`compiled_call`), else ``nn.Module.__call__``."""
+    state = module.__dict__.get("_tgraph")
+    compiled = getattr(state, "compiled", None)
+    if compiled is None:
+        return functools.partial(torch.nn.Module.__call__, module)
+    return compiled
 
 
 @contextlib.contextmanager
