@@ -64,3 +64,37 @@ def test_compiled_layers_graphed_match_eager(backend, device):
 def test_compile_modes_with_their_own_cuda_graphs_are_refused(mode):
     with pytest.raises(ValueError, match="max-autotune-no-cudagraphs"):
         tgraph.enable(_toy(torch.device("cpu")), compile={"mode": mode})
+
+
+def test_full_iteration_graph_around_a_compiled_model(backend, device):
+    """The whole step of a ``torch.compile``d model (inductor, default mode) as one graph;
+    dynamo compiles during the warmup steps, while tgraph's module discovery hook is on."""
+    model = _toy(device)
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        tuple(torch.randint(0, 64, (2, 8), generator=g).to(device) for _ in range(2))
+        for _ in range(2)
+    ]
+
+    def make_step(m: torch.nn.Module):  # the graph's step runs the compiled model
+        extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, **extra)
+        run = torch.compile(m) if m is model else m
+
+        def step(batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = run(*batch)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    eager_step = make_step(eager)
+    ref = [eager_step(batches[i % 2]) for i in range(6)]
+    graph = tgraph.FullIterationGraph(make_step(model), warmup_steps=2, backend=backend)
+    got = [graph(batches[i % 2]) for i in range(6)]
+    assert graph.num_graphs == 1
+    assert counters["frames"]["ok"] >= 1  # the model ran compiled
+    torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=1e-4, atol=1e-5)

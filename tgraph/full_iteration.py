@@ -436,9 +436,18 @@ class _Watch:
         self._owner._optimizers.setdefault(id(opt), opt)
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
+        # A global hook runs inside a torch.compile'd module's forward too, where dynamo traces
+        # it: reading the owner's modules from there would hand dynamo the compiled model a
+        # second time ("UnspecializedNNModuleVariable ... already tracked for mutation"). The
+        # compiled module itself is called eagerly and is noted, with its submodules, below.
+        if torch.compiler.is_compiling():
+            return
         owner = self._owner
         if id(module) in owner._modules:
             return
+        if isinstance(getattr(module, "_orig_mod", None), nn.Module):  # torch.compile(module):
+            for sub in module.modules():
+                owner._modules.setdefault(id(sub), sub)
         if _manager.modules:
             owner._check_not_nested([module])
         if isinstance(module, DistributedDataParallel) and owner.warmup_steps < DDP_MIN_WARMUP:
