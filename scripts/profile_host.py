@@ -294,6 +294,95 @@ def time_key(sample: tuple) -> dict:
     return best
 
 
+# Parts of a graphed call, timed by wrapping the method (inclusive: replay_path contains the
+# checks, copies and the autograd Function). A part missing from this version of tgraph is
+# reported as absent.
+TIMED_PARTS = {
+    "call_key": ("tgraph.module", None, "call_key"),
+    "dispatch": ("tgraph.runner", "Runner", "call"),
+    "replay_path": ("tgraph.unit", "GraphedUnit", "replay"),
+    "checks_replay_order": ("tgraph.pool", "PoolLedger", "unsafe_forward"),
+    "input_copies": ("tgraph.unit", "GraphedUnit", "_copy_inputs"),
+    "autograd_function": ("tgraph.bridge", "GraphedCall", "apply"),
+    "merged_member_take": ("tgraph.segment", "Segment", "take"),
+    "outputs": ("tgraph.runner", "Runner", "outputs"),
+    "backward": ("tgraph.bridge", "GraphedCall", "backward"),
+}
+
+
+@contextlib.contextmanager
+def timed_parts(totals: dict[str, list]):
+    """Wrap each of :data:`TIMED_PARTS`, adding ``[seconds, calls]`` into ``totals``."""
+    import importlib
+
+    undo = []
+    for part, (mod_name, cls_name, attr) in TIMED_PARTS.items():
+        mod = importlib.import_module(mod_name)
+        owner = mod if cls_name is None else getattr(mod, cls_name, None)
+        raw = None if owner is None else owner.__dict__.get(attr, getattr(owner, attr, None))
+        if raw is None:
+            continue
+        fn = raw.__func__ if isinstance(raw, staticmethod) else getattr(owner, attr)
+        acc = totals.setdefault(part, [0.0, 0])
+        wrapper = _timing(fn, acc)
+        had = attr in vars(owner)
+        setattr(owner, attr, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+        undo.append((owner, attr, raw, had))
+    try:
+        yield
+    finally:
+        for owner, attr, raw, had in reversed(undo):
+            if had:
+                setattr(owner, attr, raw)
+            else:
+                delattr(owner, attr)
+
+
+def _timing(fn, acc: list):
+    def timed(*args, **kwargs):
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += clock() - t0
+            acc[1] += 1
+
+    return timed
+
+
+def breakdown(step, n: int, calls_per_step: float) -> dict:
+    """Microseconds per graphed call of each timed part over ``n`` steps (replays stubbed)."""
+    totals: dict[str, list] = {}
+    with timed_parts(totals):
+        for _ in range(n):
+            step()
+    gap = _clock_cost()
+    graphed = calls_per_step * n
+    out: dict = {}
+    for part in TIMED_PARTS:
+        if part not in totals:
+            out[part] = None
+            continue
+        sec, calls = totals[part]
+        sec -= calls * gap  # the clock's own cost, once per timed call
+        out[part] = {
+            "us_per_graphed_call": sec / graphed * 1e6,
+            "us_per_own_call": sec / calls * 1e6 if calls else None,
+            "calls_per_step": calls / n,
+        }
+    print("\n  parts of a graphed call (timed, inclusive; us per graphed call, per own call):")
+    for part, v in out.items():
+        if v is None:
+            print(f"  {part:>22}: absent")
+        else:
+            own = v["us_per_own_call"]
+            print(
+                f"  {part:>22}: {v['us_per_graphed_call']:8.2f}  {_us(own):>8} "
+                f"({v['calls_per_step']:.0f} calls/step)"
+            )
+    return out
+
+
 # Parts of a graphed call, by the functions cProfile sees (file suffix, function name); a
 # function missing from this version of tgraph is reported as absent.
 PARTS = {
@@ -395,8 +484,9 @@ def measure(a: argparse.Namespace, device: torch.device) -> dict:
             f"({calls['leaves']} leaves, {calls['tensors']} tensors), lookup "
             f"{calls['lookup_us']:.2f} us"
         )
+        result["parts"] = breakdown(step, a.steps, calls["calls_per_step"])
         if a.profile:
-            result["parts"] = profile(step, a, calls["calls_per_step"])
+            result["parts_cprofile"] = profile(step, a, calls["calls_per_step"])
     if not emulated:
         result["note"] = "CUDA: step_ms includes the GPU; the stubbed figures are host only"
     tgraph.reset()
