@@ -158,3 +158,23 @@ def test_decode_token_agreement_catches_stale_output_bug(
         assert rc == 0 and agreement == [1.0, 1.0]
     else:
         assert rc == 1 and min(agreement) < 1.0
+
+
+def test_profile_host_writes_per_call_figures(tmp_path: Path) -> None:
+    """The host profile times graphed calls of the toy and of a Hugging Face Llama."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "profile_host.py"), "--layers", "2", "--steps", "3"]
+        + ["--reps", "1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "profile_host.json").read_text())
+    for model in ("toy", "llama"):
+        calls = payload["models"][model]["per_call"]
+        assert calls["calls_per_step"] == 2
+        assert calls["per_call_us"] > 0 and calls["call_key_us"] > 0
+        assert payload["models"][model]["parts"]["call_key"]["calls_per_step"] == 2
+    assert "position_embeddings" in payload["models"]["llama"]["per_call"]["kwargs"]  # HF's call
