@@ -232,13 +232,14 @@ def enable(
             for those parameters; ``.grad`` stays None). Only for gradients consumed through
             ``main_grad`` by hooks that do nothing else: megatron-core DDP without
             ``overlap_grad_reduce`` (:class:`tgraph.grads.MainGradFusion`).
-        compile: graph each module's forward compiled by ``torch.compile`` (inductor's fused
+        compile: graph each module's call compiled by ``torch.compile`` (inductor's fused
             kernels, then one graph replay per layer stack): True for the default options, or
-            a dict of ``torch.compile`` keyword arguments. Only warmup and capture run the
-            compiled forward (compilation happens in ``create_graphs()``'s warmup); the
-            recorded iteration and eager fallbacks run the module as written. Modes that put
-            inductor's own CUDA graphs inside ours (``"reduce-overhead"``, ``"max-autotune"``)
-            are refused: use ``"max-autotune-no-cudagraphs"``.
+            a dict of ``torch.compile`` keyword arguments. The recorded iteration compiles
+            (once per layer class: identical layers share the compiled code), capture graphs
+            the compiled kernels, eager fallbacks run them too. The warmup's first pass runs
+            eagerly (dynamo does not run under its host-sync check, a dispatch mode). Modes
+            that put inductor's own CUDA graphs inside ours (``"reduce-overhead"``,
+            ``"max-autotune"``) are refused: use ``"max-autotune-no-cudagraphs"``.
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).

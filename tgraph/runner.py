@@ -179,8 +179,9 @@ def compiled_call(module: torch.nn.Module, options: dict[str, Any] | None) -> An
 
 
 def module_call(module: torch.nn.Module) -> Any:
-    """How warmup and capture call ``module``: its compiled call when enabled with
-    ``compile=...`` (:func:`compiled_call`), else ``nn.Module.__call__``."""
+    """How the recorded call, eager fallbacks, warmup and capture call ``module``: its
+    compiled call when enabled with ``compile=...`` (:func:`compiled_call`), else
+    ``nn.Module.__call__``."""
     state = module.__dict__.get("_tgraph")
     compiled = getattr(state, "compiled", None)
     if compiled is None:
