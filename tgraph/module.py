@@ -237,7 +237,9 @@ def enable(
             a dict of ``torch.compile`` keyword arguments. The recorded iteration compiles
             (once per layer class: identical layers share the compiled code), capture graphs
             the compiled kernels, eager fallbacks run them too. The warmup's first pass runs
-            eagerly (dynamo does not run under its host-sync check, a dispatch mode). Modes
+            eagerly (dynamo does not run under its host-sync check, a dispatch mode), the
+            second compiles once more for the graphs' parameter aliases: keep ``warmup`` at
+            2 or more on CUDA (the default), or that compilation falls inside the capture. Modes
             that put inductor's own CUDA graphs inside ours (``"reduce-overhead"``,
             ``"max-autotune"``) are refused: use ``"max-autotune-no-cudagraphs"``.
 

@@ -184,7 +184,11 @@ def module_call(module: torch.nn.Module) -> Any:
     ``nn.Module.__call__``."""
     state = module.__dict__.get("_tgraph")
     compiled = getattr(state, "compiled", None)
-    if compiled is None:
+    # Dynamo does not run under a dispatch mode (the warmup's host-sync check, an emulated
+    # capture) and, once a compiled function was called under one, stops running it at all
+    # (torch 2.13): such passes call the module itself, so that a CUDA capture, which runs no
+    # dispatch mode, still graphs the compiled kernels.
+    if compiled is None or torch._C._len_torch_dispatch_stack():
         return functools.partial(torch.nn.Module.__call__, module)
     return compiled
 
