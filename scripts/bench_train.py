@@ -6,12 +6,21 @@ The final losses must agree: the benchmark doubles as a parity check (column ``p
 
     python scripts/bench_train.py --configs tiny --dtypes fp32 --steps 100 --out bench_out
     python scripts/bench_train.py --smoke --out /tmp/smoke     # seconds, CPU, emulated graphs
+    python scripts/bench_train.py --hf                         # HF Llama cells, JSON to $OUT
 
 Modes: eager, graphed_callables (``torch.cuda.make_graphed_callables`` on every block), compile
 (``torch.compile(mode="reduce-overhead")`` on the model, optimizer eager), floor (one hand-written
 ``torch.cuda.CUDAGraph`` of forward+backward+AdamW, PyTorch's "whole network capture" recipe),
 tgraph_layer (per-layer graphs), tgraph_full (``tgraph.FullIterationGraph``), megatron_none /
-megatron_local (megatron-core GPTModel of the same dims, when importable).
+megatron_local (megatron-core GPTModel of the same dims, when importable); compile_default
+(``torch.compile`` default mode, inductor without its CUDA graphs), tgraph_layer_compiled /
+tgraph_layer_opt_compiled (``tgraph.enable(model, compile=True)``: per-layer graphs over
+inductor-compiled layers), tgraph_full_compiled (``FullIterationGraph`` around a step of
+``torch.compile(model)``).
+
+The ``llama_*`` configs train a Hugging Face ``LlamaForCausalLM`` of those dims instead of the
+toy (random init, SDPA attention; scripts/bench_llama.py); ``--hf`` runs the three Llama cells
+(12 layers d256 T128 fp32 at batch 1 and 8, 16 layers d1024 T256 bf16 autocast at batch 4).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from bench_common import (  # noqa: E402
     synchronize,
     write_outputs,
 )
+from bench_llama import LLAMA_CONFIGS, LLAMA_DTYPES, LlamaLM, make_graphed_layers  # noqa: E402
 
 import tgraph  # noqa: E402
 from tgraph.toy.gpt import GPT, GPTConfig  # noqa: E402
@@ -53,6 +63,7 @@ CONFIGS: dict[str, dict[str, int]] = {
     "medium": dict(n_layer=12, n_embd=1024, n_head=16, seq=512, batch=8),
     "smoke": dict(n_layer=2, n_embd=32, n_head=2, seq=16, batch=2),
     "tiny_b1": dict(n_layer=12, n_embd=256, n_head=4, seq=128, batch=1),  # issue 16's B1 goal
+    **LLAMA_CONFIGS,  # Hugging Face LlamaForCausalLM (bench_llama.py)
 }
 MODES = [
     "eager",
@@ -76,8 +87,26 @@ MODES = [
     "megatron_opt_tgraph_full",
     "eager_ckpt",
     "tgraph_layer_ckpt",
+    "compile_default",
+    "tgraph_layer_compiled",
+    "tgraph_layer_opt_compiled",
+    "tgraph_full_compiled",
 ]
 CPU_MODES = ["eager", "tgraph_layer", "tgraph_full", "tgraph_layer_opt", "tgraph_full_skip"]
+# --hf: the Llama cells of bench_llama.LLAMA_DTYPES, these modes, few steps (an H200 in < 5 min)
+HF_MODES = [
+    "eager",
+    "graphed_callables",
+    "tgraph_layer",
+    "tgraph_layer_opt",
+    "tgraph_full",
+    "compile",
+    "compile_default",
+    "tgraph_layer_compiled",
+    "tgraph_layer_opt_compiled",
+    "tgraph_full_compiled",
+]
+HF_STEPS, HF_WARMUP = 10, 2  # 12 steps trained: the final loss is the parity check
 LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
 # Final-loss agreement. The graph modes run the same kernels as eager, so they agree to ~1e-6;
 # torch.compile fuses kernels (other reduction orders) and Adam's normalised update amplifies
@@ -98,7 +127,7 @@ class Setup:
     steps: int
     warmup: int
     dims: dict[str, int]
-    base: GPT
+    base: GPT | LlamaLM
     batches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     setup_peak: int = 0  # bytes: peak allocated before the first timed step (warmup, capture)
 
@@ -116,7 +145,7 @@ class Setup:
             return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
-    def fresh(self) -> tuple[GPT, torch.optim.Optimizer]:
+    def fresh(self) -> tuple[GPT | LlamaLM, torch.optim.Optimizer]:
         model = copy.deepcopy(self.base).to(self.device).train()
         return model, make_optimizer(model.parameters(), self.device)
 
@@ -143,15 +172,18 @@ def make_setup(
 ) -> Setup:
     d = CONFIGS[name]
     torch.manual_seed(seed)
-    cfg = GPTConfig(
-        vocab_size=VOCAB,
-        block_size=d["seq"],
-        n_layer=d["n_layer"],
-        n_head=d["n_head"],
-        n_embd=d["n_embd"],
-        dropout=0.0,
-    )
-    base = GPT(cfg)  # kept on CPU: every mode deep-copies it onto the device
+    if d.get("model") == "llama":
+        base = LlamaLM(d, VOCAB)
+    else:
+        cfg = GPTConfig(
+            vocab_size=VOCAB,
+            block_size=d["seq"],
+            n_layer=d["n_layer"],
+            n_head=d["n_head"],
+            n_embd=d["n_embd"],
+            dropout=0.0,
+        )
+        base = GPT(cfg)  # kept on CPU: every mode deep-copies it onto the device
     g = torch.Generator().manual_seed(seed + 1)
     batches = []
     for _ in range(NUM_BATCHES):  # a few sequences the model can memorise: the loss moves
@@ -222,6 +254,14 @@ def mode_eager_ckpt(s: Setup):
 def mode_graphed_callables(s: Setup):
     need_cuda(s)
     model, opt = s.fresh()
+    if isinstance(model, LlamaLM):  # HF's keyword call, through positional wrappers
+        synchronize(s.device)
+        t0 = time.perf_counter()
+        make_graphed_layers(model, s.batch(0)[0], s.autocast)
+        synchronize(s.device)
+        capture = time.perf_counter() - t0
+        times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s))
+        return times, loss, capture, "every decoder layer in one call (shared pool); rest eager"
     B, T, C = s.dims["batch"], s.dims["seq"], s.dims["n_embd"]
     # Block inputs are the fp32 residual stream (autocast keeps x + bf16 in fp32) and require
     # grad; make_graphed_callables needs samples whose requires_grad matches the real calls.
@@ -241,11 +281,12 @@ def mode_graphed_callables(s: Setup):
     )
 
 
-def mode_compile(s: Setup):
-    need_cuda(s)
+def mode_compile(s: Setup, mode: str = "reduce-overhead"):
+    if mode == "reduce-overhead":  # inductor's CUDA graphs
+        need_cuda(s)
     model, opt = s.fresh()
     try:
-        cmodel = torch.compile(model, mode="reduce-overhead")
+        cmodel = torch.compile(model, mode=mode)
     except Exception as exc:  # noqa: BLE001 - any compile failure is a skip reason
         raise Skip(f"torch.compile failed: {type(exc).__name__}: {exc}") from exc
     mark = getattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
@@ -269,7 +310,7 @@ def mode_compile(s: Setup):
         times,
         loss,
         capture,
-        "model compiled; AdamW eager; capture_s = all warmup steps (compile+record)",
+        f"model compiled (mode {mode}); AdamW eager; capture_s = all warmup steps (compile+record)",
     )
 
 
@@ -310,12 +351,16 @@ def mode_floor(s: Setup):
     return times, loss, capture, "one CUDAGraph: forward+backward+AdamW step"
 
 
-def mode_tgraph_layer(s: Setup, ckpt: bool = False):
+def mode_tgraph_layer(s: Setup, ckpt: bool = False, compile: bool = False):  # noqa: A002
+    """``compile``: enable(compile=True); capture_s then includes the recorded iteration,
+    where inductor compiles the layers."""
     model, opt = s.fresh()
     if ckpt:
         checkpoint_blocks(model)
-    tgraph.enable(model, backend=s.backend)
+    tgraph.enable(model, backend=s.backend, compile=compile)
     try:
+        synchronize(s.device)
+        t_record = time.perf_counter()
         eager_step(model, opt, *s.batch(0), s)  # recorded iteration (a real training step)
         # As README's loop: the recorded step's gradients are dropped before capture (the next
         # step would drop them anyway); alive, they add their size to the capture's peak.
@@ -326,7 +371,8 @@ def mode_tgraph_layer(s: Setup, ckpt: bool = False):
         # not include autocast, so capturing outside it would graph fp32 blocks.
         with s.autocast():
             report = tgraph.create_graphs()
-        capture = time.perf_counter() - t0
+        synchronize(s.device)
+        capture = time.perf_counter() - (t_record if compile else t0)
         times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s), start=1)
         return times, loss, capture, str(report)
     finally:
@@ -334,30 +380,37 @@ def mode_tgraph_layer(s: Setup, ckpt: bool = False):
         tgraph.disable(model)
 
 
-def mode_tgraph_full(s: Setup, skip: bool = False):
-    """``skip``: FullIterationGraph(skip_nonfinite=True), the cost of the device flag."""
+def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
+    """``skip``: FullIterationGraph(skip_nonfinite=True), the cost of the device flag.
+    ``compiled``: the step runs ``torch.compile(model)`` (inductor, default mode); capture_s
+    then covers the warmup steps too, where dynamo and inductor compile."""
     FullIterationGraph = getattr(tgraph, "FullIterationGraph", None)
     if FullIterationGraph is None:
         raise Skip("tgraph.FullIterationGraph is not importable yet (full-iteration issue)")
     model, opt = s.fresh()
+    run = torch.compile(model) if compiled else model
 
     def train_step(batch):
         x, y = batch
-        return eager_step(model, opt, x, y, s).detach()
+        return eager_step(run, opt, x, y, s).detach()
 
     # warmup_steps eager calls, then the call that captures (and runs) the step.
     step_graph = FullIterationGraph(
         train_step, warmup_steps=s.warmup - 1, backend=s.backend, skip_nonfinite=skip
     )
+    synchronize(s.device)
+    t_warm = time.perf_counter()
     for i in range(s.warmup - 1):
         step_graph(s.batch(i))
     synchronize(s.device)
     t0 = time.perf_counter()
     step_graph(s.batch(s.warmup - 1))
     synchronize(s.device)
-    capture = time.perf_counter() - t0
+    capture = time.perf_counter() - (t_warm if compiled else t0)
     times, loss = drive(s, lambda x, y: step_graph((x, y)), start=s.warmup)
     note = "capture_s = the capturing call (capture + its step)"
+    if compiled:
+        note = "torch.compile(model) inside the step; capture_s = warmup (compile) + capture"
     return times, loss, capture, note + ("; skip_nonfinite=True" if skip else "")
 
 
@@ -442,9 +495,10 @@ def mode_megatron(s: Setup, variant: str):
                 delete_cuda_graphs()
 
 
-def mode_tgraph_layer_opt(s: Setup, skip: bool = True):
+def mode_tgraph_layer_opt(s: Setup, skip: bool = True, compile: bool = False):  # noqa: A002
     """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step
-    (issue 16); ``skip``: non-finite steps skipped on the device (the default)."""
+    (issue 16); ``skip``: non-finite steps skipped on the device (the default); ``compile``:
+    enable(compile=True), capture_s then includes the recorded (compiling) iteration."""
     model, opt = s.fresh()
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=skip, backend=s.backend)
 
@@ -455,11 +509,13 @@ def mode_tgraph_layer_opt(s: Setup, skip: bool = True):
         graph.step(loss)  # zeroes .grad in place (the graph owns the gradient buffers)
         return loss
 
-    tgraph.enable(model, backend=s.backend)
+    tgraph.enable(model, backend=s.backend, compile=compile)
     try:
+        synchronize(s.device)
+        t_record = time.perf_counter()
         step(*s.batch(0))  # recorded iteration (eager optimizer step: warmup)
         synchronize(s.device)
-        t0 = time.perf_counter()
+        t0 = t_record if compile else time.perf_counter()
         with s.autocast():
             report = tgraph.create_graphs()
         step(*s.batch(1))  # the optimizer graph's capture (warmup_steps=1)
@@ -575,6 +631,10 @@ MODE_FUNCS: dict[str, Callable] = {
     "megatron_opt_tgraph_full": lambda s: mode_megatron_optimizer(s, "tgraph_full"),
     "eager_ckpt": mode_eager_ckpt,
     "tgraph_layer_ckpt": lambda s: mode_tgraph_layer(s, ckpt=True),
+    "compile_default": lambda s: mode_compile(s, mode="default"),
+    "tgraph_layer_compiled": lambda s: mode_tgraph_layer(s, compile=True),
+    "tgraph_layer_opt_compiled": lambda s: mode_tgraph_layer_opt(s, compile=True),
+    "tgraph_full_compiled": lambda s: mode_tgraph_full(s, compiled=True),
 }
 
 
@@ -601,6 +661,7 @@ def run_mode(mode: str, s: Setup) -> dict:
         row.update(status="skipped", reason=str(exc))
     except Exception as exc:  # noqa: BLE001 - one failing mode must not hide the others
         row.update(status="error", reason=f"{type(exc).__name__}: {str(exc)[:400]}")
+    torch._dynamo.reset()  # compiled modes: no cache (or recompile limit) shared with the next
     if row["status"] != "ok":
         print(f"  {mode}: {row['status']}: {row['reason']}", flush=True)
     else:
@@ -717,19 +778,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--backend", default="auto", help="tgraph backend: auto, cuda, emulated")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench_out")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="default: $OUT")
     p.add_argument(
         "--smoke",
         action="store_true",
         help="CPU, emulated graphs, tiny dims, 3 steps: keeps the script alive in CI",
     )
+    p.add_argument(
+        "--hf",
+        action="store_true",
+        help=f"the Hugging Face Llama cells {LLAMA_DTYPES}, modes {HF_MODES} (unless --modes), "
+        f"{HF_STEPS} timed steps after {HF_WARMUP} warmup steps",
+    )
     a = p.parse_args(argv)
+    cells = None
+    if a.hf:
+        cells = list(LLAMA_DTYPES.items())
+        a.steps, a.warmup = HF_STEPS, HF_WARMUP
+        if a.modes == ",".join(MODES):
+            a.modes = ",".join(HF_MODES)
     if a.smoke:
-        a.configs, a.dtypes, a.steps, a.warmup = "smoke", "fp32", 3, 3
+        cells = [("smoke", "fp32"), ("llama_smoke", "fp32")] if cells is None else cells
+        a.steps, a.warmup = 3, 3
         a.device, a.backend = "cpu", "emulated"
         a.modes = ",".join(m for m in a.modes.split(",") if m in CPU_MODES)
+    if cells is not None:
+        a.configs = ",".join(dict.fromkeys(c for c, _ in cells))
+        a.dtypes = ",".join(dict.fromkeys(d for _, d in cells))
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configs, dtypes, modes = a.configs.split(","), a.dtypes.split(","), a.modes.split(",")
+    if cells is None:
+        cells = [(c, d) for c in configs for d in dtypes]
     for name, allowed, given in (
         ("config", CONFIGS, configs),
         ("dtype", PARITY_RTOL, dtypes),
@@ -745,18 +824,17 @@ def main(argv: list[str] | None = None) -> int:
         f"bench_train: {env['gpu'] or 'cpu'}, torch {env['torch']}, cuda {env['cuda']}", flush=True
     )
     results: list[dict] = []
-    for cfg in configs:
-        for dt in dtypes:
-            print(f"[{cfg} {dt}]", flush=True)
-            s = make_setup(cfg, dt, device, a.backend, a.steps, a.warmup, a.seed)
-            rows: list[dict] = []
-            for m in modes:
-                rows.append(run_mode(m, s))
-                add_comparisons(rows, dt)
-                # written after every mode: a run killed by a time limit keeps what it measured
-                partial = _payload(a, device, env, results + rows)
-                write_outputs(a.out, "bench_train", partial, markdown(partial))
-            results += rows
+    for cfg, dt in cells:
+        print(f"[{cfg} {dt}]", flush=True)
+        s = make_setup(cfg, dt, device, a.backend, a.steps, a.warmup, a.seed)
+        rows: list[dict] = []
+        for m in modes:
+            rows.append(run_mode(m, s))
+            add_comparisons(rows, dt)
+            # written after every mode: a run killed by a time limit keeps what it measured
+            partial = _payload(a, device, env, results + rows)
+            write_outputs(a.out, "bench_train", partial, markdown(partial))
+        results += rows
     payload = _payload(a, device, env, results)
     md = markdown(payload)
     js, mdp = write_outputs(a.out, "bench_train", payload, md)

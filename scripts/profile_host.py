@@ -1,32 +1,38 @@
-"""Host (Python) time of a per-layer graphed training step (issue 16's B1 goal).
+"""Host (Python) time of per-layer graphed training: per step and per graphed call.
 
-    python scripts/profile_host.py                          # CPU, emulated graphs, compute tiny
-    python scripts/profile_host.py --profile                # + cProfile of tgraph's own code
-    python scripts/profile_host.py --device cuda --backend cuda --full      # d256 T128: issue 16
-    python scripts/profile_host.py --device cuda --backend cuda --n-embd 32 --seq 8  # host-bound
+    python scripts/profile_host.py                          # CPU, emulated graphs: toy and Llama
+    python scripts/profile_host.py --model llama --profile  # + cProfile of tgraph's own code
+    python scripts/profile_host.py --device cuda --backend cuda          # the same on a GPU
+    python scripts/profile_host.py --device cuda --backend cuda --full   # + FullIterationGraph
 
-Builds the toy GPT (12 layers, batch 1; on the CPU width 32 and 8 tokens by default, so that
-the model's math is negligible and tgraph's Python dominates), enables per-layer graphs,
-records one training step, ``tgraph.create_graphs()``, captures the optimizer step as a
-:class:`tgraph.OptimizerGraph` (``--optimizer graph``, the default; ``eager``: fused AdamW
-eagerly; ``none``: forward and backward only), then times ``--steps`` steps ``--reps`` times and
-reports the median per-step wall time. On CUDA the loop synchronizes only once, after its last
-step, so host and GPU overlap as in training: the wall time per step is the larger of the two
-plus the GPU's waits for launches (``--n-embd 32 --seq 8`` makes the GPU's share negligible:
-then it is the host's time). On the lent H200 (gVisor) the host's speed varied by about 15%
-between reps and runs: compare versions in alternating runs, several each.
+Two models, each with 12 graphed layers at batch 1: the toy GPT (``tgraph/toy/gpt.py``, blocks
+called with one positional tensor) and a Hugging Face ``LlamaForCausalLM`` (decoder layers
+called as HF calls them: ``hidden_states`` plus ``attention_mask``, ``position_ids``, the
+``position_embeddings`` tuple, ``cache``, ``use_cache``; scripts/bench_llama.py). On the CPU
+width 32 and 8 tokens by default, so that the model's math is negligible and tgraph's Python
+dominates. Each model: ``tgraph.enable``, one recorded training step, ``create_graphs()``, the
+optimizer step as a :class:`tgraph.OptimizerGraph` (``--optimizer graph``, the default;
+``eager``: fused AdamW eagerly; ``none``: forward and backward only), then ``--reps`` timings
+of ``--steps`` steps (median reported). On CUDA the loop synchronizes only once, after its last
+step, so host and GPU overlap as in training. Every host figure is read on one clock: on the
+CPU this thread's CPU time (the other processes of a shared host do not count), on CUDA wall
+time.
 
-On the emulated backend a replay re-runs the captured Python (a GPU replay is one launch), so
-the steps are timed again with every ``EmulatedGraph.replay`` made a no-op ("host path,
-emulated replays off"): what remains is the code that runs on both backends (call keys,
-template fill, flight and ledger bookkeeping, the autograd node, the gradient hand-off) plus
-the eager embedding, head, loss and their backward around the blocks. That is the number to
-cut; the static buffers keep their values, so the same code runs on the same numbers.
+Per graphed call (what issue 25 budgets at 10 us): every ``GraphableModule`` call is timed
+from dispatch to return with graph replays stubbed out (a no-op ``replay`` on the graphs'
+classes: on the emulated backend a replay re-runs the captured Python, on a GPU it is a launch;
+the static buffers keep their values, so the same code runs on the same numbers). Reported:
+the mean over a step's calls, the first call of a step (a merged stack's head: replay, checks,
+input copies, the autograd node) and the median of the later calls (a merged stack's members:
+key and identity checks). The call key and the runner lookup are also timed alone on the
+recorded arguments (best of 7 runs), and ``--profile`` attributes a graphed call's time to its
+parts (call key, lookup and dispatch, replay-order checks, input copies, the autograd Function,
+replay, merged members' checks, outputs) by cProfile's cumulative times per call; cProfile
+inflates small functions, so compare the parts with each other, not with the timed total.
 
-``--profile`` runs cProfile over one more run (emulated replays off) and lists the functions
-of tgraph's own files by self time (tottime) per step, and the per-file totals.
-``--full`` also times the whole step captured as one :class:`tgraph.FullIterationGraph` and
-prints the ratio (issue 16: per-layer + optimizer graph <= 1.15x full at B1).
+A JSON of every number goes to ``$OUT/profile_host.json`` (``--out``, default ``$OUT`` or
+``./out``). On the lent H200 (gVisor) the host's speed varied by about 15% between reps and
+runs: compare versions in alternating runs, several each.
 """
 
 from __future__ import annotations
@@ -34,19 +40,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import json
 import os
 import pstats
 import statistics
 import sys
 import time
+import timeit
 
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE)]  # tgraph, uninstalled
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # tgraph, uninstalled; bench_llama
 
 import tgraph  # noqa: E402
-from tgraph import backend as tgraph_backend  # noqa: E402
+from tgraph import module as tgraph_module  # noqa: E402
+from tgraph import signature  # noqa: E402
 from tgraph.toy.gpt import GPT, GPTConfig  # noqa: E402
 
 TGRAPH_DIR = os.path.dirname(os.path.abspath(tgraph.__file__))
@@ -54,6 +63,7 @@ TGRAPH_DIR = os.path.dirname(os.path.abspath(tgraph.__file__))
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="both", choices=["toy", "llama", "both"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--backend", default="emulated", choices=["emulated", "cuda", "auto"])
     p.add_argument("--layers", type=int, default=12)
@@ -72,25 +82,33 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=30, help="functions listed by --profile")
     p.add_argument("--full", action="store_true", help="also time a FullIterationGraph step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.environ.get("OUT", "out"), help="default: $OUT or ./out")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     a.n_embd = a.n_embd or (256 if cuda else 32)
     a.seq = a.seq or (128 if cuda else 8)
-    a.steps = a.steps or (500 if cuda else 200)
+    a.steps = a.steps or (500 if cuda else 100)
     return a
 
 
 @contextlib.contextmanager
 def stubbed_replays():
-    """Make ``EmulatedGraph.replay`` a no-op: the step's host path without the emulated
-    backend's re-execution of the captured Python (what a GPU replays in one launch). The
-    static buffers keep their values, so the step runs the same code with the same numbers."""
-    orig = tgraph_backend.EmulatedGraph.replay
-    tgraph_backend.EmulatedGraph.replay = lambda graph: None
+    """Make ``replay`` of every captured graph's class a no-op: the step's host path without
+    the replays themselves (module docstring)."""
+    units = tgraph_module._manager.units
+    classes = {type(g) for u in units for g in (u.fwd_graph, u.bwd_graph) if g is not None}
+    saved = {cls: cls.replay for cls in classes}
+    for cls in classes:
+        cls.replay = _no_replay
     try:
         yield
     finally:
-        tgraph_backend.EmulatedGraph.replay = orig
+        for cls, replay in saved.items():
+            cls.replay = replay
+
+
+def _no_replay(graph) -> None:
+    return None
 
 
 def make_optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -105,6 +123,12 @@ def sync(device: torch.device) -> None:
 
 def build(a: argparse.Namespace, device: torch.device):
     torch.manual_seed(a.seed)
+    if a.model == "llama":
+        from bench_llama import LlamaLM
+
+        dims = dict(n_layer=a.layers, n_embd=a.n_embd, n_head=a.heads, seq=a.seq)
+        model = LlamaLM(dims, a.vocab).to(device).train()
+        return model, *_tokens(a, device)
     cfg = GPTConfig(
         vocab_size=a.vocab,
         block_size=a.seq,
@@ -114,10 +138,13 @@ def build(a: argparse.Namespace, device: torch.device):
         dropout=0.0,
     )
     model = GPT(cfg).to(device).train()
+    return model, *_tokens(a, device)
+
+
+def _tokens(a: argparse.Namespace, device: torch.device):
     g = torch.Generator().manual_seed(a.seed + 1)
     seq = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
-    x, y = seq[:, :-1].contiguous().to(device), seq[:, 1:].contiguous().to(device)
-    return model, x, y
+    return seq[:, :-1].contiguous().to(device), seq[:, 1:].contiguous().to(device)
 
 
 def layer_setup(a: argparse.Namespace, device: torch.device):
@@ -170,16 +197,214 @@ def full_setup(a: argparse.Namespace, device: torch.device):
     return lambda: graph((x, y))
 
 
+# The clock of every host figure: on the CPU this thread's CPU time (a shared host's other
+# processes do not count), on CUDA wall time (the GPU runs asynchronously). set by main().
+clock = time.perf_counter
+
+
 def time_steps(step, n: int, device: torch.device) -> float:
     """Milliseconds per step over ``n`` steps; one synchronize, after the loop."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(n):
         step()
     sync(device)
-    return (time.perf_counter() - t0) / n * 1e3
+    return (clock() - t0) / n * 1e3
 
 
-def profile(step, a: argparse.Namespace) -> None:
+class CallTimer:
+    """Times every graphed call (``tgraph.module._Manager.call``, dispatch to return) and keeps
+    the last step's arguments of the first two graphed modules (to time the key alone)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[float]] = []  # per step, each call's seconds in call order
+        self.samples: list[tuple] = []  # (module, state, args, kwargs) of calls 0 and 1
+
+    @contextlib.contextmanager
+    def on(self):
+        orig = tgraph_module._Manager.call
+
+        def timed(manager, module, state, args, kwargs):
+            t0 = clock()
+            out = orig(manager, module, state, args, kwargs)
+            self.steps[-1].append(clock() - t0)
+            if len(self.steps) == 1 and len(self.samples) < 2:
+                self.samples.append((module, state, args, kwargs))
+            return out
+
+        tgraph_module._Manager.call = timed
+        try:
+            yield
+        finally:
+            tgraph_module._Manager.call = orig
+
+    def run(self, step, n: int) -> None:
+        for _ in range(n):
+            self.steps.append([])
+            step()
+
+    def summary(self) -> dict:
+        calls = [c for st in self.steps for c in st]
+        first = [st[0] for st in self.steps if st]
+        later = [c for st in self.steps for c in st[1:]]
+        n = statistics.median(len(st) for st in self.steps)
+        gap = _clock_cost()  # what reading the clock twice adds to each timed call
+        head = statistics.median(first) - gap
+        rest = statistics.median(later) - gap if later else head
+        return {
+            "calls_per_step": n,
+            # medians: the host's hiccups (other processes, the garbage collector) skew means
+            "per_call_us": (head + (n - 1) * rest) / n * 1e6,
+            "first_call_us": head * 1e6,
+            "later_calls_us": rest * 1e6 if later else None,
+            "mean_us": statistics.fmean(calls) * 1e6,
+        }
+
+
+def _clock_cost() -> float:
+    """Median seconds between two back-to-back readings of :data:`clock`."""
+    gaps = []
+    for _ in range(2001):
+        t0 = clock()
+        gaps.append(clock() - t0)
+    return statistics.median(gaps)
+
+
+def time_key(sample: tuple) -> dict:
+    """Best-of-7 microseconds of the call key (as ``_Manager.call`` computes it) and of the
+    runner lookup, on a recorded call's arguments."""
+    module, state, args, kwargs = sample
+    training = tuple(map(tgraph_module._TRAINING, state.submodules))
+    key = signature.call_key(args, kwargs, training, [], state.params)
+
+    def key_once():
+        tr = tuple(map(tgraph_module._TRAINING, state.submodules))
+        return signature.call_key(args, kwargs, tr, [], state.params)
+
+    def lookup_once():
+        return state.runners.get(key)
+
+    n = 2000
+    best = {
+        name: min(timeit.repeat(fn, number=n, repeat=7)) / n * 1e6
+        for name, fn in (("call_key_us", key_once), ("lookup_us", lookup_once))
+    }
+    best["kwargs"] = sorted(kwargs)
+    best["tensors"] = sum(isinstance(d, tuple) and len(d) == 4 for d in key.leaves)
+    best["leaves"] = len(key.leaves)
+    return best
+
+
+# Parts of a graphed call, timed by wrapping the method (inclusive: replay_path contains the
+# checks, copies and the autograd Function). A part missing from this version of tgraph is
+# reported as absent.
+TIMED_PARTS = {
+    "call_key": ("tgraph.module", None, "call_key"),
+    "dispatch": ("tgraph.runner", "Runner", "call"),
+    "replay_path": ("tgraph.unit", "GraphedUnit", "replay"),
+    "checks_replay_order": ("tgraph.pool", "PoolLedger", "unsafe_forward"),
+    "input_copies": ("tgraph.unit", "GraphedUnit", "_copy_inputs"),
+    "autograd_function": ("tgraph.bridge", "GraphedCall", "apply"),
+    "merged_member_take": ("tgraph.segment", "Segment", "take"),
+    "outputs": ("tgraph.runner", "Runner", "outputs"),
+    "backward": ("tgraph.bridge", "GraphedCall", "backward"),
+}
+
+
+@contextlib.contextmanager
+def timed_parts(totals: dict[str, list]):
+    """Wrap each of :data:`TIMED_PARTS`, adding ``[seconds, calls]`` into ``totals``."""
+    import importlib
+
+    undo = []
+    for part, (mod_name, cls_name, attr) in TIMED_PARTS.items():
+        mod = importlib.import_module(mod_name)
+        owner = mod if cls_name is None else getattr(mod, cls_name, None)
+        raw = None if owner is None else owner.__dict__.get(attr, getattr(owner, attr, None))
+        if raw is None:
+            continue
+        fn = raw.__func__ if isinstance(raw, staticmethod) else getattr(owner, attr)
+        acc = totals.setdefault(part, [0.0, 0])
+        wrapper = _timing(fn, acc)
+        had = attr in vars(owner)
+        setattr(owner, attr, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+        undo.append((owner, attr, raw, had))
+    try:
+        yield
+    finally:
+        for owner, attr, raw, had in reversed(undo):
+            if had:
+                setattr(owner, attr, raw)
+            else:
+                delattr(owner, attr)
+
+
+def _timing(fn, acc: list):
+    def timed(*args, **kwargs):
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += clock() - t0
+            acc[1] += 1
+
+    return timed
+
+
+def breakdown(step, n: int, calls_per_step: float) -> dict:
+    """Microseconds per graphed call of each timed part over ``n`` steps (replays stubbed)."""
+    totals: dict[str, list] = {}
+    with timed_parts(totals):
+        for _ in range(n):
+            step()
+    gap = _clock_cost()
+    graphed = calls_per_step * n
+    out: dict = {}
+    for part in TIMED_PARTS:
+        if part not in totals:
+            out[part] = None
+            continue
+        sec, calls = totals[part]
+        sec -= calls * gap  # the clock's own cost, once per timed call
+        out[part] = {
+            "us_per_graphed_call": sec / graphed * 1e6,
+            "us_per_own_call": sec / calls * 1e6 if calls else None,
+            "calls_per_step": calls / n,
+        }
+    print("\n  parts of a graphed call (timed, inclusive; us per graphed call, per own call):")
+    for part, v in out.items():
+        if v is None:
+            print(f"  {part:>22}: absent")
+        else:
+            own = v["us_per_own_call"]
+            print(
+                f"  {part:>22}: {v['us_per_graphed_call']:8.2f}  {_us(own):>8} "
+                f"({v['calls_per_step']:.0f} calls/step)"
+            )
+    return out
+
+
+# Parts of a graphed call, by the functions cProfile sees (file suffix, function name); a
+# function missing from this version of tgraph is reported as absent.
+PARTS = {
+    "call": ("module.py", "call"),
+    "call_key": ("signature.py", "call_key"),
+    "dispatch": ("runner.py", "call"),
+    "segment_dispatch": ("segment.py", "call"),
+    "replay_path": ("unit.py", "replay"),
+    "checks_replay_order": ("pool.py", "unsafe_forward"),
+    "input_copies": ("unit.py", "_copy_inputs"),
+    "autograd_function": ("function.py", "apply"),
+    "graph_replay": ("profile_host.py", "_no_replay"),
+    "merged_member_take": ("segment.py", "take"),
+    "outputs": ("runner.py", "outputs"),
+    "live_outputs": ("pool.py", "__init__"),
+    "backward": ("bridge.py", "backward"),
+}
+
+
+def profile(step, a: argparse.Namespace, calls_per_step: float) -> dict:
+    """cProfile over ``a.steps`` steps: tgraph's functions by self time per step (printed), and
+    each of :data:`PARTS` as cumulative microseconds per graphed call (returned)."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.steps):
@@ -204,6 +429,75 @@ def profile(step, a: argparse.Namespace) -> None:
     print("\n  per file (self time, us/step):")
     for rel, tt in sorted(files.items(), key=lambda kv: -kv[1]):
         print(f"  {tt / n * 1e6:9.1f}  {rel}")
+    graphed_calls = calls_per_step * n
+    parts: dict[str, dict | None] = {}
+    for part, (suffix, fname) in PARTS.items():
+        found = [
+            (nc, ct)
+            for (path, _, name), (_, nc, _, ct, _) in stats.items()
+            if name == fname and path.endswith(os.sep + suffix)
+        ]
+        if part == "autograd_function":  # torch's Function.apply: only GraphedCall's count
+            found = found[:1]
+        if not found:
+            parts[part] = None
+            continue
+        nc, ct = sum(f[0] for f in found), sum(f[1] for f in found)
+        parts[part] = {
+            "us_per_graphed_call": ct / graphed_calls * 1e6,
+            "calls_per_step": nc / n,
+            "us_per_own_call": ct / nc * 1e6 if nc else None,
+        }
+    print("\n  parts of a graphed call (cProfile cumulative us per graphed call):")
+    for part, v in parts.items():
+        text = "absent" if v is None else f"{v['us_per_graphed_call']:8.2f}"
+        print(f"  {part:>22}: {text}")
+    return parts
+
+
+def measure(a: argparse.Namespace, device: torch.device) -> dict:
+    """Everything for one model (``a.model``): step times, per-call times, key, profile."""
+    step, _, report = layer_setup(a, device)
+    print(report)
+    emulated = "emulated" in report.backends
+    result: dict = {"report": str(report), "backends": report.backends}
+    totals = [time_steps(step, a.steps, device) for _ in range(a.reps)]
+    print(f"\nper-layer graphs, {a.reps} reps x {a.steps} steps, ms/step (median, then each rep):")
+    print(f"  step wall time:            {statistics.median(totals):.4f}  {_fmt(totals)}")
+    result["step_ms"] = statistics.median(totals)
+    with stubbed_replays():
+        host = [time_steps(step, a.steps, device) for _ in range(a.reps)]
+        print(f"  step, replays stubbed out: {statistics.median(host):.4f}  {_fmt(host)}")
+        result["step_ms_replays_stubbed"] = statistics.median(host)
+        timer = CallTimer()
+        with timer.on():
+            timer.run(step, a.steps)
+        calls = timer.summary()
+        calls.update(time_key(timer.samples[0]))
+        if len(timer.samples) > 1:
+            calls["later_member"] = time_key(timer.samples[1])
+        result["per_call"] = calls
+        print(
+            f"\nper graphed call, replays stubbed out ({calls['calls_per_step']:.0f} calls/step):"
+            f" {calls['per_call_us']:.2f} us a call (first {calls['first_call_us']:.2f} us, later "
+            f"{_us(calls['later_calls_us'])} us); call key alone {calls['call_key_us']:.2f} us "
+            f"({calls['leaves']} leaves, {calls['tensors']} tensors), lookup "
+            f"{calls['lookup_us']:.2f} us"
+        )
+        result["parts"] = breakdown(step, a.steps, calls["calls_per_step"])
+        if a.profile:
+            result["parts_cprofile"] = profile(step, a, calls["calls_per_step"])
+    if not emulated:
+        result["note"] = "CUDA: step_ms includes the GPU; the stubbed figures are host only"
+    tgraph.reset()
+    if a.full:
+        full = full_setup(a, device)
+        fruns = [time_steps(full, a.steps, device) for _ in range(a.reps)]
+        f_med = statistics.median(fruns)
+        print(f"\nFullIterationGraph, ms/step: {f_med:.4f}  {_fmt(fruns)}")
+        print(f"per-layer / full: {result['step_ms'] / f_med:.3f}x")
+        result["full_step_ms"] = f_med
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,39 +506,38 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 1
+    global clock
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny tensors: threads only add noise
-    print(
-        f"toy GPT {a.layers} layers, d{a.n_embd}, T{a.seq}, B{a.batch}, vocab {a.vocab}, "
-        f"device {device}, backend {a.backend}, optimizer {a.optimizer}, "
-        f"merge {not a.no_merge}, torch {torch.__version__}"
-    )
-    step, _, report = layer_setup(a, device)
-    print(report)
-    emulated = "emulated" in report.backends
-    totals = [time_steps(step, a.steps, device) for _ in range(a.reps)]
-    print(f"\nper-layer graphs, {a.reps} reps x {a.steps} steps, ms/step (median, then each rep):")
-    print(f"  step wall time:                  {statistics.median(totals):.4f}  {_fmt(totals)}")
-    host = totals
-    if emulated:
-        with stubbed_replays():
-            host = [time_steps(step, a.steps, device) for _ in range(a.reps)]
-        print(f"  host path, emulated replays off: {statistics.median(host):.4f}  {_fmt(host)}")
-    if a.profile:
-        with stubbed_replays() if emulated else contextlib.nullcontext():
-            profile(step, a)
-    tgraph.reset()
-    if a.full:
-        full = full_setup(a, device)
-        fruns = [time_steps(full, a.steps, device) for _ in range(a.reps)]
-        f_med, l_med = statistics.median(fruns), statistics.median(totals)
-        print(f"\nFullIterationGraph, ms/step: {f_med:.4f}  {_fmt(fruns)}")
-        print(f"per-layer / full: {l_med / f_med:.3f}x (issue 16's goal at B1: <= 1.15x)")
+        clock = time.thread_time
+    payload: dict = {
+        "args": vars(a).copy(),
+        "torch": torch.__version__,
+        "clock": clock.__name__,
+        "models": {},
+    }
+    for model in ("toy", "llama") if a.model == "both" else (a.model,):
+        a.model = model
+        print(
+            f"\n=== {model}: {a.layers} layers, d{a.n_embd}, T{a.seq}, B{a.batch}, vocab "
+            f"{a.vocab}, device {device}, backend {a.backend}, optimizer {a.optimizer}, "
+            f"merge {not a.no_merge}, torch {torch.__version__}"
+        )
+        payload["models"][model] = measure(a, device)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "profile_host.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    print(f"\nwrote {path}")
     return 0
 
 
 def _fmt(xs: list[float]) -> str:
     return "[" + ", ".join(f"{x:.4f}" for x in xs) + "]"
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

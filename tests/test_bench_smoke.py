@@ -51,16 +51,19 @@ def _check_rows(payload: dict) -> list[dict]:
 def test_train_smoke_json_and_loss_parity(smoke_out: Path) -> None:
     payload = json.loads((smoke_out / "bench_train.json").read_text())
     ok = _check_rows(payload)
-    assert {"eager", "tgraph_layer"} <= {r["mode"] for r in ok}
+    # the toy GPT and a Hugging Face Llama (decoder layers graphed through their keyword call)
+    for config in ("smoke", "llama_smoke"):
+        assert {"eager", "tgraph_layer"} <= {r["mode"] for r in ok if r["config"] == config}
     for r in ok:
         for key in ("ms_median", "ms_p10", "ms_p90", "final_loss", "ratio_eager", "parity"):
             assert r[key] is not None, key
         assert r["parity"] == "ok"
-    eager = next(r for r in ok if r["mode"] == "eager")
+    eager = {r["config"]: r for r in ok if r["mode"] == "eager"}
     for r in ok:
         # The emulated backend replays the very same CPU kernels on the same values, so every
         # graph mode's final loss equals eager's up to float32 rounding of a reordered sum.
-        torch.testing.assert_close(r["final_loss"], eager["final_loss"], rtol=1e-5, atol=0.0)
+        want = eager[r["config"]]["final_loss"]
+        torch.testing.assert_close(r["final_loss"], want, rtol=1e-5, atol=0.0)
     md = (smoke_out / "bench_train.md").read_text()
     assert "| eager |" in md and "parity" in md
 
@@ -155,3 +158,23 @@ def test_decode_token_agreement_catches_stale_output_bug(
         assert rc == 0 and agreement == [1.0, 1.0]
     else:
         assert rc == 1 and min(agreement) < 1.0
+
+
+def test_profile_host_writes_per_call_figures(tmp_path: Path) -> None:
+    """The host profile times graphed calls of the toy and of a Hugging Face Llama."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "profile_host.py"), "--layers", "2", "--steps", "3"]
+        + ["--reps", "1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "profile_host.json").read_text())
+    for model in ("toy", "llama"):
+        calls = payload["models"][model]["per_call"]
+        assert calls["calls_per_step"] == 2
+        assert calls["per_call_us"] > 0 and calls["call_key_us"] > 0
+        assert payload["models"][model]["parts"]["call_key"]["calls_per_step"] == 2
+    assert "position_embeddings" in payload["models"]["llama"]["per_call"]["kwargs"]  # HF's call

@@ -68,6 +68,7 @@ skipping live in their own files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -84,7 +85,7 @@ from torch.utils._pytree import tree_leaves
 
 from tgraph import rng
 from tgraph.backend import GraphFactory, resolve_backend, stale_stream_override
-from tgraph.guards import RefuseLrWrites, explain_capture_failure
+from tgraph.guards import check_lr_unwritten, explain_capture_failure
 from tgraph.hyperparams import (
     HyperParams,
     baked_layout,
@@ -265,7 +266,11 @@ class FullIterationGraph:
                 GraphFallbackWarning,
                 stacklevel=3,
             )
-        with self._watch(), entry.factory.side_stream():
+        # The last warmup call before the capture runs unwatched: the capture runs without the
+        # watch's global hook, and a torch.compile'd fn must compile for that state in the
+        # warmup, not recompile inside the capture (dynamo guards on global module hooks).
+        last = 0 < entry.eager_calls == self.warmup_steps - 1 and not entry.failed
+        with contextlib.nullcontext() if last else self._watch(), entry.factory.side_stream():
             out = self.fn(batch)
         entry.eager_calls += 1
         return out
@@ -307,8 +312,10 @@ class FullIterationGraph:
         # weakly: a gradient the step drops is freed during the capture (its peak), not held
         grads_before = {id(p): None if p.grad is None else weakref.ref(p.grad) for p in params}
         try:
-            with f.side_stream(), stale_stream_override(), RefuseLrWrites(lr_tensors):
+            lr_versions = [t._version for t in lr_tensors]
+            with f.side_stream(), stale_stream_override():
                 out = graph.capture(lambda: self.fn(static_batch))
+            check_lr_unwritten(lr_tensors, lr_versions)
             bad = [
                 type(x).__name__
                 for x in tree_leaves(out)
@@ -447,9 +454,18 @@ class _Watch:
         self._owner._optimizers.setdefault(id(opt), opt)
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
+        # A global hook runs inside a torch.compile'd module's forward too, where dynamo traces
+        # it: reading the owner's modules from there would hand dynamo the compiled model a
+        # second time ("UnspecializedNNModuleVariable ... already tracked for mutation"). The
+        # compiled module itself is called eagerly and is noted, with its submodules, below.
+        if torch.compiler.is_compiling():
+            return
         owner = self._owner
         if id(module) in owner._modules:
             return
+        if isinstance(getattr(module, "_orig_mod", None), nn.Module):  # torch.compile(module):
+            for sub in module.modules():
+                owner._modules.setdefault(id(sub), sub)
         if _manager.modules:
             owner._check_not_nested([module])
         if isinstance(module, DistributedDataParallel) and owner.warmup_steps < DDP_MIN_WARMUP:

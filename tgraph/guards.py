@@ -136,6 +136,23 @@ class RefuseHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+LR_WRITE_ERROR = (
+    "a learning-rate tensor was written inside the captured step (an LR scheduler's "
+    "step() inside fn?): the graph would replay that capture-time value at every "
+    "step. Call scheduler.step() outside fn, after each step(batch); the new value "
+    "reaches the graph through the learning-rate tensor."
+)
+
+
+def check_lr_unwritten(lr_tensors: list[torch.Tensor], versions: list[int]) -> None:
+    """After a capture: raise CaptureError if an in-place write bumped a learning-rate
+    tensor's version counter since ``versions`` were read. The after-the-fact form of
+    :class:`RefuseLrWrites`, invisible to ``torch.compile`` (a torch function mode active at
+    capture but not when dynamo compiled makes it recompile inside the capture)."""
+    if any(t._version != v for t, v in zip(lr_tensors, versions, strict=True)):
+        raise CaptureError(LR_WRITE_ERROR)
+
+
 class RefuseLrWrites(TorchFunctionMode):
     """During capture: an in-place write into a learning-rate tensor means a scheduler steps
     inside ``fn``; a graph would replay the capture-time value forever."""
@@ -147,12 +164,7 @@ class RefuseLrWrites(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name.endswith("_") and not name.endswith("__") and args and id(args[0]) in self._ids:
-            raise CaptureError(
-                "a learning-rate tensor was written inside the captured step (an LR scheduler's "
-                "step() inside fn?): the graph would replay that capture-time value at every "
-                "step. Call scheduler.step() outside fn, after each step(batch); the new value "
-                "reaches the graph through the learning-rate tensor."
-            )
+            raise CaptureError(LR_WRITE_ERROR)
         return func(*args, **(kwargs or {}))
 
 

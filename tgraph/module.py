@@ -25,6 +25,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -40,7 +41,7 @@ from tgraph.baked import (
 from tgraph.guards import CaptureError, explain_capture_failure
 from tgraph.memory import MemoryReport
 from tgraph.record import NoteBackward, Record
-from tgraph.runner import Runner
+from tgraph.runner import Runner, compiled_call, module_call
 from tgraph.segment import Segment, mergeable_chains
 from tgraph.signature import MutableArgument, call_key, difference, split
 from tgraph.snapshot import Snapshot
@@ -69,6 +70,7 @@ class _ModuleState:
     params: tuple = ()  # the module's parameters (their requires_grad is part of every key)
     submodules: tuple = ()  # module.modules(): their training flags are part of every key
     names: list[str] = field(default_factory=list)  # the submodules' names, for messages
+    compiled: Any = None  # torch.compile of the module's call (enable(compile=...)), or None
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
 
@@ -184,10 +186,8 @@ class _Manager:
         return out
 
     def _plain_call(self, module: nn.Module, args: tuple, kwargs: dict):
-        with graphed_region():
-            if hooks_run_outside(module):  # GraphableModule.__call__ runs its own hooks
-                return module.forward(*args, **kwargs)
-            return nn.Module.__call__(module, *args, **kwargs)
+        with graphed_region():  # compiled (enable(compile=...)): the recorded call compiles
+            return module_call(module)(*args, **kwargs)
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
         self.eager_calls += 1
@@ -246,6 +246,7 @@ def enable(
     merge: bool = True,
     main_grad_fusion: bool = False,
     capturable_hooks: bool = False,
+    compile: bool | dict[str, Any] = False,  # noqa: A002 - the option's name, as torch.compile
 ) -> nn.Module:
     """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
 
@@ -268,14 +269,26 @@ def enable(
             of the graph (pure tensor code, e.g. old-style ``weight_norm``'s pre-hook: its
             effect replays, its Python does not). By default ``create_graphs()`` refuses
             graphed modules with hooks, naming each one.
+        compile: graph each module's call compiled by ``torch.compile`` (inductor's fused
+            kernels, then one graph replay per layer stack): True for the default options, or
+            a dict of ``torch.compile`` keyword arguments. The recorded iteration compiles
+            (once per layer class: identical layers share the compiled code), capture graphs
+            the compiled kernels, eager fallbacks run them too. The warmup's first pass runs
+            eagerly (dynamo does not run under its host-sync check, a dispatch mode), the
+            second compiles once more for the graphs' parameter aliases: keep ``warmup`` at
+            2 or more on CUDA (the default), or that compilation falls inside the capture. Modes
+            that put inductor's own CUDA graphs inside ours (``"reduce-overhead"``,
+            ``"max-autotune"``) are refused: use ``"max-autotune-no-cudagraphs"``.
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).
 
     Raises:
-        ValueError: no ``GraphableModule`` in ``model``, or an unknown backend.
+        ValueError: no ``GraphableModule`` in ``model``, an unknown backend, or a compile mode
+            with CUDA graphs of its own.
         RuntimeError: graphs already exist (call :func:`reset` first).
     """
+    compile_options = _compile_options(compile)
     if backend not in ("auto", "cuda", "emulated"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
     if _manager.captured:
@@ -302,6 +315,7 @@ def enable(
             tuple(m.parameters()),
             tuple(sub for _, sub in named),
             [name or type(m).__name__ for name, _ in named],
+            compiled_call(m, compile_options),
         )
         if old is not None:  # enabled again: new options, same recorded runners
             m._tgraph.runners = old.runners
@@ -310,6 +324,20 @@ def enable(
         _manager.modules.add(m)
     _manager.roots.add(model)
     return model
+
+
+def _compile_options(compile: bool | dict[str, Any]) -> dict[str, Any] | None:  # noqa: A002
+    """``torch.compile`` keyword arguments of ``enable(compile=...)``; None: no compilation."""
+    if compile is False or compile is None:
+        return None
+    options = {} if compile is True else dict(compile)
+    mode = options.get("mode") or "default"
+    if mode in ("reduce-overhead", "max-autotune"):
+        raise ValueError(
+            f"enable(compile={{'mode': {mode!r}}}) would capture inductor's own CUDA graphs "
+            "inside tgraph's; use mode 'default' or 'max-autotune-no-cudagraphs'"
+        )
+    return options
 
 
 def disable(model: nn.Module) -> None:

@@ -9,6 +9,7 @@ ownership are the unit's (:mod:`tgraph.unit`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -152,10 +153,7 @@ class Runner(GraphedUnit):
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
-            if hooks_run_outside(self.module):  # its own hooks run around the replay
-                out = self.module.forward(*args, **kwargs)
-            else:
-                out = torch.nn.Module.__call__(self.module, *args, **kwargs)
+            out = module_call(self.module)(*args, **kwargs)
         tensors, template = split(out)
         if not tensors:
             raise TypeError(
@@ -165,6 +163,38 @@ class Runner(GraphedUnit):
         if self.out_template is None:  # warmup; replays keep the capture's template
             self.out_template = template
         return tensors
+
+
+def compiled_call(module: torch.nn.Module, options: dict[str, Any] | None) -> Any:
+    """``torch.compile`` of ``module``'s call (its forward and hooks), or None when ``options``
+    is None. Compilation is lazy: the first call of the returned callable compiles. Modules of
+    one class share the compiled code: dynamo guards on the module's attributes and treats its
+    parameters as inputs, so a stack of identical layers compiles once."""
+    if options is None:
+        return None
+
+    def call(*args, _tgraph_module=module, **kwargs):  # its own hooks run around the call
+        return _tgraph_module.forward(*args, **kwargs)
+
+    return torch.compile(call, **options)
+
+
+def module_call(module: torch.nn.Module) -> Any:
+    """How the recorded call, eager fallbacks, warmup and capture call ``module``: its
+    compiled call when enabled with ``compile=...`` (:func:`compiled_call`), else its
+    ``forward`` (its own forward hooks run around the call, :mod:`tgraph.baked`), else (it has
+    backward hooks) ``nn.Module.__call__``."""
+    state = module.__dict__.get("_tgraph")
+    compiled = getattr(state, "compiled", None)
+    # Dynamo does not run under a dispatch mode (the warmup's host-sync check, an emulated
+    # capture) and, once a compiled function was called under one, stops running it at all
+    # (torch 2.13): such passes call the module itself, so that a CUDA capture, which runs no
+    # dispatch mode, still graphs the compiled kernels.
+    if compiled is not None and not torch._C._len_torch_dispatch_stack():
+        return compiled
+    if hooks_run_outside(module):  # GraphableModule.__call__ runs its own forward hooks
+        return module.forward
+    return functools.partial(torch.nn.Module.__call__, module)
 
 
 @contextlib.contextmanager

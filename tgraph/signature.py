@@ -25,10 +25,11 @@ class Template(NamedTuple):
     spec: pytree.TreeSpec
     leaves: tuple  # the non-tensor leaves; None where a tensor goes
     tensor_at: tuple[int, ...]  # leaf positions of the tensors
+    bare: bool = False  # the structure is one tensor: fill() returns it (the common case)
 
     def fill(self, tensors: list[torch.Tensor]) -> Any:
         """The structure again, with ``tensors`` in the tensors' places."""
-        if self.tensor_at and self.spec.is_leaf():  # a bare tensor: the common case
+        if self.bare:
             return tensors[0]
         leaves = list(self.leaves)
         for i, t in zip(self.tensor_at, tensors, strict=True):
@@ -43,15 +44,14 @@ def split(obj: Any) -> tuple[list[torch.Tensor], Template]:
     tensors = [leaves[i] for i in at]
     for i in at:
         leaves[i] = None
-    return tensors, Template(spec, tuple(leaves), at)
+    return tensors, Template(spec, tuple(leaves), at, bool(at) and spec.is_leaf())
 
 
 class CallKey(NamedTuple):
     """What a graph was captured for: one graphed call, reduced to hashable values."""
 
-    tree: Any
-    """Structure of ``(args, kwargs)`` (a ``TreeSpec``), or the number of positional arguments
-    when every argument is a tensor and there are no keyword arguments (the fast path)."""
+    tree: Structure
+    """Structure of ``(args, kwargs)``, interned: compared and hashed by identity."""
     leaves: tuple
     """Per leaf of the arguments, its description (:func:`describe`)."""
     training: tuple[bool, ...]
@@ -124,6 +124,46 @@ def autocast_state() -> tuple:
     )
 
 
+class Structure:
+    """The nested structure of a call's ``(args, kwargs)``: one object per distinct structure.
+
+    Interned (:func:`structure_of`), so keys compare and hash structures by identity: a
+    ``TreeSpec`` hashes and compares in Python, far too slow for every graphed call.
+    """
+
+    __slots__ = ("spec", "_paths")
+
+    def __init__(self, spec: pytree.TreeSpec) -> None:
+        self.spec = spec
+        self._paths: list[str] | None = None
+
+    @property
+    def paths(self) -> list[str]:
+        """Names of the leaves, as messages show them (:func:`leaf_paths`)."""
+        if self._paths is None:
+            self._paths = _spec_paths(self.spec)
+        return self._paths
+
+    def __repr__(self) -> str:
+        return f"Structure({_structure(self)})"
+
+
+_BY_SPEC: dict[pytree.TreeSpec, Structure] = {}  # the interned structures
+# (number of positional arguments, keyword names, container tokens) -> Structure, or None where
+# pytree's leaf order differs: what the hot path looks structures up by (see _plain_leaves)
+_BY_SHAPE: dict[tuple, Structure | None] = {}
+_MAX_SHAPES = 4096
+_UNSEEN = object()
+
+
+def structure_of(spec: pytree.TreeSpec) -> Structure:
+    """The interned :class:`Structure` of ``spec``."""
+    found = _BY_SPEC.get(spec)
+    if found is None:
+        found = _BY_SPEC[spec] = Structure(spec)
+    return found
+
+
 def call_key(
     args: tuple,
     kwargs: dict,
@@ -138,36 +178,96 @@ def call_key(
     Raises:
         MutableArgument, TypeError: see :func:`describe`.
     """
-    # Called for every graphed call: the hot path of a replayed step. The same fields as
-    # ``CallKey(tree, leaves, training, grad, autocast, frozen)``, built without per-element
-    # generator frames (``map`` over C getters) and without the named tuple's Python __new__.
+    # Called for every graphed call: the hot path of a replayed step. Plain arguments (tensors
+    # and values in tuples, lists and dicts) are walked by _plain_leaves, and their structure
+    # is looked up by a flat tuple of its containers' sizes and keys; pytree runs only for a
+    # structure seen for the first time, or for other containers (named tuples, ModelOutput).
+    # The fields are those of CallKey(tree, leaves, training, grad, autocast, frozen), built
+    # without per-element generator frames and without the named tuple's Python __new__.
     frozen = tuple(map(_REQUIRES_GRAD, params))
     grad = torch.is_grad_enabled()
-    autocast = autocast_state()
-    if not kwargs:
-        for a in args:
-            if not isinstance(a, torch.Tensor):
-                break
-        else:  # the fast path: positional tensors only (describe() of each, inlined)
-            tensors.extend(args)
-            descs = tuple([(a.shape, a.dtype, a.device, a.requires_grad) for a in args])
-            return _new_key(CallKey, (len(args), descs, training, grad, autocast, frozen))
+    autocast = autocast_state() if _any_autocast() else ()
+    n = len(tensors)
+    descs: list = []
+    shape: list = [len(args), *kwargs]
+    if _plain_leaves(args, descs, tensors, shape) and _plain_leaves(
+        kwargs.values(), descs, tensors, shape
+    ):
+        shape = tuple(shape)
+        tree = _BY_SHAPE.get(shape, _UNSEEN)
+        if tree is _UNSEEN:
+            if len(_BY_SHAPE) >= _MAX_SHAPES:  # keyword names made up at run time
+                _BY_SHAPE.clear()
+            tree = _BY_SHAPE[shape] = _plain_structure(args, kwargs, tensors[n:])
+        if tree is not None:
+            return _new_key(CallKey, (tree, tuple(descs), training, grad, autocast, frozen))
+    del tensors[n:]  # the general path: any pytree node
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    paths = leaf_paths(spec)
-    descs = tuple(describe(x, paths[i]) for i, x in enumerate(leaves))
+    tree = structure_of(spec)
+    paths = tree.paths
+    descs = tuple([describe(x, paths[i]) for i, x in enumerate(leaves)])
     tensors.extend(x for x in leaves if isinstance(x, torch.Tensor))
-    return CallKey(spec, descs, training, grad, autocast, frozen)
+    return CallKey(tree, descs, training, grad, autocast, frozen)
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _new_key = tuple.__new__  # CallKey(*fields) without the generated __new__'s Python frame
+_any_autocast = torch._C._is_any_autocast_enabled
+_VALUE_SET = frozenset(_VALUE_TYPES)
+
+
+def _plain_leaves(items, descs: list, tensors: list, shape: list) -> bool:
+    """Describe the leaves of ``items`` (pytree order) into ``descs``, their tensors into
+    ``tensors``, and the structure into ``shape``: a ``None`` per leaf, ``(tuple, n)`` or
+    ``(list, n)`` and ``(dict, keys)`` per container, in preorder, which a tree determines and
+    which determines it. False at the first object other than a tensor, a plain value or a
+    plain tuple, list or dict: the caller takes pytree's general path."""
+    for x in items:
+        cls = type(x)
+        if cls in _VALUE_SET:
+            descs.append((cls, x))
+        elif isinstance(x, torch.Tensor):
+            descs.append((x.shape, x.dtype, x.device, x.requires_grad))
+            tensors.append(x)
+        elif cls is tuple or cls is list:
+            shape.append((cls, len(x)))
+            if not _plain_leaves(x, descs, tensors, shape):
+                return False
+            continue
+        elif cls is dict:
+            shape.append((dict, *x))
+            if not _plain_leaves(x.values(), descs, tensors, shape):
+                return False
+            continue
+        else:
+            return False
+        shape.append(None)
+    return True
+
+
+def _plain_structure(args: tuple, kwargs: dict, tensors: list) -> Structure | None:
+    """The structure of plain arguments seen for the first time, from pytree; None if pytree
+    orders their leaves otherwise than :func:`_plain_leaves` (then the general path serves
+    this structure from now on)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    found = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if len(found) != len(tensors) or any(a is not b for a, b in zip(found, tensors)):
+        return None
+    return structure_of(spec)
 
 
 def leaf_paths(tree: Any) -> list[str]:
-    """Names of the leaves of a :attr:`CallKey.tree`: ``argument 0['mask']``, ``keyword
-    argument 'cache'``."""
+    """Names of the leaves of a :attr:`CallKey.tree` (a :class:`Structure`, a ``TreeSpec`` of
+    ``(args, kwargs)``, or a number of positional arguments): ``argument 0['mask']``,
+    ``keyword argument 'cache'``."""
+    if isinstance(tree, Structure):
+        return tree.paths
     if isinstance(tree, int):
         return [f"argument {i}" for i in range(tree)]
+    return _spec_paths(tree)
+
+
+def _spec_paths(tree: pytree.TreeSpec) -> list[str]:
     numbered = pytree.tree_unflatten(list(range(tree.num_leaves)), tree)
     names = [""] * tree.num_leaves
     for path, i in pytree.tree_flatten_with_path(numbered)[0]:

@@ -1,0 +1,120 @@
+"""Per-layer graphs over layers compiled by ``torch.compile`` (``enable(compile=True)``): the
+recorded iteration compiles each graphed module's call once per layer class, warmup and capture
+run the compiled code, and training matches eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import tgraph
+from tgraph.runner import module_call
+from tgraph.toy.gpt import GPT, GPTConfig
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _toy(device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_embd=16, dropout=0.0)
+    return GPT(cfg).to(device)
+
+
+def _train(model: GPT, x: torch.Tensor, y: torch.Tensor, steps: int, graphs: bool) -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+        if graphs and i == 0:
+            opt.zero_grad(set_to_none=True)
+            tgraph.create_graphs()
+    return losses
+
+
+def test_compiled_layers_graphed_match_eager(backend, device):
+    model = _toy(device)
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 64, (2, 8), generator=g).to(device) for _ in range(2))
+    want = _train(eager, x, y, 4, graphs=False)
+    tgraph.enable(model, backend=backend, compile=True)
+    got = _train(model, x, y, 4, graphs=True)
+    # inductor fuses kernels (other rounding): equal to eager up to float32 reordering
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)
+    # the three blocks share their compiled code (dynamo treats parameters as inputs): one
+    # compilation for the recorded calls, at most one more for the graphs' parameter aliases
+    assert counters["frames"]["ok"] <= 2
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_code_survives_the_warmup_host_sync_check(backend, device):
+    """Dynamo stops running a compiled function once it was called under a dispatch mode; the
+    warmup's host-sync check is one, so it must call the module itself, or the capture would
+    graph eager kernels."""
+    model = _toy(device)
+    tgraph.enable(model, backend=backend, compile=True)
+    x = torch.randint(0, 64, (2, 8), device=device)
+    _train(model, x, x, 1, graphs=True)  # the recorded step compiles; create_graphs warms up
+    h = torch.randn(2, 8, 16, device=device, requires_grad=True)  # as the recorded calls'
+    with torch.profiler.profile() as prof:
+        module_call(model.h[0])(h)
+    assert any("Torch-Compiled Region" in e.name for e in prof.events())
+    assert counters["frames"]["ok"] <= 2  # the recorded calls, the aliases (see above)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compile_modes_with_their_own_cuda_graphs_are_refused(mode):
+    with pytest.raises(ValueError, match="max-autotune-no-cudagraphs"):
+        tgraph.enable(_toy(torch.device("cpu")), compile={"mode": mode})
+
+
+def test_full_iteration_graph_around_a_compiled_model(backend, device):
+    """The whole step of a ``torch.compile``d model (inductor, default mode) as one graph;
+    dynamo compiles during the warmup steps, while tgraph's module discovery hook is on."""
+    model = _toy(device)
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        tuple(torch.randint(0, 64, (2, 8), generator=g).to(device) for _ in range(2))
+        for _ in range(2)
+    ]
+
+    def make_step(m: torch.nn.Module):  # the graph's step runs the compiled model
+        extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, **extra)
+        run = torch.compile(m) if m is model else m
+
+        def step(batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = run(*batch)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    eager_step = make_step(eager)
+    ref = [eager_step(batches[i % 2]) for i in range(6)]
+    graph = tgraph.FullIterationGraph(make_step(model), warmup_steps=2, backend=backend)
+    got = [graph(batches[i % 2]) for i in range(2)]  # the warmup: dynamo compiles
+    compiled = counters["frames"]["ok"]
+    assert compiled >= 1
+    got += [graph(batches[i % 2]) for i in range(2, 6)]  # capture, then replays
+    assert graph.num_graphs == 1
+    # the last warmup ran as the capture runs (no discovery hook): nothing recompiles later
+    assert counters["frames"]["ok"] == compiled
+    torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=1e-4, atol=1e-5)
