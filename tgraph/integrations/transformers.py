@@ -1,0 +1,289 @@
+"""Per-layer graphs on a Hugging Face transformers model, in one call.
+
+What a transformers user adds::
+
+    from tgraph.integrations import transformers as tg_hf
+
+    model = AutoModelForCausalLM.from_config(config)   # or a PEFT model around one
+    tg_hf.graph_layers(model)              # decoder layers graphable, tgraph.enable(model)
+    train_step(model, batch)               # first iteration: eager, recorded
+    tgraph.create_graphs()                 # later iterations replay one graph per layer stack
+
+The decoder layers are found as transformers' ``GradientCheckpointingLayer`` instances (the
+outermost ones), or by the class names in ``model._no_split_modules`` on a transformers
+without that class. Each becomes graphable the way :mod:`tgraph.integrations.megatron` does
+it: its class is swapped for a subclass with :class:`tgraph.GraphableModule` first in the MRO
+(cached per class; the instance, its parameters and its ``state_dict`` keys are unchanged).
+
+What the subclass handles, per call of a decoder layer:
+
+* **Gradient checkpointing** (``model.gradient_checkpointing_enable()``) runs inside the
+  graphed region: the forward graph keeps only the layer's inputs and the backward graph
+  recomputes the layer (README, "Activation recompute"). transformers up to 5.17 checkpoints in
+  ``GradientCheckpointingLayer.__call__``, which the graphed dispatch would skip; the subclass
+  checkpoints in ``forward`` instead, as newer transformers does. Reentrant checkpointing
+  cannot run under the backward graph's ``torch.autograd.grad`` and is refused with the fix.
+* **Hidden states, attentions and router logits** that transformers records with forward hooks
+  (``output_hidden_states=True`` and friends) are not produced by a replay, which runs no hooks:
+  while such a recording is active, the layers run eagerly with a
+  :class:`tgraph.GraphFallbackWarning` naming the flag (``strict=True``: a ``RuntimeError``).
+* **State a graph would bake in** that is not a call argument (gradient checkpointing on or off,
+  PEFT adapters disabled, merged, switched or rescaled) is handed to tgraph as one more hashable
+  keyword argument, so a call whose state differs from the capture's matches no graph and runs
+  eagerly with a warning naming the change, never a stale replay.
+* **The KV cache**: :func:`graph_layers` sets ``config.use_cache = False`` (the usual training
+  setting), so default calls build no ``DynamicCache``. A call that asks for one
+  (``use_cache=True``; ``generate`` does) hands each layer a cache object, which tgraph never
+  bakes into a graph: those calls run eagerly, with a warning naming ``use_cache=False``.
+
+MoE layers graph when their experts run grouped or batched
+(``model.set_experts_implementation("batched_mm")``, or ``"grouped_mm"`` on a GPU); the eager
+expert loop syncs with the host per expert and is refused by :func:`graph_layers`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+import weakref
+
+import torch
+import torch.nn as nn
+
+import tgraph
+from tgraph.module import GraphableModule, GraphFallbackWarning
+from tgraph.unit import inside_graphed_region
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "transformers is not installed: pip install 'tgraph[hf]' (or pip install transformers)"
+
+STATE_KWARG = "tgraph_layer_state"
+"""The keyword argument that carries a layer's non-argument state into tgraph's call key."""
+
+# Output recordings of transformers' `capture_outputs` and the flag that asks for each.
+_RECORDING_FLAGS = {
+    "hidden_states": "output_hidden_states",
+    "attentions": "output_attentions",
+    "router_logits": "output_router_logits",
+}
+
+_saved_use_cache: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return transformers
+
+
+def _checkpointing_layer_class() -> type | None:
+    """transformers' ``GradientCheckpointingLayer`` (None before it existed)."""
+    _transformers()
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer
+
+
+def _active_recording():
+    """The dict transformers' forward hooks are recording into now, or None."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # transformers without hook-based recording: outputs are call results
+        return None
+    return _active_collector.get()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The outermost decoder layers of ``model`` (see the module docstring for how they are found).
+
+    Raises:
+        ImportError: transformers is not installed.
+        ValueError: no decoder layer found.
+    """
+    base = _checkpointing_layer_class()
+
+    def is_layer(m: nn.Module) -> bool:
+        return base is not None and isinstance(m, base)
+
+    if not any(is_layer(m) for m in model.modules()):
+        names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+
+        def is_layer(m: nn.Module) -> bool:
+            return type(m).__name__ in names or getattr(m, "_tgraph_hf_base", None) is not None
+
+    layers, inside = [], []
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p in inside):
+            continue
+        if is_layer(m):
+            layers.append(m)
+            inside.append(name)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} contains no transformers decoder layer (no "
+            "GradientCheckpointingLayer, none of _no_split_modules); make the blocks to graph "
+            "subclass tgraph.GraphableModule and call tgraph.enable(model) instead"
+        )
+    return layers
+
+
+def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
+    """Make every decoder layer of a transformers model graphable, then :func:`tgraph.enable` it.
+
+    Call it after ``get_peft_model`` (the adapters' parameters must exist) and before the
+    recorded iteration. Gradient checkpointing may be turned on before or after.
+
+    Args:
+        model: a transformers ``PreTrainedModel``, or a wrapper around one (PEFT, DDP).
+        **enable_options: passed to :func:`tgraph.enable` (``backend``, ``strict``, ``warmup``,
+            ``debug``, ``merge``).
+
+    Returns:
+        ``model``, with ``config.use_cache`` set to False (:func:`ungraph` restores it).
+
+    Raises:
+        ImportError: transformers is not installed.
+        ValueError: no decoder layer found, or MoE experts that run the eager expert loop.
+    """
+    layers = decoder_layers(model)
+    _refuse_eager_experts(model)
+    base = _checkpointing_layer_class()
+    for layer in layers:
+        if not isinstance(layer, GraphableModule):
+            layer.__class__ = _graphable(type(layer), base)
+        layer._tgraph_hf_adapters = tuple(m for m in layer.modules() if _is_adapter_layer(m))
+    if model not in _saved_use_cache:
+        configs = {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")}
+        _saved_use_cache[model] = [(c, c.use_cache) for c in configs.values()]
+        for c in configs.values():
+            c.use_cache = False
+    logger.info("tgraph: %d %s layers graphable", len(layers), type(layers[0]).__name__)
+    return tgraph.enable(model, **enable_options)
+
+
+def ungraph(model: nn.Module) -> nn.Module:
+    """Undo :func:`graph_layers`: eager layers of their own classes, ``use_cache`` restored.
+
+    Like :func:`tgraph.disable`, this drops every graph and the record of the process.
+
+    Returns:
+        ``model``.
+    """
+    tgraph.disable(model)
+    for m in model.modules():
+        hf_base = type(m).__dict__.get("_tgraph_hf_base")
+        if hf_base is not None:
+            m.__class__ = hf_base
+            m.__dict__.pop("_tgraph_hf_adapters", None)
+    for c, value in _saved_use_cache.pop(model, []):
+        c.use_cache = value
+    return model
+
+
+def _refuse_eager_experts(model: nn.Module) -> None:
+    for name, m in model.named_modules():
+        impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        if impl == "eager" and hasattr(m, "_is_expert_parallel"):  # a use_experts_implementation class
+            raise ValueError(
+                f"{name} ({type(m).__name__}) runs the eager expert loop, which syncs with the host "
+                "once per expert (nonzero, a Python loop over the experts hit): a CUDA graph cannot "
+                "hold it. Run the experts batched or grouped: "
+                'model.set_experts_implementation("batched_mm") (or "grouped_mm" on a GPU), or '
+                'experts_implementation="batched_mm" when building the model'
+            )
+
+
+def _is_adapter_layer(m: nn.Module) -> bool:
+    """A PEFT tuner layer (duck-typed: no import of peft)."""
+    cls = type(m)
+    return all(isinstance(getattr(cls, a, None), property) for a in ("disable_adapters", "merged", "active_adapters"))
+
+
+def _layer_state(layer: nn.Module) -> str:
+    """What the layer's graph bakes in beyond its arguments, as one comparable string."""
+    parts = "gradient checkpointing " + ("on" if getattr(layer, "gradient_checkpointing", False) else "off")
+    adapters = layer.__dict__.get("_tgraph_hf_adapters")
+    if adapters:
+        seen = set()
+        for a in adapters:
+            if a.disable_adapters:
+                seen.add("disabled")
+                continue
+            scaling = getattr(a, "scaling", {})
+            active = ",".join(f"{n}*{scaling.get(n, 1)}" for n in a.active_adapters)
+            seen.add(f"{active} merged" if a.merged else active)
+        parts += "; adapters " + " | ".join(sorted(seen))
+    return parts
+
+
+def _refuse_reentrant(layer: nn.Module) -> None:
+    fn = getattr(layer, "_gradient_checkpointing_func", None)
+    reentrant = getattr(fn, "keywords", {}).get("use_reentrant", None)
+    if reentrant is None or reentrant:
+        raise ValueError(
+            f"{type(layer).__name__} has reentrant gradient checkpointing, which cannot run inside "
+            "a backward graph (it calls backward inside backward; the graph uses "
+            "torch.autograd.grad). Turn it on non-reentrant: model.gradient_checkpointing_enable("
+            'gradient_checkpointing_kwargs={"use_reentrant": False})'
+        )
+
+
+def _layer_call(self, *args, **kwargs):
+    """The graphable layer's ``__call__``: checks, then tgraph's dispatch."""
+    state = self.__dict__.get("_tgraph")
+    if state is None or inside_graphed_region():
+        return nn.Module.__call__(self, *args, **kwargs)  # forward checkpoints (_graphable)
+    recording = _active_recording()
+    if recording:
+        flags = [_RECORDING_FLAGS.get(k, f"output_{k}") for k in recording if not k.startswith("_")]
+        if flags:
+            msg = (
+                f"{', '.join(f + '=True' for f in flags)}: transformers records these with forward "
+                "hooks, which a graph replay does not run, so the decoder layers run eagerly. "
+                "Turn the flag off for graphed training"
+            )
+            if getattr(state, "strict", False):
+                raise RuntimeError(msg + " (strict=True turns this fallback into an error)")
+            if msg not in state.warned:
+                state.warned.add(msg)
+                warnings.warn(msg, GraphFallbackWarning, stacklevel=2)
+            return nn.Module.__call__(self, *args, **kwargs)
+    if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        _refuse_reentrant(self)
+    kwargs[STATE_KWARG] = _layer_state(self)
+    return GraphableModule.__call__(self, *args, **kwargs)
+
+
+@functools.cache
+def _graphable(cls: type, checkpointing_base: type | None) -> type:
+    """``cls`` with :class:`tgraph.GraphableModule` first in its MRO, checkpointing in ``forward``."""
+    base_forward = cls.forward
+    # transformers <= 5.17 checkpoints in GradientCheckpointingLayer.__call__, which _layer_call
+    # bypasses; later versions wrap every subclass's forward (__init_subclass__), this one too.
+    in_call = checkpointing_base is not None and "__call__" in checkpointing_base.__dict__
+
+    def forward(self, *args, **kwargs):
+        kwargs.pop(STATE_KWARG, None)
+        if in_call and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            for k in ("past_key_values", "past_key_value", "layer_past"):
+                if kwargs.get(k) is not None and not getattr(self, "_can_checkpoint_with_cache", False):
+                    kwargs[k] = None  # as transformers does: a recompute would update it twice
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            return self._gradient_checkpointing_func(functools.partial(base_forward, self, **kwargs), *args)
+        return base_forward(self, *args, **kwargs)
+
+    forward.__doc__ = base_forward.__doc__
+    namespace = {
+        "__module__": __name__,
+        "__call__": _layer_call,
+        "forward": forward,
+        "_tgraph_hf_base": cls,
+    }
+    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), namespace)
