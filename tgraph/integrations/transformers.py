@@ -57,7 +57,7 @@ from tgraph.unit import inside_graphed_region
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "transformers is not installed: pip install 'tgraph[hf]' (or pip install transformers)"
+INSTALL_HINT = "transformers is not installed: pip install 'tgraph[hf]'"
 
 STATE_KWARG = "tgraph_layer_state"
 """The keyword argument that carries a layer's non-argument state into tgraph's call key."""
@@ -159,7 +159,11 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
             layer.__class__ = _graphable(type(layer), base)
         layer._tgraph_hf_adapters = tuple(m for m in layer.modules() if _is_adapter_layer(m))
     if model not in _saved_use_cache:
-        configs = {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")}
+        configs = {
+            id(c): c
+            for m in model.modules()
+            if hasattr(c := getattr(m, "config", None), "use_cache")
+        }
         _saved_use_cache[model] = [(c, c.use_cache) for c in configs.values()]
         for c in configs.values():
             c.use_cache = False
@@ -189,7 +193,8 @@ def ungraph(model: nn.Module) -> nn.Module:
 def _refuse_eager_experts(model: nn.Module) -> None:
     for name, m in model.named_modules():
         impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
-        if impl == "eager" and hasattr(m, "_is_expert_parallel"):  # a use_experts_implementation class
+        # `_is_expert_parallel`: set on classes decorated with use_experts_implementation
+        if impl == "eager" and hasattr(m, "_is_expert_parallel"):
             raise ValueError(
                 f"{name} ({type(m).__name__}) runs the eager expert loop, which syncs with the host "
                 "once per expert (nonzero, a Python loop over the experts hit): a CUDA graph cannot "
@@ -202,12 +207,16 @@ def _refuse_eager_experts(model: nn.Module) -> None:
 def _is_adapter_layer(m: nn.Module) -> bool:
     """A PEFT tuner layer (duck-typed: no import of peft)."""
     cls = type(m)
-    return all(isinstance(getattr(cls, a, None), property) for a in ("disable_adapters", "merged", "active_adapters"))
+    return all(
+        isinstance(getattr(cls, a, None), property)
+        for a in ("disable_adapters", "merged", "active_adapters")
+    )
 
 
 def _layer_state(layer: nn.Module) -> str:
     """What the layer's graph bakes in beyond its arguments, as one comparable string."""
-    parts = "gradient checkpointing " + ("on" if getattr(layer, "gradient_checkpointing", False) else "off")
+    ckpt = getattr(layer, "gradient_checkpointing", False)
+    parts = "gradient checkpointing " + ("on" if ckpt else "off")
     adapters = layer.__dict__.get("_tgraph_hf_adapters")
     if adapters:
         seen = set()
@@ -230,7 +239,8 @@ def _refuse_reentrant(layer: nn.Module) -> None:
             f"{type(layer).__name__} has reentrant gradient checkpointing, which cannot run inside "
             "a backward graph (it calls backward inside backward; the graph uses "
             "torch.autograd.grad). Turn it on non-reentrant: model.gradient_checkpointing_enable("
-            'gradient_checkpointing_kwargs={"use_reentrant": False})'
+            'gradient_checkpointing_kwargs={"use_reentrant": False}) (or activation_checkpointing_'
+            'enable(activation_checkpointing_kwargs={"use_reentrant": False}))'
         )
 
 
@@ -271,12 +281,15 @@ def _graphable(cls: type, checkpointing_base: type | None) -> type:
     def forward(self, *args, **kwargs):
         kwargs.pop(STATE_KWARG, None)
         if in_call and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            keep_cache = getattr(self, "_can_checkpoint_with_cache", False)
             for k in ("past_key_values", "past_key_value", "layer_past"):
-                if kwargs.get(k) is not None and not getattr(self, "_can_checkpoint_with_cache", False):
+                if kwargs.get(k) is not None and not keep_cache:
                     kwargs[k] = None  # as transformers does: a recompute would update it twice
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
-            return self._gradient_checkpointing_func(functools.partial(base_forward, self, **kwargs), *args)
+            return self._gradient_checkpointing_func(
+                functools.partial(base_forward, self, **kwargs), *args
+            )
         return base_forward(self, *args, **kwargs)
 
     forward.__doc__ = base_forward.__doc__
