@@ -193,8 +193,9 @@ def ungraph(model: nn.Module) -> nn.Module:
 def _refuse_eager_experts(model: nn.Module) -> None:
     for name, m in model.named_modules():
         impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
-        # `_is_expert_parallel`: set on classes decorated with use_experts_implementation
-        if impl == "eager" and hasattr(m, "_is_expert_parallel"):
+        # experts stacked in one (num_experts, ...) parameter: a use_experts_implementation class
+        stacked = getattr(m, "down_proj", None)
+        if impl == "eager" and isinstance(stacked, nn.Parameter) and stacked.dim() == 3:
             raise ValueError(
                 f"{name} ({type(m).__name__}) runs the eager expert loop, which syncs with the host "
                 "once per expert (nonzero, a Python loop over the experts hit): a CUDA graph cannot "
