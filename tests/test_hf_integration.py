@@ -123,9 +123,13 @@ def test_state_dict_keys_unchanged_and_ungraph_restores(device):
     keys, cls = list(model.state_dict()), type(model.model.layers[0])
     tg_hf.graph_layers(model, backend="emulated")
     assert isinstance(model.model.layers[0], tgraph.GraphableModule)
-    assert list(model.state_dict()) == keys and model.config.use_cache is False
+    assert list(model.state_dict()) == keys and model.config.use_cache is True
+    (x,) = batches(device, 1)
+    assert model(input_ids=x).past_key_values is None  # unset use_cache: no cache built
+    assert model(input_ids=x, use_cache=None).past_key_values is None
     tg_hf.ungraph(model)
-    assert type(model.model.layers[0]) is cls and model.config.use_cache is True
+    assert type(model.model.layers[0]) is cls
+    assert model(input_ids=x).past_key_values is not None
 
 
 # ------------------------------------------------------------- gradient checkpointing

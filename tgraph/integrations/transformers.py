@@ -31,10 +31,12 @@ What the subclass handles, per call of a decoder layer:
   PEFT adapters disabled, merged, switched or rescaled) is handed to tgraph as one more hashable
   keyword argument, so a call whose state differs from the capture's matches no graph and runs
   eagerly with a warning naming the change, never a stale replay.
-* **The KV cache**: :func:`graph_layers` sets ``config.use_cache = False`` (the usual training
-  setting), so default calls build no ``DynamicCache``. A call that asks for one
-  (``use_cache=True``; ``generate`` does) hands each layer a cache object, which tgraph never
-  bakes into a graph: those calls run eagerly, with a warning naming ``use_cache=False``.
+* **The KV cache**: after :func:`graph_layers`, a call that leaves ``use_cache`` unset (or None)
+  runs with ``use_cache=False`` (a forward pre-hook on each transformers model; the config,
+  and so ``save_pretrained``'s output, is untouched), so default training and evaluation calls
+  build no ``DynamicCache`` and replay graphs. A call that asks for one (``use_cache=True``;
+  ``generate`` does) hands each layer a cache object, which tgraph never bakes into a graph:
+  those calls run eagerly, with a warning naming ``use_cache=False``.
 
 MoE layers graph when their experts run grouped or batched
 (``model.set_experts_implementation("batched_mm")``, or ``"grouped_mm"`` on a GPU); the eager
@@ -44,6 +46,7 @@ expert loop syncs with the host per expert and is refused by :func:`graph_layers
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 import weakref
@@ -69,7 +72,7 @@ _RECORDING_FLAGS = {
     "router_logits": "output_router_logits",
 }
 
-_saved_use_cache: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+_cache_hooks: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
 
 
 def _transformers():
@@ -145,7 +148,8 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
             ``debug``, ``merge``).
 
     Returns:
-        ``model``, with ``config.use_cache`` set to False (:func:`ungraph` restores it).
+        ``model``; its transformers models now default to ``use_cache=False``
+        (:func:`ungraph` removes that default).
 
     Raises:
         ImportError: transformers is not installed.
@@ -158,21 +162,20 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
         if not isinstance(layer, GraphableModule):
             layer.__class__ = _graphable(type(layer), base)
         layer._tgraph_hf_adapters = tuple(m for m in layer.modules() if _is_adapter_layer(m))
-    if model not in _saved_use_cache:
-        configs = {
-            id(c): c
+    if model not in _cache_hooks:
+        _cache_hooks[model] = [
+            m.register_forward_pre_hook(
+                functools.partial(_no_cache_by_default, at), with_kwargs=True
+            )
             for m in model.modules()
-            if hasattr(c := getattr(m, "config", None), "use_cache")
-        }
-        _saved_use_cache[model] = [(c, c.use_cache) for c in configs.values()]
-        for c in configs.values():
-            c.use_cache = False
+            if (at := _use_cache_position(m)) is not None
+        ]
     logger.info("tgraph: %d %s layers graphable", len(layers), type(layers[0]).__name__)
     return tgraph.enable(model, **enable_options)
 
 
 def ungraph(model: nn.Module) -> nn.Module:
-    """Undo :func:`graph_layers`: eager layers of their own classes, ``use_cache`` restored.
+    """Undo :func:`graph_layers`: eager layers of their own classes, ``use_cache`` default restored.
 
     Like :func:`tgraph.disable`, this drops every graph and the record of the process.
 
@@ -185,9 +188,29 @@ def ungraph(model: nn.Module) -> nn.Module:
         if hf_base is not None:
             m.__class__ = hf_base
             m.__dict__.pop("_tgraph_hf_adapters", None)
-    for c, value in _saved_use_cache.pop(model, []):
-        c.use_cache = value
+    for handle in _cache_hooks.pop(model, []):
+        handle.remove()
     return model
+
+
+def _use_cache_position(m: nn.Module) -> int | None:
+    """Where ``m.forward`` takes ``use_cache`` positionally (a large number: keyword only), or
+    None when it takes none. Only modules with a ``config.use_cache`` (transformers models and
+    their PEFT wrappers)."""
+    if not hasattr(getattr(m, "config", None), "use_cache"):
+        return None
+    params = list(inspect.signature(m.forward).parameters.values())
+    names = [p.name for p in params]
+    if "use_cache" in names:
+        return names.index("use_cache")
+    return 1 << 30 if any(p.kind is p.VAR_KEYWORD for p in params) else None
+
+
+def _no_cache_by_default(position: int, module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: a call that leaves ``use_cache`` unset (or None) gets ``False``."""
+    if len(args) <= position and kwargs.get("use_cache") is None:
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def _refuse_eager_experts(model: nn.Module) -> None:
