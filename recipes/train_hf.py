@@ -380,7 +380,11 @@ def run_steps(a, env, model, opt, sampler, step_fn, start: int, decay_steps: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's per-checkpoint bars
     a = parse_args(argv)
     try:
         summary = train(a)

@@ -43,6 +43,7 @@ FAMILIES = {
     "gpt_neox": ("gpt_neox", {}, None),
     "qwen2_moe/batched_mm": ("qwen2_moe", dict(MOE, num_key_value_heads=2), "batched_mm"),
     "qwen3_moe/grouped_mm": ("qwen3_moe", dict(MOE, num_key_value_heads=2), "grouped_mm"),
+    "mixtral/batched_mm": ("mixtral", dict(MOE, num_key_value_heads=2), "batched_mm"),
 }
 
 
