@@ -282,3 +282,24 @@ def test_disable_adapter_is_never_replayed_stale(backend, device):
     assert not torch.allclose(on_want, off_want), "the adapters must change the loss"
     torch.testing.assert_close(off, off_want, **tol(backend))
     torch.testing.assert_close(on, on_want, **tol(backend))
+
+
+def test_rescaled_adapters_are_never_replayed_stale(backend, device):
+    """A LoRA scale is a Python float the graphs baked in, with no parameter frozen or
+    unfrozen: the layers' state key alone tells the calls apart."""
+    model = lora_model(device)
+    eager = copy.deepcopy(model)
+    tg_hf.graph_layers(model, backend=backend)
+    xs = batches(device, 2)
+    train(model, xs[:1], graphed=True)
+    train(eager, xs[:1], graphed=False)
+    for m in (model, eager):
+        for layer in m.modules():
+            if hasattr(layer, "scale_layer") and hasattr(layer, "lora_A"):
+                layer.scale_layer(0.5)
+    x = xs[1]
+    with pytest.warns(
+        tgraph.GraphFallbackWarning, match=r"adapters default\*2\.0' to .*default\*1\.0"
+    ):
+        got = model(input_ids=x, labels=x).loss
+    torch.testing.assert_close(got, eager(input_ids=x, labels=x).loss, **tol(backend))

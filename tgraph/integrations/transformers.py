@@ -39,7 +39,7 @@ What the subclass handles, per call of a decoder layer:
   those calls run eagerly, with a warning naming ``use_cache=False``.
 
 MoE layers graph when their experts run grouped or batched
-(``model.set_experts_implementation("batched_mm")``, or ``"grouped_mm"`` on a GPU); the eager
+(``model.set_experts_implementation("batched_mm")`` or ``"grouped_mm"``); the eager
 expert loop syncs with the host per expert and is refused by :func:`graph_layers`.
 """
 
@@ -93,13 +93,21 @@ def _checkpointing_layer_class() -> type | None:
     return GradientCheckpointingLayer
 
 
-def _active_recording():
-    """The dict transformers' forward hooks are recording into now, or None."""
+@functools.cache
+def _recording_context():
+    """transformers' context variable holding the outputs its hooks record (None before 5.x's
+    hook-based recording, whose outputs are the layers' call results, which graphs return)."""
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # transformers without hook-based recording: outputs are call results
+    except ImportError:
         return None
-    return _active_collector.get()
+    return _active_collector
+
+
+def _active_recording() -> dict | None:
+    """The dict transformers' forward hooks are recording into now, or None."""
+    context = _recording_context()
+    return None if context is None else context.get()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
