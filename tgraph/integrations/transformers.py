@@ -231,7 +231,7 @@ def _refuse_eager_experts(model: nn.Module) -> None:
                 f"{name} ({type(m).__name__}) runs the eager expert loop, which syncs with the host "
                 "once per expert (nonzero, a Python loop over the experts hit): a CUDA graph cannot "
                 "hold it. Run the experts batched or grouped: "
-                'model.set_experts_implementation("batched_mm") (or "grouped_mm" on a GPU), or '
+                'model.set_experts_implementation("batched_mm") (or "grouped_mm"), or '
                 'experts_implementation="batched_mm" when building the model'
             )
 
@@ -268,7 +268,8 @@ def _refuse_reentrant(layer: nn.Module) -> None:
     reentrant = getattr(fn, "keywords", {}).get("use_reentrant", None)
     if reentrant is None or reentrant:
         raise ValueError(
-            f"{type(layer).__name__} has reentrant gradient checkpointing, which cannot run inside "
+            f"{type(layer).__name__} has reentrant gradient checkpointing (use_reentrant True or "
+            "unset), which cannot run inside "
             "a backward graph (it calls backward inside backward; the graph uses "
             "torch.autograd.grad). Turn it on non-reentrant: model.gradient_checkpointing_enable("
             'gradient_checkpointing_kwargs={"use_reentrant": False}) (or activation_checkpointing_'
@@ -292,11 +293,12 @@ def _layer_call(self, *args, **kwargs):
             )
             if getattr(state, "strict", False):
                 raise RuntimeError(msg + " (strict=True turns this fallback into an error)")
-            if msg not in state.warned:
-                state.warned.add(msg)
+            warned = getattr(state, "warned", set())  # tgraph's once-per-reason set
+            if msg not in warned:
+                warned.add(msg)
                 warnings.warn(msg, GraphFallbackWarning, stacklevel=2)
             return nn.Module.__call__(self, *args, **kwargs)
-    if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         _refuse_reentrant(self)
     kwargs[STATE_KWARG] = _layer_state(self)
     return GraphableModule.__call__(self, *args, **kwargs)
