@@ -276,8 +276,7 @@ class FullIterationGraph:
         ]
         entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
         static_batch = split(batch)[1].fill(entry.static)
-        groups = [g for o in self.optimizers for g in o.param_groups]
-        graph = f.new_graph(frozen_values=groups)  # emulated: hyper-parameters baked, as on a GPU
+        graph = f.new_graph()
         for g in rng.graph_generators(f.device):
             graph.register_generator_state(g)
         params = self._params()
@@ -330,12 +329,8 @@ class FullIterationGraph:
             entry.capture_seconds,
             entry.pool_bytes / 2**20,
         )
-        if f.backend != "cuda":
-            # The emulated capture really executed fn once: that was this call's step (running
-            # it again would apply every side effect twice: EMA weights, counters, ...).
-            return entry.template.fill([detach_clone(t) for t in entry.outputs])
-        # CUDA: how each .grad relates to the graph. "add": the graph accumulates into the
-        # .grad that existed at capture; "assign": it writes fresh gradients (zero_grad with
+        # How each .grad relates to the graph. "add": the graph accumulates into the .grad
+        # that existed at capture; "assign": it writes fresh gradients (zero_grad with
         # set_to_none=True ran before the capture, "cleared" when it ran inside fn).
         entry.grads = []
         for p in params:
@@ -347,6 +342,10 @@ class FullIterationGraph:
             else:
                 mode = "add" if g is ref() else "cleared"
             entry.grads.append((p, g, mode))
+        if runs:
+            # The emulated capture really executed fn once: that was this call's step (running
+            # it again would apply every side effect twice: EMA weights, counters, ...).
+            return entry.template.fill([detach_clone(t) for t in entry.outputs])
         return self._replay(entry, tensors, first=True)
 
     def _replay(self, entry: _Entry, tensors: list[torch.Tensor], first: bool = False) -> Any:

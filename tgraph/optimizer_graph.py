@@ -331,8 +331,7 @@ class OptimizerGraph:
         hp = HyperParams(self.optimizers)
         hp.prepare()
         lr_tensors = [g["lr"] for _, _, g in hp._groups if isinstance(g["lr"], torch.Tensor)]
-        groups = [g for o in self.optimizers for g in o.param_groups]
-        graph = f.new_graph(frozen_values=groups)  # emulated: hyper-parameters baked, as on a GPU
+        graph = f.new_graph()
         extra = [
             t for t in (self._norm, self.guard and self.guard.skipped_steps_tensor) if t is not None
         ]
@@ -390,13 +389,9 @@ class OptimizerGraph:
 
     def _replay(self) -> None:
         self._hparams.refresh()
-        emulated = self._factory.backend != "cuda"
-        live = None if self.zero_grad and not emulated else [(p, p.grad) for p in self.params()]
+        live = None if self.zero_grad else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
             self._check_grads()
-        if emulated:  # the emulated replay re-runs the step's Python: it must see the buffers
-            for p, b in self._grads:
-                p.grad = b
         self._graph.replay()
         if live is not None:
             self._after_step(live)

@@ -29,7 +29,7 @@ checked by :class:`PoolLedger` at every replay:
   that unit's backward then raises instead of returning gradients computed from overwritten
   activations.
 
-:class:`EmulatedPool` is the emulated backend's model of the same pool, so CPU tests see what
+:class:`tgraph.emulated.EmulatedPool` is the emulated backend's model of the same pool, so CPU tests see what
 CUDA does: at every replay it overwrites, with poison (NaN for floats), every output and every
 saved activation that the replayed graph *may* reuse on a GPU. The model is the worst case of the
 caching allocator, and it knows nothing about :class:`PoolLedger`: with the ledger's check
@@ -219,75 +219,3 @@ def _packed_tensors(saved: Any) -> list[torch.Tensor]:
         if isinstance(t, torch.Tensor):
             out.append(t)
     return out
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class EmulatedPool:
-    """Worst-case model of a CUDA graph pool for the emulated backend (module docstring).
-
-    Each emulated graph tells the pool what it allocated at capture (its outputs; a forward's
-    saved activations, the tensors autograd saved in its run) and which forward's saved
-    activations its capture freed (a backward's ``frees``). At every replay, the pool poisons
-    every output and every live saved activation that the replayed graph may reuse.
-    """
-
-    def __init__(self) -> None:
-        self._graphs: list[weakref.ref] = []  # every graph of the pool, in capture order
-        self._regions: dict[int, _Region] = {}  # id(forward graph) -> its saved activations
-
-    def captured(self, graph: Any) -> None:
-        self._graphs.append(weakref.ref(graph))
-        self._regions[id(graph)] = _Region(graph)
-        freed = getattr(graph, "frees", None)
-        if freed is not None and id(freed) in self._regions:
-            self._regions[id(freed)].high = graph.index
-            self._regions[id(freed)].filled = False
-
-    def replayed(self, graph: Any) -> None:
-        """``graph`` is about to replay: poison what it may overwrite on a GPU."""
-        index = graph.index
-        for ref in self._graphs:
-            other = ref()
-            if other is not None and other is not graph and other.index > index:
-                for t in other.pool_outputs():
-                    poison_(t)
-        freed = getattr(graph, "frees", None)
-        for key, region in self._regions.items():
-            if key == id(graph) or (freed is not None and key == id(freed)):
-                continue
-            if region.filled and not (region.low < index < region.high):
-                region.poison()
-                region.filled = False
-
-    def ran(self, graph: Any) -> None:
-        """``graph`` replayed: a forward's saved activations are live, a backward's dead."""
-        region = self._regions.get(id(graph))
-        if region is not None:
-            region.filled = True
-        freed = getattr(graph, "frees", None)
-        if freed is not None and id(freed) in self._regions:
-            self._regions[id(freed)].filled = False
-
-
-class _Region:
-    """The saved activations of one forward graph: allocated at its capture (``low``), freed at
-    its backward's capture (``high``)."""
-
-    def __init__(self, graph: Any) -> None:
-        self.graph = weakref.ref(graph)
-        self.low = graph.index
-        self.high: float = NEVER
-        self.filled = True  # the capture's own activations, until the backward capture
-
-    def poison(self) -> None:
-        graph = self.graph()
-        if graph is None or not graph.live_outputs:
-            return
-        own = {_storage(t) for t in graph.external_tensors()}  # parameters, static inputs
-        own |= {_storage(t) for t in graph.pool_outputs()}  # never freed: the output rule
-        for t in saved_activations(graph.live_outputs):
-            if _storage(t) not in own:
-                poison_(t)

@@ -52,7 +52,7 @@ from tgraph.grads import (
 )
 from tgraph.guards import RefuseHostSync
 from tgraph.memory import UnitMemory, tensor_bytes
-from tgraph.pool import LiveOutputs, saved_activations
+from tgraph.pool import LiveOutputs
 
 _depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
 
@@ -217,11 +217,7 @@ class GraphedUnit:
             r.samples = []  # later captures, whose peak they would otherwise add to
         self.ledger = factory.ledger
         head = self.head
-        graph = factory.new_graph(
-            watch=self._aliases(),
-            freeze=[m for r in self.members for m in r.module.modules()],
-            external=head.static_inputs,
-        )
+        graph = factory.new_graph()
         for g in rng.graph_generators(self.device):
             graph.register_generator_state(g)
         inputs = [head.static_inputs[i] for i in head.in_rg]
@@ -239,8 +235,7 @@ class GraphedUnit:
         self.needs_backward = self.grad_mode and bool(self._out_rg)
         if self.needs_backward:
             self._find_params(inputs)
-            outs = self.fwd_graph.live_outputs or self.static_outputs
-            self.recomputes = rng.recomputes([outs[i] for i in self._out_rg])
+            self.recomputes = rng.recomputes([self.static_outputs[i] for i in self._out_rg])
 
     def _warmup(self, inputs: list[torch.Tensor], warmup: int) -> None:
         """Eager passes before capture (:func:`run_warmup`); a merged stack overrides this."""
@@ -255,12 +250,7 @@ class GraphedUnit:
             head.static_inputs, skip=[t.untyped_storage().data_ptr() for t in shared]
         )
         m.static_outputs = tensor_bytes(self.static_outputs)
-        if self.fwd_graph.live_outputs is None:  # CUDA: what the capture allocated, less outputs
-            m.saved_activations = max(0, captured - m.static_outputs)
-        else:  # emulated: the tensors autograd saved, less parameters, inputs and outputs
-            own = [t.untyped_storage().data_ptr() for t in self.fwd_graph.external_tensors()]
-            own += [t.untyped_storage().data_ptr() for t in self.static_outputs]
-            m.saved_activations = tensor_bytes(saved_activations(self.fwd_graph.live_outputs), own)
+        m.saved_activations = self.fwd_graph.saved_activation_bytes(captured, m.static_outputs)
         self.memory = m
 
     def _find_params(self, inputs: list[torch.Tensor]) -> None:
@@ -288,14 +278,12 @@ class GraphedUnit:
             # offset (a CUDA graph whose draws add up to nothing skips that; the recompute's
             # fork_rng restores the offset it started from).
             torch.empty(1, device=self.device).uniform_()
-        graph_outs = self.fwd_graph.live_outputs or self.static_outputs
         head = self.head
         ins = [head.static_inputs[i] for i in head.in_rg] + self._leaves
         grads = torch.autograd.grad(
-            [graph_outs[i] for i in self._out_rg],
+            [self.static_outputs[i] for i in self._out_rg],
             ins,
             grad_outputs=self.static_grad_outputs,
-            retain_graph=self.fwd_graph.retains_autograd_graph,
             allow_unused=True,
         )
         n = len(head.in_rg)
@@ -309,7 +297,7 @@ class GraphedUnit:
         self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
         self._grad_out_zero = [True] * len(self.static_grad_outputs)
         self._flags = MainGradFlags(zip(self._leaves, self.params))
-        graph = factory.new_graph(watch=self._aliases(), frees=self.fwd_graph)
+        graph = factory.new_graph(frees=self.fwd_graph)
         for g in rng.graph_generators(self.device):  # as on CUDA, where every graph has them
             graph.register_generator_state(g)
         self._flags.before_capture()

@@ -1,0 +1,449 @@
+"""Fail closed: what a graph baked in beyond its static inputs, changed after capture by real
+user code, is either followed (numbers equal eager, no fallback) or refused out loud.
+
+Parameter storage, EMA evaluation, Python state read by a forward, saved-tensor hooks, random
+generators and the recorded iteration's unused outputs. Every test trains a graphed model and an
+eager twin from the same seed on the same batches (tests/fail_closed_models.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fail_closed_models import (
+    TOL,
+    Block,
+    D,
+    Net,
+    assert_never_silent,
+    assert_same_params,
+    batches,
+    fallback_error,
+    fallbacks,
+    make_pair,
+    train,
+)
+
+import tgraph
+
+STEPS = 4
+
+# -- parameter storage re-pointed after capture: followed, graphed ---------------------------
+
+
+def _reclone(i, model, opt):
+    if i == 2:
+        for p in model.parameters():
+            p.data = p.data.clone()
+
+
+def _flat_pack(i, model, opt):
+    """ZeRO-style: every parameter becomes a view of one flat buffer."""
+    if i == 2:
+        params = list(model.parameters())
+        flat = torch.cat([p.data.reshape(-1) for p in params])
+        o = 0
+        for p in params:
+            n = p.numel()
+            p.data = flat[o : o + n].view_as(p)
+            o += n
+
+
+def _round_trip(i, model, opt):
+    """Offloaded during another model's turn and brought back (RLHF trainers)."""
+    if i == 2:
+        if next(model.parameters()).is_cuda:
+            model.cpu().cuda()
+        else:
+            model.double().float()
+
+
+def _load_assign(i, model, opt):
+    """A checkpoint loaded with ``assign=True``: new parameters, so a new optimizer."""
+    if i == 2:
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(sd, assign=True)
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+    return None
+
+
+@pytest.mark.parametrize(
+    "repoint",
+    [_reclone, _flat_pack, _round_trip, _load_assign],
+    ids=["data_clone", "flat_buffer", "round_trip", "load_state_dict_assign"],
+)
+def test_repointed_parameters_train_graphed_on_live_weights(backend, device, repoint):
+    """``p.data = ...`` (or a round trip, or ``assign=True``) between steps: the graphs must read
+    the live parameters, which the optimizer updates, and keep replaying (no fallback)."""
+    model, ref = make_pair(device)
+    data = batches(device, STEPS + 2)
+    want = train(ref, data, before=repoint)
+    with fallbacks() as msgs:
+        got = train(model, data, backend, before=repoint)
+    assert not msgs, msgs
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+
+
+def test_repointed_parameters_do_not_fall_back_under_strict(backend, device):
+    """Following a re-pointed parameter is not a fallback: strict mode does not raise."""
+    model, ref = make_pair(device)
+    data = batches(device, STEPS)
+    want = train(ref, data, before=_flat_pack)
+    got = train(model, data, backend, before=_flat_pack, strict=True)
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+
+
+# -- EMA evaluation between training steps ---------------------------------------------------
+
+
+def _ema_run(model, data, x_eval, backend=None, *, how: str):
+    """Train; after every step (the recorded one included) evaluate the EMA weights.
+
+    Returns the training losses, the evaluations, and the fallback warnings raised by the
+    training calls and by the evaluations, apart.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    params = list(model.parameters())
+    ema = [p.detach().clone() for p in params]
+    if backend is not None:
+        tgraph.enable(model, backend=backend)
+    losses, evals, train_msgs, eval_msgs = [], [], [], []
+    for i, (x, y) in enumerate(data):
+        with fallbacks() as msgs:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        train_msgs += msgs if i > 0 else []
+        losses.append(loss.detach())
+        with torch.no_grad():
+            for e, p in zip(ema, params):
+                e.lerp_(p, 0.5)
+        with fallbacks() as msgs, torch.no_grad():
+            if how == "swap":
+                for p, e in zip(params, ema):
+                    p.data, e.data = e.data, p.data
+                evals.append(model(x_eval).clone())
+                for p, e in zip(params, ema):
+                    p.data, e.data = e.data, p.data
+            else:
+                named = dict(zip((n for n, _ in model.named_parameters()), ema))
+                evals.append(torch.func.functional_call(model, named, (x_eval,)).clone())
+        eval_msgs += msgs
+        if backend is not None and i == 0:
+            tgraph.create_graphs()
+    return torch.stack(losses), torch.stack(evals), train_msgs, eval_msgs
+
+
+@pytest.mark.parametrize("how", ["swap", "functional_call"])
+def test_ema_evaluation_between_steps_sees_the_ema_weights(backend, device, how):
+    """``p.data, ema.data = ema.data, p.data`` around a no-grad evaluation, or
+    ``torch.func.functional_call(model, ema_params, x)``: the evaluation must use the EMA
+    weights. It may be graphed or fall back with a warning naming the parameters; the training
+    calls after it must keep replaying graphs."""
+    model, ref = make_pair(device)
+    data = batches(device, STEPS + 1)
+    x_eval = torch.randn(3, D, generator=torch.Generator().manual_seed(7)).to(device)
+    want_loss, want_eval, _, _ = _ema_run(ref, data, x_eval, how=how)
+    got_loss, got_eval, train_msgs, eval_msgs = _ema_run(model, data, x_eval, backend, how=how)
+    torch.testing.assert_close(got_eval, want_eval, **TOL)
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    assert_same_params(model, ref)
+    assert not train_msgs, train_msgs
+    assert_never_silent(eval_msgs, r"param|weight|storage|functional_call")
+
+
+# -- Python state read by the forward, changed after capture ----------------------------------
+
+
+class DropoutBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(torch.tanh(self.fc1(x))))
+
+
+class TemperatureBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return x + torch.softmax(self.fc1(x) / self.temperature, dim=-1) @ self.fc2.weight.T
+
+
+def _disable_dropout(i, model, opt):
+    """TRL's ``disable_dropout_in_model``, after the graphs were captured."""
+    if i == 1:
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+
+
+def _anneal(i, model, opt):
+    for b in model.blocks:
+        b.temperature = 1.0 / (1 + i)
+
+
+PY_STATE = {
+    "dropout_p": (DropoutBlock, _disable_dropout, r"\bp\b|[Dd]ropout"),
+    "temperature": (TemperatureBlock, _anneal, r"temperature"),
+}
+
+
+@pytest.mark.parametrize("case", list(PY_STATE))
+def test_python_attribute_changed_after_capture_is_not_baked(backend, device, case):
+    """A non-tensor attribute the forward reads (``Dropout.p`` set to 0 on every dropout; a
+    temperature annealed every step) changes after capture: followed, or a fallback naming it.
+
+    Dropout is on only in the recorded step, which runs eagerly in both twins."""
+    block, before, names = PY_STATE[case]
+    model, ref = make_pair(device, lambda: Net(block))
+    data = batches(device, STEPS)
+    want = train(ref, data, before=before)
+    with fallbacks() as msgs:
+        got = train(model, data, backend, before=before)
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+    assert_never_silent(msgs, names)
+
+
+@pytest.mark.parametrize("case", list(PY_STATE))
+def test_python_attribute_changed_after_capture_under_strict(backend, device, case):
+    """Under ``strict=True`` the same change is followed or raises GraphFallbackError naming it."""
+    block, before, names = PY_STATE[case]
+    model, ref = make_pair(device, lambda: Net(block))
+    data = batches(device, STEPS)
+    want = train(ref, data, before=before)
+    try:
+        got = train(model, data, backend, before=before, strict=True)
+    except RuntimeError as exc:
+        assert isinstance(exc, fallback_error()), exc
+        assert_never_silent([str(exc)], names)
+    else:
+        torch.testing.assert_close(got, want, **TOL)
+
+
+class LoraLinear(tgraph.GraphableModule):
+    """A LoRA-adapted linear layer with PEFT's ``disable_adapters`` switch."""
+
+    def __init__(self, d: int = D, r: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.lora_a = nn.Linear(d, r, bias=False)
+        self.lora_b = nn.Linear(r, d, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.5)  # nonzero: the adapter visibly matters
+        self.base.requires_grad_(False)
+        self.disable_adapters = False
+
+    def forward(self, x):
+        y = self.base(x)
+        if not self.disable_adapters:
+            y = y + self.lora_b(self.lora_a(x))
+        return y
+
+
+class LoraNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([LoraLinear(), LoraLinear()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum(-1, keepdim=True)
+
+
+def _dpo_run(model, data, backend=None):
+    """Policy training steps, each followed by a no-grad reference pass with adapters off."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    if backend is not None:
+        tgraph.enable(model, backend=backend)
+    refs, losses = [], []
+    with fallbacks() as msgs:
+        for i, (x, y) in enumerate(data):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            with torch.no_grad():
+                for layer in model.layers:
+                    layer.disable_adapters = True
+                refs.append(model(x).clone())
+                for layer in model.layers:
+                    layer.disable_adapters = False
+            if backend is not None and i == 0:
+                tgraph.create_graphs()  # captured with the adapters on
+    return torch.stack(losses), torch.stack(refs), msgs
+
+
+def test_disable_adapters_reference_pass_uses_the_base_model(backend, device):
+    """DPO's reference pass toggles ``disable_adapters``: its logits must be the base model's."""
+    model, ref = make_pair(device, LoraNet)
+    data = batches(device, STEPS)
+    want_loss, want_ref, _ = _dpo_run(ref, data)
+    got_loss, got_ref, msgs = _dpo_run(model, data, backend)
+    torch.testing.assert_close(got_ref, want_ref, **TOL)
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    assert_never_silent(msgs, r"disable_adapters")
+
+
+# -- saved-tensor hooks around a graphed call ----------------------------------------------
+
+
+def _saved_hooks_run(model, data, backend=None):
+    """Activation compression: every saved tensor is packed as bfloat16 (changes gradients)."""
+    packed = [0]
+
+    def pack(t):
+        packed[0] += 1
+        return t.dtype, t.to(torch.bfloat16) if t.is_floating_point() else t
+
+    def unpack(saved):
+        dtype, t = saved
+        return t.to(dtype)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if backend is not None:
+        tgraph.enable(model, backend=backend)
+    losses = []
+    with fallbacks() as msgs:
+        for i, (x, y) in enumerate(data):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            if backend is not None and i == 0:
+                tgraph.create_graphs()
+    return torch.stack(losses), msgs, packed[0]
+
+
+def test_saved_tensors_hooks_apply_to_graphed_calls(backend, device):
+    """``torch.autograd.graph.saved_tensors_hooks`` active around the forward: the graphed
+    blocks' saved activations must go through the hooks (the weights then equal eager's, which
+    the bfloat16 packing moves by ~1e-3), or the calls fall back naming the hooks."""
+    model, ref = make_pair(device)
+    data = batches(device, STEPS)
+    want, _, _ = _saved_hooks_run(ref, data)
+    got, msgs, packed = _saved_hooks_run(model, data, backend)
+    assert packed > 0
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+    assert_never_silent(msgs, r"saved_tensors_hooks")
+
+
+def test_packing_changes_the_numbers():
+    """The hooks above are not a no-op: without them, training ends elsewhere."""
+    model, ref = make_pair("cpu")
+    data = batches("cpu", STEPS)
+    with_hooks, _, _ = _saved_hooks_run(model, data)
+    plain = train(ref, data)
+    assert not torch.allclose(with_hooks[1:], plain[1:], **TOL)
+
+
+# -- generators -----------------------------------------------------------------------------
+
+
+class NoisyBlock(Block):
+    """Draws noise from its own ``torch.Generator`` (a model-parallel RNG tracker's pattern)."""
+
+    gen: torch.Generator | None = None
+
+    def forward(self, x):
+        noise = torch.randn(x.shape, generator=self.gen, device=x.device)
+        return super().forward(x + 0.1 * noise)
+
+
+def _give_generators(model, device) -> list[torch.Generator]:
+    for k, b in enumerate(model.blocks):
+        b.gen = torch.Generator(device=device).manual_seed(100 + k)
+    return [b.gen for b in model.blocks]
+
+
+def test_unregistered_generator_is_refused_at_capture(backend, device):
+    """A forward drawing from a generator not registered with tgraph: create_graphs raises,
+    naming the generator and ``tgraph.register_generator``, instead of freezing it."""
+    torch.manual_seed(0)
+    model = Net(NoisyBlock).to(device)
+    _give_generators(model, device)
+    tgraph.enable(model, backend=backend)
+    x, y = batches(device, 1)[0]
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(tgraph.CaptureError, match=r"(?s)[Gg]enerator.*register_generator"):
+        tgraph.create_graphs()
+
+
+def test_registered_generator_draws_as_eager(backend, device):
+    """The same forward with its generators registered: fresh noise at every replay, as eager."""
+    model, ref = make_pair(device, lambda: Net(NoisyBlock))
+    _give_generators(ref, device)
+    for g in _give_generators(model, device):
+        tgraph.register_generator(g)
+    data = batches(device, STEPS)
+    want = train(ref, data)
+    got = train(model, data, backend, strict=True)
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+
+
+# -- unused outputs in the recorded iteration ------------------------------------------------
+
+
+class TwoHeads(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(D, D)
+        self.aux = nn.Linear(D, D)  # reached only through the output the loss ignores
+
+    def forward(self, x):
+        return torch.tanh(self.main(x)), self.aux(x)
+
+
+class TwoHeadNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = TwoHeads()
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x):
+        h, _aux = self.body(x)
+        return self.head(h)
+
+
+def _adamw_run(model, data, backend=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if backend is not None:
+        tgraph.enable(model, backend=backend, strict=True)
+    aux_grads = []
+    for i, (x, y) in enumerate(data):
+        F.mse_loss(model(x), y).backward()
+        aux_grads.append([p.grad for p in model.body.aux.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if backend is not None and i == 0:
+            tgraph.create_graphs()
+    return aux_grads, opt
+
+
+def test_unused_output_leaves_grad_none_in_the_recorded_step_too(backend, device):
+    """A module returns two outputs and the loss uses one: the parameters reached only through
+    the other keep ``.grad`` None at every step, step 0 (recorded, eager) included, so AdamW's
+    weight decay never moves them, as in eager."""
+    model, ref = make_pair(device, TwoHeadNet)
+    data = batches(device, STEPS)
+    want_grads, ref_opt = _adamw_run(ref, data)
+    got_grads, opt = _adamw_run(model, data, backend)
+    assert all(g is None for step in want_grads for g in step)
+    for i, step in enumerate(got_grads):
+        assert all(g is None for g in step), f"step {i}: aux .grad is {step}, eager None"
+    assert_same_params(model, ref)
+    assert not any(p in opt.state for p in model.body.aux.parameters())

@@ -1,0 +1,240 @@
+"""Fail closed: module hooks never vanish silently, and outputs never change under the caller.
+
+Hooks present at ``create_graphs()`` are refused, naming each hook, unless declared capturable;
+a hook registered after capture makes the next call fall back (or raise under ``strict``).
+Outputs that alias an input, and training outputs the caller keeps across steps, keep their
+values. Every graphed run is compared with an eager twin (tests/fail_closed_models.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fail_closed_models import (
+    TOL,
+    Block,
+    D,
+    Net,
+    assert_same_params,
+    batches,
+    fallback_error,
+    fallbacks,
+    make_pair,
+    train,
+)
+
+import tgraph
+
+STEPS = 4
+
+# -- hooks present at capture ----------------------------------------------------------------
+
+
+def _register(kind: str, module: nn.Module, calls: list[str]):
+    """An activation logger's hook of ``kind`` on ``module``; returns the hook function."""
+
+    def log_activation(mod, args, output):
+        calls.append("forward")
+
+    def log_inputs(mod, args):
+        calls.append("forward_pre")
+
+    def log_grads(mod, grad_input, grad_output):
+        calls.append("backward")
+
+    if kind == "forward":
+        module.register_forward_hook(log_activation)
+        return log_activation
+    if kind == "forward_pre":
+        module.register_forward_pre_hook(log_inputs)
+        return log_inputs
+    module.register_full_backward_hook(log_grads)
+    return log_grads
+
+
+KINDS = ["forward", "forward_pre", "full_backward"]
+
+
+@pytest.mark.parametrize("where", ["module", "submodule"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_hook_present_at_capture_is_refused_naming_it(backend, device, kind, where):
+    """A logger's hook on a graphed module (or on one of its submodules) would run during
+    warmup and capture and never at replay: create_graphs refuses, naming the module, the hook
+    and the fix (``capturable_hooks=True``)."""
+    torch.manual_seed(0)
+    model = Net().to(device)
+    target = model.blocks[0] if where == "module" else model.blocks[0].fc1
+    calls: list[str] = []
+    fn = _register(kind, target, calls)
+    tgraph.enable(model, backend=backend)
+    x, y = batches(device, 1)[0]
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(tgraph.CaptureError) as info:
+        tgraph.create_graphs()
+    msg = str(info.value)
+    assert fn.__name__ in msg, msg
+    assert "capturable_hooks" in msg, msg
+    if where == "submodule":
+        assert "fc1" in msg, msg
+    else:
+        assert "Block" in msg or "blocks.0" in msg, msg
+
+
+def scale_weight(module, args):
+    """Old-style ``weight_norm``: weight = g * v / ||v||, recomputed before every forward."""
+    v = module.weight_v
+    module.weight = v * (module.weight_g / v.norm(dim=1, keepdim=True))
+
+
+class WeightNormBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        w = self.fc1.weight.detach()
+        del self.fc1.weight
+        self.fc1.weight_g = nn.Parameter(w.norm(dim=1, keepdim=True))
+        self.fc1.weight_v = nn.Parameter(w.clone())
+        self.fc1.register_forward_pre_hook(scale_weight)
+        scale_weight(self.fc1, ())
+
+
+def test_capturable_hooks_are_captured(backend, device):
+    """``enable(model, capturable_hooks=True)``: a pure-tensor pre-hook (weight norm) is part of
+    the graph; training equals eager. (Built twice from one seed: a module holding a computed
+    weight cannot be deep-copied.)"""
+    torch.manual_seed(0)
+    model = Net(WeightNormBlock).to(device)
+    torch.manual_seed(0)
+    ref = Net(WeightNormBlock).to(device)
+    data = batches(device, STEPS)
+    want = train(ref, data)
+    with fallbacks() as msgs:
+        got = train(model, data, backend, capturable_hooks=True)
+    assert not msgs, msgs
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+
+
+def _hook_after_capture(kind):
+    calls: list[str] = []
+    names: list[str] = []
+
+    def before(i, model, opt):
+        if i == 2:
+            names.append(_register(kind, model.blocks[1], calls).__name__)
+
+    return before, calls, names
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hook_registered_after_capture_falls_back_naming_it(backend, device, kind):
+    """A hook registered after capture: the next calls run eagerly (so the hook runs exactly as
+    often as in eager) with a GraphFallbackWarning naming the hook."""
+    model, ref = make_pair(device)
+    data = batches(device, STEPS + 1)
+    before, want_calls, _ = _hook_after_capture(kind)
+    want = train(ref, data, before=before)
+    before, got_calls, names = _hook_after_capture(kind)
+    with fallbacks() as msgs:
+        got = train(model, data, backend, before=before)
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+    assert got_calls == want_calls
+    assert any(names[0] in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hook_registered_after_capture_raises_under_strict(backend, device, kind):
+    model, _ = make_pair(device)
+    before, _, names = _hook_after_capture(kind)
+    with pytest.raises(RuntimeError) as info:
+        train(model, batches(device, STEPS), backend, before=before, strict=True)
+    assert isinstance(info.value, fallback_error()), info.value
+    assert names[0] in str(info.value)
+
+
+# -- outputs aliasing an input, and outputs kept across calls ---------------------------------
+
+
+class PassThrough(tgraph.GraphableModule):
+    """Returns its input (or a view of it) beside its result, as skip connections do."""
+
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.view = view
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return (x[1:] if self.view else x), torch.tanh(self.fc(x))
+
+
+def _keep_inputs_run(model, data, backend=None, *, grad: bool):
+    torch.manual_seed(1234)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if backend is not None:
+        tgraph.enable(model, backend=backend)
+    kept = []
+    for i, (x, y) in enumerate(data):
+        with torch.set_grad_enabled(grad):
+            skip, f = model(x)
+        if grad:
+            F.mse_loss(f.sum(-1, keepdim=True), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        kept.append((skip, f.detach() if grad else f))  # held across the next calls
+        if backend is not None and i == 0:
+            tgraph.create_graphs()
+    return [torch.stack([k[j] for k in kept]) for j in (0, 1)]
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+@pytest.mark.parametrize("view", [False, True], ids=["input", "view"])
+def test_output_aliasing_the_input_keeps_its_value(backend, device, view, grad):
+    """``return x, f(x)`` (or ``x[1:]``): the caller keeps both across the next calls, which
+    must not overwrite them (the input one is the static input buffer a replay refills)."""
+    torch.manual_seed(0)
+    model = PassThrough(view).to(device)
+    ref = PassThrough(view).to(device)
+    ref.load_state_dict(model.state_dict())
+    data = batches(device, STEPS)
+    want = _keep_inputs_run(ref, data, grad=grad)
+    got = _keep_inputs_run(model, data, backend, grad=grad)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+class FeatureNet(Net):
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h), h
+
+
+def _bank_run(model, data, backend=None, *, how: str):
+    torch.manual_seed(1234)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if backend is not None:
+        tgraph.enable(model, backend=backend)
+    bank = []
+    for i, (x, y) in enumerate(data):
+        pred, feat = model(x)
+        F.mse_loss(pred, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bank.append(feat.detach() if how == "detach" else feat[:, 0])  # a feature bank
+        if backend is not None and i == 0:
+            tgraph.create_graphs()
+    return torch.stack([b.detach() for b in bank])
+
+
+@pytest.mark.parametrize("how", ["detach", "view"])
+def test_training_output_kept_across_steps(backend, device, how):
+    """``bank.append(feat.detach())`` (or ``feat[:, 0]``) every step: the bank equals eager's;
+    the graph's next replay must not overwrite what the caller still holds."""
+    model, ref = make_pair(device, FeatureNet)
+    data = batches(device, STEPS)
+    want = _bank_run(ref, data, how=how)
+    got = _bank_run(model, data, backend, how=how)
+    torch.testing.assert_close(got, want, **TOL)

@@ -1,0 +1,247 @@
+"""Fail closed in the whole-step entries: an optimizer's param groups and state tensors changed
+after capture are re-captured or refused by name, and the emulated capture flag stays inside
+the captured region.
+
+``OptimizerGraph`` and ``FullIterationGraph`` against eager training of the same small MLP.
+Tolerance: as tests/test_optimizer_graph.py explains, the graph replays the eager step's kernels
+on the same numbers and the learning rates are powers of two (exact in float32), so results are
+bitwise equal in practice; 1e-6 (tests/fail_closed_models.py) is far below the 1e-3 a group that
+is never stepped, or stale state tensors, move the weights by.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fail_closed_models import D, assert_same_params, batches
+
+import tgraph
+
+LR = 2.0**-6
+STEPS = 7
+
+
+def make_mlp(device) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D), nn.Tanh(), nn.Linear(D, 1)
+    ).to(device)
+
+
+def make_adamw(params, device) -> torch.optim.AdamW:
+    extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, **extra)
+
+
+class Unfreeze:
+    """Progressive unfreezing: the first layer joins training as a new param group at step 4."""
+
+    at = 4
+
+    def start(self, model, device):
+        model[0].requires_grad_(False)
+        return make_adamw(model[2:].parameters(), device)
+
+    def __call__(self, i, model, opt):
+        if i == self.at:
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": LR / 2})
+
+
+class Rewind:
+    """Rewind to the checkpoint of step 2 at step 4 (a loss spike): the model's and the
+    optimizer's state dicts are loaded, so the optimizer's state tensors are new ones."""
+
+    at = 4
+
+    def start(self, model, device):
+        self.saved = None
+        return make_adamw(model.parameters(), device)
+
+    def __call__(self, i, model, opt):
+        if i == 2:
+            self.saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        if i == self.at:
+            model.load_state_dict(self.saved[0])
+            opt.load_state_dict(self.saved[1])
+
+
+CHANGES = {
+    "add_param_group": (Unfreeze, r"add_param_group|param group"),
+    "load_state_dict": (
+        Rewind,
+        r"load_state_dict|optimizer state|state tensor",
+    ),
+}
+
+
+def _eager_run(device, change):
+    model = make_mlp(device)
+    opt = change.start(model, device)
+    for i, (x, y) in enumerate(batches(device, STEPS)):
+        change(i, model, opt)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def _optimizer_graph_run(backend, device, change):
+    model = make_mlp(device)
+    opt = change.start(model, device)
+    graph = tgraph.OptimizerGraph(opt, backend=backend)
+    for i, (x, y) in enumerate(batches(device, STEPS)):
+        change(i, model, opt)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        graph.step(loss)
+        if i == change.at - 1:
+            assert graph.captured  # the change comes after capture
+    return model
+
+
+def _full_iteration_run(backend, device, change):
+    model = make_mlp(device)
+    opt = change.start(model, device)
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
+    for i, batch in enumerate(batches(device, STEPS)):
+        change(i, model, opt)
+        step(batch)
+        if i == change.at - 1:
+            assert step.num_graphs == 1  # the change comes after capture
+    return model
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+@pytest.mark.parametrize("what", list(CHANGES))
+def test_optimizer_changed_after_capture(backend, device, entry, what):
+    """``opt.add_param_group(...)`` or ``opt.load_state_dict(...)`` after capture: the step is
+    re-captured (weights equal eager's, the new group stepped, the loaded state used) or a
+    RuntimeError names the change; never a graph stepping the old groups or state."""
+    cls, names = CHANGES[what]
+    want = _eager_run(device, cls())
+    run = _optimizer_graph_run if entry == "optimizer_graph" else _full_iteration_run
+    try:
+        got = run(backend, device, cls())
+    except RuntimeError as exc:
+        assert re.search(names, str(exc)), exc
+    else:
+        assert_same_params(got, want)
+
+
+# -- the emulated capture flag ----------------------------------------------------------------
+
+
+def capturing_now() -> bool:
+    """``torch.cuda.is_current_stream_capturing()``; False where torch is built without CUDA
+    (there the call raises, unless something patched it)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
+
+
+def _capturing_seen(device, on_step):
+    """FullIterationGraph of a CPU model with fused AdamW; ``on_step()`` runs inside fn."""
+    model = make_mlp(device)
+    opt = make_adamw(model.parameters(), device)
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        on_step()
+        return loss
+
+    step = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend="emulated")
+    outside = []
+    for batch in batches(device, 5):
+        step(batch)
+        outside.append(capturing_now())
+    assert step.num_graphs == 1
+    return model, outside
+
+
+def test_emulated_capture_flag_does_not_leak_to_other_threads():
+    """While an emulated capture runs, code outside the captured region (another thread, here
+    asking as a CPU optimizer or a data loader would) is not told a CUDA capture is running;
+    nor is code after the call."""
+    seen = []
+
+    def from_another_thread():
+        t = threading.Thread(target=lambda: seen.append(capturing_now()))
+        t.start()
+        t.join()
+
+    _, outside = _capturing_seen(torch.device("cpu"), from_another_thread)
+    assert seen and not any(seen), seen
+    assert not any(outside), outside
+
+
+def _health_check_as_torch_2_11(self):
+    """torch < 2.13's ``_cuda_graph_capture_health_check`` (without its CUDA-available guard):
+    an optimizer whose groups are not capturable refuses to step while
+    ``torch.cuda.is_current_stream_capturing()`` says a capture runs."""
+    if capturing_now() and not all(g["capturable"] for g in self.param_groups):
+        raise RuntimeError(
+            f"Attempting CUDA graph capture of step() for an instance of {type(self).__name__} "
+            "but param_groups' capturable is False."
+        )
+
+
+def test_cpu_fused_adamw_steps_inside_an_emulated_capture(monkeypatch):
+    """On a machine with a GPU, torch < 2.13 asks ``torch.cuda.is_current_stream_capturing()``
+    at every optimizer step: the emulated capture of a CPU model's step must not make CPU fused
+    AdamW (capturable False) refuse to step. Planted here with torch 2.11's check."""
+    monkeypatch.setattr(
+        torch.optim.Optimizer,
+        "_accelerator_graph_capture_health_check",
+        _health_check_as_torch_2_11,
+    )
+    cpu = torch.device("cpu")
+    _capturing_seen(cpu, lambda: None)
+    graph_model = make_mlp(cpu)
+    opt = make_adamw(graph_model.parameters(), cpu)
+    graph = tgraph.OptimizerGraph(opt, backend="emulated")
+    for x, y in batches(cpu, 4):
+        F.mse_loss(graph_model(x), y).backward()
+        graph.step()
+    assert graph.captured
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a machine with a CUDA GPU")
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_cpu_whole_step_entries_on_a_machine_with_a_gpu(entry):
+    """The CPU cases run on the GPU machine: a CPU model with fused AdamW under the emulated
+    backend trains as eager, although CUDA is available."""
+    cpu = torch.device("cpu")
+
+    class Nothing:
+        at = STEPS + 1
+
+        def start(self, model, device):
+            return make_adamw(model.parameters(), device)
+
+        def __call__(self, i, model, opt):
+            pass
+
+    want = _eager_run(cpu, Nothing())
+    run = _optimizer_graph_run if entry == "optimizer_graph" else _full_iteration_run
+    assert_same_params(run("emulated", cpu, Nothing()), want)

@@ -1,0 +1,466 @@
+"""The emulated graph backend: a CPU stand-in for ``torch.cuda.CUDAGraph`` that replays a tape.
+
+Every CPU test trusts this backend as its model of what a CUDA graph does, so it has a CUDA
+graph's essential properties, not just its interface:
+
+* **Replay runs no Python.** :meth:`EmulatedGraph.capture` runs the function once under a
+  ``TorchDispatchMode`` that records every ATen operation it executes (the backward's too, since
+  autograd dispatches its kernels on the same thread): the operator, its arguments and its
+  outputs. :meth:`EmulatedGraph.replay` executes exactly that tape. A module attribute read in
+  ``forward`` (``dropout.p``, a temperature), a hook, ``torch.func.functional_call``'s
+  substituted weights, a Python branch, a global: each keeps its capture-time effect, as on a
+  GPU.
+* **Fixed addresses.** Tensors are recorded by their memory, not by their Python object: the
+  tape holds, for every tensor an operation read or wrote, a tensor on the same raw address
+  (:func:`_Pins.pin`). Re-pointing a parameter (``p.data = other``) after capture leaves the
+  replay reading the old memory, exactly like a CUDA graph. Each result of a replayed operation
+  is written into the memory the capture's result occupied, so views stay views of the captured
+  storage and a caller's reference to an output sees the next replay overwrite it.
+* **Generators.** Registered generators draw fresh numbers at each replay; every other
+  generator replays the capture's numbers. A state read inside a graph
+  (``torch.get_rng_state``, as ``torch.utils.checkpoint`` does) is a position *within* that
+  graph's replay: restoring it in another graph repeats its numbers only if both graphs replay
+  from the same generator state, as on CUDA (graph-relative Philox offsets).
+* **What a CUDA capture refuses is refused at capture**: host reads (``.item()``, ``bool``,
+  ``torch.equal``, printing) and data-dependent shapes (``nonzero``, boolean-mask indexing,
+  ``masked_select``, ``unique``), with :class:`tgraph.guards.CaptureError`.
+* **One pool.** :class:`EmulatedPool` models the memory a CUDA graph of the same pool may reuse
+  and poisons it (NaN) at each replay, so a replay order that is unsafe on a GPU corrupts the
+  CPU test too (:mod:`tgraph.pool` explains the rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+
+from tgraph.guards import CaptureError, RefuseHostReads
+from tgraph.pool import NEVER, poison_, saved_activations
+
+# Operations a CUDA graph cannot contain: they read device values on the host (a sync) or make
+# an output whose shape depends on them. `_local_scalar_dense` is `.item()` and every implicit
+# `bool()`/`float()` of a tensor.
+_REFUSED = {
+    "aten::_local_scalar_dense": ".item(), float()/int()/bool() of a tensor or `if tensor:`",
+    "aten::is_nonzero": "bool() of a tensor or `if tensor:`",
+    "aten::equal": "torch.equal (returns a Python bool)",
+    "aten::nonzero": "torch.nonzero / torch.where(cond) (data-dependent output shape)",
+    "aten::argwhere": "torch.argwhere (data-dependent output shape)",
+    "aten::masked_select": "masked_select / boolean-mask indexing (data-dependent output shape)",
+    "aten::_unique": "torch.unique (data-dependent output shape)",
+    "aten::_unique2": "torch.unique (data-dependent output shape)",
+    "aten::unique_dim": "torch.unique (data-dependent output shape)",
+    "aten::unique_consecutive": "torch.unique_consecutive (data-dependent output shape)",
+    "aten::unique_dim_consecutive": "torch.unique_consecutive (data-dependent output shape)",
+    "aten::bincount": "torch.bincount (output size read from the data)",
+}
+_MASK_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+# Operations whose output holds no value a later operation may rely on: skipped at replay.
+_ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"}
+
+
+def _refusal(func: Any, args: tuple, kwargs: dict) -> str | None:
+    name = func._schema.name
+    if name in _REFUSED:
+        if name == "aten::_local_scalar_dense" and args and args[0].device.type == "meta":
+            return None
+        return _REFUSED[name]
+    if name in _MASK_INDEXING:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        for t in indices or ():
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8):
+                return "boolean-mask indexing x[mask] (data-dependent output shape)"
+    if name == "aten::repeat_interleave" and kwargs.get("output_size") is None:
+        if args and isinstance(args[0], torch.Tensor) and len(args) < 3:
+            return "repeat_interleave with tensor repeats and no output_size"
+    return None
+
+
+class _Pins:
+    """Tensors on fixed raw addresses: how a graph sees the memory an operation touched.
+
+    A pin is a tensor on a non-owning storage built from the captured tensor's data pointer,
+    with the same dtype, size, stride and offset. It follows the *memory*: ``p.data = other``,
+    ``o.data = o.data.clone()`` or a storage swap move the Python object, not the pin. Each
+    captured storage is also kept alive (``keep``), so the memory behind a pin is never freed
+    while the graph exists (a CUDA pool keeps its memory too).
+    """
+
+    def __init__(self) -> None:
+        self._raw: dict[tuple[int, int, torch.device], torch.UntypedStorage] = {}
+        self._pins: dict[tuple, torch.Tensor] = {}
+        self.keep: dict[int, torch.UntypedStorage] = {}
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_nested or t.layout != torch.strided:
+            raise CaptureError(
+                f"a {t.layout} tensor{' (nested)' if t.is_nested else ''} inside the captured "
+                "region: graphs hold strided dense tensors only. Run this module eagerly (e.g. "
+                "nn.TransformerEncoder's nested-tensor fast path: enable_nested_tensor=False)"
+            )
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        key = (ptr, nbytes, t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+        pin = self._pins.get(key)
+        if pin is not None:
+            return pin
+        raw_key = (ptr, nbytes, t.device)
+        raw = self._raw.get(raw_key)
+        if raw is None:
+            raw = torch._C._construct_storage_from_data_pointer(ptr, t.device, nbytes)
+            self._raw[raw_key] = raw
+            self.keep.setdefault(storage._cdata, storage)
+        pin = torch.empty(0, dtype=t.dtype, device=t.device)
+        pin.set_(raw, t.storage_offset(), t.shape, t.stride())
+        self._pins[key] = pin
+        return pin
+
+
+class _Op:
+    """One recorded operation: run ``func`` on the pinned arguments, write fresh results into
+    the memory the capture's results occupy (``outs``); views and in-place writes need no
+    copy (they already touch the captured memory)."""
+
+    __slots__ = ("func", "args", "kwargs", "copies", "collective")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, copies: list) -> None:
+        self.func, self.args, self.kwargs, self.copies = func, args, kwargs, copies
+        # A collective (DDP's gradient all-reduce) returns a Work handle that the captured code
+        # waited on without an operation of its own: replay waits, so its result is in place.
+        self.collective = func.namespace == "c10d"
+
+    def run(self) -> None:
+        result = self.func(*self.args, **self.kwargs)
+        if self.copies or self.collective:
+            flat = tree_leaves(result)
+            for i, dst in self.copies:
+                dst.copy_(flat[i])
+            for work in flat if self.collective else ():
+                if hasattr(work, "wait"):
+                    work.wait()
+
+
+class _RngMark:
+    """A generator state read inside a captured region: the position within the graph."""
+
+    __slots__ = ("state", "base")
+
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None  # the state at this position, latest replay
+        self.base: torch.Tensor | None = None  # the state that replay started from
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the operations a captured function executes (see the module docstring)."""
+
+    def __init__(self, graph: EmulatedGraph) -> None:
+        super().__init__()
+        self._graph = graph
+        self.pins = _Pins()
+        self.tape: list[Any] = []
+        self.fresh: set[int] = set()  # data pointers of storages created during the capture
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = _refusal(func, args, kwargs)
+        if why is not None:
+            raise CaptureError(
+                f"host synchronization during graph capture: {func._schema.name} ({why}). A "
+                "CUDA graph cannot contain it; move it out of the captured region."
+            )
+        gen = kwargs.get("generator")
+        if gen is not None and not self._graph.registers(gen):
+            raise CaptureError(
+                f"a graphed region draws from a torch.Generator ({gen!r}, device {gen.device}) "
+                "that is not registered with the graph: every replay would repeat the capture's "
+                "random numbers. Register it before capture with tgraph.register_generator(g)."
+            )
+        out = func(*args, **kwargs)
+        self.tape.append(self._record(func, args, kwargs, out))
+        return out
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> _Op | None:
+        name = func._schema.name
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        copies = []
+        for i, o in enumerate(tree_leaves(out)):
+            if not isinstance(o, torch.Tensor):
+                continue
+            ptr = o.untyped_storage().data_ptr()
+            if ptr in inputs:
+                continue  # a view or an in-place result: already the captured memory
+            self.fresh.add(ptr)
+            copies.append((i, self.pins.pin(o)))
+        schema = func._schema
+        views = bool(schema.returns) and all(r.alias_info is not None for r in schema.returns)
+        if name in _ALLOCATIONS or (views and not schema.is_mutable and not copies):
+            return None  # an allocation or a declared view: nothing to execute at replay
+        pin = self.pins.pin
+        p_args, p_kwargs = tree_map(
+            lambda x: pin(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
+        return _Op(func, p_args, p_kwargs, copies)
+
+
+class EmulatedGraph:
+    """CPU stand-in for :class:`torch.cuda.CUDAGraph` (see the module docstring).
+
+    Args:
+        pool: the :class:`EmulatedPool` shared by the graphs of one factory.
+        frees: the forward graph whose saved activations this (backward) graph's capture frees.
+        stamp: gives the capture index in the pool.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: EmulatedPool | None = None,
+        frees: EmulatedGraph | None = None,
+        stamp: Callable[[], int] | None = None,
+    ) -> None:
+        self._pool = pool
+        self.frees = frees
+        self._stamp = stamp
+        self.index = 0
+        self._registered: list[torch.Generator] = []
+        self._tape: list[Any] = []
+        self._frozen: list[tuple[torch.Generator, torch.Tensor]] = []
+        self._outputs: list[torch.Tensor] = []  # pins of the captured outputs
+        self._saved: list[torch.Tensor] = []  # pins of the saved activations it allocated
+        self._keep: dict[int, torch.UntypedStorage] = {}
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        """Let replays advance ``generator`` (fresh random numbers each replay)."""
+        if not self.registers(generator):
+            self._registered.append(generator)
+
+    def registers(self, generator: torch.Generator) -> bool:
+        # by the C++ generator: a dispatch mode sees a new Python wrapper of the same one
+        return any(g._cdata == generator._cdata for g in self._registered)
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` once, recording its operations; returns its output (static memory)."""
+        from tgraph import rng  # rng imports nothing of ours; keep the import graph flat
+
+        self.index = self._stamp() if self._stamp is not None else 0
+        known = [torch.default_generator]
+        known += [g for g in rng.extra_generators() if g.device.type == "cpu"]
+        self._frozen = [(g, g.get_state()) for g in known if not self.registers(g)]
+        recorder = _Recorder(self)
+        with emulated_capture(), _rng_positions(recorder), RefuseHostReads(), recorder:
+            out = fn()
+        self._tape = [op for op in recorder.tape if op is not None]
+        self._keep = recorder.pins.keep
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self._outputs = [recorder.pins.pin(t) for t in leaves]
+        own = {t.untyped_storage().data_ptr() for t in leaves}
+        self._saved = [
+            recorder.pins.pin(t)
+            for t in saved_activations(leaves)
+            if t.untyped_storage().data_ptr() in recorder.fresh - own
+        ]
+        if self._pool is not None:
+            self._pool.captured(self)
+        return out
+
+    def pool_outputs(self) -> list[torch.Tensor]:
+        """The captured outputs' memory: what a replay writes and holds in the pool."""
+        return self._outputs
+
+    def saved_activations(self) -> list[torch.Tensor]:
+        """The memory of the tensors autograd saved in this capture (a forward's)."""
+        return self._saved
+
+    def saved_activation_bytes(self, captured: int, output_bytes: int) -> int:
+        del captured, output_bytes  # a CUDA graph's measure; here the saved tensors are known
+        return sum(t.numel() * t.element_size() for t in self._saved)
+
+    def replay(self) -> None:
+        """Execute the tape: the captured operations on the captured memory, no Python."""
+        if self._pool is not None:
+            self._pool.replayed(self)
+        live = [(g, g.get_state()) for g, _ in self._frozen]
+        for g, state in self._frozen:  # an unregistered generator replays the capture's numbers
+            g.set_state(state)
+        base = torch.default_generator.get_state()
+        try:
+            with torch.no_grad(), _no_autocast():
+                for op in self._tape:
+                    if type(op) is _Op:
+                        op.run()
+                    else:
+                        op(base)
+        finally:
+            for g, state in live:  # ... and does not advance
+                g.set_state(state)
+        if self._pool is not None:
+            self._pool.ran(self)
+
+    def reset(self) -> None:
+        self.__init__(pool=None)
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    """The tape holds the capture's casts already: replay must not cast again."""
+    with torch.autocast("cpu", enabled=False):
+        if torch.cuda.is_available():
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
+
+
+# ---------------------------------------------------------------------------- RNG positions
+
+
+@contextlib.contextmanager
+def _rng_positions(recorder: _Recorder) -> Iterator[None]:
+    """During capture, ``torch.get_rng_state`` / ``torch.set_rng_state`` (default generator)
+    also mark and seek positions on the tape (module docstring, Generators)."""
+    saved = (torch.get_rng_state, torch.set_rng_state)
+
+    def get_rng_state() -> torch.Tensor:
+        state = saved[0]()
+        mark = _RngMark()
+        state._tgraph_rng_mark = mark
+
+        def at_replay(base: torch.Tensor) -> None:
+            mark.state, mark.base = torch.default_generator.get_state(), base
+
+        recorder.tape.append(at_replay)
+        return state
+
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        saved[1](new_state)
+        mark = getattr(new_state, "_tgraph_rng_mark", None)
+        fixed = new_state.clone()
+
+        def at_replay(base: torch.Tensor) -> None:
+            if mark is None or mark.state is None:  # a state from outside the graph: baked in
+                torch.default_generator.set_state(fixed)
+                return
+            torch.default_generator.set_state(mark.state)
+            if not torch.equal(mark.base, base):  # same position, another replay offset
+                torch.empty(1).random_()
+
+        recorder.tape.append(at_replay)
+
+    torch.get_rng_state, torch.set_rng_state = get_rng_state, set_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = saved
+
+
+# ----------------------------------------------------------------- is_current_stream_capturing
+
+
+@contextlib.contextmanager
+def emulated_capture() -> Iterator[None]:
+    """``torch.cuda.is_current_stream_capturing()`` answers True to the captured code.
+
+    Libraries branch on it to avoid host syncs while a graph is captured (Hugging Face's mask
+    code does), so an emulated capture must take the branch a CUDA capture takes. torch's own
+    optimizers ask it to refuse a CUDA capture of a non-capturable step; the emulated graph's
+    tensors are CPU tensors, for which a CUDA capture is no concern, so ``torch.optim`` gets the
+    true answer. The attribute is replaced for the duration only.
+    """
+    modules = [torch.cuda, torch.cuda.graphs]
+    saved = [m.is_current_stream_capturing for m in modules]
+    original = saved[0]
+
+    def capturing() -> bool:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("torch.optim"):
+            return original() if torch.cuda.is_available() else False
+        return True
+
+    for m in modules:
+        m.is_current_stream_capturing = capturing
+    try:
+        yield
+    finally:
+        for m, fn in zip(modules, saved):
+            m.is_current_stream_capturing = fn
+
+
+# ------------------------------------------------------------------------------ the pool
+
+
+class EmulatedPool:
+    """Worst-case model of a CUDA graph pool (:mod:`tgraph.pool` states the rule).
+
+    Each graph tells the pool what it allocated at capture (its outputs; a forward's saved
+    activations) and which forward's saved activations its capture freed (a backward's
+    ``frees``). At every replay, the pool poisons every output and every live saved activation
+    that the replayed graph may reuse on a GPU.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: list[weakref.ref] = []  # every graph of the pool, in capture order
+        self._regions: dict[int, _Region] = {}  # id(forward graph) -> its saved activations
+
+    def captured(self, graph: EmulatedGraph) -> None:
+        self._graphs.append(weakref.ref(graph))
+        self._regions[id(graph)] = _Region(graph)
+        freed = graph.frees
+        if freed is not None and id(freed) in self._regions:
+            self._regions[id(freed)].high = graph.index
+            self._regions[id(freed)].filled = False
+
+    def replayed(self, graph: EmulatedGraph) -> None:
+        """``graph`` is about to replay: poison what it may overwrite on a GPU."""
+        index = graph.index
+        for ref in self._graphs:
+            other = ref()
+            if other is not None and other is not graph and other.index > index:
+                for t in other.pool_outputs():
+                    poison_(t)
+        freed = graph.frees
+        for key, region in self._regions.items():
+            if key == id(graph) or (freed is not None and key == id(freed)):
+                continue
+            if region.filled and not (region.low < index < region.high):
+                region.poison()
+                region.filled = False
+
+    def ran(self, graph: EmulatedGraph) -> None:
+        """``graph`` replayed: a forward's saved activations are live, a backward's dead."""
+        region = self._regions.get(id(graph))
+        if region is not None:
+            region.filled = True
+        freed = graph.frees
+        if freed is not None and id(freed) in self._regions:
+            self._regions[id(freed)].filled = False
+
+
+class _Region:
+    """The saved activations of one forward graph: allocated at its capture (``low``), freed at
+    its backward's capture (``high``)."""
+
+    def __init__(self, graph: EmulatedGraph) -> None:
+        self.graph = weakref.ref(graph)
+        self.low = graph.index
+        self.high: float = NEVER
+        self.filled = True  # the capture's own activations, until the backward capture
+
+    def poison(self) -> None:
+        graph = self.graph()
+        if graph is not None:
+            for t in graph.saved_activations():
+                poison_(t)
+
+
+__all__ = ["EmulatedGraph", "EmulatedPool", "emulated_capture"]
