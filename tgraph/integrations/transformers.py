@@ -237,30 +237,53 @@ def _refuse_eager_experts(model: nn.Module) -> None:
 
 
 def _is_adapter_layer(m: nn.Module) -> bool:
-    """A PEFT tuner layer (duck-typed: no import of peft)."""
+    """A PEFT tuner layer (duck-typed: no import of peft; the attributes :func:`_adapter_state`
+    reads)."""
     cls = type(m)
     return all(
         isinstance(getattr(cls, a, None), property)
         for a in ("disable_adapters", "merged", "active_adapters")
-    )
+    ) and all(hasattr(m, a) for a in ("_active_adapter", "_disable_adapters", "merged_adapters"))
+
+
+def _adapter_state(a: nn.Module) -> tuple:
+    """One PEFT tuner layer's state: (disabled, merged, active adapters, their scales).
+
+    Reads the attributes behind PEFT's properties (``BaseTunerLayer``): this runs at every call
+    of every decoder layer, and the properties cost microseconds each.
+    """
+    active, scaling = a._active_adapter, a.__dict__.get("scaling") or {}
+    if isinstance(active, str):  # the common case, without a generator
+        active, scales = (active,), (scaling.get(active, 1),)
+    else:
+        active = tuple(active)
+        scales = tuple(scaling.get(n, 1) for n in active)
+    return (a._disable_adapters, bool(a.merged_adapters), active, scales)
+
+
+@functools.lru_cache(maxsize=256)
+def _describe_state(checkpointing: bool, adapters: frozenset) -> str:
+    """The layer-state string tgraph compares (and names in a fallback warning)."""
+    text = "gradient checkpointing " + ("on" if checkpointing else "off")
+    if adapters:
+        seen = sorted(
+            "disabled"
+            if disabled
+            else ",".join(f"{n}*{s}" for n, s in zip(active, scales))
+            + (" merged" if merged else "")
+            for disabled, merged, active, scales in adapters
+        )
+        text += "; adapters " + " | ".join(seen)
+    return text
 
 
 def _layer_state(layer: nn.Module) -> str:
     """What the layer's graph bakes in beyond its arguments, as one comparable string."""
-    ckpt = getattr(layer, "gradient_checkpointing", False)
-    parts = "gradient checkpointing " + ("on" if ckpt else "off")
-    adapters = layer.__dict__.get("_tgraph_hf_adapters")
-    if adapters:
-        seen = set()
-        for a in adapters:
-            if a.disable_adapters:
-                seen.add("disabled")
-                continue
-            scaling = getattr(a, "scaling", {})
-            active = ",".join(f"{n}*{scaling.get(n, 1)}" for n in a.active_adapters)
-            seen.add(f"{active} merged" if a.merged else active)
-        parts += "; adapters " + " | ".join(sorted(seen))
-    return parts
+    adapters = layer.__dict__.get("_tgraph_hf_adapters") or ()
+    return _describe_state(
+        bool(getattr(layer, "gradient_checkpointing", False)),
+        frozenset(map(_adapter_state, adapters)),
+    )
 
 
 def _refuse_reentrant(layer: nn.Module) -> None:
