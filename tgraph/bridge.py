@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 
 class GraphedCall(torch.autograd.Function):
@@ -35,9 +34,15 @@ class GraphedCall(torch.autograd.Function):
         return outs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads: torch.Tensor | None):
         unit, flight = ctx.unit, ctx.flight
+        if torch.is_grad_enabled():  # backward(create_graph=True), e.g. a gradient penalty
+            raise RuntimeError(
+                f"tgraph: double backward through the graphed {unit} is not supported (its "
+                "backward is a replayed graph, which autograd cannot differentiate). Run that "
+                "module eagerly for this loss: call it with a signature that was not recorded, "
+                "or tgraph.disable(model) for the gradient-penalty step."
+            )
         if unit.flight != id(flight):
             raise RuntimeError(
                 f"backward through {unit} ran after its graph buffers were reused by a newer "

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,6 +61,8 @@ _REFUSED = {
     "aten::unique_consecutive": "torch.unique_consecutive (data-dependent output shape)",
     "aten::unique_dim_consecutive": "torch.unique_consecutive (data-dependent output shape)",
     "aten::bincount": "torch.bincount (output size read from the data)",
+    "aten::_nested_tensor_from_mask": "a nested tensor from a padding mask (data-dependent sizes)",
+    "aten::_nested_tensor_from_mask_left_aligned": "a check of a padding mask (a host read)",
 }
 _MASK_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 # Operations whose output holds no value a later operation may rely on: skipped at replay.
@@ -374,16 +377,18 @@ def emulated_capture() -> Iterator[None]:
     Libraries branch on it to avoid host syncs while a graph is captured (Hugging Face's mask
     code does), so an emulated capture must take the branch a CUDA capture takes. torch's own
     optimizers ask it to refuse a CUDA capture of a non-capturable step; the emulated graph's
-    tensors are CPU tensors, for which a CUDA capture is no concern, so ``torch.optim`` gets the
-    true answer. The attribute is replaced for the duration only.
+    tensors are CPU tensors, for which a CUDA capture is no concern, so an optimizer asking (a
+    method of a ``torch.optim.Optimizer``) and every other thread get the true answer. The
+    attribute is replaced for the duration only.
     """
     modules = [torch.cuda, torch.cuda.graphs]
     saved = [m.is_current_stream_capturing for m in modules]
     original = saved[0]
+    thread = threading.get_ident()  # the capturing thread; autograd runs CPU backward on it
 
     def capturing() -> bool:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.startswith("torch.optim"):
+        asker = sys._getframe(1).f_locals.get("self")
+        if threading.get_ident() != thread or isinstance(asker, torch.optim.Optimizer):
             return original() if torch.cuda.is_available() else False
         return True
 

@@ -85,7 +85,12 @@ from torch.utils._pytree import tree_leaves
 from tgraph import rng
 from tgraph.backend import GraphFactory, resolve_backend, stale_stream_override
 from tgraph.guards import RefuseLrWrites, explain_capture_failure
-from tgraph.hyperparams import HyperParams, check_graphable_optimizer
+from tgraph.hyperparams import (
+    HyperParams,
+    baked_layout,
+    check_graphable_optimizer,
+    layout_change,
+)
 from tgraph.module import GraphFallbackWarning, _manager
 from tgraph.nonfinite import SkipNonfiniteStep
 from tgraph.signature import call_key, first_difference, split
@@ -117,6 +122,7 @@ class _Entry:
     out: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
     template: Any = None  # the structure of fn's outputs (tgraph.signature.Template)
+    layout: tuple = ()  # the optimizers' groups and state tensors at capture
     grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
     capture_seconds: float = 0.0
     pool_bytes: int = 0
@@ -208,7 +214,12 @@ class FullIterationGraph:
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.graph is not None:
-            return self._replay(entry, tensors)
+            why = layout_change(entry.layout, self.optimizers)
+            if why is None:
+                return self._replay(entry, tensors)
+            logger.warning("FullIterationGraph: %s; capturing the step again after warmup", why)
+            self.reset()
+            entry = None
         if entry is None:
             entry = self._new_entry(key, tensors)
         if entry.failed or entry.eager_calls < self.warmup_steps:
@@ -322,6 +333,7 @@ class FullIterationGraph:
         entry.capture_seconds = time.perf_counter() - start
         entry.pool_bytes = f.memory_allocated() - before
         entry.graph, entry.out = graph, out
+        entry.layout = baked_layout(self.optimizers)
         entry.outputs, entry.template = split(out)
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",

@@ -113,3 +113,35 @@ def check_graphable_optimizer(
                     f"the step count on the host (.item()). On {device.type} construct it with "
                     f"torch.optim.{name}(..., fused=True) (capturable=True is CUDA-only)."
                 )
+
+
+def baked_layout(optimizers: list[torch.optim.Optimizer]) -> tuple:
+    """What a captured optimizer step baked in beyond hyper-parameters: the param groups (which
+    parameters each steps) and the state tensors (by identity: ``load_state_dict`` replaces
+    them, and the graph would keep stepping the old ones)."""
+    return tuple(
+        (
+            tuple((id(g), tuple(map(id, g["params"]))) for g in opt.param_groups),
+            tuple(
+                (id(p), tuple(id(v) for v in st.values() if isinstance(v, torch.Tensor)))
+                for p, st in opt.state.items()
+            ),
+        )
+        for opt in optimizers
+    )
+
+
+def layout_change(before: tuple, optimizers: list[torch.optim.Optimizer]) -> str | None:
+    """Why the optimizers' layout differs from ``before`` (:func:`baked_layout`), or None."""
+    now = baked_layout(optimizers)
+    if now == before:
+        return None
+    for opt, (groups, states), (groups0, states0) in zip(optimizers, now, before):
+        name = type(opt).__name__
+        if len(groups) != len(groups0):
+            return f"{name} has {len(groups)} param groups, captured with {len(groups0)} (add_param_group)"
+        if groups != groups0:
+            return f"the parameters of a {name} param group changed after capture"
+        if states != states0:
+            return f"{name}'s state tensors were replaced after capture (optimizer.load_state_dict)"
+    return "the optimizers changed after capture"

@@ -31,7 +31,13 @@ import torch.nn as nn
 
 from tgraph import memory
 from tgraph.backend import GraphFactory, resolve_backend
-from tgraph.guards import explain_capture_failure
+from tgraph.baked import (
+    call_with_own_hooks,
+    describe_hooks,
+    has_own_forward_hooks,
+    hooks_run_outside,
+)
+from tgraph.guards import CaptureError, explain_capture_failure
 from tgraph.memory import MemoryReport
 from tgraph.record import NoteBackward, Record
 from tgraph.runner import Runner
@@ -47,6 +53,10 @@ class GraphFallbackWarning(UserWarning):
     """A graphed module ran eagerly because no captured graph matched the call."""
 
 
+class GraphFallbackError(RuntimeError):
+    """Under ``strict=True``: a graphed call matched no captured graph (the message says why)."""
+
+
 @dataclass
 class _ModuleState:
     backend: str
@@ -55,6 +65,7 @@ class _ModuleState:
     debug: bool
     merge: bool = True
     main_grad_fusion: bool = False
+    capturable_hooks: bool = False
     params: tuple = ()  # the module's parameters (their requires_grad is part of every key)
     submodules: tuple = ()  # module.modules(): their training flags are part of every key
     names: list[str] = field(default_factory=list)  # the submodules' names, for messages
@@ -106,12 +117,19 @@ class _Manager:
         self.units: list = []  # every captured unit (runners and merged stacks)
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
+        if torch.is_inference_mode_enabled():
+            return self._eager(
+                module, state, args, kwargs, "it runs under torch.inference_mode(), whose "
+                "tensors a graph's static buffers cannot take (use torch.no_grad() to graph it)"
+            )
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
         try:
             key = call_key(args, kwargs, training, tensors, state.params)
         except MutableArgument as exc:
             return self._eager(module, state, args, kwargs, str(exc))
+        except RuntimeError as exc:  # e.g. a nested tensor, which has no sizes
+            return self._eager(module, state, args, kwargs, f"its arguments cannot key a graph ({exc})")
         runners = state.runners.get(key)
         if not self.captured:
             runner = next((r for r in runners or () if r.flight is None), None)
@@ -160,6 +178,8 @@ class _Manager:
 
     def _plain_call(self, module: nn.Module, args: tuple, kwargs: dict):
         with graphed_region():
+            if hooks_run_outside(module):  # GraphableModule.__call__ runs its own hooks
+                return module.forward(*args, **kwargs)
             return nn.Module.__call__(module, *args, **kwargs)
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
@@ -170,7 +190,7 @@ class _Manager:
             "and call tgraph.reset() then tgraph.create_graphs() again."
         )
         if state.strict:
-            raise RuntimeError(msg + " (strict=True turns this fallback into an error)")
+            raise GraphFallbackError(msg + " (strict=True turns this fallback into an error)")
         if reason not in state.warned:
             state.warned.add(reason)
             warnings.warn(msg, GraphFallbackWarning, stacklevel=4)
@@ -192,13 +212,19 @@ class GraphableModule(nn.Module):
     ``nn.Module``. Requirements of a graphed ``forward``: take and return tensors (or tuples,
     lists, dicts of them, and hashable non-tensor values), no host syncs (``.item()``), and no
     tensors read from outside its arguments, parameters and buffers other than constants.
-    Forward hooks run at capture only, not at replay.
+    Its own forward (pre-)hooks run eagerly around every call, graphed or not, as in eager
+    mode; hooks on its submodules would be baked into the graphs, so ``create_graphs()``
+    refuses them unless ``enable(..., capturable_hooks=True)``.
     """
 
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get("_tgraph")
         if state is None or inside_graphed_region():
             return super().__call__(*args, **kwargs)
+        if has_own_forward_hooks(self) and hooks_run_outside(self):
+            return call_with_own_hooks(
+                self, lambda a, k: _manager.call(self, state, a, k), args, kwargs
+            )
         return _manager.call(self, state, args, kwargs)
 
 
@@ -211,6 +237,7 @@ def enable(
     debug: bool = False,
     merge: bool = True,
     main_grad_fusion: bool = False,
+    capturable_hooks: bool = False,
 ) -> nn.Module:
     """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
 
@@ -229,6 +256,10 @@ def enable(
             for those parameters; ``.grad`` stays None). Only for gradients consumed through
             ``main_grad`` by hooks that do nothing else: megatron-core DDP without
             ``overlap_grad_reduce`` (:class:`tgraph.grads.MainGradFusion`).
+        capturable_hooks: capture the hooks on graphed modules and their submodules as part
+            of the graph (pure tensor code, e.g. old-style ``weight_norm``'s pre-hook: its
+            effect replays, its Python does not). By default ``create_graphs()`` refuses
+            graphed modules with hooks, naming each one.
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).
@@ -259,6 +290,7 @@ def enable(
             debug,
             merge,
             main_grad_fusion,
+            capturable_hooks,
             tuple(m.parameters()),
             tuple(sub for _, sub in named),
             [name or type(m).__name__ for name, _ in named],
@@ -344,6 +376,7 @@ def create_graphs() -> CaptureReport:
         warm, default = r.module._tgraph.warmup, (2 if f.backend == "cuda" else 1)
         return default if warm is None else max(warm, 1 if f.backend == "cuda" else 0)
 
+    _refuse_hooks(units)
     current = None
     try:
         for r, phase in m.record.events:
@@ -371,6 +404,12 @@ def create_graphs() -> CaptureReport:
             s.restore()
     for f in factories.values():
         f.synchronize()
+    internal: dict[int, list[torch.Tensor]] = {}  # tgraph's own tensors on each static buffer
+    for u in units:
+        for t in [*u.static_outputs, *(x for r in u.members for x in r.static_inputs)]:
+            internal.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for u in units:
+        u.bake(internal)
     m.captured = True
     m.units = units
     m.record.clear()
@@ -392,6 +431,23 @@ def create_graphs() -> CaptureReport:
     )
     logger.info("%s", m.report)
     return m.report
+
+
+def _refuse_hooks(units: list) -> None:
+    """A hook on a graphed module would run during warmup and capture and never at replay."""
+    for u in units:
+        if all(r.module._tgraph.capturable_hooks for r in u.members):
+            continue
+        found = describe_hooks(u.labelled_modules(), u.roots())
+        if found:
+            raise CaptureError(
+                f"graphed module {type(u.head.module).__name__} has hooks: {'; '.join(found)}. A "
+                "graph replays kernels, not Python: these hooks would run during warmup and "
+                "capture and never again. Remove them before tgraph.create_graphs() (register "
+                "them on a module outside the graphed ones), or, if they are pure tensor code "
+                "whose effect belongs in the graph (e.g. old-style weight_norm), pass "
+                "capturable_hooks=True to tgraph.enable."
+            )
 
 
 def reset() -> None:

@@ -55,7 +55,12 @@ import torch
 
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.guards import CaptureError, RefuseLrWrites, explain_capture_failure
-from tgraph.hyperparams import HyperParams, check_graphable_optimizer
+from tgraph.hyperparams import (
+    HyperParams,
+    baked_layout,
+    check_graphable_optimizer,
+    layout_change,
+)
 from tgraph.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
 from tgraph.snapshot import Snapshot
 
@@ -161,6 +166,7 @@ class OptimizerGraph:
         self._static_loss: torch.Tensor | None = None
         self._with_loss: bool | None = None
         self._norm: torch.Tensor | None = None
+        self._layout: tuple = ()  # the optimizers' groups and state tensors at capture
 
     # -- what the graph reads and changes (overridden by tgraph.integrations.megatron) --------
 
@@ -271,7 +277,11 @@ class OptimizerGraph:
         """
         self._take_loss(loss)
         if self._graph is not None:
-            return self._replay()
+            why = layout_change(self._layout, self.optimizers)
+            if why is None:
+                return self._replay()
+            logger.warning("OptimizerGraph: %s; capturing the step again after warmup", why)
+            self.reset()
         if self._factory is None:
             device = self.params()[0].device
             # before any step: a host-stepping optimizer would be refused at capture anyway,
@@ -375,6 +385,7 @@ class OptimizerGraph:
         f.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self._graph, self._hparams = graph, hp
+        self._layout = baked_layout(self.optimizers)
         logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
         if f.backend == "cuda":  # a CUDA capture executed nothing: this call's step is a replay
             graph.replay()

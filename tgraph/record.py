@@ -75,6 +75,9 @@ class NoteBackward(torch.autograd.Function):
     def forward(ctx, record: Record, flight: Any, *outputs: torch.Tensor):  # a unit.Flight
         ctx.record = record
         ctx.flight = flight
+        # An unused output's gradient stays None, as without tgraph: the parameters only it
+        # reaches keep .grad None (a zero gradient would still move them through AdamW).
+        ctx.set_materialize_grads(False)
         # clones, not views: the caller may modify a recorded output in place, as in eager mode
         return tuple(o.clone() for o in outputs)
 

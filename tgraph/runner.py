@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tgraph.baked import hooks_run_outside
 from tgraph.signature import CallKey, Template, split
 from tgraph.unit import BUSY, GraphedUnit, graphed_region
 
@@ -151,7 +152,10 @@ class Runner(GraphedUnit):
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
-            out = torch.nn.Module.__call__(self.module, *args, **kwargs)
+            if hooks_run_outside(self.module):  # its own hooks run around the replay
+                out = self.module.forward(*args, **kwargs)
+            else:
+                out = torch.nn.Module.__call__(self.module, *args, **kwargs)
         tensors, template = split(out)
         if not tensors:
             raise TypeError(

@@ -93,6 +93,7 @@ class Segment(GraphedUnit):
         for j, r in enumerate(runners):
             r.segment, r.seg_index = self, j
         self.head, self.members = runners[0], runners
+        self.head_fell_back: str | None = None  # why the head's last call ran eagerly
         self.key = self.head.key
         self._sources = [[]] + [
             sources(self.head, prev, r) for prev, r in zip(runners, runners[1:])
@@ -163,12 +164,15 @@ class Segment(GraphedUnit):
             if self.flight is not None or not self.captured:
                 return BUSY
             outs = self.replay(tensors)
+            self.head_fell_back = outs if isinstance(outs, str) else None
             if isinstance(outs, str):
                 return outs
             return runner.outputs(self.start(outs, tensors))
         if not self.captured:
             return BUSY
         outs = self.take(runner, tensors)
+        if outs is None and self.head_fell_back is not None:
+            return self.head_fell_back  # the stack runs eagerly for the same reason
         if outs is None:
             return (
                 f"it was captured as module {runner.seg_index} of a merged stack ({self}) but "

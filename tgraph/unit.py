@@ -33,6 +33,7 @@ flights together keeps a forward replay within 8 file boundaries (docs/ARCHITECT
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +43,7 @@ import torch
 from tgraph import grads as grads_module
 from tgraph import rng
 from tgraph.backend import GraphFactory
+from tgraph.baked import Baked, recording_outputs
 from tgraph.bridge import GraphedCall
 from tgraph.grads import (
     MainGradFlags,
@@ -54,6 +56,8 @@ from tgraph.guards import RefuseHostSync
 from tgraph.memory import UnitMemory, tensor_bytes
 from tgraph.pool import LiveOutputs
 
+logger = logging.getLogger(__name__)
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
 
 
@@ -193,6 +197,15 @@ class GraphedUnit:
         self._grad_out_zero: list[bool] = []
         self.recomputes = False  # the forward checkpoints (torch.utils.checkpoint): see RngRewind
         self._rng_at_forward: list[torch.Tensor] | None = None
+        self.baked: Baked | None = None  # what the graphs baked in (tgraph.baked)
+        self._others_use: list[int] = []  # per baked tensor: uses of its memory by tgraph alone
+        self._copy_in: list[int] = []  # baked tensors followed by a copy into the graph's memory
+        self._live: tuple[torch.Tensor, ...] = ()
+        self._slot: list[int | None] = []  # per parameter of the backward: its baked index
+        self._rerouted = False
+        self._aliasing_outputs: list[int] = []  # outputs that are (views of) static inputs
+        self._output_uses: list[int] = []  # uses of each static output's memory by tgraph
+        self._output_internal: list[list[torch.Tensor]] = []  # tgraph's tensors on each
 
     # ----------------------------------------------------------------- capture
     @property
@@ -347,9 +360,129 @@ class GraphedUnit:
             r.drop_capture_state()
 
     # ------------------------------------------------------------------ replay
+    # ----------------------------------------------------- what the graphs baked in
+    def labelled_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        out = []
+        for r in self.members:
+            root = type(r.module).__name__
+            out += [(f"{root}.{n}" if n else root, m) for n, m in r.module.named_modules()]
+        return out
+
+    def roots(self) -> list[torch.nn.Module]:
+        return [r.module for r in self.members]
+
+    def bake(self, internal: dict[int, list[torch.Tensor]]) -> None:
+        """After every capture of the pool: record what the graphs baked in, and how much of
+        their memory tgraph alone uses (a re-pointed parameter's old memory may then be
+        written; one swapped into another tensor may not). ``internal``: per static buffer's
+        data pointer, tgraph's own tensors on it (all units')."""
+        self.baked = Baked.of(self.labelled_modules(), self.roots())
+        self._others_use = [_uses(t) - 1 for t in self.baked.held]
+        where = {id(r()): i for i, r in enumerate(self.baked.refs)}
+        self._slot = [where.get(id(p)) for p in self.params]  # None: a foreign leaf
+        self._rerouted = False
+        self._output_uses = [_uses(t) for t in self.static_outputs]
+        self._output_internal = [
+            internal.get(o.untyped_storage().data_ptr(), [o]) for o in self.static_outputs
+        ]
+        ins = {t.untyped_storage().data_ptr() for t in self.head.static_inputs}
+        self._aliasing_outputs = [
+            i for i, o in enumerate(self.static_outputs) if o.untyped_storage().data_ptr() in ins
+        ]
+
+    def check_baked(self) -> str | None:
+        """Before a replay: follow what can be followed (re-pointed or replaced parameters,
+        by a copy into the memory the graph reads); the reason to run eagerly otherwise."""
+        b = self.baked
+        if b is None:
+            return None
+        why = b.changed_hooks() or b.changed_attrs()
+        if why is not None:
+            return why
+        recording = recording_outputs()
+        if recording is not None:
+            return (
+                f"transformers is recording {recording} through hooks inside the layer "
+                "(output_attentions / output_router_logits), which a graph does not run"
+            )
+        if self.needs_backward and _saved_tensors_hooks(False) is not None:
+            return (
+                "torch.autograd.graph.saved_tensors_hooks are active, and a graph's backward "
+                "reads its saved activations without them"
+            )
+        live = b.live()
+        if self._rerouted or b.replaced_tensors() is not None:
+            self._route(live)  # gradients go to the tensors the modules hold now
+            if b.replaced_tensors() is not None:
+                kept = [
+                    n for n, r, t in zip(b.names, b.refs, live) if r() is not None and r() is not t
+                ]
+                if kept:
+                    return (
+                        f"{kept[0]} was replaced after capture while the captured tensor is still "
+                        "alive (torch.func.functional_call substitutes weights for one call; "
+                        "after load_state_dict(assign=True), the previous step's autograd graph "
+                        "holds the old parameters until it is freed)"
+                    )
+                self.baked = b = Baked.of(self.labelled_modules(), self.roots(), graph_memory=b)
+                self._copy_in, self._rerouted = [], False
+                for r in self.members:  # the call key reads their requires_grad
+                    r.module._tgraph.params = tuple(r.module.parameters())
+        moved = b.moved(live)
+        if moved != self._copy_in:
+            for i in moved:
+                if _uses(b.held[i]) > self._others_use[i]:
+                    return (
+                        f"{b.names[i]} lives in other memory than at capture (p.data = ...), "
+                        "and the memory the graph reads is in use elsewhere (swapped into another "
+                        "tensor, e.g. for an EMA evaluation)"
+                    )
+            why = b.incompatible(live)
+            if why is not None:
+                return why
+            if moved:
+                logger.info(
+                    "tgraph: %s: following %s, re-pointed after capture, by a copy into the "
+                    "graph's memory at each call (tgraph.reset() and create_graphs() graph it "
+                    "without the copy)",
+                    self,
+                    ", ".join(b.names[i] for i in moved),
+                )
+            self._copy_in = moved
+        if self._copy_in:
+            with torch.no_grad():
+                for i in self._copy_in:
+                    b.held[i].copy_(live[i])
+            self._live = live
+        return None
+
+    def _route(self, live: tuple[torch.Tensor, ...]) -> None:
+        """Hand the parameters' gradients to ``live`` (the module's current tensors)."""
+        self.params = [p if k is None else live[k] for p, k in zip(self.params, self._slot)]
+        self.autograd_params = self._autograd_params()
+        self._rerouted = any(r() is not t for r, t in zip(self.baked.refs, live))
+
+    def _move_out_held_outputs(self) -> str | None:
+        """Before the forward replays again: outputs of its last replay that the caller still
+        holds (a ``.detach()`` or a view kept across steps) get their own memory."""
+        for i, o in enumerate(self.static_outputs):
+            if _uses(o) > self._output_uses[i]:
+                if not grads_module.SWAPS_STORAGE:
+                    return (
+                        "an output of its previous call (or a view or .detach() of it) is still "
+                        "held, and this PyTorch cannot move it out of the graph's memory "
+                        "(UntypedStorage._swap_data_ptr_, PyTorch >= 2.13); clone outputs you keep"
+                    )
+                move_memory_out(o, self._output_internal[i])
+                self._output_uses[i] = _uses(o)
+        return None
+
     def replay(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | str:
         """Replay the forward on live ``tensors``: the static outputs' views, or the reason
         the call must run eagerly instead."""
+        why = self.check_baked() or self._move_out_held_outputs()
+        if why is not None:
+            return why
         unsafe = self.ledger.unsafe_forward(self)
         if unsafe is not None:
             return unsafe
@@ -361,12 +494,19 @@ class GraphedUnit:
         if not self.needs_backward:
             self.fwd_graph.replay()
             outs = [o.detach() for o in self.static_outputs]
+            for i in self._aliasing_outputs:  # the static input buffer: the next call's copy
+                outs[i] = outs[i].clone()  # would overwrite it under the caller
             hold_while_alive(self, outs)
         else:
             flight = Flight(self)
             if self.recomputes:
                 self._rng_at_forward = rng.default_generator(self.device).get_state()
             outs = list(GraphedCall.apply(self, flight, *tensors, *self.autograd_params))
+        if self._copy_in:
+            with torch.no_grad():  # a buffer the forward updates (running statistics)
+                for i in self._copy_in:
+                    if self.baked.is_buffer[i]:
+                        self._live[i].copy_(self.baked.held[i])
         LiveOutputs(self.ledger, self, outs)  # no other graph overwrites them (tgraph.pool)
         return outs
 
@@ -452,6 +592,23 @@ class GraphedUnit:
             for buf in self.static_grad_outputs:
                 _poison(buf)
             self._grad_out_zero = [False] * len(self.static_grad_outputs)
+
+
+def _uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) use ``t``'s memory."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def move_memory_out(t: torch.Tensor, internal: list[torch.Tensor]) -> None:
+    """Give the caller's tensors on ``t``'s memory a copy of it; tgraph's own tensors on it
+    (``internal``: the static output and the static inputs that share it) keep the memory,
+    which a graph writes. One copy."""
+    held = t.untyped_storage()
+    graph_memory = held.clone()
+    held._swap_data_ptr_(graph_memory)  # every tensor on it now views the copy ...
+    with torch.no_grad():
+        for x in internal:  # ... except tgraph's own, which keep the graph's memory
+            x.set_(graph_memory, x.storage_offset(), x.shape, x.stride())
 
 
 def _poison(t: torch.Tensor) -> None:

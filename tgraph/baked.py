@@ -1,0 +1,283 @@
+"""What a captured per-layer graph baked in beyond its static inputs, and the check before replay.
+
+A graph runs no Python: it keeps the memory each parameter and buffer lived in at capture, the
+effect of every Python value its forward read and of every hook that ran. :class:`Baked` is the
+frozen record of those, taken right after the forward capture, and :meth:`Baked.changed` says,
+before each replay, what differs now (a few microseconds: tuple comparisons of cached getters).
+
+What is checked, per module of the unit (the graphed module and its submodules):
+
+* **plain attributes** (bool, int, float, str, None, tuples of them; e.g. ``dropout.p``, a
+  temperature, a LoRA ``disable_adapters`` flag, the objects a forward reads by identity);
+* **parameters and buffers**: the same tensor objects, on the same memory;
+* **hooks**: the module's forward, forward-pre and backward hooks, and the global module hooks.
+
+What is not checked, and therefore a rule (README, "What a graph keeps"): Python state outside the
+modules (a global, a config object's fields mutated in place, a closure), read by ``forward``.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as nn_module
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _plain(v: object) -> bool:
+    return isinstance(v, _PLAIN) or (
+        isinstance(v, tuple) and len(v) < 16 and all(isinstance(x, _PLAIN) for x in v)
+    )
+
+
+def _getter(keys: list[str]):
+    return operator.itemgetter(*keys) if len(keys) > 1 else (lambda d, k=keys[0]: (d[k],))
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """One dict of one module, the keys a graph depends on and their values at capture."""
+
+    where: str  # "fc1" / "fc1.weight" prefix for messages
+    table: dict
+    keys: tuple[str, ...]
+    get: object
+    values: tuple
+
+
+def _slots(where: str, table: dict, keys: list[str], by_id: bool) -> _Slots | None:
+    if not keys:
+        return None
+    get = _getter(keys)
+    values = get(table)
+    return _Slots(where, table, tuple(keys), get, tuple(map(id, values)) if by_id else values)
+
+
+@dataclass(frozen=True)
+class Baked:
+    """The record of one unit's capture (see the module docstring)."""
+
+    attrs: tuple[_Slots, ...]
+    tensors: tuple[_Slots, ...]  # parameters and buffers, by identity
+    refs: tuple[weakref.ref, ...]  # the same parameters and buffers, in order (weakly)
+    held: tuple[torch.Tensor, ...]  # ... aliases of the memory the graph reads (kept alive)
+    ptrs: tuple[int, ...]  # ... and its addresses
+    names: tuple[str, ...]  # ... and their qualified names
+    is_buffer: tuple[bool, ...]
+    hooks: tuple[tuple[str, dict], ...]
+    hook_counts: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls,
+        modules: list[tuple[str, nn.Module]],
+        roots: list[nn.Module],
+        graph_memory: Baked | None = None,
+    ) -> Baked:
+        """Record ``modules`` (qualified name, module) as they are now; ``roots``: the graphed
+        modules among them (their own forward hooks run eagerly at every call, see
+        :func:`call_with_own_hooks`); ``graph_memory``: keep the memory of an earlier record
+        as what the graph reads (after a re-bind)."""
+        attrs, tensors, memory, names, hooks, is_buffer = [], [], [], [], [], []
+        for name, m in modules:
+            d = vars(m)
+            keys = [k for k, v in d.items() if not k.startswith("_") and _plain(v)]
+            keys = [k for k in keys if k != "training"]  # part of the call key already
+            s = _slots(name, d, keys, by_id=False)
+            if s is not None:
+                attrs.append(s)
+            for table_name in ("_parameters", "_buffers"):
+                table = d[table_name]
+                keys = [k for k, v in table.items() if v is not None]
+                s = _slots(name, table, keys, by_id=True)
+                if s is not None:
+                    tensors.append(s)
+                    for k in keys:
+                        memory.append(table[k])
+                        names.append(f"{name}.{k}" if name else k)
+                        is_buffer.append(table_name == "_buffers")
+            own = _OWN_HOOKS if m in roots and hooks_run_outside(m) else ()
+            hooks += [(f"{name}.{h}", d[h]) for h in _HOOKS if h not in own]
+        hooks += [(f"torch.nn.modules.module.{h}", getattr(nn_module, h)) for h in _GLOBAL_HOOKS]
+        held = tuple(t.detach() for t in memory) if graph_memory is None else graph_memory.held
+        return cls(
+            attrs=tuple(attrs),
+            tensors=tuple(tensors),
+            refs=tuple(weakref.ref(t) for t in memory),
+            held=held,
+            ptrs=tuple(t.data_ptr() for t in held),
+            names=tuple(names),
+            is_buffer=tuple(is_buffer),
+            hooks=tuple(hooks),
+            hook_counts=tuple(len(h) for _, h in hooks),
+        )
+
+    # ------------------------------------------------------------------ checks
+    def changed_hooks(self) -> str | None:
+        if tuple(len(h) for _, h in self.hooks) == self.hook_counts:
+            return None
+        for (where, table), n in zip(self.hooks, self.hook_counts):
+            if len(table) != n:
+                fns = ", ".join(getattr(f, "__name__", repr(f)) for f in table.values())
+                return (
+                    f"the hooks of {where} changed after capture (now: {fns or 'none'}); a graph "
+                    "replays the effect of the hooks present at capture only"
+                )
+        return None
+
+    def changed_attrs(self) -> str | None:
+        for s in self.attrs:
+            try:
+                now = s.get(s.table)
+            except KeyError:
+                return f"an attribute of {s.where or 'the module'} was deleted after capture"
+            if now != s.values:
+                for k, was, v in zip(s.keys, s.values, now):
+                    if v != was:
+                        where = f"{s.where}.{k}" if s.where else k
+                        return (
+                            f"{where} changed from {was!r} to {v!r} after capture; the graph "
+                            f"baked {was!r} into its kernels"
+                        )
+        return None
+
+    def replaced_tensors(self) -> str | None:
+        """Why the parameters and buffers are not the captured objects (None: they are)."""
+        for s in self.tensors:
+            try:
+                now = tuple(map(id, s.get(s.table)))
+            except KeyError:
+                return f"a parameter or buffer of {s.where} was removed after capture"
+            if now != s.values:
+                return f"a parameter or buffer of {s.where} was replaced after capture"
+        return None
+
+    def live(self) -> tuple[torch.Tensor, ...]:
+        """The parameters and buffers the modules hold now, in the record's order."""
+        out: tuple = ()
+        for s in self.tensors:
+            out += s.get(s.table)
+        return out
+
+    def incompatible(self, live: tuple[torch.Tensor, ...]) -> str | None:
+        """Why ``live`` cannot be copied into the graph's memory (None: it can)."""
+        for name, t, h in zip(self.names, live, self.held):
+            if t.shape != h.shape or t.dtype != h.dtype or t.device != h.device:
+                return (
+                    f"{name} is now {tuple(t.shape)} {t.dtype} on {t.device}, captured as "
+                    f"{tuple(h.shape)} {h.dtype} on {h.device}"
+                )
+        return None
+
+    def moved(self, live: tuple[torch.Tensor, ...]) -> list[int]:
+        """Indices of the ``live`` tensors that live in other memory than at capture."""
+        ptrs = tuple(t.data_ptr() for t in live)
+        if ptrs == self.ptrs:
+            return []
+        return [i for i, (a, b) in enumerate(zip(ptrs, self.ptrs)) if a != b]
+
+
+def describe_hooks(modules: list[tuple[str, nn.Module]], roots: list[nn.Module]) -> list[str]:
+    """Every hook a graph would bake in: ``"where: kind fn"`` (the roots' own forward hooks
+    and transformers' inactive output-recording hooks excepted)."""
+    found = []
+    for name, m in modules:
+        own = _OWN_HOOKS if m in roots and hooks_run_outside(m) else ()
+        for h in _HOOKS:
+            for fn in vars(m)[h].values() if h not in own else ():
+                if not _inert(fn):
+                    found.append(f"{name}: {h.strip('_').replace('_', ' ')[:-1]} {_name(fn)}")
+    for h in _GLOBAL_HOOKS:
+        for fn in getattr(nn_module, h).values():
+            found.append(f"global {h.strip('_').replace('_', ' ')[:-1]} {_name(fn)}")
+    return found
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+# ------------------------------------------------------------- hooks of the graphed module
+
+
+_OWN_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def hooks_run_outside(m: nn.Module) -> bool:
+    """Whether ``m``'s own forward hooks run eagerly around its graphed calls (always, unless
+    it or the process has backward hooks, which need ``nn.Module.__call__``'s wrapping)."""
+    return not (
+        m._backward_hooks
+        or m._backward_pre_hooks
+        or nn_module._global_backward_hooks
+        or nn_module._global_backward_pre_hooks
+    )
+
+
+def has_own_forward_hooks(m: nn.Module) -> bool:
+    return bool(
+        m._forward_hooks
+        or m._forward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+    )
+
+
+def call_with_own_hooks(m: nn.Module, call, args: tuple, kwargs: dict):
+    """``call(args, kwargs)`` between ``m``'s forward pre-hooks and forward hooks, run eagerly
+    as ``nn.Module.__call__`` runs them: they see each call's real inputs and outputs."""
+    pre_kw = m._forward_pre_hooks_with_kwargs
+    for hid, hook in (*nn_module._global_forward_pre_hooks.items(), *m._forward_pre_hooks.items()):
+        if hid in pre_kw:
+            res = hook(m, args, kwargs)
+            if res is not None:
+                args, kwargs = res
+        else:
+            res = hook(m, args)
+            if res is not None:
+                args = res if isinstance(res, tuple) else (res,)
+    out = call(args, kwargs)
+    fwd_kw = m._forward_hooks_with_kwargs
+    global_kw = getattr(nn_module, "_global_forward_hooks_with_kwargs", {})
+    for hid, hook in (*nn_module._global_forward_hooks.items(), *m._forward_hooks.items()):
+        res = hook(m, args, kwargs, out) if hid in fwd_kw or hid in global_kw else hook(m, args, out)
+        if res is not None:
+            out = res
+    return out
+
+
+# ----------------------------------------------------- transformers' output-recording hooks
+
+
+def _inert(fn: object) -> bool:
+    """transformers (>= 5) installs output-recording forward hooks on every layer and
+    attention module; they do nothing unless a model call records outputs
+    (``output_attentions``, ``output_router_logits``), which :func:`recording_outputs` tells."""
+    return getattr(fn, "__module__", "").startswith("transformers.") and _name(fn).endswith(
+        "output_capturing_hook"
+    )
+
+
+def recording_outputs() -> str | None:
+    """The outputs transformers is recording through hooks now (beyond the layers' hidden
+    states, which the graphed layers' own hooks record), or None."""
+    oc = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(oc, "_active_collector", None)
+    active = collector.get() if collector is not None else None
+    if not active:
+        return None
+    keys = [k for k in active if not k.startswith("_") and k != "hidden_states"]
+    return ", ".join(keys) or None
