@@ -170,13 +170,14 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
         if not isinstance(layer, GraphableModule):
             layer.__class__ = _graphable(type(layer), base)
         layer._tgraph_hf_adapters = tuple(m for m in layer.modules() if _is_adapter_layer(m))
-    if model not in _cache_hooks:
+    if model not in _cache_hooks:  # on the models around the layers, never inside a graph
+        inside = {id(m) for layer in layers for m in layer.modules()}
         _cache_hooks[model] = [
             m.register_forward_pre_hook(
                 functools.partial(_no_cache_by_default, at), with_kwargs=True
             )
             for m in model.modules()
-            if (at := _use_cache_position(m)) is not None
+            if id(m) not in inside and (at := _use_cache_position(m)) is not None
         ]
     logger.info("tgraph: %d %s layers graphable", len(layers), type(layers[0]).__name__)
     return tgraph.enable(model, **enable_options)
