@@ -23,10 +23,10 @@ What the subclass handles, per call of a decoder layer:
   ``GradientCheckpointingLayer.__call__``, which the graphed dispatch would skip; the subclass
   checkpoints in ``forward`` instead, as newer transformers does. Reentrant checkpointing
   cannot run under the backward graph's ``torch.autograd.grad`` and is refused with the fix.
-* **Hidden states, attentions and router logits** that transformers records with forward hooks
-  (``output_hidden_states=True`` and friends) are not produced by a replay, which runs no hooks:
-  while such a recording is active, the layers run eagerly with a
-  :class:`tgraph.GraphFallbackWarning` naming the flag (``strict=True``: a ``RuntimeError``).
+* **Output recording** needs nothing here: tgraph runs a graphed layer's own forward hooks
+  around every replay, so ``output_hidden_states=True`` replays graphs; attentions and router
+  logits, recorded by hooks inside the layer, make those calls run eagerly with a
+  :class:`tgraph.GraphFallbackWarning` (:mod:`tgraph.baked`).
 * **State a graph would bake in** that is not a call argument (gradient checkpointing on or off,
   PEFT adapters disabled, merged, switched or rescaled) is handed to tgraph as one more hashable
   keyword argument, so a call whose state differs from the capture's matches no graph and runs
@@ -48,14 +48,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import warnings
 import weakref
 
 import torch
 import torch.nn as nn
 
 import tgraph
-from tgraph.module import GraphableModule, GraphFallbackWarning
+from tgraph.module import GraphableModule
 from tgraph.unit import inside_graphed_region
 
 logger = logging.getLogger(__name__)
@@ -64,13 +63,6 @@ INSTALL_HINT = "transformers is not installed: pip install 'tgraph[hf]'"
 
 STATE_KWARG = "tgraph_layer_state"
 """The keyword argument that carries a layer's non-argument state into tgraph's call key."""
-
-# Output recordings of transformers' `capture_outputs` and the flag that asks for each.
-_RECORDING_FLAGS = {
-    "hidden_states": "output_hidden_states",
-    "attentions": "output_attentions",
-    "router_logits": "output_router_logits",
-}
 
 _cache_hooks: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
 
@@ -91,23 +83,6 @@ def _checkpointing_layer_class() -> type | None:
     except ImportError:
         return None
     return GradientCheckpointingLayer
-
-
-@functools.cache
-def _recording_context():
-    """transformers' context variable holding the outputs its hooks record (None before 5.x's
-    hook-based recording, whose outputs are the layers' call results, which graphs return)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return None
-    return _active_collector
-
-
-def _active_recording() -> dict | None:
-    """The dict transformers' forward hooks are recording into now, or None."""
-    context = _recording_context()
-    return None if context is None else context.get()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -306,22 +281,6 @@ def _layer_call(self, *args, **kwargs):
     state = self.__dict__.get("_tgraph")
     if state is None or inside_graphed_region():
         return nn.Module.__call__(self, *args, **kwargs)  # forward checkpoints (_graphable)
-    recording = _active_recording()
-    if recording:
-        flags = [_RECORDING_FLAGS.get(k, f"output_{k}") for k in recording if not k.startswith("_")]
-        if flags:
-            msg = (
-                f"{', '.join(f + '=True' for f in flags)}: transformers records these with forward "
-                "hooks, which a graph replay does not run, so the decoder layers run eagerly. "
-                "Turn the flag off for graphed training"
-            )
-            if getattr(state, "strict", False):
-                raise RuntimeError(msg + " (strict=True turns this fallback into an error)")
-            warned = getattr(state, "warned", set())  # tgraph's once-per-reason set
-            if msg not in warned:
-                warned.add(msg)
-                warnings.warn(msg, GraphFallbackWarning, stacklevel=2)
-            return nn.Module.__call__(self, *args, **kwargs)
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         _refuse_reentrant(self)
     kwargs[STATE_KWARG] = _layer_state(self)
