@@ -166,8 +166,12 @@ def build_model(a: argparse.Namespace, device: torch.device, resume: Path | None
         model.config, "num_local_experts", None
     ):
         model.set_experts_implementation(a.experts)
-    if a.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if a.gradient_checkpointing:  # non-reentrant: the only kind a backward graph can run
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # its newer name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model.to(device).train()
 
 
@@ -253,9 +257,8 @@ class TrainStep:
             return self.full((x, y))
         loss = self.eager_step(x, y)
         if self.calls == 1 and self.a.graph in ("layer", "layer+opt"):
-            if (
-                self.opt_graph is None
-            ):  # the recorded step's gradients would add to the capture's peak
+            # the recorded step's gradients would add their size to the capture's peak
+            if self.opt_graph is None:  # (OptimizerGraph owns its .grad tensors: kept)
                 self.opt.zero_grad(set_to_none=True)
             logger.info("%s", tgraph.create_graphs())
         return loss
@@ -296,6 +299,7 @@ def save_checkpoint(out: Path, step: int, model, opt, sampler, a, decay_steps: i
         "optimizer": opt.state_dict(),
         "sampler": sampler.state_dict(),
         "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
         "args": vars(a),
     }
     torch.save(state, tmp / "trainer.pt")
@@ -338,6 +342,8 @@ def train(a: argparse.Namespace) -> dict:
         tensor_lrs(opt, env.device)
         sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None and env.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"])  # dropout masks continue as if unbroken
         start, decay_steps = state["step"], state["decay_steps"]
     step_fn = TrainStep(a, model, opt, env)
     try:
