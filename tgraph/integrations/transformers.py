@@ -267,12 +267,13 @@ def _refuse_reentrant(layer: nn.Module) -> None:
     reentrant = getattr(fn, "keywords", {}).get("use_reentrant", None)
     if reentrant is None or reentrant:
         raise ValueError(
-            f"{type(layer).__name__} has reentrant gradient checkpointing (use_reentrant True or "
-            "unset), which cannot run inside "
-            "a backward graph (it calls backward inside backward; the graph uses "
-            "torch.autograd.grad). Turn it on non-reentrant: model.gradient_checkpointing_enable("
-            'gradient_checkpointing_kwargs={"use_reentrant": False}) (or activation_checkpointing_'
-            'enable(activation_checkpointing_kwargs={"use_reentrant": False}))'
+            f"{type(layer).__name__} has reentrant gradient checkpointing (use_reentrant True "
+            "or unset), which cannot run inside a backward graph (it calls backward inside "
+            "backward; the graph uses torch.autograd.grad). Turn it on non-reentrant: "
+            "model.gradient_checkpointing_enable("
+            'gradient_checkpointing_kwargs={"use_reentrant": False}), or with newer transformers '
+            "model.activation_checkpointing_enable("
+            'activation_checkpointing_kwargs={"use_reentrant": False})'
         )
 
 
