@@ -1,15 +1,15 @@
 """Generate text from a toy-GPT checkpoint, decode steps served by graphs.
 
     python recipes/generate.py --ckpt runs/quickstart --prompt "def " --temperature 0.8 --top-k 40
-    python recipes/generate.py --ckpt runs/quickstart --prompt "import " --prompt "class " \
-        --max-new-tokens 200 --temperature 0.8 --seed 1
-    python recipes/generate.py --ckpt runs/quickstart/checkpoints/step_002000 --prompt "def " \
-        --no-graphs                                      # greedy, decode steps run eagerly
+    python recipes/generate.py --ckpt runs/quickstart --prompt "import " --prompt "class " --max-new-tokens 100 --temperature 0.8 --top-p 0.9 --seed 1
+    python recipes/generate.py --ckpt runs/quickstart/checkpoints/latest --prompt "def " --no-graphs   # greedy, eager
 
 --ckpt takes a run directory of recipes/train_gpt.py (meaning its latest checkpoint), its
 checkpoints/ directory, or one checkpoint directory (model.safetensors + config.json written by
 tgraph.toy.checkpoint.save). --temperature 0 (the default) decodes greedily: the most likely byte at
-every step, which for a small model soon repeats itself; 0.8 with --top-k 40 reads better.
+every step, which for a small model soon repeats itself; 0.8 with --top-k 40 (or --top-p 0.9)
+reads better. A prompt and its new bytes must fit the model's positions (block_size, 128 for
+the quickstart model).
 Prints each sample under a separator line, then one summary line: tokens/s, ms per decode step,
 buckets used and capture time. On a CPU the graphs are emulated (tgraph's stand-in for CUDA
 graphs: same code paths, no speed-up). Bad arguments exit with code 2 and one line saying why.
@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, OneLi
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest bytes")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the likeliest bytes whose probabilities reach p (default 1: all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling; same seed, same text")
     p.add_argument("--eos-token-id", type=int, default=None, help="stop a sample at this byte")
     p.add_argument(
@@ -69,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, OneLi
             p.error(f"--{name.replace('_', '-')} must be 1 or more, got {value}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         p.error(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        p.error(f"--top-p must be in (0, 1] (1 keeps every byte), got {args.top_p}")
     if args.eos_token_id is not None and args.eos_token_id < 0:
         p.error(f"--eos-token-id must be a byte value 0-255, got {args.eos_token_id}")
     for i, prompt in enumerate(args.prompt, 1):
@@ -94,10 +102,17 @@ def check_against_model(args: argparse.Namespace, p: OneLineErrorParser, model) 
     for i, prompt in enumerate(args.prompt, 1):
         n = len(prompt.encode("utf-8"))  # the toy GPT's tokens are bytes
         if n + args.max_new_tokens > max_seq_len:
+            fixes = []
+            if max_seq_len - args.max_new_tokens >= 1:
+                fixes.append(f"shorten it to at most {max_seq_len - args.max_new_tokens} bytes")
+            if max_seq_len - n >= 1:
+                fixes.append(f"lower --max-new-tokens to at most {max_seq_len - n}")
+            if not fixes:  # neither alone fits
+                fixes.append(f"shorten it and lower --max-new-tokens to {max_seq_len} together")
             p.error(
                 f"--prompt {i} is {n} bytes; with --max-new-tokens {args.max_new_tokens} it needs "
-                f"{n + args.max_new_tokens} positions but there are {max_seq_len}: shorten it or "
-                f"lower --max-new-tokens (to {max(max_seq_len - n, 0)} at most)"
+                f"{n + args.max_new_tokens} positions but there are {max_seq_len}: "
+                + " or ".join(fixes)
             )
     return max_seq_len
 
@@ -146,6 +161,7 @@ def _generate(args: argparse.Namespace, parser: OneLineErrorParser) -> list[str]
     step = f"step {extra['step']}" if isinstance(extra, dict) and "step" in extra else "no step"
     how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     how += f", top-k {args.top_k}" if args.top_k and args.temperature else ""
+    how += f", top-p {args.top_p}" if args.top_p < 1 and args.temperature else ""
     print(f"checkpoint {path} ({step}); {how}, seed {args.seed}", flush=True)
     try:
         engine = DecodeEngine(
@@ -159,6 +175,7 @@ def _generate(args: argparse.Namespace, parser: OneLineErrorParser) -> list[str]
             args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
+            top_p=args.top_p,
             eos_token_id=args.eos_token_id,
             seed=args.seed,
         )

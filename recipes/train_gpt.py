@@ -45,6 +45,7 @@ from pathlib import Path
 # sys.path when it runs the file (python, torchrun); a test that loads the file by path needs it.
 sys.path.append(str(Path(__file__).resolve().parent))
 
+import torch
 from gpt_training.checkpointing import RunDirectoryError, latest_checkpoint, resolve_resume
 from gpt_training.config import GRAPH_MODES, NONFINITE_MODES, RunOnly, TrainConfig
 from gpt_training.optim import lr_at
@@ -114,7 +115,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     docs = _field_docs(TrainConfig)
-    types = {"int": int, "float": float, "str": str, "bool": bool}
+    types = {"int": int, "int | None": int, "float": float, "str": str, "bool": bool}
     choices = {"graph": GRAPH_MODES, "on_nonfinite": NONFINITE_MODES}
     for group in TrainConfig.groups():  # --help lists the flags by config group
         summary = (group.__doc__ or "").strip().split("\n")[0]
@@ -134,9 +135,24 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             )
     args = parser.parse_args(argv)
     try:
-        return TrainConfig(**vars(args))
+        cfg = TrainConfig(**vars(args))
     except ValueError as e:
         parser.error(str(e))
+    _check_hardware(cfg, parser)
+    return cfg
+
+
+def _check_hardware(cfg: TrainConfig, parser: OneLineErrorParser) -> None:
+    """Refuse a GPU that is not there before anything runs or any directory is created."""
+    if torch.cuda.is_available():
+        return
+    if cfg.device.startswith("cuda"):
+        parser.error(f"--device {cfg.device}, but no GPU is visible; use --device cpu or auto")
+    if cfg.backend == "cuda":
+        parser.error(
+            "--backend cuda needs a GPU, but none is visible; use --backend auto or emulated "
+            "(tgraph's CPU stand-in for CUDA graphs)"
+        )
 
 
 def run_cli(cfg: TrainConfig, rank: int) -> int:

@@ -56,15 +56,32 @@ FULL_WARMUP = 3  # eager calls of the FullIterationGraph before its capture
 RUN_FILES = ("metrics.jsonl", "summary.json")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--graph", choices=GRAPH_MODES, default="layer")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--num-layers", type=int, default=12)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+def build_parser() -> argparse.ArgumentParser:
+    """The recipe's flags, each with its help text and default (``--help``)."""
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--graph",
+        choices=GRAPH_MODES,
+        default="layer",
+        help="how a step runs: none (eager), layer (per-layer graphs), layer+opt (and the "
+        "optimizer step as a graph) or full (the whole step as one graph); see the module "
+        "docstring",
+    )
+    p.add_argument("--steps", type=int, default=200, help="training iterations (at least 2)")
+    p.add_argument("--num-layers", type=int, default=12, help="TransformerLayers")
+    p.add_argument("--hidden-size", type=int, default=256, help="width of the residual stream")
+    p.add_argument(
+        "--num-heads", type=int, default=4, help="attention heads; must divide --hidden-size"
+    )
+    p.add_argument(
+        "--seq-length", type=int, default=128, help="bytes per sequence (the context length)"
+    )
+    p.add_argument(
+        "--micro-batch-size", type=int, default=8, help="sequences per micro-batch per rank"
+    )
     p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (after warmup)")
     p.add_argument(
@@ -86,15 +103,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="capturable AdamW in the eager modes too (OptimizerConfig.optimizer_cuda_graph; "
         "layer+opt and full always step it)",
     )
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--out", default="runs/megatron_gpt")
+    p.add_argument(
+        "--dropout", type=float, default=0.0, help="attention and hidden dropout probability"
+    )
+    p.add_argument(
+        "--seed", type=int, default=1234, help="seed of the initial weights and of the batches"
+    )
+    p.add_argument("--log-every", type=int, default=20, help="a metrics line every this many steps")
+    p.add_argument(
+        "--out", default="runs/megatron_gpt", help="run directory (metrics.jsonl, summary.json)"
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the metrics of a run already in --out (refused otherwise)",
     )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the flags.
+
+    Raises:
+        SystemExit: code 2, naming the bad flag.
+    """
+    p = build_parser()
     a = p.parse_args(argv)
     if a.steps < 2 or a.micro_batches < 1:
         p.error("--steps must be >= 2 and --micro-batches >= 1")

@@ -46,7 +46,7 @@ from bench_common import (  # noqa: E402
 import tgraph  # noqa: E402
 from tgraph.toy.gpt import GPT, GPTConfig  # noqa: E402
 
-VOCAB = 1024  # DESIGN.md reference configuration
+VOCAB = 1024  # the reference configuration of every benchmark in docs/BENCHMARKS.md
 CONFIGS: dict[str, dict[str, int]] = {
     "tiny": dict(n_layer=12, n_embd=256, n_head=4, seq=128, batch=8),
     "small": dict(n_layer=24, n_embd=512, n_head=8, seq=256, batch=8),

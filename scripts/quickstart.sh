@@ -7,6 +7,7 @@
 #   bash scripts/quickstart.sh --overwrite                    # discard it and start afresh
 #   bash scripts/quickstart.sh --out runs/full --graph full   # any train_gpt.py flag passes through
 #   OUT=runs/gpu bash scripts/quickstart.sh --steps 2000      # OUT= sets the run directory too
+#   bash scripts/quickstart.sh --help                         # train_gpt.py's flags, then stop
 #
 # Writes <out>/{config.json,metrics.jsonl,loss.png,summary.json,checkpoints/}, by default under
 # runs/quickstart/. A second plain run into a directory that holds a run is refused (one line
@@ -20,6 +21,7 @@ for ((i = 0; i < ${#args[@]}; i++)); do # the run directory: the last --out wins
     case "${args[i]}" in
     --out) OUT="${args[i + 1]:-$OUT}" ;;
     --out=*) OUT="${args[i]#--out=}" ;;
+    -h | --help) exec python recipes/train_gpt.py --help ;; # the help only: no run, no samples
     esac
 done
 python recipes/train_gpt.py --out "$OUT" "$@"

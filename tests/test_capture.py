@@ -20,6 +20,24 @@ def test_create_graphs_without_record_is_a_clear_error():
         tgraph.create_graphs()
 
 
+def test_create_graphs_after_only_eager_fallbacks_says_so(backend, device):
+    """Every graphed call fell back to eager (a cache argument, as with Hugging Face's default
+    use_cache=True): the message names that, not "run one iteration", which the user did."""
+    from test_signature import Cache
+
+    block = CachedBlock().to(device)
+    tgraph.enable(block, backend=backend)
+    with pytest.warns(tgraph.GraphFallbackWarning):
+        for _ in range(2):
+            block(torch.randn(2, 4, device=device), cache=Cache()).sum().backward()
+    match = r"nothing recorded: all 2 calls of graphed modules .* ran eagerly instead \(.*Cache"
+    with pytest.raises(RuntimeError, match=match):
+        tgraph.create_graphs()
+    tgraph.reset()
+    with pytest.raises(RuntimeError, match="nothing recorded: call tgraph.enable"):
+        tgraph.create_graphs()
+
+
 def test_enable_on_model_without_graphable_modules():
     with pytest.raises(ValueError, match="contains no tgraph.GraphableModule"):
         tgraph.enable(nn.Linear(2, 2))

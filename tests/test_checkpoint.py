@@ -186,7 +186,8 @@ def test_damaged_tensor_bytes_are_detected(tmp_path):
 
 
 def test_checkpoint_without_checksums_still_loads(tmp_path):
-    """Checkpoints written before checksums existed load unverified."""
+    """Checkpoints written before checksums existed load unverified, unless checksums are
+    required."""
     model = tiny_gpt()
     checkpoint.save(model, tmp_path)
     path = tmp_path / "config.json"
@@ -194,3 +195,39 @@ def test_checkpoint_without_checksums_still_loads(tmp_path):
     del data["sha256"]
     path.write_text(json.dumps(data))
     assert_same_weights(model, checkpoint.load(tmp_path))
+    with pytest.raises(CheckpointError, match="records no sha256 checksums"):
+        checkpoint.load_into(tiny_gpt(), tmp_path, require_checksums=True)
+
+
+def test_weights_without_a_readable_config_are_refused(tmp_path):
+    """The config holds the checksums: without it the weights cannot be verified."""
+    checkpoint.save(tiny_gpt(), tmp_path)
+    (tmp_path / "config.json").write_text('{"broken')
+    with pytest.raises(CheckpointError, match="not valid JSON.*checksums of .* cannot be verified"):
+        checkpoint.load_state_dict(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        checkpoint.load_into(tiny_gpt(), tmp_path)
+
+
+def test_save_killed_before_its_config_never_pairs_new_weights_with_old_metadata(
+    tmp_path, monkeypatch
+):
+    """A second save into the same directory dies after the weights, before config.json: the
+    directory then refuses to load (or loads the old pair), never new weights as the old save."""
+    checkpoint.save(tiny_gpt(seed=0), tmp_path, extra={"step": 100})
+    real = checkpoint.atomic_writer
+
+    def dies_at_the_config(path, mode="wb"):
+        if os.path.basename(path) == "config.json":
+            raise KeyboardInterrupt  # the process is stopped here
+        return real(path, mode)
+
+    monkeypatch.setattr(checkpoint, "atomic_writer", dies_at_the_config)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tiny_gpt(seed=1), tmp_path, extra={"step": 200})
+    monkeypatch.undo()
+    assert checkpoint.read_config(tmp_path)[1] == {"step": 100}  # the old config survived whole
+    with pytest.raises(CheckpointError, match="different saves"):
+        checkpoint.load(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]  # no temp files

@@ -146,6 +146,33 @@ def test_buffers_reset_stale_tail(device):
     assert buffers.live(4).tolist() == [1, 0, 0, 0]
 
 
+def test_padding_rows_are_padding_at_every_step(backend, device):
+    """A request leaves a batch of 4 (bucket 4 keeps running 3): from the next step on, its old
+    row is a padding row again (not live, position 0, its own slot), so it neither advances nor
+    writes past its slot's end; every step of the run is checked."""
+    engine = DecodeEngine(
+        tiny_gpt(device), max_batch_size=4, max_seq_len=64, backend=backend, progress=False
+    )
+    real_step = engine.step
+    seen = []
+
+    def checked_step(batch):
+        pad = slice(batch.n, batch.width)
+        rows = torch.arange(batch.width)[pad].tolist()
+        assert engine.buffers.live(batch.width)[pad].tolist() == [0] * len(rows)
+        inputs = engine.buffers.set_batch(batch.width)
+        assert inputs.positions[pad].tolist() == [0] * len(rows)
+        assert inputs.lengths[pad].tolist() == [1] * len(rows)
+        assert inputs.slots[pad].tolist() == rows
+        seen.append((batch.n, batch.width))
+        return real_step(batch)
+
+    engine.step = checked_step
+    out = engine.generate(prompts(4), [3, 20, 20, 20])
+    assert [len(o) for o in out] == [3, 20, 20, 20]
+    assert (4, 4) in seen and (3, 4) in seen  # the batch shrank inside bucket 4
+
+
 def _live_logits(engine: DecodeEngine, ps: list[list[int]]) -> torch.Tensor:
     """Prefill ``ps`` into slots 0.. and return the live rows' logits of 3 decode steps."""
     reqs = [Request(i, p, 5, False, slot=i) for i, p in enumerate(ps)]
@@ -365,6 +392,37 @@ def test_serves_model_with_per_layer_graphs_enabled(backend, device):
     ps = prompts(3)
     kw = dict(max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
     assert DecodeEngine(model, **kw).generate(ps, 10) == DecodeEngine(plain, **kw).generate(ps, 10)
+
+
+def test_sampling_during_training_leaves_the_model_training(backend, device):
+    """Sampling every N steps of a training run: the engine decodes without dropout, then the
+    model is back in train mode and its per-layer graphs still replay (strict: no fallback)."""
+    import tgraph
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, dropout=0.1)).to(device)
+    reference = GPT(GPTConfig(**CFG, dropout=0.1)).to(device)
+    reference.load_state_dict(model.state_dict())
+    reference.eval()
+    tgraph.enable(model, backend=backend, strict=True)
+    x = torch.randint(0, 256, (2, 16), device=device)
+
+    def train_step() -> None:
+        model(x, x)[1].backward()
+
+    train_step()  # recorded
+    tgraph.create_graphs()
+    train_step()  # replayed
+    kw = dict(max_batch_size=2, max_seq_len=64)
+    graphed, eager = engines(model, backend, **kw)
+    assert all(m.training for m in model.modules())  # after capture
+    ps = prompts(2)
+    expected = DecodeEngine(reference, use_graphs=False, **kw).generate(ps, 8)
+    assert graphed.generate(ps, 8) == eager.generate(ps, 8) == expected  # no dropout
+    assert all(m.training for m in model.modules())  # after generate
+    assert not reference.training  # an eval model stays in eval mode
+    train_step()  # strict=True: a fallback to eager (a mode mismatch) would raise
+    assert all(m.training for m in model.modules())
 
 
 @pytest.mark.parametrize("scenario", ["50_steps", "join_and_leave"])

@@ -389,6 +389,35 @@ def test_optimizer_step_outside_fn_sees_each_steps_gradients(backend, device):
         torch.testing.assert_close(b, a, **TOL)
 
 
+def test_accumulated_gradients_restart_from_zero_after_set_to_none(backend, device):
+    """fn = forward + backward; the caller accumulates two calls, then steps and zeroes with
+    ``set_to_none=True``. The capture (call 4) finds .grad present and accumulates into it (mode
+    "add" on CUDA); at the next call .grad is None, so the graph's gradient buffers must be
+    zeroed before the replay adds into them, as eager autograd starts from nothing."""
+    batches = make_batches(device, n=STEPS)
+    finals = []
+    for graphed in (False, True):
+        model = make_model(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+
+        def fn(batch, model=model):
+            loss = model(*batch)[1]
+            loss.backward()
+            return loss.detach()
+
+        step = tgraph.FullIterationGraph(fn, warmup_steps=3, backend=backend) if graphed else fn
+        for i, b in enumerate(batches):
+            step(b)
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        if graphed and backend == "cuda":  # the path under test: the graph adds into .grad
+            assert {mode for e in step._entries.values() for *_, mode in e.grads} == {"add"}
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*finals):
+        torch.testing.assert_close(b, a, **TOL)
+
+
 def test_optimizer_first_seen_at_a_later_capture_keeps_its_schedule(backend, device):
     """A second batch shape brings a second optimizer; its learning rate must reach the graph."""
     finals = []

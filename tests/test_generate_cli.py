@@ -112,16 +112,66 @@ def test_samples_are_separated_and_cpu_memory_noise_is_dropped(run_dir, capsys, 
     assert not logging.getLogger("tgraph.decode.graph_runner").filters  # removed afterwards
 
 
-def test_help_examples_run(run_dir, capsys):
-    """Every example of the module docstring (--help) runs, on a run directory in its place."""
-    lines = gen.__doc__.replace("\\\n", "").splitlines()
-    examples = [ln.split("#")[0].strip() for ln in lines if "recipes/generate.py --ckpt" in ln]
-    assert len(examples) == 3
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory) -> Path:
+    """runs/quickstart after the README's commands: the quickstart's 128 positions, pruned
+    checkpoints (step_003000 and step_002750 left) and checkpoints/latest."""
+    run = tmp_path_factory.mktemp("quickstart") / "run"
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=128, n_layer=1, n_head=2, n_embd=16))
+    for step in (2750, 3000):
+        checkpoint.save(model, run / "checkpoints" / f"step_{step:06d}", extra={"step": step})
+    (run / "checkpoints" / "latest").symlink_to("step_003000")
+    return run
+
+
+def test_help_examples_run_verbatim(quickstart_run, capsys):
+    """Every example of --help, one per line, runs as written on the quickstart's run."""
+    with pytest.raises(SystemExit):
+        gen.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    examples = [ln for ln in help_text.splitlines() if "recipes/generate.py --ckpt" in ln]
+    assert len(examples) == 3 and all(ln.count("--ckpt") == 1 for ln in examples)
     for example in examples:
-        argv = shlex.split(example.replace("runs/quickstart", str(run_dir)))[2:]
-        argv = [a.replace("step_002000", "step_000004") for a in argv]
-        completions = gen.main([*argv, "--max-new-tokens", "4"])
+        argv = shlex.split(example.split("#")[0].replace("runs/quickstart", str(quickstart_run)))
+        assert argv[:2] == ["python", "recipes/generate.py"]
+        completions = gen.main(argv[2:])
         assert len(completions) == argv.count("--prompt")
+
+
+def test_top_p(run_dir, capsys):
+    args = ["--ckpt", str(run_dir), "--prompt", "ab", "--temperature", "1", "--seed", "3"]
+    assert generate(*args, "--top-p", "1") == generate(*args)
+    nucleus = generate(*args, "--top-p", "1e-9")  # keeps the likeliest byte only: greedy
+    assert "temperature 1.0, top-p 1e-09" in capsys.readouterr().out
+    assert nucleus == generate("--ckpt", str(run_dir), "--prompt", "ab")
+    for bad in ("0", "1.5", "nan"):
+        _expect_usage_error(
+            capsys, ["--ckpt", str(run_dir), "--prompt", "a", "--top-p", bad], "--top-p must be in"
+        )
+
+
+def test_too_long_prompt_is_told_what_fits(run_dir, capsys):
+    long = "x" * BLOCK
+    _expect_usage_error(
+        capsys,
+        ["--ckpt", str(run_dir), "--prompt", long, "--max-new-tokens", "4"],
+        f"shorten it to at most {BLOCK - 4} bytes",
+    )
+    _expect_usage_error(
+        capsys,
+        ["--ckpt", str(run_dir), "--prompt", "hello", "--max-new-tokens", "62"],
+        f"shorten it to at most 2 bytes or lower --max-new-tokens to at most {BLOCK - 5}",
+    )
+
+
+def test_ckpt_naming_a_file_says_so(run_dir, capsys):
+    weights = run_dir / "checkpoints" / "step_000004" / "model.safetensors"
+    _expect_usage_error(
+        capsys,
+        ["--ckpt", str(weights), "--prompt", "a"],
+        "is a file; pass the checkpoint directory",
+    )
 
 
 def test_command_line_error_exit_code(run_dir):

@@ -42,6 +42,11 @@ def test_without_a_gpu_the_recipe_says_so(tmp_path):
     assert "needs a CUDA GPU" in r.stderr
 
 
+def test_every_flag_has_help_text():
+    parser = _load_recipe().build_parser()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+
+
 def test_bad_flags_are_rejected():
     r = _run("--steps", "1")
     assert r.returncode == 2 and "--steps must be >= 2" in r.stderr

@@ -238,6 +238,68 @@ def test_planted_frozen_lr_is_caught(backend, device, monkeypatch):
         assert_same_training_state(model, opt, ref_model, ref_opt, exact=False)
 
 
+def _train_with_change(backend, device, change, *, graphed: bool, opt_kind: str = "adamw"):
+    """Train STEPS steps, calling ``change(opt)`` before step 5 (after the capture at step 2)."""
+    model = make_model(device)
+    opt = make_optimizer(model, device, opt_kind)
+    graph = tgraph.OptimizerGraph(opt, backend=backend) if graphed else None
+    for i, (x, y) in enumerate(make_batches(device)):
+        if i == 5:
+            assert graph is None or graph.captured
+            change(opt)
+        loss = model(x, y)[1]
+        loss.backward()
+        if graph is not None:
+            graph.step(loss)
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    return model, opt
+
+
+def _assign_float_lr(opt) -> None:
+    for g in opt.param_groups:
+        g["lr"] = LR / 4  # a float replacing the tensor the graph reads; exact in float32
+
+
+@pytest.mark.parametrize("opt_kind", ["adamw", "sgd"])
+def test_float_lr_assigned_after_capture_reaches_the_optimizer_graph(backend, device, opt_kind):
+    """A float learning rate assigned after capture is copied into the graph's lr tensor at
+    the next replay (HyperParams.refresh): the same numbers as eager, bit for bit."""
+    model, opt = _train_with_change(backend, device, _assign_float_lr, graphed=True,
+                                    opt_kind=opt_kind)  # fmt: skip
+    ref_model, ref_opt = _train_with_change(backend, device, _assign_float_lr, graphed=False,
+                                            opt_kind=opt_kind)  # fmt: skip
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    assert all(isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
+
+
+def test_planted_replay_without_refresh_is_caught(backend, device, monkeypatch):
+    monkeypatch.setattr(hyperparams.HyperParams, "refresh", lambda self: None)
+    model, opt = _train_with_change(backend, device, _assign_float_lr, graphed=True)
+    ref_model, ref_opt = _train_with_change(backend, device, _assign_float_lr, graphed=False)
+    with pytest.raises(AssertionError, match="parameter 0 differs from eager"):
+        assert_same_training_state(model, opt, ref_model, ref_opt)
+
+
+@pytest.mark.parametrize(
+    "opt_kind, key, value",
+    [("sgd", "momentum", 0.5), ("adamw", "betas", (0.8, 0.99)), ("adamw", "weight_decay", 0.0)],
+)
+def test_baked_hyperparameter_changed_after_capture_is_refused(
+    backend, device, opt_kind, key, value
+):
+    """Momentum, betas, weight decay are baked into the captured kernels: a change raises at
+    the next replay instead of being ignored."""
+
+    def change(opt) -> None:
+        opt.param_groups[0][key] = value
+
+    match = rf"param_group 0: '{key}' changed from .* to .* after capture.*call step.reset\(\)"
+    with pytest.raises(ValueError, match=match):
+        _train_with_change(backend, device, change, graphed=True, opt_kind=opt_kind)
+
+
 def test_beside_per_layer_graphs(backend, device):
     """The intended use: per-layer graphs for forward/backward, OptimizerGraph for the step."""
     model = make_model(device)

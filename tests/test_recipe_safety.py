@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -155,6 +156,38 @@ def test_resume_from_an_earlier_checkpoint_keeps_its_own_latest(tmp_path, monkey
     assert_same(params(out / "checkpoints" / "latest"), uninterrupted)
 
 
+def test_checkpoint_killed_mid_write_leaves_the_previous_one_to_resume(finished, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
+    """The step-8 checkpoint dies after trainer.pt, inside the model save: no step_000008
+    appears, latest still names step_000004, and resuming it gives the uninterrupted weights."""
+    from tgraph.toy import checkpoint
+
+    out = tmp_path / "run"
+    real_save = checkpoint.save
+
+    def save_or_die(model, directory, **kw):
+        if directory.name.endswith("step_000008"):
+            (directory / "model.safetensors").write_bytes(b"half")
+            raise _Killed
+        return real_save(model, directory, **kw)
+
+    monkeypatch.setattr(checkpoint, "save", save_or_die)
+    with pytest.raises(_Killed):
+        tg.train(cfg(out))
+    monkeypatch.undo()
+    assert ckpts(out) == ["step_000004"] and latest(out) == "step_000004"
+    assert tg.train(cfg(out, resume="latest"))["resumed_at"] == 4
+    assert_same(params(out / "checkpoints" / "latest"), params(finished / "checkpoints" / "latest"))
+
+
+def test_pruning_keeps_the_newest_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    tg.train(cfg(out, ckpt_every=2, keep_checkpoints=1))
+    assert ckpts(out) == ["step_000008"] and latest(out) == "step_000008"
+    with pytest.raises(tg.RunDirectoryError, match="nothing to do"):  # the kept one resumes
+        tg.train(cfg(out, resume="latest"))
+
+
 # -- 2. non-finite losses and damaged checkpoints -----------------------------------------------
 
 
@@ -218,6 +251,39 @@ def test_damaged_checkpoint_is_refused_and_names_an_earlier_one(finished, tmp_pa
         tg.train(cfg(out, resume="latest", steps=12))
 
 
+@pytest.mark.parametrize("config", ["deleted", "broken"])
+def test_resume_refuses_weights_it_cannot_verify(finished, tmp_path, capsys, config):
+    """config.json deleted (or cut to '{"broken') and two bytes of the weights flipped: the
+    resume used to train on them and write a checkpoint with fresh checksums of the damage."""
+    out = copy_run(finished, tmp_path / "run")
+    ckpt = out / "checkpoints" / "step_000008"
+    if config == "deleted":
+        (ckpt / "config.json").unlink()
+    else:
+        (ckpt / "config.json").write_text('{"broken')
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-6] ^= 0xFF
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    code, err = _main_error(capsys, f"--out={out}", "--resume=latest", "--steps=12")
+    assert code == 1 and err.startswith("error: cannot resume from ")
+    assert "config.json" in err and "--resume " in err  # the file and the fix
+    assert ckpts(out) == ["step_000004", "step_000008"] and latest(out) == "step_000008"
+    assert weights.read_bytes() == bytes(data)  # nothing laundered
+
+
+def test_bad_resume_into_an_out_holding_a_run_names_the_resume(finished, tmp_path):
+    out = copy_run(finished, tmp_path / "run")
+    with pytest.raises(tg.CheckpointError, match="no checkpoint at .*nowhere"):
+        tg.train(cfg(out, resume=str(tmp_path / "nowhere")))
+    other = copy_run(finished, tmp_path / "other")
+    elsewhere = str(other / "checkpoints" / "step_000004")
+    with pytest.raises(tg.RunDirectoryError, match="--resume .* is not a checkpoint of the run"):
+        tg.train(cfg(out, resume=elsewhere, steps=12))
+    assert ckpts(out) == ["step_000004", "step_000008"]
+
+
 # -- 3. continuing a finished run ---------------------------------------------------------------
 
 
@@ -260,13 +326,26 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(finished, tmp_path, monk
         return real_next(self)
 
     monkeypatch.setattr(tg.BatchSampler, "next", next_with_ctrl_c)
-    with pytest.raises(tg.TrainingInterrupted, match="after step 3: saved .*step_000003") as err:
+    hint = r"after step 3: saved .*step_000003\. Continue with --out .* --resume latest --steps 8$"
+    with pytest.raises(tg.TrainingInterrupted, match=hint) as err:
         tg.train(cfg(out))
     monkeypatch.undo()
     assert err.value.checkpoint.name == "step_000003" and latest(out) == "step_000003"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
-    assert tg.train(cfg(out, resume="latest"))["resumed_at"] == 3
+    summary = tg.train(cfg(out, resume="latest", steps=None))  # --steps unset: the run's 8
+    assert summary["resumed_at"] == 3 and summary["steps"] == 8
     assert_same(params(out / "checkpoints" / "latest"), params(finished / "checkpoints" / "latest"))
+
+
+def test_unset_steps_keeps_the_checkpoints_total(finished, tmp_path):
+    """Before: --resume latest without --steps meant 2000 steps, whatever the run's total."""
+    assert tg.parse_config(["--resume", "latest"]).steps is None
+    out = copy_run(finished, tmp_path / "run")
+    with pytest.raises(tg.RunDirectoryError, match="at step 8 and --steps is 8: nothing to do"):
+        tg.train(cfg(out, resume="latest", steps=None))
+    assert tg.TrainConfig(steps=None).with_steps(None).steps == 2000  # a fresh run's default
+    assert tg.TrainConfig(steps=None).with_steps(300).steps == 300
+    assert tg.TrainConfig(steps=12).with_steps(300).steps == 12  # given: kept
 
 
 def test_ctrl_c_on_the_command_line_exits_cleanly(tmp_path):
@@ -291,7 +370,8 @@ def test_ctrl_c_on_the_command_line_exits_cleanly(tmp_path):
         proc.kill()
     assert proc.returncode == tg.EXIT_INTERRUPTED, stderr[-2000:]
     assert "Traceback" not in stderr
-    assert "interrupted (Ctrl-C) after step" in stderr and "--resume latest" in stderr
+    assert "interrupted (Ctrl-C) after step" in stderr
+    assert "--resume latest --steps 100000" in stderr
     assert latest(out).startswith("step_")
 
 
@@ -321,3 +401,67 @@ def test_quickstart_twice_keeps_the_first_run(tmp_path):
     assert second.returncode == 2 and "already holds a run" in second.stderr
     assert "Traceback" not in second.stderr and "sample" not in second.stdout
     assert ckpts(out) == ["step_000004"] and latest(out) == "step_000004"
+
+
+# -- one-line errors ------------------------------------------------------------------------------
+
+
+def _main_error(capsys, *argv: str) -> tuple[int, str]:
+    """Run the recipe's main in this process; its exit code and stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        tg.main([*CLI_TINY, "--no-progress", *argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return exit_info.value.code, err
+
+
+def test_bad_out_is_one_line(tmp_path, capsys):
+    """Before: FileExistsError, NotADirectoryError and PermissionError tracebacks."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a run\n")
+    code, err = _main_error(capsys, f"--out={a_file}")
+    assert code == 2 and "is a file, not a directory" in err
+    code, err = _main_error(capsys, f"--out={a_file / 'sub'}")
+    assert code == 2 and "cannot be used as a run directory (Not a directory" in err
+    assert a_file.read_text() == "not a run\n"
+
+
+def test_read_only_out_is_one_line(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anyway: its write probe fails as a user's would
+
+        def refuse(*args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(locked / "run"))
+
+        monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    try:
+        code, err = _main_error(capsys, f"--out={locked / 'run'}")
+    finally:
+        locked.chmod(0o755)
+    assert code == 2 and "Permission denied" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("flag", ["--device=cuda", "--backend=cuda"])
+def test_no_gpu_is_one_line_before_anything_is_written(tmp_path, capsys, flag):
+    out = tmp_path / "run"
+    code, err = _main_error(capsys, f"--out={out}", flag)
+    assert code == 2 and ("no GPU is visible" in err or "none is visible" in err)
+    assert not out.exists()
+
+
+def test_bad_lr_names_lr(capsys):
+    with pytest.raises(SystemExit):
+        tg.parse_config(["--lr", "-1"])
+    assert "TrainConfig.lr=-1.0 is invalid: use a positive learning rate" in capsys.readouterr().err
+
+
+def test_quickstart_help_stops_after_the_help(tmp_path):
+    script = RECIPE.parents[1] / "scripts" / "quickstart.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "--out", str(tmp_path / "run"), "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "usage: train_gpt.py" in proc.stdout, proc.stderr[-2000:]
+    assert "sample" not in proc.stdout and not (tmp_path / "run").exists()

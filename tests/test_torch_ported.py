@@ -386,13 +386,14 @@ def add_hooks(m: Hooked) -> None:
 
 def test_module_and_tensor_hooks_registered_before_enable(backend, device):
     """torch refuses modules with hooks; tgraph captures what the hooks compute (forward
-    pre/post hooks, a full backward hook on a nested module, a parameter tensor hook)."""
+    pre/post hooks, a full backward hook on a nested module, a parameter tensor hook) once they
+    are declared capturable (without ``capturable_hooks=True``, create_graphs refuses them)."""
     torch.manual_seed(0)
     model = Hooked().to(device)
     eager = copy.deepcopy(model)
     add_hooks(model)
     add_hooks(eager)
-    tgraph.enable(model, backend=backend, strict=True)
+    tgraph.enable(model, backend=backend, strict=True, capturable_hooks=True)
     g = torch.Generator().manual_seed(1)
     for i in range(4):
         x = torch.randn(4, 8, generator=g).to(device)

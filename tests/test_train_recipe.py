@@ -245,7 +245,9 @@ def _copy(ckpt: Path, dst: Path) -> Path:
         ("missing", "no checkpoint at"),
         ("no_trainer", "incomplete: trainer.pt is missing"),
         ("truncated_trainer", "damaged: the sha256 of .*trainer.pt differs"),
-        ("truncated_unchecked_trainer", "damaged: .*trainer.pt cannot be read"),
+        ("truncated_unchecked_trainer", "records no sha256 of trainer.pt, so it cannot be"),
+        ("no_config", "has no config.json.*its checksums cannot be verified"),
+        ("broken_config", "config.json is not valid JSON.*its checksums cannot be verified"),
         ("damaged_model_bytes", "cannot resume from .*model.safetensors is corrupt"),
         ("truncated_model", "cannot resume from .*safetensors"),
         ("no_model", "has no model.safetensors"),
@@ -268,6 +270,10 @@ def test_bad_checkpoints_give_clear_errors(damage, message, good_run, tmp_path):
         (ckpt / "trainer.pt").write_bytes(data[: len(data) // 2])
         if damage == "truncated_unchecked_trainer":  # written before checksums existed
             _record_trainer_sha256(ckpt, None)
+    elif damage == "no_config":
+        (ckpt / "config.json").unlink()
+    elif damage == "broken_config":
+        (ckpt / "config.json").write_text('{"broken')
     elif damage == "damaged_model_bytes":
         _damage_tensor_bytes(ckpt / "model.safetensors")
     elif damage == "truncated_model":

@@ -64,7 +64,6 @@ class CudaGraph:
     Capture runs on ``stream`` into ``pool`` and never leaves a stream capturing if ``fn`` raises.
     """
 
-
     def __init__(
         self, pool: Any, stream: torch.cuda.Stream, stamp: Callable[[], int] | None = None
     ) -> None:

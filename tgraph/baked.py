@@ -253,7 +253,9 @@ def call_with_own_hooks(m: nn.Module, call, args: tuple, kwargs: dict):
     fwd_kw = m._forward_hooks_with_kwargs
     global_kw = getattr(nn_module, "_global_forward_hooks_with_kwargs", {})
     for hid, hook in (*nn_module._global_forward_hooks.items(), *m._forward_hooks.items()):
-        res = hook(m, args, kwargs, out) if hid in fwd_kw or hid in global_kw else hook(m, args, out)
+        res = (
+            hook(m, args, kwargs, out) if hid in fwd_kw or hid in global_kw else hook(m, args, out)
+        )
         if res is not None:
             out = res
     return out

@@ -387,8 +387,7 @@ def emulated_capture() -> Iterator[None]:
     thread = threading.get_ident()  # the capturing thread; autograd runs CPU backward on it
 
     def capturing() -> bool:
-        asker = sys._getframe(1).f_locals.get("self")
-        if threading.get_ident() != thread or isinstance(asker, torch.optim.Optimizer):
+        if threading.get_ident() != thread or _asked_by_optimizer(sys._getframe(1)):
             return original() if torch.cuda.is_available() else False
         return True
 
@@ -399,6 +398,17 @@ def emulated_capture() -> Iterator[None]:
     finally:
         for m, fn in zip(modules, saved):
             m.is_current_stream_capturing = fn
+
+
+def _asked_by_optimizer(frame: Any, depth: int = 3) -> bool:
+    """Whether a method of a ``torch.optim.Optimizer`` (within ``depth`` frames) asks."""
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), torch.optim.Optimizer):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # ------------------------------------------------------------------------------ the pool

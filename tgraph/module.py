@@ -115,12 +115,17 @@ class _Manager:
         self.report: CaptureReport | None = None
         self.segments: list[Segment] = []
         self.units: list = []  # every captured unit (runners and merged stacks)
+        self.eager_calls = 0  # fallbacks to eager since the last reset (create_graphs' message)
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         if torch.is_inference_mode_enabled():
             return self._eager(
-                module, state, args, kwargs, "it runs under torch.inference_mode(), whose "
-                "tensors a graph's static buffers cannot take (use torch.no_grad() to graph it)"
+                module,
+                state,
+                args,
+                kwargs,
+                "it runs under torch.inference_mode(), whose "
+                "tensors a graph's static buffers cannot take (use torch.no_grad() to graph it)",
             )
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
@@ -129,7 +134,9 @@ class _Manager:
         except MutableArgument as exc:
             return self._eager(module, state, args, kwargs, str(exc))
         except RuntimeError as exc:  # e.g. a nested tensor, which has no sizes
-            return self._eager(module, state, args, kwargs, f"its arguments cannot key a graph ({exc})")
+            return self._eager(
+                module, state, args, kwargs, f"its arguments cannot key a graph ({exc})"
+            )
         runners = state.runners.get(key)
         if not self.captured:
             runner = next((r for r in runners or () if r.flight is None), None)
@@ -183,6 +190,7 @@ class _Manager:
             return nn.Module.__call__(module, *args, **kwargs)
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
+        self.eager_calls += 1
         name = type(module).__name__
         msg = (
             f"no captured graph of {name} matches this call: {reason}. "
@@ -334,6 +342,15 @@ def create_graphs() -> CaptureReport:
     m = _manager
     if m.captured:
         raise RuntimeError("graphs already exist; call tgraph.reset() before create_graphs() again")
+    if not m.record.events and m.eager_calls:
+        reasons = sorted({r for mod in m.modules for r in mod._tgraph.warned})
+        raise RuntimeError(
+            f"nothing recorded: all {m.eager_calls} calls of graphed modules since "
+            "tgraph.enable (or tgraph.reset) ran eagerly instead"
+            + (f" ({reasons[0]})" if reasons else "")
+            + ". Make those calls graphable (the GraphFallbackWarning says why each fell back), "
+            "run one iteration again, then call tgraph.create_graphs()"
+        )
     if not m.record.events:
         raise RuntimeError(
             "nothing recorded: call tgraph.enable(model), run one training iteration (forward "
@@ -464,6 +481,7 @@ def reset() -> None:
     _manager.record.clear()
     _manager.captured = False
     _manager.report = None
+    _manager.eager_calls = 0
 
 
 def memory_report() -> MemoryReport:

@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -71,6 +72,28 @@ def earlier_checkpoints_hint(path: Path) -> str:
     return f"Resume from an earlier checkpoint: --resume {earlier[-1]}"
 
 
+def prepare_run_directory(out: Path) -> None:
+    """Create ``out`` if needed and make sure this process can write into it.
+
+    Raises:
+        RunDirectoryError: ``out`` is a file, lies under a file, or cannot be created or written
+            (one line naming the path and the reason).
+    """
+    if out.exists() and not out.is_dir():
+        raise RunDirectoryError(f"--out {out} is a file, not a directory; pass another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        raise RunDirectoryError(
+            f"--out {out} cannot be used as a run directory ({e.strerror or e}{where}); pass "
+            "an --out you can write"
+        ) from e
+
+
 def resolve_resume(cfg: TrainConfig) -> Path | None:
     """The checkpoint directory ``cfg.resume`` names, or None for a fresh run.
 
@@ -115,6 +138,13 @@ def claim_run_directory(cfg: TrainConfig, resume_dir: Path | None, env: DistEnv)
     if continues:
         return
     newest = latest_checkpoint(root)
+    if not cfg.overwrite and resume_dir is not None:
+        raise RunDirectoryError(
+            f"--resume {cfg.resume} is not a checkpoint of the run in {cfg.out} (newest "
+            f"checkpoint {newest}), and a run resumed from it would mix its checkpoints with "
+            f"that run's. Continue {cfg.out}'s own run with --resume latest, or resume "
+            f"{cfg.resume} into another --out"
+        )
     if not cfg.overwrite:
         raise RunDirectoryError(
             f"{cfg.out} already holds a run (newest checkpoint {newest}). Continue it with "
@@ -158,7 +188,7 @@ def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
         )
     recorded = _recorded_trainer_sha256(path)
     data = file.read_bytes()
-    if recorded is not None and hashlib.sha256(data).hexdigest() != recorded:
+    if hashlib.sha256(data).hexdigest() != recorded:
         raise CheckpointError(
             f"checkpoint {path} is damaged: the sha256 of {file} differs from the one recorded "
             f"in {path / checkpoint.CONFIG_NAME} when it was saved. {earlier_checkpoints_hint(path)}"
@@ -195,25 +225,44 @@ def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
     return state
 
 
-def _recorded_trainer_sha256(path: Path) -> str | None:
-    """The sha256 of ``trainer.pt`` recorded in the checkpoint's config.json (None: not recorded)."""
-    with contextlib.suppress(FileNotFoundError, CheckpointError):
+def _recorded_trainer_sha256(path: Path) -> str:
+    """The sha256 of ``trainer.pt`` recorded in the checkpoint's config.json.
+
+    Nothing is resumed unverified: a missing or unreadable config.json, or one without the
+    digest, refuses the checkpoint (training on would write a new checkpoint with fresh
+    checksums of whatever was loaded, laundering the damage).
+
+    Raises:
+        CheckpointError: naming the file and an earlier checkpoint to resume from.
+    """
+    config = path / checkpoint.CONFIG_NAME
+    try:
         _, extra = checkpoint.read_config(path)
-        if isinstance(extra, dict) and isinstance(extra.get("trainer_sha256"), str):
-            return extra["trainer_sha256"]
-    return None  # a missing or corrupt config.json is reported when the weights load
+    except (FileNotFoundError, CheckpointError) as e:
+        raise CheckpointError(
+            f"cannot resume from {path}: {e}. Without {config} its checksums cannot be "
+            f"verified. {earlier_checkpoints_hint(path)}"
+        ) from e
+    digest = extra.get("trainer_sha256") if isinstance(extra, dict) else None
+    if not isinstance(digest, str):
+        raise CheckpointError(
+            f"cannot resume from {path}: {config} records no sha256 of trainer.pt, so it cannot "
+            f"be verified. {earlier_checkpoints_hint(path)}"
+        )
+    return digest
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     """Copy the weights of checkpoint ``path`` into ``model`` (strict: names and shapes).
 
-    The weights' sha256 checksums are verified (``tgraph.toy.checkpoint.load_state_dict``).
+    The weights' sha256 checksums are verified (``tgraph.toy.checkpoint.load_state_dict``); a
+    checkpoint without them is refused.
 
     Raises:
         CheckpointError: the model files are missing, damaged or of another shape.
     """
     try:
-        checkpoint.load_into(model, path)
+        checkpoint.load_into(model, path, require_checksums=True)
     except (FileNotFoundError, CheckpointError) as e:
         raise CheckpointError(
             f"cannot resume from {path}: {e}. {earlier_checkpoints_hint(path)}"

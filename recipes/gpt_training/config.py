@@ -14,12 +14,14 @@ resume. A new field is covered by that rule through the group it is declared in,
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from tgraph.toy.gpt import GPTConfig
 
 GRAPH_MODES = ("none", "layer", "full")
 NONFINITE_MODES = ("stop", "skip")
+DEFAULT_STEPS = 2000  # a fresh run's --steps when none is given
 
 
 class ConfigGroup:
@@ -129,6 +131,8 @@ class OptimizerConfig(ConfigGroup):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_counts((), non_negative=("warmup_steps",))
+        if not (self.lr > 0.0 and math.isfinite(self.lr)):
+            raise self._invalid("lr", "use a positive learning rate (e.g. 2e-3)")
         if not 0.0 < self.min_lr <= self.lr:
             raise self._invalid("min_lr", f"use 0 < min_lr <= lr={self.lr}")
         if self.grad_clip < 0 or self.weight_decay < 0:
@@ -150,14 +154,15 @@ class JobConfig(RunOnly):
     """Continue from a checkpoint directory, or "latest" (<out>/checkpoints/latest); empty: fresh run."""
     overwrite: bool = False
     """Start a fresh run in an --out that already holds checkpoints, deleting them (refused otherwise)."""
-    steps: int = 2000
-    """Optimizer steps in total (a resumed run counts the steps already done; a larger value continues a finished run at min_lr)."""
+    steps: int | None = None
+    """Optimizer steps in total (a resumed run counts the steps already done; a larger value continues a finished run at min_lr). Unset: 2000 for a fresh run, the checkpoint's own total on --resume."""
 
     def __post_init__(self) -> None:
         # ``steps`` only moves where the run stops: the learning-rate schedule keeps the horizon
         # of the run's first start (see optim.lr_at), so a resumed run computes the same numbers.
         super().__post_init__()
-        self._check_counts(("steps",))
+        if self.steps is not None:
+            self._check_counts(("steps",))
 
 
 @dataclass(kw_only=True)
@@ -239,3 +244,10 @@ class TrainConfig(ReportConfig, OptimizerConfig, DataConfig, ModelConfig, StepCo
         return frozenset(
             f.name for g in cls.groups() if issubclass(g, RunOnly) for f in dataclasses.fields(g)
         )
+
+    def with_steps(self, checkpoint_steps: int | None) -> TrainConfig:
+        """This config with ``steps`` set: as given, else the resumed checkpoint's total
+        (``checkpoint_steps``), else :data:`DEFAULT_STEPS`."""
+        if self.steps is not None:
+            return self
+        return dataclasses.replace(self, steps=checkpoint_steps or DEFAULT_STEPS)

@@ -40,7 +40,8 @@ def setup(cfg: TrainConfig) -> DistEnv:
     """Read torchrun's environment, pick the device, start the process group when WORLD_SIZE > 1.
 
     Raises:
-        ValueError: ``cfg.device`` is cuda but no GPU is visible.
+        ValueError: ``cfg.device`` is cuda but no GPU is visible, or ``cfg.backend`` is cuda
+            on a CPU.
     """
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -52,6 +53,11 @@ def setup(cfg: TrainConfig) -> DistEnv:
         if not torch.cuda.is_available():
             raise ValueError("TrainConfig.device='cuda' but no GPU is visible; use --device cpu")
         torch.cuda.set_device(device)
+    if cfg.backend == "cuda" and device.type != "cuda":
+        raise ValueError(
+            f"TrainConfig.backend='cuda' needs a GPU, but the run is on {device}; use "
+            "--backend auto or emulated"
+        )
     if cfg.deterministic:
         # cuBLAS reads this when it creates its workspace (PyTorch "Reproducibility" notes).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -30,6 +30,7 @@ from .checkpointing import (
     RunDirectoryError,
     claim_run_directory,
     load_model_weights,
+    prepare_run_directory,
     read_checkpoint,
     resolve_resume,
     save_checkpoint,
@@ -151,8 +152,10 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
     run = Path(cfg.out)
     ckpt_root = run / "checkpoints"
     resume_dir = resolve_resume(cfg)
-    claim_run_directory(cfg, resume_dir, env)
     state = read_checkpoint(resume_dir, cfg, env.world_size) if resume_dir else None
+    claim_run_directory(cfg, resume_dir, env)
+    prepare_run_directory(run)  # every rank: each raises the same error, none waits for another
+    cfg = cfg.with_steps(state["config"].get("steps") if state else None)
     start = state["step"] if state else 0
     if state and start >= cfg.steps:
         raise RunDirectoryError(
@@ -296,7 +299,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict:
                     bar.close()
                 raise TrainingInterrupted(
                     f"interrupted (Ctrl-C) after step {done}: saved {last_ckpt}. Continue with "
-                    f"--out {cfg.out} --resume latest",
+                    f"--out {cfg.out} --resume latest --steps {cfg.steps}",
                     last_ckpt,
                 )
             if done % cfg.log_every == 0:

@@ -48,6 +48,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -83,8 +84,8 @@ class DecodeEngine:
 
     Args:
         model: any object implementing :class:`tgraph.decode.interface.DecodeModel`, or one
-            with a registered adapter (the toy :class:`tgraph.toy.gpt.GPT`, switched to eval
-            mode).
+            with a registered adapter (the toy :class:`tgraph.toy.gpt.GPT`: in eval mode while
+            the engine captures or generates, back in its own train/eval mode after).
         max_batch_size: requests decoded together at most (KV slots); more are queued.
         max_seq_len: KV capacity per request (prompt + new tokens); at most the model's
             ``max_positions`` (the GPT's ``block_size``).
@@ -120,6 +121,8 @@ class DecodeEngine:
         lookahead: bool = True,
     ) -> None:
         self.decoder = d = as_decode_model(model)
+        # The model's mode while the engine runs it (eval for the toy GPT), restored after.
+        self._serving = getattr(d, "serving", None) or contextlib.nullcontext
         self.lookahead = lookahead
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -181,8 +184,9 @@ class DecodeEngine:
         )
         if self.factory is not None:
             allocated = self.factory.memory_allocated()
-            self.decode_graphs.capture()
-            self.prefill_graphs.capture()
+            with self._serving():
+                self.decode_graphs.capture()
+                self.prefill_graphs.capture()
             self.buffers.reset()  # warmups moved the padding rows' tokens; start clean
             st = self.stats
             st.capture_seconds = (
@@ -206,7 +210,8 @@ class DecodeEngine:
         padded = pad_prompt(request, buckets=self.prefill_buckets, vocab_size=self.vocab_size)
         self.prompt_buffers.copy_from(padded.tokens, padded.ints, padded.floats)
         self.stats.count_prefill(padded.width, padded.graphed)
-        return self.prefill_graphs.run(padded.key)[0]
+        with self._serving():
+            return self.prefill_graphs.run(padded.key)[0]
 
     @property
     def vocab_size(self) -> int:
@@ -241,7 +246,8 @@ class DecodeEngine:
         overwrites. The caller appends the tokens it chooses."""
         batch = self.pad(running)
         self.load(batch)
-        return self.step(batch)[: batch.n]
+        with self._serving():
+            return self.step(batch)[: batch.n]
 
     def _compact(self, running: list[Request]) -> list[Request]:
         """Drop ended requests (slot -1); move the last ones into the freed slots so the
@@ -312,6 +318,13 @@ class DecodeEngine:
             raise ValueError(
                 f"eos_token_id {eos_token_id} is outside the vocabulary [0, {d.vocab_size})"
             )
+        with self._serving():
+            self._serve(requests, eos_token_id)
+        decode_text = getattr(d, "decode", None)
+        return [decode_text(r.output) if r.is_text else r.output for r in requests]
+
+    def _serve(self, requests: list[Request], eos_token_id: int | None) -> None:
+        """The continuous-batching loop of :meth:`generate`: every request's output filled."""
         st = self.stats = self.stats.fresh()
         start = time.perf_counter()
         waiting = deque(r for r in requests if r.max_new_tokens > 0)
@@ -340,8 +353,6 @@ class DecodeEngine:
         st.total_seconds = time.perf_counter() - start
         st.generated_tokens = sum(len(r.output) for r in requests)
         logger.debug("generate: %s", st.summary())
-        decode_text = getattr(d, "decode", None)
-        return [decode_text(r.output) if r.is_text else r.output for r in requests]
 
     def _run_batch(self, batch: PaddedBatch, eos: int | None) -> None:
         """Decode the loaded ``batch`` until a request ends; ended requests get slot -1.

@@ -27,6 +27,9 @@ methods is served; nothing here knows any particular model (the toy GPT's implem
             # keys beyond are arbitrary) and return logits (B, V).
 
         # optional: encode(text) -> list[int] and decode(ids) -> str, for text prompts.
+        # optional: serving() -> a context manager the engine enters around capture and every
+        # generate/prefill/decode call (the toy GPT's switches the model to eval mode inside
+        # and restores its train/eval mode after).
 
 Rules for both methods (they are captured as CUDA graphs): no host syncs (``.item()``,
 printing, boolean-mask indexing), no shapes that depend on tensor values, no new CPU tensors, no

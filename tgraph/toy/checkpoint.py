@@ -9,8 +9,10 @@ A checkpoint is a directory::
 
 ``config.json`` records the sha256 of every tensor's bytes; :func:`load_state_dict` (hence
 :func:`load` and :func:`load_into`) recomputes them and raises :class:`CheckpointError` naming
-the file and the tensors that differ, so bytes damaged on disk never load silently. Checkpoints
-written before checksums existed (no ``"sha256"`` entry) still load, unverified.
+the file and the tensors that differ, so bytes damaged on disk never load silently. A missing or
+unreadable ``config.json`` is refused too: without it the weights cannot be verified. Checkpoints
+written before checksums existed (no ``"sha256"`` entry) still load, unverified, unless the caller
+passes ``require_checksums=True``.
 
 Every file is written atomically with :func:`atomic_write_bytes` / :func:`atomic_writer`: the
 bytes go to a temporary file in the same directory, are flushed and fsynced, and the temporary
@@ -196,10 +198,15 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     (``recipes/train_gpt.py --out``).
 
     Raises:
-        FileNotFoundError: ``path`` does not exist, or holds no checkpoint; the message says
-            what was found and what to pass instead.
+        FileNotFoundError: ``path`` is a file, does not exist, or holds no checkpoint; the
+            message says what was found and what to pass instead.
     """
     path = Path(path)
+    if path.is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} is a file; pass the checkpoint directory that holds it "
+            f"({str(path.parent)!r}) or the training run's directory"
+        )
     if not path.is_dir():
         raise FileNotFoundError(
             f"{str(path)!r} does not exist; pass a training run's directory (e.g. "
@@ -267,14 +274,21 @@ def read_config(directory: str | os.PathLike) -> tuple[GPTConfig, dict | None]:
     return cfg, data.get("extra")
 
 
-def load_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_state_dict(
+    directory: str | os.PathLike, *, require_checksums: bool = False
+) -> dict[str, torch.Tensor]:
     """Read ``model.safetensors`` into CPU tensors and verify them against ``config.json``.
 
+    Args:
+        directory: checkpoint directory.
+        require_checksums: also refuse a ``config.json`` without checksums (written before
+            they existed), so nothing loads unverified.
+
     Raises:
-        FileNotFoundError: missing directory or file.
-        CheckpointError: the file is not a readable safetensors file, comes from another save
-            than ``config.json``, or holds tensors whose sha256 differs from the one recorded
-            at save time (damaged on disk).
+        FileNotFoundError: missing directory, ``model.safetensors`` or ``config.json``.
+        CheckpointError: the file is not a readable safetensors file, ``config.json`` is not
+            valid JSON (the checksums cannot be read), the two come from different saves, or a
+            tensor's sha256 differs from the one recorded at save time (damaged on disk).
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -289,14 +303,21 @@ def load_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc}); the "
             "checkpoint is corrupt or truncated: save it again"
         ) from exc
-    config_path = Path(directory) / CONFIG_NAME
-    config: dict = {}
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            pass  # read_config reports a corrupt config with its own error
-        config = config if isinstance(config, dict) else {}
+    config_path = _require(Path(directory), CONFIG_NAME)  # it holds the checksums
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"{config_path} is not valid JSON ({exc}), so the sha256 checksums of {path} cannot "
+            "be verified; restore config.json from a copy or use an earlier checkpoint"
+        ) from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} is not a JSON object; the file is corrupt")
+    if require_checksums and "sha256" not in config:
+        raise CheckpointError(
+            f"{config_path} records no sha256 checksums, so {path} cannot be verified; use a "
+            "checkpoint written by tgraph.toy.checkpoint.save"
+        )
     config_id = config.get("save_id")
     if weights_id is not None and config_id is not None and config_id != weights_id:
         raise CheckpointError(
@@ -328,12 +349,15 @@ def _verify_sha256(state: dict[str, torch.Tensor], recorded: object, path: Path)
         )
 
 
-def load_into(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
+def load_into(
+    model: nn.Module, directory: str | os.PathLike, *, require_checksums: bool = False
+) -> nn.Module:
     """Load a checkpoint's weights into an existing model (graphed or eager), strictly.
 
     Args:
         model: a GPT (possibly wrapped) with the checkpoint's architecture.
         directory: checkpoint directory.
+        require_checksums: refuse a checkpoint without checksums (see :func:`load_state_dict`).
 
     Returns:
         ``model``.
@@ -342,7 +366,8 @@ def load_into(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         FileNotFoundError: missing directory or file.
         CheckpointError: corrupt file, or missing/unexpected keys or shape mismatches (all listed).
     """
-    _load_checked(unwrap(model), load_state_dict(directory), directory)
+    state = load_state_dict(directory, require_checksums=require_checksums)
+    _load_checked(unwrap(model), state, directory)
     return model
 
 

@@ -4,13 +4,18 @@
 :class:`tgraph.toy.gpt.GPT` without changing the model: it calls ``wte``, ``wpe``, each
 block's ``ln_1``, ``attn.split_heads`` (``c_attn``), ``attn.c_proj``, ``ln_2``, ``mlp``, then
 ``ln_f`` and ``lm_head``, exactly as ``GPT.forward`` does, but attends to cached keys and values
-instead of recomputing the whole sequence. Dropout is skipped (the model is put in eval mode).
+instead of recomputing the whole sequence. Dropout is skipped: the model is in eval mode while
+the engine runs it (:meth:`GPTDecoder.serving`) and gets its own mode back afterwards, so a model
+sampled from between training steps keeps training with dropout (and its per-layer graphs).
 
 Registered as the :func:`~tgraph.decode.interface.as_decode_model` adapter of ``GPT``, so
 ``DecodeEngine(gpt, ...)`` serves the toy model directly; the interface itself knows no model.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +30,16 @@ class GPTDecoder:
     """Serve a :class:`~tgraph.toy.gpt.GPT` through the decode interface.
 
     Args:
-        model: the GPT; switched to eval mode (dropout off). Its weights are used in place, so
-            later weight updates are seen by the decoder (but not by graphs captured earlier if
-            parameters are reallocated, e.g. by ``model.to(...)``).
+        model: the GPT; in eval mode (dropout off) inside :meth:`serving`, its own mode outside.
+            Its weights are used in place, so later weight updates are seen by the decoder (but
+            not by graphs captured earlier if parameters are reallocated, e.g. by
+            ``model.to(...)``).
     """
 
     def __init__(self, model: gpt_model.GPT) -> None:
         cfg = model.config
-        model.eval()
         self.model = model
+        self._serving = False
         self.n_layer = cfg.n_layer
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
@@ -42,6 +48,22 @@ class GPTDecoder:
         weight = model.wte.weight
         self.dtype = weight.dtype
         self.device = weight.device
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Eval mode while the engine captures or generates; the model's own mode restored
+        after (nested calls leave it to the outermost)."""
+        if self._serving:
+            yield
+            return
+        was_training = self.model.training
+        self.model.eval()
+        self._serving = True
+        try:
+            yield
+        finally:
+            self._serving = False
+            self.model.train(was_training)
 
     @staticmethod
     def encode(text: str) -> list[int]:
