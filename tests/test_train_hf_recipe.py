@@ -1,0 +1,105 @@
+"""recipes/train_hf.py: the four graph modes agree, checkpoints load with from_pretrained, resume.
+
+In-process runs train on a small random byte stream (the corpus takes seconds to read); one
+command-line run trains on the real corpus. Tolerance: bitwise on the emulated backend (the same
+kernels, fused AdamW in every mode); 1e-4 relative on CUDA, where graphs may pick other cuBLAS
+algorithms (tests/test_hf_integration.py explains the bound).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs transformers (pip install 'tgraph[dev]')")
+
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_hf.py"
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+        "--batch-size", "2", "--warmup-steps", "1", "--lr", "1e-2", "--log-every", "2",
+        "--ckpt-every", "2"]  # fmt: skip
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("train_hf", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_hf"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+th = _load_recipe()
+
+
+@pytest.fixture
+def run(tmp_path, backend, device, monkeypatch):
+    """``run(name, *flags) -> the latest checkpoint's parameters`` (from_pretrained)."""
+    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(th, "load_split", lambda *a, **k: data.to(torch.uint8))
+
+    def go(name: str, *flags: str) -> dict[str, torch.Tensor]:
+        out = tmp_path / name
+        argv = [*TINY, "--out", str(out), "--device", device.type, "--backend", backend, *flags]
+        assert th.main(argv) == 0
+        latest = out / "checkpoints" / "latest"
+        model = AutoModelForCausalLM.from_pretrained(latest)
+        assert set(load_file(latest / "model.safetensors")) <= set(model.state_dict())
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    return go
+
+
+def tol(backend: str) -> dict:
+    return dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_graph_modes_train_as_eager_and_save_loadable_checkpoints(run, backend, arch):
+    eager = run("none", "--arch", arch, "--steps", "4", "--graph", "none")
+    for mode in ("layer", "layer+opt", "full"):
+        got = run(mode, "--arch", arch, "--steps", "4", "--graph", mode)
+        torch.testing.assert_close(got, eager, **tol(backend), msg=lambda m, g=mode: f"{g}: {m}")
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_run_resumes_bit_for_bit(run, backend, monkeypatch):
+    """Killed right after its step-2 checkpoint, the run continues from it as if never stopped."""
+    straight = run("straight", "--steps", "4")
+    save = th.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        save(*args, **kwargs)
+        raise Killed
+
+    monkeypatch.setattr(th, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run("killed", "--steps", "4")
+    monkeypatch.setattr(th, "save_checkpoint", save)
+    resumed = run("killed", "--steps", "4", "--resume", "latest")
+    torch.testing.assert_close(resumed, straight, **tol(backend))
+
+
+def test_a_fresh_run_into_an_out_with_checkpoints_is_refused(run):
+    run("taken", "--steps", "2", "--graph", "none")
+    with pytest.raises(SystemExit, match="--resume latest"):
+        run("taken", "--steps", "2", "--graph", "none")
+
+
+def test_command_line_run_on_the_corpus(tmp_path):
+    out = tmp_path / "cli"
+    cmd = [sys.executable, str(RECIPE), "--arch", "qwen2", *TINY, "--steps", "2", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "summary.json").is_file() and (out / "metrics.jsonl").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "latest")
+    assert type(model).__name__ == "Qwen2ForCausalLM"

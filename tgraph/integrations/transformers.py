@@ -1,0 +1,320 @@
+"""Per-layer graphs on a Hugging Face transformers model, in one call.
+
+What a transformers user adds::
+
+    from tgraph.integrations import transformers as tg_hf
+
+    model = AutoModelForCausalLM.from_config(config)   # or a PEFT model around one
+    tg_hf.graph_layers(model)              # decoder layers graphable, tgraph.enable(model)
+    train_step(model, batch)               # first iteration: eager, recorded
+    tgraph.create_graphs()                 # later iterations replay one graph per layer stack
+
+The decoder layers are found as transformers' ``GradientCheckpointingLayer`` instances (the
+outermost ones), or by the class names in ``model._no_split_modules`` on a transformers
+without that class. Each becomes graphable the way :mod:`tgraph.integrations.megatron` does
+it: its class is swapped for a subclass with :class:`tgraph.GraphableModule` first in the MRO
+(cached per class; the instance, its parameters and its ``state_dict`` keys are unchanged).
+
+What the subclass handles, per call of a decoder layer:
+
+* **Gradient checkpointing** (``model.gradient_checkpointing_enable()``) runs inside the
+  graphed region: the forward graph keeps only the layer's inputs and the backward graph
+  recomputes the layer (README, "Activation recompute"). transformers up to 5.17 checkpoints in
+  ``GradientCheckpointingLayer.__call__``, which the graphed dispatch would skip; the subclass
+  checkpoints in ``forward`` instead, as newer transformers does. Reentrant checkpointing
+  cannot run under the backward graph's ``torch.autograd.grad`` and is refused with the fix.
+* **Output recording** needs nothing here: tgraph runs a graphed layer's own forward hooks
+  around every replay, so ``output_hidden_states=True`` replays graphs; attentions and router
+  logits, recorded by hooks inside the layer, make those calls run eagerly with a
+  :class:`tgraph.GraphFallbackWarning` (:mod:`tgraph.baked`).
+* **State a graph would bake in** that is not a call argument (gradient checkpointing on or off,
+  PEFT adapters disabled, merged, switched or rescaled) is handed to tgraph as one more hashable
+  keyword argument, so a call whose state differs from the capture's matches no graph and runs
+  eagerly with a warning naming the change, never a stale replay.
+* **The KV cache**: after :func:`graph_layers`, a call that leaves ``use_cache`` unset (or None)
+  runs with ``use_cache=False`` (a forward pre-hook on each transformers model; the config,
+  and so ``save_pretrained``'s output, is untouched), so default training and evaluation calls
+  build no ``DynamicCache`` and replay graphs. A call that asks for one (``use_cache=True``;
+  ``generate`` does) hands each layer a cache object, which tgraph never bakes into a graph:
+  those calls run eagerly, with a warning naming ``use_cache=False``.
+
+MoE layers graph when their experts run grouped or batched
+(``model.set_experts_implementation("batched_mm")`` or ``"grouped_mm"``); the eager
+expert loop syncs with the host per expert and is refused by :func:`graph_layers`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+
+import torch
+import torch.nn as nn
+
+import tgraph
+from tgraph.module import GraphableModule
+from tgraph.unit import inside_graphed_region
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "transformers is not installed: pip install 'tgraph[hf]'"
+
+STATE_KWARG = "tgraph_layer_state"
+"""The keyword argument that carries a layer's non-argument state into tgraph's call key."""
+
+_cache_hooks: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return transformers
+
+
+def _checkpointing_layer_class() -> type | None:
+    """transformers' ``GradientCheckpointingLayer`` (None before it existed)."""
+    _transformers()
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The outermost decoder layers of ``model`` (see the module docstring for how they are found).
+
+    Raises:
+        ImportError: transformers is not installed.
+        ValueError: no decoder layer found.
+    """
+    base = _checkpointing_layer_class()
+
+    def is_layer(m: nn.Module) -> bool:
+        return base is not None and isinstance(m, base)
+
+    if not any(is_layer(m) for m in model.modules()):
+        names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+
+        def is_layer(m: nn.Module) -> bool:
+            return type(m).__name__ in names or getattr(m, "_tgraph_hf_base", None) is not None
+
+    layers, inside = [], []
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p in inside):
+            continue
+        if is_layer(m):
+            layers.append(m)
+            inside.append(name)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} contains no transformers decoder layer (no "
+            "GradientCheckpointingLayer, none of _no_split_modules); make the blocks to graph "
+            "subclass tgraph.GraphableModule and call tgraph.enable(model) instead"
+        )
+    return layers
+
+
+def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
+    """Make every decoder layer of a transformers model graphable, then :func:`tgraph.enable` it.
+
+    Call it after ``get_peft_model`` (the adapters' parameters must exist) and before the
+    recorded iteration. Gradient checkpointing may be turned on before or after.
+
+    Args:
+        model: a transformers ``PreTrainedModel``, or a wrapper around one (PEFT, DDP).
+        **enable_options: passed to :func:`tgraph.enable` (``backend``, ``strict``, ``warmup``,
+            ``debug``, ``merge``).
+
+    Returns:
+        ``model``; its transformers models now default to ``use_cache=False``
+        (:func:`ungraph` removes that default).
+
+    Raises:
+        ImportError: transformers is not installed.
+        ValueError: no decoder layer found, or MoE experts that run the eager expert loop.
+    """
+    layers = decoder_layers(model)
+    _refuse_eager_experts(model)
+    base = _checkpointing_layer_class()
+    for layer in layers:
+        if not isinstance(layer, GraphableModule):
+            layer.__class__ = _graphable(type(layer), base)
+        layer._tgraph_hf_adapters = tuple(m for m in layer.modules() if _is_adapter_layer(m))
+    if model not in _cache_hooks:  # on the models around the layers, never inside a graph
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        _cache_hooks[model] = [
+            m.register_forward_pre_hook(
+                functools.partial(_no_cache_by_default, at), with_kwargs=True
+            )
+            for m in model.modules()
+            if id(m) not in inside and (at := _use_cache_position(m)) is not None
+        ]
+    logger.info("tgraph: %d %s layers graphable", len(layers), type(layers[0]).__name__)
+    return tgraph.enable(model, **enable_options)
+
+
+def ungraph(model: nn.Module) -> nn.Module:
+    """Undo :func:`graph_layers`: eager layers of their own classes, ``use_cache`` default restored.
+
+    Like :func:`tgraph.disable`, this drops every graph and the record of the process.
+
+    Returns:
+        ``model``.
+    """
+    tgraph.disable(model)
+    for m in model.modules():
+        hf_base = type(m).__dict__.get("_tgraph_hf_base")
+        if hf_base is not None:
+            m.__class__ = hf_base
+            m.__dict__.pop("_tgraph_hf_adapters", None)
+    for handle in _cache_hooks.pop(model, []):
+        handle.remove()
+    return model
+
+
+def _use_cache_position(m: nn.Module) -> int | None:
+    """Where ``m.forward`` takes ``use_cache`` positionally (a large number: keyword only), or
+    None when it takes none. Only modules with a ``config.use_cache`` (transformers models and
+    their PEFT wrappers)."""
+    if not hasattr(getattr(m, "config", None), "use_cache"):
+        return None
+    params = list(inspect.signature(m.forward).parameters.values())
+    names = [p.name for p in params]
+    if "use_cache" in names:
+        return names.index("use_cache")
+    return 1 << 30 if any(p.kind is p.VAR_KEYWORD for p in params) else None
+
+
+def _no_cache_by_default(position: int, module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: a call that leaves ``use_cache`` unset (or None) gets ``False``."""
+    if len(args) <= position and kwargs.get("use_cache") is None:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _refuse_eager_experts(model: nn.Module) -> None:
+    for name, m in model.named_modules():
+        impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        # experts stacked in one (num_experts, ...) parameter: a use_experts_implementation class
+        stacked = getattr(m, "down_proj", None)
+        if impl == "eager" and isinstance(stacked, nn.Parameter) and stacked.dim() == 3:
+            raise ValueError(
+                f"{name} ({type(m).__name__}) runs the eager expert loop, which syncs with the host "
+                "once per expert (nonzero, a Python loop over the experts hit): a CUDA graph cannot "
+                "hold it. Run the experts batched or grouped: "
+                'model.set_experts_implementation("batched_mm") (or "grouped_mm"), or '
+                'experts_implementation="batched_mm" when building the model'
+            )
+
+
+def _is_adapter_layer(m: nn.Module) -> bool:
+    """A PEFT tuner layer (duck-typed: no import of peft; the attributes :func:`_adapter_state`
+    reads)."""
+    cls = type(m)
+    return all(
+        isinstance(getattr(cls, a, None), property)
+        for a in ("disable_adapters", "merged", "active_adapters")
+    ) and all(hasattr(m, a) for a in ("_active_adapter", "_disable_adapters", "merged_adapters"))
+
+
+def _adapter_state(a: nn.Module) -> tuple:
+    """One PEFT tuner layer's state: (disabled, merged, active adapters, their scales).
+
+    Reads the attributes behind PEFT's properties (``BaseTunerLayer``): this runs at every call
+    of every decoder layer, and the properties cost microseconds each.
+    """
+    active, scaling = a._active_adapter, a.__dict__.get("scaling") or {}
+    if isinstance(active, str):  # the common case, without a generator
+        active, scales = (active,), (scaling.get(active, 1),)
+    else:
+        active = tuple(active)
+        scales = tuple(scaling.get(n, 1) for n in active)
+    return (a._disable_adapters, bool(a.merged_adapters), active, scales)
+
+
+@functools.lru_cache(maxsize=256)
+def _describe_state(checkpointing: bool, adapters: frozenset) -> str:
+    """The layer-state string tgraph compares (and names in a fallback warning)."""
+    text = "gradient checkpointing " + ("on" if checkpointing else "off")
+    if adapters:
+        seen = sorted(
+            "disabled"
+            if disabled
+            else ",".join(f"{n}*{s}" for n, s in zip(active, scales))
+            + (" merged" if merged else "")
+            for disabled, merged, active, scales in adapters
+        )
+        text += "; adapters " + " | ".join(seen)
+    return text
+
+
+def _layer_state(layer: nn.Module) -> str:
+    """What the layer's graph bakes in beyond its arguments, as one comparable string."""
+    adapters = layer.__dict__.get("_tgraph_hf_adapters") or ()
+    return _describe_state(
+        bool(getattr(layer, "gradient_checkpointing", False)),
+        frozenset(map(_adapter_state, adapters)),
+    )
+
+
+def _refuse_reentrant(layer: nn.Module) -> None:
+    fn = getattr(layer, "_gradient_checkpointing_func", None)
+    reentrant = getattr(fn, "keywords", {}).get("use_reentrant", None)
+    if reentrant is None or reentrant:
+        raise ValueError(
+            f"{type(layer).__name__} has reentrant gradient checkpointing (use_reentrant True "
+            "or unset), which cannot run inside a backward graph (it calls backward inside "
+            "backward; the graph uses torch.autograd.grad). Turn it on non-reentrant: "
+            "model.gradient_checkpointing_enable("
+            'gradient_checkpointing_kwargs={"use_reentrant": False}), or with newer transformers '
+            "model.activation_checkpointing_enable("
+            'activation_checkpointing_kwargs={"use_reentrant": False})'
+        )
+
+
+def _layer_call(self, *args, **kwargs):
+    """The graphable layer's ``__call__``: checks, then tgraph's dispatch."""
+    state = self.__dict__.get("_tgraph")
+    if state is None or inside_graphed_region():
+        return nn.Module.__call__(self, *args, **kwargs)  # forward checkpoints (_graphable)
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+        _refuse_reentrant(self)
+    kwargs[STATE_KWARG] = _layer_state(self)
+    return GraphableModule.__call__(self, *args, **kwargs)
+
+
+@functools.cache
+def _graphable(cls: type, checkpointing_base: type | None) -> type:
+    """``cls`` with :class:`tgraph.GraphableModule` first in its MRO, checkpointing in ``forward``."""
+    base_forward = cls.forward
+    # transformers <= 5.17 checkpoints in GradientCheckpointingLayer.__call__, which _layer_call
+    # bypasses; later versions wrap every subclass's forward (__init_subclass__), this one too.
+    in_call = checkpointing_base is not None and "__call__" in checkpointing_base.__dict__
+
+    def forward(self, *args, **kwargs):
+        kwargs.pop(STATE_KWARG, None)
+        if in_call and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            keep_cache = getattr(self, "_can_checkpoint_with_cache", False)
+            for k in ("past_key_values", "past_key_value", "layer_past"):
+                if kwargs.get(k) is not None and not keep_cache:
+                    kwargs[k] = None  # as transformers does: a recompute would update it twice
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            return self._gradient_checkpointing_func(
+                functools.partial(base_forward, self, **kwargs), *args
+            )
+        return base_forward(self, *args, **kwargs)
+
+    forward.__doc__ = base_forward.__doc__
+    namespace = {
+        "__module__": __name__,
+        "__call__": _layer_call,
+        "forward": forward,
+        "_tgraph_hf_base": cls,
+    }
+    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), namespace)
