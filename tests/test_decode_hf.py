@@ -213,3 +213,39 @@ def test_importing_tgraph_does_not_import_transformers():
         "assert 'transformers' not in sys.modules, 'tgraph imported transformers'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _load_generate_recipe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_recipe_hf", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_generate_recipe_serves_a_save_pretrained_directory(tmp_path, capsys):
+    """A tiny random Llama saved by save_pretrained (bytes as tokens: vocabulary 256) is served
+    by recipes/generate.py with graphs, and its completions are generate's."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**(COMMON | dict(vocab_size=256)), num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    ckpt = tmp_path / "hf_llama"
+    model.save_pretrained(ckpt)
+    gen, recipe = _load_generate_recipe()
+    texts = ["ab", "hello"]
+    argv = ["--ckpt", str(ckpt), "--max-new-tokens", "6", "--device", "cpu"]
+    completions = gen.main([*argv, "--prompt", texts[0], "--prompt", texts[1]])
+    want = [reference(model, [list(t.encode())], 6)[0] for t in texts]
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    assert completions == [decode(ids) for ids in want]
+    out = capsys.readouterr().out
+    assert "(LlamaForCausalLM)" in out and "----- sample 2 of 2 " in out
+    proc = subprocess.run(
+        [sys.executable, str(recipe), *argv, "--prompt", texts[0]],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert texts[0] + completions[0] in proc.stdout
