@@ -13,7 +13,11 @@ process, greedy, the same prompts of ``--prompt-len`` tokens, at batch 1 and 8:
                      documents it, ``model.forward = torch.compile(model.forward,
                      mode="reduce-overhead", fullgraph=True)`` (``disable_compile`` set so
                      generate does not compile its own second copy); compile time is reported
-                     separately (``setup_s``) and dynamo is reset after each batch size
+                     separately (``setup_s``) and dynamo is reset after each batch size;
+                     each call marks a cudagraph step (``cudagraph_mark_step_begin``), which
+                     torch requires here: the static cache's counters are updated in place
+  hf_static_auto     ``generate`` with ``cache_implementation="static"`` and its own automatic
+                     compile of the decode step (prefill eager), at ``--auto-batches`` (1)
 
 Configs: ``llama-12x256-fp32`` (the design size of bench_decode.py: 12 layers, d 256, 4 heads,
 vocab 1024, fp32) and ``llama-16x1024-bf16`` (16 layers, d 1024, 16 heads of which 4 KV heads,
@@ -71,7 +75,8 @@ CONFIGS = {
         intermediate_size=64, vocab_size=128, dtype=torch.float32,
     ),
 }  # fmt: skip
-PEERS = ("hf_dynamic", "engine", "hf_static_compile")
+PEERS = ("hf_dynamic", "engine", "hf_static_compile", "hf_static_auto")
+COMPILED = ("hf_static_compile", "hf_static_auto")
 COMPILE_RESERVE_S = 75  # a compile peer starts only with this much budget left
 
 
@@ -175,34 +180,67 @@ def peer_engine(model, ps, args, device) -> dict:
 
 
 def peer_hf_static_compile(model, ps, args, device) -> dict:
+    """The documented recipe; each call marks a new cudagraph step, as torch's error for the
+    static cache's in-place counters asks (outputs of one replay are overwritten by the next)."""
     if device.type != "cuda" and not args.compile_on_cpu:
         raise Skip("torch.compile peer runs on CUDA only (--compile-on-cpu to force)")
+    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def forward(*a, **kw):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*a, **kw)
+
+    model.forward = forward
+    try:
+        return _static_generate(model, ps, args, device, disable_compile=True) | {
+            "method": 'generate, cache_implementation="static", forward = torch.compile('
+            'forward, mode="reduce-overhead", fullgraph=True) (+ cudagraph_mark_step_begin '
+            "per call); compile in setup_s",
+        }
+    finally:
+        del model.forward  # the class's forward again
+        torch._dynamo.reset()
+
+
+def peer_hf_static_auto(model, ps, args, device) -> dict:
+    """generate's own compilation: with a static cache on CUDA it compiles the decode forward
+    (its default CompileConfig: mode "reduce-overhead"), the prefill runs eagerly."""
+    if device.type != "cuda" and not args.compile_on_cpu:
+        raise Skip("torch.compile peer runs on CUDA only (--compile-on-cpu to force)")
+    try:
+        return _static_generate(model, ps, args, device, disable_compile=False) | {
+            "method": 'generate, cache_implementation="static", its automatic compile of '
+            "the decode step; compile in setup_s",
+        }
+    finally:
+        for name in ("_compiled_call", "_last_compile_config"):
+            if hasattr(model, name):
+                delattr(model, name)
+        torch._dynamo.reset()
+
+
+def _static_generate(model, ps, args, device, *, disable_compile: bool) -> dict:
     gen = model.generation_config
     saved = (gen.cache_implementation, getattr(gen, "disable_compile", False))
-    gen.cache_implementation = "static"
-    gen.disable_compile = True  # the forward below is the compiled one; no second compile
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    gen.cache_implementation, gen.disable_compile = "static", disable_compile
     try:
         run = hf_runner(model, ps)
-        setup = timed(lambda: run(args.steps), device)  # compiles prefill and decode
+        setup = timed(lambda: run(args.steps), device)  # compiles
         run(args.steps)  # cudagraph trees record on the first warm calls
         return {
             "setup_s": setup,
             "ms_per_step": per_step_ms(run, args.steps, device, args.repeats),
             "tokens": run(args.steps),
-            "method": 'generate, cache_implementation="static", forward = torch.compile('
-            'forward, mode="reduce-overhead", fullgraph=True); compile in setup_s',
         }
     finally:
-        del model.forward  # the class's forward again
         gen.cache_implementation, gen.disable_compile = saved
-        torch._dynamo.reset()
 
 
 PEER_FUNCS = {
     "hf_dynamic": peer_hf_dynamic,
     "engine": peer_engine,
     "hf_static_compile": peer_hf_static_compile,
+    "hf_static_auto": peer_hf_static_auto,
 }
 
 
@@ -214,7 +252,7 @@ def agreement(tokens: list[list[int]], ref: list[list[int]]) -> float:
 def run_peer(peer: str, model, config: str, batch: int, args, device, deadline: float) -> dict:
     row = {"config": config, "batch": batch, "peer": peer, "status": "ok", "reason": ""}
     left = deadline - time.perf_counter()
-    need = COMPILE_RESERVE_S if peer == "hf_static_compile" and device.type == "cuda" else 5
+    need = COMPILE_RESERVE_S if peer in COMPILED and device.type == "cuda" else 5
     if left < need:
         row.update(status="skipped", reason=f"time budget: {left:.0f}s left, needs ~{need}s")
         return row
@@ -252,18 +290,21 @@ def compare(rows: list[dict]) -> dict:
     for (config, batch, peer), r in by_key.items():
         if peer != "engine" or r["status"] != "ok":
             continue
-        for other in ("hf_dynamic", "hf_static_compile"):
+        for other in ("hf_dynamic", *COMPILED):
             o = by_key.get((config, batch, other))
             if o and o["status"] == "ok":
                 r[f"speedup_vs_{other}"] = o["ms_per_step"] / r["ms_per_step"]
         if batch == 1:
             dyn = r.get("speedup_vs_hf_dynamic")
             comp = r.get("speedup_vs_hf_static_compile")
+            auto = r.get("speedup_vs_hf_static_auto")
             goals[config] = {
                 "engine >= 10x hf_dynamic": None if dyn is None else dyn >= 10,
                 "engine no slower than hf_static_compile": None if comp is None else comp >= 1,
+                "engine no slower than hf_static_auto": None if auto is None else auto >= 1,
                 "speedup_vs_hf_dynamic": dyn,
                 "speedup_vs_hf_static_compile": comp,
+                "speedup_vs_hf_static_auto": auto,
             }
     return goals
 
@@ -297,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="llama-12x256-fp32,llama-16x1024-bf16")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--auto-batches", default="1", help="batches at which hf_static_auto runs")
     p.add_argument("--steps", type=int, default=64, help="new tokens per timed generate call")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -317,23 +359,28 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_float32_matmul_precision("highest")  # fp32 means fp32 for every peer
     batches = [int(b) for b in args.batches.split(",")]
     peers = args.peers.split(",")
+    auto_batches = [int(b) for b in args.auto_batches.split(",") if b]
     env = environment(device)
     print(f"bench_decode_hf on {env.get('gpu') or device}, torch {torch.__version__}", flush=True)
     rows: list[dict] = []
+    models: dict[str, object] = {}
     for config in args.configs.split(","):
         try:
-            model = make_model(config, args.prompt_len + args.steps, device, args.seed)
+            models[config] = make_model(config, args.prompt_len + args.steps, device, args.seed)
         except Exception as exc:  # noqa: BLE001
             rows.append({"config": config, "batch": None, "peer": "model", "status": "error",
                          "reason": f"{type(exc).__name__}: {exc}"})  # fmt: skip
-            continue
-        for batch in batches:
+    # Batch 1 of every config first: the goals are measured before the budget can run out.
+    for batch in batches:
+        for config, model in models.items():
             for peer in peers:
+                if peer == "hf_static_auto" and batch not in auto_batches:
+                    continue
                 row = run_peer(peer, model, config, batch, args, device, deadline)
                 rows.append(row)
                 _print_row(row)
-        del model
-        gc.collect()
+    models.clear()
+    gc.collect()
     goals = compare(rows)
     try:
         import transformers

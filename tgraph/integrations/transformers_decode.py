@@ -26,6 +26,22 @@ llama3, yarn, ...) gives exactly the model's cos/sin. Scalings that choose frequ
 sequence length seen so far (``dynamic``, ``longrope``) are refused: in a batch that length is
 another row's, and the choice is made on the host.
 
+The decode step is a replay of a few hundred small kernels, so the kernel count is its cost. Two
+of the model's computations are therefore run as fewer kernels, with the model's weights and the
+same formula (equal up to floating-point rounding, which the greedy-parity tests bound):
+
+* RMSNorm (``LlamaRMSNorm`` and its Mistral/Qwen copies): ``F.rms_norm`` with the layer's weight
+  and ``variance_epsilon``, one fused kernel on CUDA instead of six (transformers swaps in fused
+  norms the same way through its kernels hub, ``use_kernel_forward_from_hub("RMSNorm")``);
+* the rotation ``x * cos + rotate_half(x) * sin`` of ``apply_rotary_pos_emb``: ``rotate_half(x)
+  * sin`` is ``roll(x, hd / 2) * sin_signed`` with ``sin_signed = cat(-sin_1, sin_2)`` made once
+  per step, and q and k rotate as one tensor: three kernels (mul, roll, addcmul) for both
+  instead of five for each.
+
+Attention masks are additive float masks built once per step (SDPA would convert a boolean
+mask in every layer), with the key dimension padded to a multiple of 16 so the memory-efficient
+kernel reads them in place.
+
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM`` (its q/k norms too) and ``GPT2LMHeadModel``. Any other
 ``PreTrainedModel`` raises :class:`TypeError` naming its architecture.
@@ -37,8 +53,7 @@ import transformers; the first model whose class lives in ``transformers`` that 
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -115,9 +130,6 @@ class TransformersDecoder:
                 "not be independent and graphs would freeze one choice. Serve it with a static "
                 "scaling (default, linear, llama3, yarn) or without graphs in transformers"
             )
-        # The model's own rotary function (same arithmetic as its forward, bit for bit).
-        modeling = sys.modules[type(base.layers[0].self_attn).__module__]
-        self.apply_rope = modeling.apply_rotary_pos_emb
         self.embed = base.embed_tokens
         self.final_norm = base.norm
         self.lm_head = model.lm_head
@@ -162,10 +174,10 @@ class TransformersDecoder:
 
     # -- one layer's parts ------------------------------------------------------------------
 
-    def _norms(self, layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+    def _norms(self, layer: nn.Module) -> tuple[Norm, Norm]:
         if self.rotary is None:
             return layer.ln_1, layer.ln_2
-        return layer.input_layernorm, layer.post_attention_layernorm
+        return rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm)
 
     def _qkv(
         self, layer: nn.Module, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
@@ -182,10 +194,10 @@ class TransformersDecoder:
         k = attn.k_proj(h).view(B, T, -1, hd)  # (B, T, n_kv, hd)
         v = attn.v_proj(h).view(B, T, -1, hd).transpose(1, 2)  # (B, n_kv, T, hd)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head, before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = rope
-        q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, v
+            q, k = rms_norm(attn.q_norm)(q), rms_norm(attn.k_norm)(k)
+        # q and k rotate together: three kernels for both instead of three each.
+        qk = rotate(torch.cat((q, k), dim=2).transpose(1, 2), *rope)  # (B, H + n_kv, T, hd)
+        return qk[:, : self.n_query_heads], qk[:, self.n_query_heads :], v
 
     def _out(self, layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
         """Output projection of attention output (B, T, H * hd)."""
@@ -196,10 +208,11 @@ class TransformersDecoder:
         x = self.embed(tokens)
         if self.rotary is None:
             return x + self.positions(positions), None
-        return x, self.rotary(x, positions)
+        return x, rotation(*self.rotary(x, positions), self.n_query_heads + self.n_head)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.final_norm(x))
+        norm = self.final_norm if self.rotary is None else rms_norm(self.final_norm)
+        return self.lm_head(norm(x))
 
     # -- the decode interface ---------------------------------------------------------------
 
@@ -210,7 +223,7 @@ class TransformersDecoder:
         T = inputs.tokens.shape[0]
         positions = cache.key_positions[:T]  # (T,)
         x, rope = self._embed(inputs.tokens[None], positions[None])  # (1, T, C)
-        masks = prompt_masks(positions, self.windows)
+        masks = prompt_masks(positions, self.windows, self.dtype)
         for i, layer in enumerate(self.layers):
             norm_attn, norm_mlp = self._norms(layer)
             q, k, v = self._qkv(layer, norm_attn(x), rope)  # (1, H | n_kv, T, hd)
@@ -231,7 +244,7 @@ class TransformersDecoder:
         """One token per row against the cache; returns logits (B, V). Graph-safe."""
         B, H, g, hd = inputs.rows, self.n_query_heads, self.groups, self.head_dim
         x, rope = self._embed(inputs.tokens[:, None], inputs.positions[:, None])  # (B, 1, C)
-        masks = step_masks(cache.key_positions, inputs.lengths, self.windows)
+        masks = step_masks(cache.key_positions, inputs.lengths, self.windows, self.dtype)
         for i, layer in enumerate(self.layers):
             norm_attn, norm_mlp = self._norms(layer)
             q, k, v = self._qkv(layer, norm_attn(x), rope)  # (B, H | n_kv, 1, hd)
@@ -250,29 +263,70 @@ class TransformersDecoder:
 # -- masks -------------------------------------------------------------------------------------
 
 
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere, in ``dtype``; the last dimension is padded to a
+    multiple of 16 (and sliced back) so SDPA's memory-efficient kernel takes it without a copy."""
+    *lead, S = allowed.shape
+    out = allowed.new_zeros((*lead, -(-S // 16) * 16), dtype=dtype)[..., :S]
+    return out.masked_fill_(allowed.logical_not(), float("-inf"))
+
+
 def prompt_masks(
-    positions: torch.Tensor, windows: Sequence[int | None]
+    positions: torch.Tensor, windows: Sequence[int | None], dtype: torch.dtype
 ) -> dict[int | None, torch.Tensor | None]:
     """Prefill masks (T, T) by window: None is plain causal (SDPA's ``is_causal``, no mask);
     a window ``w`` lets query ``q`` see keys ``q - w < k <= q``."""
     masks: dict[int | None, torch.Tensor | None] = {None: None}
     distance = positions[:, None] - positions[None, :]  # (T, T): query minus key position
     for w in set(windows) - {None}:
-        masks[w] = (distance >= 0) & (distance < w)
+        masks[w] = additive((distance >= 0) & (distance < w), dtype)
     return masks
 
 
 def step_masks(
-    key_positions: torch.Tensor, lengths: torch.Tensor, windows: Sequence[int | None]
+    key_positions: torch.Tensor,
+    lengths: torch.Tensor,
+    windows: Sequence[int | None],
+    dtype: torch.dtype,
 ) -> dict[int | None, torch.Tensor]:
     """Decode-step masks (B, 1, 1, S) by window: row ``i`` sees keys ``0..lengths[i]-1``, or
     the last ``w`` of them; stale keys past a row's length are masked out."""
     lengths = lengths[:, None]  # (B, 1)
     seen = key_positions[None, :] < lengths  # (B, S)
-    masks = {None: seen[:, None, None, :]}  # broadcast over KV heads and query rows
+    masks = {None: additive(seen, dtype)[:, None, None, :]}  # over KV heads and query rows
     for w in set(windows) - {None}:
-        masks[w] = (seen & (key_positions[None, :] >= lengths - w))[:, None, None, :]
+        allowed = seen & (key_positions[None, :] >= lengths - w)
+        masks[w] = additive(allowed, dtype)[:, None, None, :]
     return masks
+
+
+# -- the model's norms and rotation, in fewer kernels -----------------------------------------
+
+Norm = Callable[[torch.Tensor], torch.Tensor]
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def rms_norm(norm: nn.Module) -> Norm:
+    """``norm`` as ``F.rms_norm`` with its weight and eps when it is one of :data:`RMS_NORMS`
+    (``weight * x / sqrt(mean(x^2) + eps)``, fused on CUDA); any other module as itself."""
+    if type(norm).__name__ not in RMS_NORMS or not hasattr(F, "rms_norm"):
+        return norm
+    return lambda x: F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step, from the rotary module's (B, T, hd) cos/sin: cos and sin with its first half
+    negated (``rotate_half(x) * sin == roll(x, hd / 2) * sin_signed``), each expanded once to
+    (B, heads, T, hd) so every layer's rotation runs non-broadcasting kernels."""
+    half = sin.shape[-1] // 2
+    sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    B, T, hd = cos.shape
+    return tuple(t[:, None].expand(B, heads, T, hd).contiguous() for t in (cos, sin_signed))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb``'s ``x * cos + rotate_half(x) * sin`` for x (B, heads, T, hd)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 # -- configuration ------------------------------------------------------------------------------
