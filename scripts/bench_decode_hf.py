@@ -13,9 +13,7 @@ process, greedy, the same prompts of ``--prompt-len`` tokens, at batch 1 and 8:
                      documents it, ``model.forward = torch.compile(model.forward,
                      mode="reduce-overhead", fullgraph=True)`` (``disable_compile`` set so
                      generate does not compile its own second copy); compile time is reported
-                     separately (``setup_s``) and dynamo is reset after each batch size;
-                     each call marks a cudagraph step (``cudagraph_mark_step_begin``), which
-                     torch requires here: the static cache's counters are updated in place
+                     separately (``setup_s``)
   hf_static_auto     ``generate`` with ``cache_implementation="static"`` and its own automatic
                      compile of the decode step (prefill eager), at ``--auto-batches`` (1)
 
@@ -28,7 +26,8 @@ memory allocated while the peer ran (and above the model's weights), and whether
 tokens equal ``hf_dynamic``'s (``tokens_equal``; ``agreement`` is the fraction of equal tokens:
 bf16 kernels round differently, so a near-tie can flip a later token).
 
-Robust by construction: every peer runs in its own try/except and records the error string; a
+Robust by construction: every peer runs in its own try/except and records the error string
+(the compiled peers in a child process of their own: compiled code can kill the interpreter); a
 time budget (``--budget-s``, default 220 s on a GPU) skips what would not fit, with the reason.
 Writes ``bench_decode_hf.json`` and ``.md`` under ``--out`` (default ``$OUT``, else ``out``) and
 prints a summary with the goals: at batch 1, engine >= 10x hf_dynamic and no slower than
@@ -39,12 +38,17 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -180,22 +184,14 @@ def peer_engine(model, ps, args, device) -> dict:
 
 
 def peer_hf_static_compile(model, ps, args, device) -> dict:
-    """The documented recipe; each call marks a new cudagraph step, as torch's error for the
-    static cache's in-place counters asks (outputs of one replay are overwritten by the next)."""
+    """transformers' documented recipe, as written (static cache, compiled forward)."""
     if device.type != "cuda" and not args.compile_on_cpu:
         raise Skip("torch.compile peer runs on CUDA only (--compile-on-cpu to force)")
-    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-
-    def forward(*a, **kw):
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*a, **kw)
-
-    model.forward = forward
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     try:
         return _static_generate(model, ps, args, device, disable_compile=True) | {
             "method": 'generate, cache_implementation="static", forward = torch.compile('
-            'forward, mode="reduce-overhead", fullgraph=True) (+ cudagraph_mark_step_begin '
-            "per call); compile in setup_s",
+            'forward, mode="reduce-overhead", fullgraph=True); compile in setup_s',
         }
     finally:
         del model.forward  # the class's forward again
@@ -277,6 +273,46 @@ def run_peer(peer: str, model, config: str, batch: int, args, device, deadline: 
     return row
 
 
+def run_isolated(peer: str, config: str, batch: int, args, device, deadline: float) -> dict:
+    """``run_peer`` in a child process: compiled code that crashes the interpreter (a segfault
+    inside a cudagraph replay was seen) loses its own row only."""
+    row = {"config": config, "batch": batch, "peer": peer, "status": "ok", "reason": ""}
+    left = deadline - time.perf_counter()
+    if device.type != "cuda" and not args.compile_on_cpu:
+        return row | {"status": "skipped", "reason": "torch.compile peer runs on CUDA only"}
+    if left < COMPILE_RESERVE_S:
+        return row | {"status": "skipped", "reason": f"time budget: {left:.0f}s left"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{config}:{batch}:{peer}",
+               "--child-out", str(out), "--steps", str(args.steps), "--prompt-len",
+               str(args.prompt_len), "--repeats", str(args.repeats), "--seed", str(args.seed),
+               "--device", str(device), "--out", args.out]  # fmt: skip
+        cmd += ["--compile-on-cpu"] if args.compile_on_cpu else []
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            return row | {"status": "error", "reason": f"timed out after {left:.0f}s (budget)"}
+        if out.is_file():
+            return json.loads(out.read_text())
+    rc = proc.returncode
+    how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+    return row | {
+        "status": "error",
+        "reason": f"child process died with {how} before writing its row",
+        "traceback": proc.stderr[-3000:],
+    }
+
+
+def child(args, device) -> int:
+    """``--child CONFIG:BATCH:PEER``: one row, written as JSON to ``--child-out``."""
+    config, batch, peer = args.child.split(":")
+    model = make_model(config, args.prompt_len + args.steps, device, args.seed)
+    row = run_peer(peer, model, config, int(batch), args, device, deadline=float("inf"))
+    Path(args.child_out).write_text(json.dumps(row, default=str))
+    return 0
+
+
 # ----------------------------------------------------------------------------------- report
 def compare(rows: list[dict]) -> dict:
     """Token equality with hf_dynamic, speed-ups, and the batch-1 goals, per config."""
@@ -348,11 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--smoke", action="store_true", help="CPU, emulated graphs, a tiny config")
     p.add_argument("--compile-on-cpu", action="store_true", help="run the torch.compile peer")
+    p.add_argument("--in-process", action="store_true", help="compiled peers in this process")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.configs, args.steps, args.repeats = "llama-2x32-fp32-smoke", 8, 1
         args.device = args.device or "cpu"
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.child:
+        return child(args, device)
     budget = args.budget_s or (220.0 if device.type == "cuda" else 120.0)
     start = time.perf_counter()
     deadline = start + budget
@@ -376,7 +417,10 @@ def main(argv: list[str] | None = None) -> int:
             for peer in peers:
                 if peer == "hf_static_auto" and batch not in auto_batches:
                     continue
-                row = run_peer(peer, model, config, batch, args, device, deadline)
+                if peer in COMPILED and not args.in_process:
+                    row = run_isolated(peer, config, batch, args, device, deadline)
+                else:
+                    row = run_peer(peer, model, config, batch, args, device, deadline)
                 rows.append(row)
                 _print_row(row)
     models.clear()

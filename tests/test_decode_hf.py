@@ -249,3 +249,24 @@ def test_generate_recipe_serves_a_save_pretrained_directory(tmp_path, capsys):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert texts[0] + completions[0] in proc.stdout
+
+
+def test_benchmark_smoke_writes_rows_with_equal_tokens(tmp_path):
+    """scripts/bench_decode_hf.py --smoke: every row has a status, the engine's greedy tokens
+    equal generate's, and the compiled peers (CUDA only) are skipped with a reason."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_hf.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench_decode_hf.json").read_text())["results"]
+    assert {(r["batch"], r["peer"]) for r in rows} >= {(1, "engine"), (8, "hf_dynamic")}
+    for r in rows:
+        if r["peer"] == "engine":
+            assert r["status"] == "ok" and r["tokens_equal"], r
+        if r["peer"].startswith("hf_static"):
+            assert r["status"] == "skipped" and r["reason"], r
