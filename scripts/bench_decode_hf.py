@@ -15,7 +15,11 @@ process, greedy, the same prompts of ``--prompt-len`` tokens, at batch 1 and 8:
                      generate does not compile its own second copy); compile time is reported
                      separately (``setup_s``)
   hf_static_auto     ``generate`` with ``cache_implementation="static"`` and its own automatic
-                     compile of the decode step (prefill eager), at ``--auto-batches`` (1)
+                     compile of the decode step (prefill eager)
+
+The compiled peers run at ``--compile-batches`` (default 1: compiling again per batch size
+costs most of the time budget); rows run by priority (:func:`schedule`), batch 1 of every
+config first.
 
 Configs: ``llama-12x256-fp32`` (the design size of bench_decode.py: 12 layers, d 256, 4 heads,
 vocab 1024, fp32) and ``llama-16x1024-bf16`` (16 layers, d 1024, 16 heads of which 4 KV heads,
@@ -273,6 +277,22 @@ def run_peer(peer: str, model, config: str, batch: int, args, device, deadline: 
     return row
 
 
+def schedule(
+    configs: list[str], batches: list[int], peers: list[str], compile_batches: list[int]
+) -> list[tuple[int, str, str]]:
+    """(batch, config, peer) by priority, so that the time budget cuts the least useful rows:
+    the goal rows of the first batch for every config (hf_dynamic, engine, hf_static_auto),
+    then the documented compile recipe, then the other batches."""
+    first, rest = batches[0], batches[1:]
+    jobs = [(first, c, p) for c in configs for p in ("hf_dynamic", "engine", "hf_static_auto")]
+    jobs += [(first, c, "hf_static_compile") for c in configs]
+    jobs += [(b, c, p) for b in rest for c in configs for p in ("hf_dynamic", "engine")]
+    jobs += [(b, c, p) for b in rest for c in configs for p in COMPILED]
+    return [
+        (b, c, p) for b, c, p in jobs if p in peers and (p not in COMPILED or b in compile_batches)
+    ]
+
+
 def run_isolated(peer: str, config: str, batch: int, args, device, deadline: float) -> dict:
     """``run_peer`` in a child process: compiled code that crashes the interpreter (a segfault
     inside a cudagraph replay was seen) loses its own row only."""
@@ -374,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="llama-12x256-fp32,llama-16x1024-bf16")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--peers", default=",".join(PEERS))
-    p.add_argument("--auto-batches", default="1", help="batches at which hf_static_auto runs")
+    p.add_argument("--compile-batches", default="1", help="batches at which the compiled peers run")
     p.add_argument("--steps", type=int, default=64, help="new tokens per timed generate call")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -400,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_float32_matmul_precision("highest")  # fp32 means fp32 for every peer
     batches = [int(b) for b in args.batches.split(",")]
     peers = args.peers.split(",")
-    auto_batches = [int(b) for b in args.auto_batches.split(",") if b]
+    compile_batches = [int(b) for b in args.compile_batches.split(",") if b]
     env = environment(device)
     print(f"bench_decode_hf on {env.get('gpu') or device}, torch {torch.__version__}", flush=True)
     rows: list[dict] = []
@@ -411,18 +431,16 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001
             rows.append({"config": config, "batch": None, "peer": "model", "status": "error",
                          "reason": f"{type(exc).__name__}: {exc}"})  # fmt: skip
-    # Batch 1 of every config first: the goals are measured before the budget can run out.
-    for batch in batches:
-        for config, model in models.items():
-            for peer in peers:
-                if peer == "hf_static_auto" and batch not in auto_batches:
-                    continue
-                if peer in COMPILED and not args.in_process:
-                    row = run_isolated(peer, config, batch, args, device, deadline)
-                else:
-                    row = run_peer(peer, model, config, batch, args, device, deadline)
-                rows.append(row)
-                _print_row(row)
+    for batch, config, peer in schedule(list(models), batches, peers, compile_batches):
+        model = models[config]
+        if peer in COMPILED and not args.in_process:
+            row = run_isolated(peer, config, batch, args, device, deadline)
+        else:
+            row = run_peer(peer, model, config, batch, args, device, deadline)
+        rows.append(row)
+        _print_row(row)
+    order = {name: i for i, name in enumerate([*models, *PEERS])}
+    rows.sort(key=lambda r: (order.get(r["config"], -1), r["batch"] or 0, order[r["peer"]]))
     models.clear()
     gc.collect()
     goals = compare(rows)
