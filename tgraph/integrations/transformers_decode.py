@@ -7,8 +7,8 @@
 :class:`TransformersDecoder` implements :class:`~tgraph.decode.interface.DecodeModel` with the
 model's own modules and weights, called layer by layer as the model's ``forward`` calls them: the
 token embedding (and GPT-2's learned positions), each layer's norms, its q/k/v/o projections
-(GPT-2's fused ``Conv1D`` ``c_attn``), the model's rotary module and rotary function, the MLP,
-the final norm and ``lm_head``. Only the attention is the engine's: scaled dot-product attention
+(GPT-2's fused ``Conv1D`` ``c_attn``), the model's rotary module, the MLP, the final norm
+and ``lm_head``. Only the attention is the engine's: scaled dot-product attention
 against the engine's static :class:`~tgraph.decode.KVCache` (no transformers ``Cache`` object
 exists inside a graph), with the mask the config implies:
 
