@@ -13,6 +13,9 @@ the quickstart model).
 Prints each sample under a separator line, then one summary line: tokens/s, ms per decode step,
 buckets used and capture time. On a CPU the graphs are emulated (tgraph's stand-in for CUDA
 graphs: same code paths, no speed-up). Bad arguments exit with code 2 and one line saying why.
+
+A transformers causal LM's save_pretrained directory (its config.json names a model_type) is
+served too, by the same engine: see recipes/hf_serving.py.
 """
 
 from __future__ import annotations
@@ -21,12 +24,18 @@ import argparse
 import logging
 import math
 import sys
+from pathlib import Path
 
 import torch
 
 from tgraph.decode import DecodeEngine
 from tgraph.toy import checkpoint
 from tgraph.toy.checkpoint import CheckpointError
+
+# Python puts this file's directory on sys.path when it runs the file; a test that loads the
+# file by path needs it for hf_serving (transformers checkpoints).
+sys.path.append(str(Path(__file__).resolve().parent))
+import hf_serving  # noqa: E402
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -151,6 +160,8 @@ def _generate(args: argparse.Namespace, parser: OneLineErrorParser) -> list[str]
         path = checkpoint.find_checkpoint(args.ckpt)
     except FileNotFoundError as e:
         parser.error(f"--ckpt {e}")
+    if hf_serving.is_transformers_checkpoint(path):  # save_pretrained's layout
+        return hf_serving.generate(args, parser, path)
     try:
         model = checkpoint.load(path, device=args.device)
         _, extra = checkpoint.read_config(path)

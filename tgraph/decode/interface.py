@@ -39,11 +39,20 @@ rows must not change live rows' logits, padding positions must not change the pr
 A model type that cannot carry the methods itself gets an adapter registered with
 :func:`as_decode_model` (``@as_decode_model.register(MyModel)``), as ``tgraph.toy.gpt_decode`` does
 for the toy GPT; then ``DecodeEngine(my_model, ...)`` serves it directly.
+
+Adapters for another library's models are registered *lazily* (:data:`LAZY_ADAPTERS`, the
+mechanism of dask's ``Dispatch.register_lazy``): when no adapter matches, the top-level package of
+each class in the model's MRO is looked up, and the adapter module of a listed package is
+imported, which registers its adapters, and the call dispatches again. So importing tgraph never
+imports transformers, yet ``DecodeEngine(hf_model, ...)`` finds the transformers adapter
+(:mod:`tgraph.integrations.transformers_decode`): an object whose class lives in
+``transformers`` can only exist once transformers is imported.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -69,16 +78,29 @@ class DecodeModel(Protocol):
     def decode_step(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor: ...
 
 
+LAZY_ADAPTERS: dict[str, str] = {"transformers": "tgraph.integrations.transformers_decode"}
+"""Top-level package of a model's class -> the tgraph module registering adapters for it,
+imported the first time such a model meets :func:`as_decode_model` (entries are removed once
+imported)."""
+
+
 @functools.singledispatch
 def as_decode_model(model: object) -> DecodeModel:
     """Return ``model`` as a :class:`DecodeModel`: an implementation is returned as is, a type
-    with a registered adapter is wrapped (``as_decode_model.register``).
+    with a registered adapter is wrapped (``as_decode_model.register``, or an adapter module
+    of :data:`LAZY_ADAPTERS`, imported on first use).
 
     Raises:
         TypeError: ``model`` neither implements the protocol nor has an adapter.
     """
     if isinstance(model, DecodeModel):
         return model
+    for cls in type(model).__mro__:
+        package = cls.__module__.partition(".")[0]
+        if package in LAZY_ADAPTERS:
+            importlib.import_module(LAZY_ADAPTERS[package])  # registers its adapters
+            del LAZY_ADAPTERS[package]  # once: a second miss is a real miss
+            return as_decode_model(model)
     missing = [
         name
         for name in DecodeModel.__annotations__.keys() | {"prefill", "decode_step"}

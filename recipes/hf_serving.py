@@ -1,0 +1,124 @@
+"""``recipes/generate.py`` on a transformers checkpoint: a directory written by ``save_pretrained``.
+
+    python recipes/generate.py --ckpt runs/hf_llama --prompt "def " --max-new-tokens 50
+
+The model is loaded with ``AutoModelForCausalLM.from_pretrained`` (in the dtype it was saved in)
+and served by :class:`tgraph.decode.DecodeEngine` through
+:class:`tgraph.integrations.transformers_decode.TransformersDecoder`. Text prompts go through the
+checkpoint's tokenizer when the directory has one (``tokenizer.json`` or
+``tokenizer_config.json``), else through bytes (a model of at least 256 tokens trained on bytes,
+as tgraph's corpus is). Generation stops at ``--eos-token-id``, else at the EOS of the
+checkpoint's ``generation_config.json`` when it names one.
+
+transformers is imported only when such a directory is served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from tgraph.decode import DecodeEngine
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def is_transformers_checkpoint(path: str | Path) -> bool:
+    """True for a ``save_pretrained`` directory: its ``config.json`` names a ``model_type``
+    (tgraph's toy checkpoints name their ``format`` instead)."""
+    config = Path(path) / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "model_type" in data and "format" not in data
+
+
+def load(path: Path, device: str):
+    """The checkpoint's model and tokenizer (None without tokenizer files) as a decoder.
+
+    Raises:
+        SystemExit: code 1 with one line when transformers cannot load the directory.
+    """
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from tgraph.integrations.transformers_decode import TransformersDecoder
+    except ImportError as e:
+        _fail(f"{path} is a transformers checkpoint: {e}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device)
+        has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
+        tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+        return TransformersDecoder(model, tokenizer)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        _fail(f"cannot serve {path}: {type(e).__name__}: {str(e).splitlines()[0]}")
+
+
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def _eos(decoder, args: argparse.Namespace) -> int | None:
+    if args.eos_token_id is not None:
+        return args.eos_token_id
+    eos = getattr(decoder.model.generation_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) and eos else eos
+
+
+def generate(args: argparse.Namespace, parser, path: Path) -> list[str]:
+    """Serve ``args.prompt`` from the transformers checkpoint ``path``; print as generate.py does.
+
+    Raises:
+        SystemExit: code 2 for arguments the model cannot serve, 1 for an unloadable checkpoint.
+    """
+    decoder = load(path, args.device)
+    if not hasattr(decoder, "encode"):
+        parser.error(
+            f"{path} has no tokenizer and {decoder.vocab_size} tokens (fewer than 256 bytes): "
+            "text prompts need tokenizer files in the checkpoint directory"
+        )
+    ids = [decoder.encode(p) for p in args.prompt]
+    positions, vocab = decoder.max_positions, decoder.vocab_size
+    if args.max_seq_len is not None and args.max_seq_len > positions:
+        parser.error(f"--max-seq-len {args.max_seq_len} exceeds the model's {positions} positions")
+    # Default KV capacity: what these prompts need, not the model's (possibly huge) positions.
+    max_seq_len = args.max_seq_len or min(positions, max(map(len, ids)) + args.max_new_tokens)
+    if args.eos_token_id is not None and args.eos_token_id >= vocab:
+        parser.error(f"--eos-token-id must be below the vocabulary size {vocab}")
+    for i, p in enumerate(ids, 1):
+        if len(p) + args.max_new_tokens > max_seq_len:
+            parser.error(
+                f"--prompt {i} is {len(p)} tokens; with --max-new-tokens {args.max_new_tokens} it "
+                f"needs {len(p) + args.max_new_tokens} positions but there are {max_seq_len}"
+            )
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    how += f", top-k {args.top_k}" if args.top_k and args.temperature else ""
+    print(f"transformers checkpoint {path} ({decoder.architecture}); {how}, seed {args.seed}")
+    engine = DecodeEngine(
+        decoder,
+        max_batch_size=args.max_batch_size or len(args.prompt),
+        max_seq_len=max_seq_len,
+        use_graphs=not args.no_graphs,
+    )
+    completions = engine.generate(
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        eos_token_id=_eos(decoder, args),
+        seed=args.seed,
+    )
+    n = len(args.prompt)
+    for i, (prompt, completion) in enumerate(zip(args.prompt, completions), 1):
+        print(f"----- sample {i} of {n} " + "-" * 40)
+        print(prompt + completion)
+    print("-" * 60)
+    print(engine.stats.summary())
+    return completions

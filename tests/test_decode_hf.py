@@ -1,0 +1,272 @@
+"""DecodeEngine serves transformers causal LMs: greedy tokens equal ``model.generate``.
+
+Each family runs tiny random configs in fp32 (nothing is downloaded) with prompts of several
+lengths decoded together, so the batch is padded to its bucket (3 rows in bucket 4) and the
+prompts to their prefill buckets (16 and 32). The reference is ``generate(do_sample=False)``
+of each prompt alone, with transformers' own dynamic cache and masks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tgraph.decode import DecodeEngine  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+VOCAB = 128
+NEW_TOKENS = 12
+WINDOW = 8  # sliding window, shorter than every prompt + completion below
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+    rope_theta=500000.0,
+)
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, num_key_value_heads=4)),
+    "llama-gqa": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, num_key_value_heads=2)),
+    "llama-llama3-rope": lambda: LlamaForCausalLM(
+        LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE)
+    ),
+    "llama-yarn-rope": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **COMMON,
+            rope_parameters=dict(
+                rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=1e4
+            ),
+        )
+    ),
+    "mistral-window": lambda: MistralForCausalLM(
+        MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=WINDOW)
+    ),
+    # layer 0 full attention, layer 1 a sliding window (layer_types from max_window_layers)
+    "qwen2-window": lambda: Qwen2ForCausalLM(
+        Qwen2Config(
+            **COMMON,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        )
+    ),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, num_key_value_heads=1, head_dim=32)),
+    "gpt2": lambda: GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=128,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ),
+}
+
+
+def make(family: str, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return FAMILIES[family]().to(device).eval()
+
+
+def prompts(lengths=(3, 17, 9)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference(model, ps: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' greedy completions, one prompt at a time (no padding in the reference)."""
+    out = []
+    device = next(model.parameters()).device
+    for p in ps:
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            seq = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        out.append(seq[0, len(p) :].tolist())
+    return out
+
+
+def engine(model, backend: str, **kw) -> DecodeEngine:
+    kw = dict(max_batch_size=4, max_seq_len=64, backend=backend, progress=False) | kw
+    return DecodeEngine(model, **kw)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_tokens_equal_generate(family, backend, device):
+    model = make(family, device)
+    ps = prompts()
+    want = reference(model, ps)
+    eng = engine(model, backend)
+    assert eng.generate(ps, NEW_TOKENS) == want
+    st = eng.stats
+    assert st.bucket_steps and set(st.bucket_steps) <= {1, 2, 4} and st.eager_steps == 0
+    assert st.prefill_bucket_steps == {16: 2, 32: 1} and st.prefill_eager == 0
+
+
+def test_continuous_batching_and_eager_prefill_equal_generate(backend, device):
+    """More requests than slots (they queue, join and leave), different output lengths, and a
+    prompt above the largest prefill bucket (eager prefill)."""
+    model = make("llama-gqa", device)
+    ps = prompts((5, 20, 2, 11, 40))
+    news = [6, 12, 3, 9, 5]
+    want = [reference(model, [p], n)[0] for p, n in zip(ps, news)]
+    eng = engine(model, backend, max_batch_size=2, prefill_sizes=[16, 32])
+    assert eng.generate(ps, news) == want
+    assert eng.stats.prefill_eager == 1
+
+
+def test_graphs_equal_eager_when_sampling(backend, device):
+    model = make("qwen2-window", device)
+    ps = prompts()
+    kw = dict(temperature=0.9, top_k=20, top_p=0.9, seed=5)
+    graphed = engine(model, backend).generate(ps, NEW_TOKENS, **kw)
+    assert graphed == engine(model, backend, use_graphs=False).generate(ps, NEW_TOKENS, **kw)
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window"])
+def test_ignoring_the_sliding_window_is_caught(family, monkeypatch):
+    """Planted bug: every layer attends to its whole past. The windows must matter here."""
+    from tgraph.integrations import transformers_decode
+
+    model = make(family, torch.device("cpu"))
+    ps = prompts()
+    want = reference(model, ps)
+    monkeypatch.setattr(transformers_decode, "_window", lambda attn, config: None)
+    assert engine(model, "emulated", use_graphs=False).generate(ps, NEW_TOKENS) != want
+
+
+def test_unsupported_architecture_is_named():
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64,
+    )  # fmt: skip
+    model = GPTNeoXForCausalLM(cfg)
+    with pytest.raises(
+        TypeError, match=r"no adapter for the transformers model GPTNeoXForCausalLM"
+    ):
+        DecodeEngine(model, max_batch_size=1, max_seq_len=16, progress=False)
+
+
+def test_length_dependent_rope_is_refused():
+    torch.manual_seed(0)
+    rope = dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)
+    model = LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope))
+    with pytest.raises(TypeError, match="rope_type 'dynamic'"):
+        DecodeEngine(model, max_batch_size=1, max_seq_len=16, progress=False)
+
+
+def test_text_prompts_use_bytes_without_a_tokenizer():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**(COMMON | dict(vocab_size=256)))).eval()
+    eng = DecodeEngine(model, max_batch_size=1, max_seq_len=32, progress=False)
+    (text,) = eng.generate(["hi"], 4)
+    assert isinstance(text, str)
+    (ids,) = eng.generate([list(b"hi")], 4)
+    assert text == eng.decoder.decode(ids)
+
+
+def test_importing_tgraph_does_not_import_transformers():
+    code = (
+        "import sys, tgraph, tgraph.decode, tgraph.toy; "
+        "assert 'transformers' not in sys.modules, 'tgraph imported transformers'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _load_generate_recipe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_recipe_hf", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_generate_recipe_serves_a_save_pretrained_directory(tmp_path, capsys):
+    """A tiny random Llama saved by save_pretrained (bytes as tokens: vocabulary 256) is served
+    by recipes/generate.py with graphs, and its completions are generate's."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**(COMMON | dict(vocab_size=256)), num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    ckpt = tmp_path / "hf_llama"
+    model.save_pretrained(ckpt)
+    gen, recipe = _load_generate_recipe()
+    texts = ["ab", "hello"]
+    argv = ["--ckpt", str(ckpt), "--max-new-tokens", "6", "--device", "cpu"]
+    completions = gen.main([*argv, "--prompt", texts[0], "--prompt", texts[1]])
+    want = [reference(model, [list(t.encode())], 6)[0] for t in texts]
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    assert completions == [decode(ids) for ids in want]
+    out = capsys.readouterr().out
+    assert "(LlamaForCausalLM)" in out and "----- sample 2 of 2 " in out
+    proc = subprocess.run(
+        [sys.executable, str(recipe), *argv, "--prompt", texts[0]],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert texts[0] + completions[0] in proc.stdout
+
+
+def test_benchmark_smoke_writes_rows_with_equal_tokens(tmp_path):
+    """scripts/bench_decode_hf.py --smoke: every row has a status, the engine's greedy tokens
+    equal generate's, and the compiled peers (CUDA only) are skipped with a reason."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_hf.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench_decode_hf.json").read_text())["results"]
+    assert {(r["batch"], r["peer"]) for r in rows} >= {(1, "engine"), (8, "hf_dynamic")}
+    for r in rows:
+        if r["peer"] == "engine":
+            assert r["status"] == "ok" and r["tokens_equal"], r
+        if r["peer"].startswith("hf_static"):
+            assert r["status"] == "skipped" and r["reason"], r

@@ -1,0 +1,369 @@
+"""Serve transformers causal LMs with :class:`~tgraph.decode.DecodeEngine`, graphs and all.
+
+    model = LlamaForCausalLM.from_pretrained(path).cuda()
+    engine = DecodeEngine(model, max_batch_size=8, max_seq_len=512)   # no wrapper needed
+    engine.generate([[1, 306, 4658]], max_new_tokens=32)
+
+:class:`TransformersDecoder` implements :class:`~tgraph.decode.interface.DecodeModel` with the
+model's own modules and weights, called layer by layer as the model's ``forward`` calls them: the
+token embedding (and GPT-2's learned positions), each layer's norms, its q/k/v/o projections
+(GPT-2's fused ``Conv1D`` ``c_attn``), the model's rotary module, the MLP, the final norm
+and ``lm_head``. Only the attention is the engine's: scaled dot-product attention
+against the engine's static :class:`~tgraph.decode.KVCache` (no transformers ``Cache`` object
+exists inside a graph), with the mask the config implies:
+
+* causal, and a sliding window on each layer that has one (Mistral's ``sliding_window``;
+  Qwen2/Qwen3 layers whose ``layer_types`` entry is ``"sliding_attention"``): a query at
+  position ``q`` sees keys ``q - window < k <= q``, transformers' ``sliding_window_overlay``;
+* grouped KV heads (``num_key_value_heads < num_attention_heads``) are cached once per KV head.
+  A decode step folds each group's query heads into the query dimension, ``(B, n_kv, groups,
+  hd)``, so they read their shared keys in place instead of a repeated copy; prefill repeats the
+  keys as transformers' ``repeat_kv`` does (one query row per position, each with its own mask).
+
+Rotary embeddings come from the model's ``rotary_emb`` module, called on the step's positions
+inside the graph, so every scaling whose frequencies are fixed at load time (default, linear,
+llama3, yarn, ...) gives exactly the model's cos/sin. Scalings that choose frequencies from the
+sequence length seen so far (``dynamic``, ``longrope``) are refused: in a batch that length is
+another row's, and the choice is made on the host.
+
+The decode step is a replay of a few hundred small kernels, so the kernel count is its cost. Two
+of the model's computations are therefore run as fewer kernels, with the model's weights and the
+same formula (equal up to floating-point rounding, which the greedy-parity tests bound):
+
+* RMSNorm (``LlamaRMSNorm`` and its Mistral/Qwen copies): ``F.rms_norm`` with the layer's weight
+  and ``variance_epsilon``, one fused kernel on CUDA instead of six (transformers swaps in fused
+  norms the same way through its kernels hub, ``use_kernel_forward_from_hub("RMSNorm")``);
+* the rotation ``x * cos + rotate_half(x) * sin`` of ``apply_rotary_pos_emb``: ``rotate_half(x)
+  * sin`` is ``roll(x, hd / 2) * sin_signed`` with ``sin_signed = cat(-sin_1, sin_2)`` made once
+  per step, and q and k rotate as one tensor: three kernels (mul, roll, addcmul) for both
+  instead of five for each.
+
+Attention masks are additive float masks built once per step (SDPA would convert a boolean
+mask in every layer), with the key dimension padded to a multiple of 16 so the memory-efficient
+kernel reads them in place.
+
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM`` (its q/k norms too) and ``GPT2LMHeadModel``. Any other
+``PreTrainedModel`` raises :class:`TypeError` naming its architecture.
+
+Registration is lazy (:data:`tgraph.decode.interface.LAZY_ADAPTERS`): importing tgraph does not
+import transformers; the first model whose class lives in ``transformers`` that reaches
+:func:`~tgraph.decode.as_decode_model` imports this module, which registers its adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tgraph.decode.buffers import PrefillInputs, StepInputs
+from tgraph.decode.interface import as_decode_model
+from tgraph.decode.kv_cache import KVCache
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - the module is only imported for HF models
+    raise ImportError(
+        "tgraph.integrations.transformers_decode serves transformers models and needs the "
+        'library: pip install "transformers>=4.50"'
+    ) from exc
+
+ROTARY_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = (*ROTARY_FAMILIES, "GPT2LMHeadModel")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+class TransformersDecoder:
+    """A transformers causal LM behind the decode interface (see the module docstring).
+
+    Args:
+        model: one of :data:`SUPPORTED`; switched to eval mode. Its weights are used in place
+            (graphs captured before a weight is *reallocated*, e.g. by ``model.to``, keep
+            reading the old memory: build a new engine after moving the model).
+        tokenizer: optional transformers tokenizer for text prompts (``encode``/``decode``).
+            Without one, a model of at least 256 tokens gets a byte-level tokenizer (UTF-8
+            bytes are token ids, as tgraph's toy corpus uses); a smaller one takes ids only.
+
+    Raises:
+        TypeError: an unsupported architecture or configuration (the message names it).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None) -> None:
+        name = type(model).__name__
+        family = _family(model)
+        if family is None:
+            raise TypeError(
+                f"DecodeEngine has no adapter for the transformers model {name} (model_type "
+                f"{getattr(model.config, 'model_type', '?')!r}); supported: {', '.join(SUPPORTED)}. "
+                "Implement prefill/decode_step (tgraph.decode.interface) for it, or register an "
+                "adapter with @tgraph.decode.as_decode_model.register"
+            )
+        model.eval()
+        self.model = model
+        self.architecture = family
+        cfg = model.config
+        self.vocab_size = cfg.vocab_size
+        weight = model.get_input_embeddings().weight
+        self.dtype, self.device = weight.dtype, weight.device
+        if family == "GPT2LMHeadModel":
+            self._init_gpt2(model)
+        else:
+            self._init_rotary(model)
+        self.n_layer = len(self.layers)
+        self.n_query_heads = self.n_head * self.groups
+        self._set_tokenizer(tokenizer)
+
+    # -- set-up per family ------------------------------------------------------------------
+
+    def _init_rotary(self, model: nn.Module) -> None:
+        """Llama, Mistral, Qwen2, Qwen3: RMSNorm, rotary positions, grouped KV heads."""
+        cfg, base = model.config, model.model
+        self.rotary = base.rotary_emb
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        if rope_type in LENGTH_DEPENDENT_ROPE:
+            raise TypeError(
+                f"{type(model).__name__} uses rope_type {rope_type!r}, whose frequencies depend on "
+                "the longest sequence of the batch at each step (chosen on the host): rows would "
+                "not be independent and graphs would freeze one choice. Serve it with a static "
+                "scaling (default, linear, llama3, yarn) or without graphs in transformers"
+            )
+        self.embed = base.embed_tokens
+        self.final_norm = base.norm
+        self.lm_head = model.lm_head
+        self.layers = list(base.layers[: cfg.num_hidden_layers])
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_head = cfg.num_key_value_heads
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.scales = [layer.self_attn.scaling for layer in self.layers]
+        self.windows = [_window(layer.self_attn, cfg) for layer in self.layers]
+        self.max_positions = cfg.max_position_embeddings
+
+    def _init_gpt2(self, model: nn.Module) -> None:
+        """GPT-2: LayerNorm, learned positions, fused Conv1D q/k/v, one KV head per head."""
+        cfg, base = model.config, model.transformer
+        if getattr(cfg, "add_cross_attention", False):
+            raise TypeError(
+                "GPT2LMHeadModel with add_cross_attention=True attends to an encoder; "
+                "DecodeEngine serves decoder-only models"
+            )
+        self.rotary = None
+        self.embed, self.positions = base.wte, base.wpe
+        self.final_norm = base.ln_f
+        self.lm_head = model.lm_head
+        self.layers = list(base.h)
+        self.n_head = cfg.n_head
+        self.groups = 1
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.scales = [_gpt2_scale(block.attn, i) for i, block in enumerate(self.layers)]
+        self.windows = [None] * len(self.layers)
+        self.max_positions = cfg.n_positions
+
+    def _set_tokenizer(self, tokenizer) -> None:
+        if tokenizer is not None:
+            self.encode = lambda text: list(tokenizer.encode(text))
+            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        elif self.vocab_size >= 256:
+            self.encode = lambda text: list(text.encode("utf-8"))
+            self.decode = lambda ids: bytes(i for i in ids if 0 <= i < 256).decode(
+                "utf-8", errors="replace"
+            )
+
+    # -- one layer's parts ------------------------------------------------------------------
+
+    def _norms(self, layer: nn.Module) -> tuple[Norm, Norm]:
+        if self.rotary is None:
+            return layer.ln_1, layer.ln_2
+        return rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm)
+
+    def _qkv(
+        self, layer: nn.Module, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, H, T, hd), keys and values (B, n_kv, T, hd) of normed input (B, T, C)."""
+        B, T, _ = h.shape
+        hd = self.head_dim
+        if self.rotary is None:  # GPT-2: one Conv1D for q, k and v
+            attn = layer.attn
+            q, k, v = attn.c_attn(h).split(attn.split_size, dim=2)  # (B, T, C) each
+            return tuple(t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
+        attn = layer.self_attn
+        q = attn.q_proj(h).view(B, T, -1, hd)  # (B, T, H, hd)
+        k = attn.k_proj(h).view(B, T, -1, hd)  # (B, T, n_kv, hd)
+        v = attn.v_proj(h).view(B, T, -1, hd).transpose(1, 2)  # (B, n_kv, T, hd)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head, before the rotation
+            q, k = rms_norm(attn.q_norm)(q), rms_norm(attn.k_norm)(k)
+        # q and k rotate together: three kernels for both instead of three each.
+        qk = rotate(torch.cat((q, k), dim=2).transpose(1, 2), *rope)  # (B, H + n_kv, T, hd)
+        return qk[:, : self.n_query_heads], qk[:, self.n_query_heads :], v
+
+    def _out(self, layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        """Output projection of attention output (B, T, H * hd)."""
+        return (layer.attn.c_proj if self.rotary is None else layer.self_attn.o_proj)(y)
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """Embeddings (B, T, C) and rotary (cos, sin) of tokens and positions (B, T)."""
+        x = self.embed(tokens)
+        if self.rotary is None:
+            return x + self.positions(positions), None
+        return x, rotation(*self.rotary(x, positions), self.n_query_heads + self.n_head)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.final_norm if self.rotary is None else rms_norm(self.final_norm)
+        return self.lm_head(norm(x))
+
+    # -- the decode interface ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, inputs: PrefillInputs, cache: KVCache) -> torch.Tensor:
+        """Run the padded prompt, store its keys/values in its slot; return the logits of its
+        last real position (1, V). Graph-safe: the causal mask keeps the padding out."""
+        T = inputs.tokens.shape[0]
+        positions = cache.key_positions[:T]  # (T,)
+        x, rope = self._embed(inputs.tokens[None], positions[None])  # (1, T, C)
+        masks = prompt_masks(positions, self.windows, self.dtype)
+        for i, layer in enumerate(self.layers):
+            norm_attn, norm_mlp = self._norms(layer)
+            q, k, v = self._qkv(layer, norm_attn(x), rope)  # (1, H | n_kv, T, hd)
+            cache.write_prefill(i, inputs.slot, k[0], v[0])
+            if self.groups > 1:  # transformers' repeat_kv: query head h reads KV head h // g
+                k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
+            window = self.windows[i]
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=masks[window], is_causal=window is None, scale=self.scales[i]
+            )  # (1, H, T, hd)
+            x = x + self._out(layer, y.transpose(1, 2).reshape(1, T, -1))
+            x = x + layer.mlp(norm_mlp(x))
+        last = x[0].index_select(0, inputs.length - 1)  # (1, C): the prompt's last position
+        return self._logits(last)  # (1, V)
+
+    @torch.no_grad()
+    def decode_step(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
+        """One token per row against the cache; returns logits (B, V). Graph-safe."""
+        B, H, g, hd = inputs.rows, self.n_query_heads, self.groups, self.head_dim
+        x, rope = self._embed(inputs.tokens[:, None], inputs.positions[:, None])  # (B, 1, C)
+        masks = step_masks(cache.key_positions, inputs.lengths, self.windows, self.dtype)
+        for i, layer in enumerate(self.layers):
+            norm_attn, norm_mlp = self._norms(layer)
+            q, k, v = self._qkv(layer, norm_attn(x), rope)  # (B, H | n_kv, 1, hd)
+            cache.write_step(i, inputs.slots, inputs.positions, k[:, :, 0], v[:, :, 0])
+            keys, values = cache.read(i, B)  # (B, n_kv, S, hd), views of slots 0..B-1
+            # One query per row: a group's g query heads become g query rows of its KV head.
+            q = q.reshape(B, self.n_head, g, hd)  # (B, n_kv, g, hd)
+            y = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=masks[self.windows[i]], scale=self.scales[i]
+            )  # (B, n_kv, g, hd)
+            x = x + self._out(layer, y.reshape(B, 1, H * hd))
+            x = x + layer.mlp(norm_mlp(x))
+        return self._logits(x[:, 0])  # (B, V)
+
+
+# -- masks -------------------------------------------------------------------------------------
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere, in ``dtype``; the last dimension is padded to a
+    multiple of 16 (and sliced back) so SDPA's memory-efficient kernel takes it without a copy."""
+    *lead, S = allowed.shape
+    out = allowed.new_zeros((*lead, -(-S // 16) * 16), dtype=dtype)[..., :S]
+    return out.masked_fill_(allowed.logical_not(), float("-inf"))
+
+
+def prompt_masks(
+    positions: torch.Tensor, windows: Sequence[int | None], dtype: torch.dtype
+) -> dict[int | None, torch.Tensor | None]:
+    """Prefill masks (T, T) by window: None is plain causal (SDPA's ``is_causal``, no mask);
+    a window ``w`` lets query ``q`` see keys ``q - w < k <= q``."""
+    masks: dict[int | None, torch.Tensor | None] = {None: None}
+    distance = positions[:, None] - positions[None, :]  # (T, T): query minus key position
+    for w in set(windows) - {None}:
+        masks[w] = additive((distance >= 0) & (distance < w), dtype)
+    return masks
+
+
+def step_masks(
+    key_positions: torch.Tensor,
+    lengths: torch.Tensor,
+    windows: Sequence[int | None],
+    dtype: torch.dtype,
+) -> dict[int | None, torch.Tensor]:
+    """Decode-step masks (B, 1, 1, S) by window: row ``i`` sees keys ``0..lengths[i]-1``, or
+    the last ``w`` of them; stale keys past a row's length are masked out."""
+    lengths = lengths[:, None]  # (B, 1)
+    seen = key_positions[None, :] < lengths  # (B, S)
+    masks = {None: additive(seen, dtype)[:, None, None, :]}  # over KV heads and query rows
+    for w in set(windows) - {None}:
+        allowed = seen & (key_positions[None, :] >= lengths - w)
+        masks[w] = additive(allowed, dtype)[:, None, None, :]
+    return masks
+
+
+# -- the model's norms and rotation, in fewer kernels -----------------------------------------
+
+Norm = Callable[[torch.Tensor], torch.Tensor]
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def rms_norm(norm: nn.Module) -> Norm:
+    """``norm`` as ``F.rms_norm`` with its weight and eps when it is one of :data:`RMS_NORMS`
+    (``weight * x / sqrt(mean(x^2) + eps)``, fused on CUDA); any other module as itself."""
+    if type(norm).__name__ not in RMS_NORMS or not hasattr(F, "rms_norm"):
+        return norm
+    return lambda x: F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step, from the rotary module's (B, T, hd) cos/sin: cos and sin with its first half
+    negated (``rotate_half(x) * sin == roll(x, hd / 2) * sin_signed``), each expanded once to
+    (B, heads, T, hd) so every layer's rotation runs non-broadcasting kernels."""
+    half = sin.shape[-1] // 2
+    sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    B, T, hd = cos.shape
+    return tuple(t[:, None].expand(B, heads, T, hd).contiguous() for t in (cos, sin_signed))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb``'s ``x * cos + rotate_half(x) * sin`` for x (B, heads, T, hd)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def _family(model: nn.Module) -> str | None:
+    """The supported architecture ``model`` is an instance of (subclasses included), or None."""
+    for name in SUPPORTED:
+        cls = getattr(transformers, name, None)
+        if cls is not None and isinstance(model, cls):
+            return name
+    return None
+
+
+def _window(attn: nn.Module, config) -> int | None:
+    """The sliding window of one attention layer, or None for full attention.
+
+    Qwen2/Qwen3 set ``attn.sliding_window`` per layer from ``layer_types``; Mistral reads
+    ``config.sliding_window`` for every layer (transformers' Mistral mask does the same).
+    """
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    if config.model_type == "mistral":
+        return getattr(config, "sliding_window", None)
+    return None
+
+
+def _gpt2_scale(attn: nn.Module, layer: int) -> float:
+    """GPT-2's attention scale: ``attn.scaling`` where transformers precomputes it."""
+    if hasattr(attn, "scaling"):
+        return attn.scaling
+    scale = attn.head_dim**-0.5 if attn.scale_attn_weights else 1.0
+    return scale / (layer + 1) if attn.scale_attn_by_inverse_layer_idx else scale
+
+
+def _adapter(model: nn.Module) -> TransformersDecoder:
+    return TransformersDecoder(model)
+
+
+as_decode_model.register(transformers.PreTrainedModel)(_adapter)
