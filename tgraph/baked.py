@@ -22,10 +22,14 @@ import operator
 import sys
 import weakref
 from dataclasses import dataclass
+from operator import getitem
 
 import torch
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
+from torch.utils.hooks import RemovableHandle
+
+_data_ptr = torch.Tensor.data_ptr
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -79,6 +83,16 @@ class Baked:
     is_buffer: tuple[bool, ...]
     hooks: tuple[tuple[str, dict], ...]
     hook_counts: tuple[int, ...]
+    # Flat copies of the above for the per-call checks: one C-level pass each (map over
+    # parallel tuples), not a Python loop over modules.
+    attr_tables: tuple[dict, ...] = ()
+    attr_keys: tuple[str, ...] = ()
+    attr_values: tuple = ()
+    tensor_tables: tuple[dict, ...] = ()
+    tensor_keys: tuple[str, ...] = ()
+    tensor_ids: tuple[int, ...] = ()
+    hook_epoch: int = -1  # torch's hook-handle counter at the record: no hook registered since
+    any_hooks: bool = True  # a hook (other than transformers' inactive ones) at the record
 
     @classmethod
     def of(
@@ -123,10 +137,20 @@ class Baked:
             is_buffer=tuple(is_buffer),
             hooks=tuple(hooks),
             hook_counts=tuple(len(h) for _, h in hooks),
+            attr_tables=tuple(a.table for a in attrs for _ in a.keys),
+            attr_keys=tuple(k for a in attrs for k in a.keys),
+            attr_values=tuple(v for a in attrs for v in a.values),
+            tensor_tables=tuple(t.table for t in tensors for _ in t.keys),
+            tensor_keys=tuple(k for t in tensors for k in t.keys),
+            tensor_ids=tuple(map(id, memory)),
+            hook_epoch=RemovableHandle.next_id,
+            any_hooks=any(not _inert(f) for _, h in hooks for f in h.values()),
         )
 
     # ------------------------------------------------------------------ checks
     def changed_hooks(self) -> str | None:
+        if RemovableHandle.next_id == self.hook_epoch and not self.any_hooks:
+            return None  # no hook registered anywhere since, none to remove: unchanged
         if tuple(len(h) for _, h in self.hooks) == self.hook_counts:
             return None
         for (where, table), n in zip(self.hooks, self.hook_counts):
@@ -139,6 +163,11 @@ class Baked:
         return None
 
     def changed_attrs(self) -> str | None:
+        try:
+            if tuple(map(getitem, self.attr_tables, self.attr_keys)) == self.attr_values:
+                return None
+        except KeyError:
+            pass
         for s in self.attrs:
             try:
                 now = s.get(s.table)
@@ -154,8 +183,10 @@ class Baked:
                         )
         return None
 
-    def replaced_tensors(self) -> str | None:
+    def replaced_tensors(self, live: tuple[torch.Tensor, ...] | None = None) -> str | None:
         """Why the parameters and buffers are not the captured objects (None: they are)."""
+        if live is not None and tuple(map(id, live)) == self.tensor_ids:
+            return None
         for s in self.tensors:
             try:
                 now = tuple(map(id, s.get(s.table)))
@@ -165,12 +196,13 @@ class Baked:
                 return f"a parameter or buffer of {s.where} was replaced after capture"
         return None
 
-    def live(self) -> tuple[torch.Tensor, ...]:
-        """The parameters and buffers the modules hold now, in the record's order."""
-        out: tuple = ()
-        for s in self.tensors:
-            out += s.get(s.table)
-        return out
+    def live(self) -> tuple[torch.Tensor, ...] | None:
+        """The parameters and buffers the modules hold now, in the record's order (None when
+        one was removed)."""
+        try:
+            return tuple(map(getitem, self.tensor_tables, self.tensor_keys))
+        except KeyError:
+            return None
 
     def incompatible(self, live: tuple[torch.Tensor, ...]) -> str | None:
         """Why ``live`` cannot be copied into the graph's memory (None: it can)."""
@@ -184,7 +216,7 @@ class Baked:
 
     def moved(self, live: tuple[torch.Tensor, ...]) -> list[int]:
         """Indices of the ``live`` tensors that live in other memory than at capture."""
-        ptrs = tuple(t.data_ptr() for t in live)
+        ptrs = tuple(map(_data_ptr, live))
         if ptrs == self.ptrs:
             return []
         return [i for i, (a, b) in enumerate(zip(ptrs, self.ptrs)) if a != b]

@@ -414,9 +414,11 @@ class GraphedUnit:
                 "reads its saved activations without them"
             )
         live = b.live()
-        if self._rerouted or b.replaced_tensors() is not None:
+        if live is None:
+            return b.replaced_tensors()  # names the removed parameter or buffer
+        if self._rerouted or b.replaced_tensors(live) is not None:
             self._route(live)  # gradients go to the tensors the modules hold now
-            if b.replaced_tensors() is not None:
+            if b.replaced_tensors(live) is not None:
                 kept = [
                     n for n, r, t in zip(b.names, b.refs, live) if r() is not None and r() is not t
                 ]
