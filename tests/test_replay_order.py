@@ -135,6 +135,18 @@ def test_backwards_out_of_nesting_order_raise(backend, device):
         yb.square().sum().backward()
 
 
+def test_replay_order_error_is_its_own_class(backend, device):
+    """The out-of-order backward raises tgraph.ReplayOrderError, which a caller can catch apart
+    from other RuntimeErrors."""
+    pair, _ = record_nested(backend, device)
+    x1, x2 = inputs(device, 2)
+    ya, yb = pair.a(x1), pair.b(x2)
+    ya.square().sum().backward()
+    with pytest.raises(tgraph.ReplayOrderError, match="were overwritten by the backward graph"):
+        yb.square().sum().backward()
+    assert issubclass(tgraph.ReplayOrderError, RuntimeError)
+
+
 def test_backwards_in_nesting_order_replay_exactly(backend, device):
     pair, eager = record_nested(backend, device)
     x1, x2 = inputs(device, 2)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from tgraph.errors import StaleBackwardError
+
 
 class GraphedCall(torch.autograd.Function):
     @staticmethod
@@ -44,7 +46,7 @@ class GraphedCall(torch.autograd.Function):
                 "or tgraph.disable(model) for the gradient-penalty step."
             )
         if unit.flight != id(flight):
-            raise RuntimeError(
+            raise StaleBackwardError(
                 f"backward through {unit} ran after its graph buffers were reused by a newer "
                 "forward (a second backward with retain_graph=True, or a backward of an old step). "
                 "Graphed modules support one backward per forward; use tgraph.reset() to go eager."

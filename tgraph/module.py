@@ -38,6 +38,7 @@ from tgraph.baked import (
     has_own_forward_hooks,
     hooks_run_outside,
 )
+from tgraph.errors import GraphFallbackError
 from tgraph.guards import CaptureError, explain_capture_failure
 from tgraph.memory import MemoryReport
 from tgraph.record import NoteBackward, Record
@@ -52,10 +53,6 @@ logger = logging.getLogger(__name__)
 
 class GraphFallbackWarning(UserWarning):
     """A graphed module ran eagerly because no captured graph matched the call."""
-
-
-class GraphFallbackError(RuntimeError):
-    """Under ``strict=True``: a graphed call matched no captured graph (the message says why)."""
 
 
 @dataclass
