@@ -37,7 +37,7 @@ Ported:
 Left out, no tgraph equivalent:
 
 * ``sample_args`` and ``num_warmup_iters`` shapes of the API: tgraph records a real iteration
-  and warms up by itself (``tgraph.enable(..., warmup=)``).
+  and warms up by itself (``tgraph.enable(..., warmup_steps=)``).
 * ``pool=`` / ``graph_pool_handle()``: tgraph has no user-visible pool; all per-layer graphs
   share one pool by design, which the same-pool port covers.
 * graphing plain Python functions: tgraph graphs modules only (the port wraps them).
