@@ -1,4 +1,4 @@
-"""Replays in an order other than the recorded one (issue 12, case 1; tgraph/pool.py).
+"""Replays in an order other than the recorded one (tgraph/pool.py).
 
 Graphs share one memory pool, which is safe only for replays in the recorded order. Every other
 order is either safe by the pool rule or detected: an unsafe forward runs eagerly (warning;

@@ -3,9 +3,10 @@
 Forward replays the forward graph (the unit has copied the live inputs into its static buffers)
 and returns views of the static outputs. Backward copies the incoming gradients into the static
 grad-output buffers, replays the backward graph and returns the static input gradients and the
-parameter gradients (views of a fresh clone: never the static memory, which the next replay
-overwrites); the parameters are inputs of the node, so autograd accumulates their gradients and
-DDP / FSDP / Megatron hooks fire as in eager mode. ``unit`` is a
+parameter gradients (on PyTorch >= 2.13 views of the packed static buffer, which the pool's
+ledger moves out from under them before a replay may overwrite it; before 2.13 views of a fresh
+clone: :class:`tgraph.grads.ParamGradPacking`); the parameters are inputs of the node, so autograd
+accumulates their gradients and DDP / FSDP / Megatron hooks fire as in eager mode. ``unit`` is a
 :class:`tgraph.unit.GraphedUnit`.
 """
 

@@ -13,8 +13,8 @@ requires_grad, non-tensor value, train/eval switch, grad mode) runs eagerly and 
 naming what changed; with ``strict=True`` it raises instead. A graph is never replayed for a call
 it was not captured for.
 
-Over 400 lines: the whole per-layer life cycle (enable, record, create, replay dispatch, reset)
-reads in one place; the mechanisms themselves live in unit.py, record.py and pool.py.
+The mechanisms this life cycle drives live in their own files: the recorded iteration in
+record.py, a graphed unit (capture and replay) in unit.py, the shared memory pool in pool.py.
 """
 
 from __future__ import annotations

@@ -191,10 +191,10 @@ def _auto_if_node(optimizers: list[torch.optim.Optimizer]) -> bool:
     """Whether ``how="auto"`` puts these optimizers' captured step into an IF node.
 
     Not yet: the conditional way is opt-in until it is measured on a GPU whose torch builds IF
-    nodes (the H200 run in docs/BENCHMARKS.md had torch 2.11, which has none). Known limits of IF-node bodies (torch 2.13): no
-    random numbers (``end_capture_to_conditional_node`` raises), no NCCL collectives in some
-    set-ups (pytorch/pytorch#180960), and not with the allocator's
-    ``graph_capture_record_stream_reuse``.
+    nodes (the H200 run in docs/BENCHMARKS.md had torch 2.11, which has none). Known limits of
+    IF-node bodies (torch 2.13): no random numbers (``end_capture_to_conditional_node``
+    raises), no NCCL collectives in some set-ups (pytorch/pytorch#180960), and not with the
+    allocator's ``graph_capture_record_stream_reuse``.
     """
     return False
 
