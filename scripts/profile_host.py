@@ -294,6 +294,29 @@ def time_key(sample: tuple) -> dict:
     return best
 
 
+def time_checks() -> dict:
+    """Best-of-7 microseconds of the fail-closed checks (what the graphs baked in, held
+    outputs) per graphed module, alone, on the captured units as they are after a step."""
+    units = tgraph_module._manager.units
+    layers = sum(len(u.members) for u in units) or 1
+
+    def checks():
+        for u in units:
+            u.check_baked()
+            u._move_out_held_outputs()
+
+    n = 500
+    per_step = min(timeit.repeat(checks, number=n, repeat=7)) / n * 1e6
+    baked = [u.baked for u in units if getattr(u, "baked", None) is not None]
+    return {
+        "checks_us_per_module": per_step / layers,
+        "attributes_checked": sum(len(s.keys) for b in baked for s in b.attrs),
+        "tensors_checked": sum(len(b.held) for b in baked),
+        "hook_tables_checked": sum(len(b.hooks) for b in baked),
+        "modules": layers,
+    }
+
+
 # Parts of a graphed call, timed by wrapping the method (inclusive: replay_path contains the
 # checks, copies and the autograd Function). A part missing from this version of tgraph is
 # reported as absent.
@@ -302,6 +325,8 @@ TIMED_PARTS = {
     "dispatch": ("tgraph.runner", "Runner", "call"),
     "replay_path": ("tgraph.unit", "GraphedUnit", "replay"),
     "checks_replay_order": ("tgraph.pool", "PoolLedger", "unsafe_forward"),
+    "checks_baked": ("tgraph.unit", "GraphedUnit", "check_baked"),
+    "checks_held_outputs": ("tgraph.unit", "GraphedUnit", "_move_out_held_outputs"),
     "input_copies": ("tgraph.unit", "GraphedUnit", "_copy_inputs"),
     "autograd_function": ("tgraph.bridge", "GraphedCall", "apply"),
     "merged_member_take": ("tgraph.segment", "Segment", "take"),
@@ -476,6 +501,14 @@ def measure(a: argparse.Namespace, device: torch.device) -> dict:
         calls.update(time_key(timer.samples[0]))
         if len(timer.samples) > 1:
             calls["later_member"] = time_key(timer.samples[1])
+        if hasattr(tgraph_module._manager.units[0], "check_baked"):
+            calls["fail_closed"] = time_checks()
+            fc = calls["fail_closed"]
+            print(
+                f"fail-closed checks alone: {fc['checks_us_per_module']:.2f} us per graphed "
+                f"module ({fc['attributes_checked']} attributes, {fc['tensors_checked']} "
+                f"parameters and buffers, {fc['hook_tables_checked']} hook tables in all)"
+            )
         result["per_call"] = calls
         print(
             f"\nper graphed call, replays stubbed out ({calls['calls_per_step']:.0f} calls/step):"
