@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import tgraph
 
 LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
-    # issue configurations: (layers, width, tokens, batch, precision)
+    # (layers, width, tokens, batch): host-bound at B1, GPU-bound at B8 and d1024
     "llama_b1": dict(model="llama", n_layer=12, n_embd=256, n_head=4, seq=128, batch=1),
     "llama_b8": dict(model="llama", n_layer=12, n_embd=256, n_head=4, seq=128, batch=8),
     "llama_d1024": dict(model="llama", n_layer=16, n_embd=1024, n_head=16, seq=256, batch=4),

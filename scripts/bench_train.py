@@ -62,7 +62,7 @@ CONFIGS: dict[str, dict[str, int]] = {
     "small": dict(n_layer=24, n_embd=512, n_head=8, seq=256, batch=8),
     "medium": dict(n_layer=12, n_embd=1024, n_head=16, seq=512, batch=8),
     "smoke": dict(n_layer=2, n_embd=32, n_head=2, seq=16, batch=2),
-    "tiny_b1": dict(n_layer=12, n_embd=256, n_head=4, seq=128, batch=1),  # issue 16's B1 goal
+    "tiny_b1": dict(n_layer=12, n_embd=256, n_head=4, seq=128, batch=1),  # host-bound
     **LLAMA_CONFIGS,  # Hugging Face LlamaForCausalLM (bench_llama.py)
 }
 MODES = [
@@ -384,9 +384,7 @@ def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
     """``skip``: FullIterationGraph(skip_nonfinite=True), the cost of the device flag.
     ``compiled``: the step runs ``torch.compile(model)`` (inductor, default mode); capture_s
     then covers the warmup steps too, where dynamo and inductor compile."""
-    FullIterationGraph = getattr(tgraph, "FullIterationGraph", None)
-    if FullIterationGraph is None:
-        raise Skip("tgraph.FullIterationGraph is not importable yet (full-iteration issue)")
+    FullIterationGraph = tgraph.FullIterationGraph
     model, opt = s.fresh()
     run = torch.compile(model) if compiled else model
 
@@ -496,8 +494,8 @@ def mode_megatron(s: Setup, variant: str):
 
 
 def mode_tgraph_layer_opt(s: Setup, skip: bool = True, compile: bool = False):  # noqa: A002
-    """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step
-    (issue 16); ``skip``: non-finite steps skipped on the device (the default); ``compile``:
+    """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step;
+    ``skip``: non-finite steps skipped on the device (the default); ``compile``:
     enable(compile=True), capture_s then includes the recorded (compiling) iteration."""
     model, opt = s.fresh()
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=skip, backend=s.backend)
@@ -530,7 +528,7 @@ def mode_tgraph_layer_opt(s: Setup, skip: bool = True, compile: bool = False):  
 
 
 def mode_megatron_optimizer(s: Setup, variant: str):
-    """Issue 16's harness: megatron-core GPTModel + megatron DDP + megatron's OWN optimizer,
+    """The megatron-core harness: GPTModel + megatron DDP + megatron's OWN optimizer,
     ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])`` (clip_grad 1.0).
 
     variant: "none" (megatron eager, ``opt.step()`` with its host syncs), "local" (megatron-core's

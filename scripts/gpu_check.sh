@@ -1,18 +1,97 @@
 #!/usr/bin/env bash
-# One-call GPU check (run from the repository root on the GPU machine; < 9 minutes):
-#   bash scripts/gpu_check.sh            # writes into $OUT (default ./gpu_check_out)
-# Stage limits add up to 500 s (8.3 min). Stages: environment, `pytest -m cuda`, training benchmark (tiny, fp32, all modes), decode
-# benchmark (batch 1/8/64 + mixed workload), plots, then a summary table. Every stage runs even
-# when an earlier one failed; each is bounded by `timeout` and its exit code is recorded.
-# Files in $OUT (7, flat): log.txt, bench_train.{json,md,png}, bench_decode.{json,md,png}.
+# The one-call GPU check (run from the repository root on the GPU machine; each variant < 9 min):
+#   bash scripts/gpu_check.sh            # the default check (below)
+#   bash scripts/gpu_check.sh decode     # decode tests; decode benchmark with time to first
+#                                        # token and a torch.profiler table at batch 1 and 64
+#   bash scripts/gpu_check.sh memory     # training memory at tiny, tiny_b1, small; recompute
+#                                        # (per-layer checkpointing) at small and medium
+#   bash scripts/gpu_check.sh optimizer  # optimizer-graph tests; toy GPT at B8 and B1 and
+#                                        # megatron-core with its own optimizer, every mode
+#   bash scripts/gpu_check.sh megatron   # the megatron recipe's GPU tests and its four modes
+#   bash scripts/gpu_check.sh host       # compile and signature tests; host time per call
+#                                        # (toy and HF Llama, 12 layers, B1; also host-bound)
+#   bash scripts/gpu_check.sh hf         # bench_train.py --hf (the three Llama cells)
+# Output goes to $OUT (default ./gpu_check_out): log.txt, then each stage's files. Every stage
+# runs even when an earlier one failed; each is bounded by `timeout` and its exit code recorded.
+#
+# Default: environment, `pytest -m cuda`, training benchmark (tiny, fp32, all modes), decode
+# benchmark (batch 1/8/64 + mixed workload), plots, then a summary table; stage limits add up to
+# 500 s. Files: log.txt, bench_train.{json,md,png}, bench_decode.{json,md,png}.
 source "$(dirname "$0")/gpu_stages.sh" ./gpu_check_out
+CHECK="${1:-default}"
 
-stage env 30 bash -c '
-  date -u; uname -a
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi unavailable"
-  python -c "import torch, sys; print(\"python\", sys.version.split()[0]); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); print(\"gpu\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
-  python -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in (\"transformers\", \"megatron\", \"tqdm\", \"safetensors\", \"matplotlib\")})"
-  git log --oneline -1 2>/dev/null || true'
+env_stage() {
+  stage env 30 bash -c '
+    date -u; uname -a
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi unavailable"
+    python -c "import torch, sys; print(\"python\", sys.version.split()[0]); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); print(\"gpu\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+    python -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in (\"transformers\", \"megatron\", \"tqdm\", \"safetensors\", \"matplotlib\")})"
+    python -c "import megatron.core as m; print(\"megatron-core\", getattr(m, \"__version__\", \"?\"))" 2>/dev/null || true
+    git log --oneline -1 2>/dev/null || true'
+}
+
+MEGATRON_OPT_MODES=megatron_opt_none,megatron_opt_none_capturable,megatron_opt_local,megatron_opt_tgraph_layer_opt,megatron_opt_tgraph_full
+
+case "$CHECK" in
+default) ;;
+decode)
+  env_stage
+  stage pytest-decode 130 python -m pytest -m cuda -q -p no:cacheprovider -rf \
+    tests/test_decode.py tests/test_decode_sampling.py tests/test_decode_prefill.py
+  stage bench-decode 180 python scripts/bench_decode.py --batches 1,8,64 --steps 100 \
+    --prompt-len 32 --hf-batches 1 --no-mixed --ttft-repeats 30 --profile-batch 1,64 --out "$OUT"
+  ;;
+memory)
+  env_stage
+  stage bench-mem 200 python scripts/bench_train.py --configs tiny,tiny_b1,small \
+    --modes eager,graphed_callables,floor,tgraph_layer,tgraph_full --steps 40 --out "$OUT/mem"
+  stage bench-ckpt 150 python scripts/bench_train.py --configs small,medium \
+    --modes eager,eager_ckpt,tgraph_layer_ckpt --steps 40 --out "$OUT/ckpt"
+  ;;
+optimizer)
+  env_stage
+  stage pytest-optimizer 130 python -m pytest -q -p no:cacheprovider -rfs -m cuda \
+    tests/test_optimizer_graph.py tests/test_nonfinite_conditional.py --junitxml="$OUT/pytest.xml"
+  stage bench-toy 80 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 \
+    --steps 100 --warmup 5 --out "$OUT/toy" \
+    --modes eager,tgraph_layer,tgraph_layer_opt,tgraph_layer_opt_noskip,tgraph_full,tgraph_full_skip
+  stage bench-megatron 110 python scripts/bench_train.py --configs tiny --dtypes fp32 --steps 60 \
+    --warmup 5 --out "$OUT/megatron" --modes "$MEGATRON_OPT_MODES"
+  ;;
+megatron)
+  env_stage
+  stage pytest-recipe 150 python -m pytest -q -p no:cacheprovider -rfs -m cuda \
+    tests/test_megatron_recipe.py
+  for g in none layer layer+opt full; do
+    stage "recipe-$g" 40 python recipes/train_megatron_gpt.py --graph "$g" --steps 25 \
+      --log-every 8 --out "$OUT/recipe_$g"
+  done
+  ;;
+host)
+  env_stage
+  stage pytest-host 120 python -m pytest -q -p no:cacheprovider -rfs -m cuda \
+    tests/test_compile.py tests/test_signature.py --junitxml="$OUT/pytest.xml"
+  stage profile 120 python scripts/profile_host.py --device cuda --backend cuda \
+    --steps 200 --reps 3 --out "$OUT/profile"
+  stage profile-hostbound 90 python scripts/profile_host.py --device cuda --backend cuda \
+    --n-embd 32 --seq 8 --steps 200 --reps 3 --out "$OUT/profile_hostbound"
+  ;;
+hf)
+  # JSON is written after each mode, so a run cut by the limit keeps what it measured.
+  stage bench-hf 300 python scripts/bench_train.py --hf --out "$OUT/hf"
+  ;;
+*)
+  echo "unknown check '$CHECK'; expected one of: default decode memory optimizer megatron host hf" >&2
+  exit 2
+  ;;
+esac
+if [ "$CHECK" != default ]; then
+  printf '%s\n' "${STAGES[@]}" | tee -a "$LOG"
+  ls -la "$OUT"
+  exit 0
+fi
+
+env_stage
 
 stage pytest-cuda 200 python -m pytest -m cuda -q -p no:cacheprovider -rf
 

@@ -1,4 +1,4 @@
-# Sourced by the one-call GPU scripts (gpu_check.sh, gpu_decode_check.sh, gpu_optimizer_check.sh):
+# Sourced by the one-call GPU check (gpu_check.sh, every variant):
 # set OUT (default given by the caller as $1), a log in $OUT/log.txt, and `stage NAME SECONDS
 # CMD...`, which runs CMD under a time limit, tees it into the log, records its exit code in
 # STAGES and keeps going when it fails.

@@ -18,7 +18,7 @@ step, so host and GPU overlap as in training. Every host figure is read on one c
 CPU this thread's CPU time (the other processes of a shared host do not count), on CUDA wall
 time.
 
-Per graphed call (what issue 25 budgets at 10 us): every ``GraphableModule`` call is timed
+Per graphed call (the budget is 10 us): every ``GraphableModule`` call is timed
 from dispatch to return with graph replays stubbed out (a no-op ``replay`` on the graphs'
 classes: on the emulated backend a replay re-runs the captured Python, on a GPU it is a launch;
 the static buffers keep their values, so the same code runs on the same numbers). Reported:

@@ -199,3 +199,36 @@ def test_planted_bug_buffers_not_restored_is_caught(backend, device, monkeypatch
     monkeypatch.setattr(Snapshot, "restore", forget_buffers)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         test_batchnorm_statistics_equal_eager_after_capture(backend, device)
+
+
+class Counted(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+def forwards_during_capture(**options) -> int:
+    mod = Counted()
+    tgraph.enable(mod, backend="emulated", **options)
+    mod(torch.randn(4, 8)).sum().backward()
+    mod.calls = 0
+    tgraph.create_graphs()
+    return mod.calls  # the warmup passes, then the capture's one
+
+
+def test_enable_warmup_steps_sets_the_eager_passes_before_capture():
+    assert forwards_during_capture(warmup_steps=3) == 3 + 1
+    tgraph.reset()
+    assert forwards_during_capture() == 1 + 1  # the emulated default
+
+
+def test_enable_warmup_is_a_deprecated_alias_of_warmup_steps():
+    with pytest.warns(DeprecationWarning, match="use warmup_steps="):
+        assert forwards_during_capture(warmup=3) == 3 + 1
+    with pytest.raises(ValueError, match="warmup_steps= only"):
+        tgraph.enable(Counted(), warmup=2, warmup_steps=2)

@@ -169,7 +169,7 @@ def _damage_tensor_bytes(path, n: int = 4096) -> None:
 
 
 def test_damaged_tensor_bytes_are_detected(tmp_path):
-    """Issue 13: 4 KiB of damaged tensor data loaded silently (and decoded NUL bytes)."""
+    """4 KiB of damaged tensor data must not load silently (they decode to NUL bytes)."""
     checkpoint.save(tiny_gpt(), tmp_path)
     assert set(json.loads((tmp_path / "config.json").read_text())["sha256"]) == set(
         tiny_gpt().state_dict()

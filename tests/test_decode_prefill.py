@@ -1,4 +1,4 @@
-"""Prefill graphs by token-count bucket (issue 18): padding never changes a prompt's result,
+"""Prefill graphs by token-count bucket: padding never changes a prompt's result,
 long prompts prefill eagerly, and the prefill graphs live in the decode graphs' pool.
 
 Exactness: a graphed prefill and the eager prefill of the same bucket run the same program on

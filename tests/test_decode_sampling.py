@@ -1,5 +1,5 @@
 """Sampling inside the decode graphs: the draws follow the distribution, and a seeded request
-yields the same tokens whatever slot, bucket and company it runs in (issue 18).
+yields the same tokens whatever slot, bucket and company it runs in.
 
 Why token equality across batch shapes holds: a request's draw depends only on its seed, its
 position and its logits (tgraph.decode.sampling). Its logits in another batch shape can differ

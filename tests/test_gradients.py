@@ -140,6 +140,22 @@ def test_inplace_change_of_an_output_before_backward_is_an_error(backend, device
         y.sum().backward()
 
 
+def test_second_backward_through_a_replay_is_a_stale_backward_error(backend, device):
+    """One backward per forward: a second backward (retain_graph=True) would read buffers the
+    first already consumed, so it raises tgraph.StaleBackwardError, catchable on its own."""
+    torch.manual_seed(0)
+    mod = Scaled().to(device)
+    tgraph.enable(mod, backend=backend)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    mod(x).sum().backward()
+    tgraph.create_graphs()
+    loss = mod(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(tgraph.StaleBackwardError, match="after its graph buffers were reused"):
+        loss.backward()
+    assert issubclass(tgraph.StaleBackwardError, RuntimeError)
+
+
 class TwoOut(tgraph.GraphableModule):
     def __init__(self) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""Foreign models: Hugging Face Llama and GPT-2 under tgraph, against eager twins (issue 12).
+"""Foreign models: Hugging Face Llama and GPT-2 under tgraph, against eager twins.
 
 Nobody here wrote these models, so they exercise tgraph the way users do: decoder layers made
 graphable by a dynamic subclass swapped onto each layer (tests/hf_models.py, as the megatron
@@ -133,7 +133,7 @@ def test_microbatch_order_other_than_recorded_is_right_or_runs_eagerly(backend, 
     """Recorded: all forwards, then one backward (3 runners per layer, in flight together).
     Replayed: forward, backward per microbatch. Each replayed call matches a captured
     signature, but the replay order differs from the capture order that made sharing one
-    memory pool safe (issue 12 case 1). tgraph must give eager's gradients, or run the unsafe
+    memory pool safe. tgraph must give eager's gradients, or run the unsafe
     calls eagerly (with a warning, ignored here); never wrong gradients."""
     model, eager = graphed_and_twin("llama", device, backend, strict=False)
     xs = token_batches(device, 6)
@@ -190,7 +190,7 @@ def test_gpt2_dropout_masks_change_and_match_eager(backend, device):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_eval_after_training_matches_eager(backend, device, kind):
-    """Issue 12 case 2: the recorded iteration is a training step then a no-grad eval call;
+    """The recorded iteration is a training step then a no-grad eval call;
     after create_graphs(), training steps replay the training graphs and eval calls replay
     the eval graphs, which must have been captured in eval mode (dropout off)."""
     model, eager = graphed_and_twin(kind, device, backend, dropout=0.1)
@@ -224,9 +224,9 @@ def test_eval_after_training_matches_eager(backend, device, kind):
 
 @pytest.mark.parametrize("use_cache", ["default", False])
 def test_full_iteration_llama_with_lr_schedule(backend, device, use_cache):
-    """A stock HF Llama training step inside FullIterationGraph (issue 12 case 4).
+    """A stock HF Llama training step inside FullIterationGraph.
 
-    ``use_cache="default"`` is the call of the issue (``model(input_ids=x, labels=x)``), which
+    ``use_cache="default"`` is the usual call (``model(input_ids=x, labels=x)``), which
     builds a DynamicCache inside the step; ``use_cache=False`` takes HF's mask path without a
     cache, whose host sync is skipped only when ``torch.cuda.is_current_stream_capturing()``
     (via transformers' ``is_tracing``) is true, so an emulated capture must answer as CUDA's

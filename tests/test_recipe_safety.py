@@ -1,7 +1,7 @@
-"""recipes/train_gpt.py never loses a trained model (issue 13).
+"""recipes/train_gpt.py never loses a trained model.
 
 Re-running into an existing --out, a non-finite loss, Ctrl-C, continuing a finished run: each
-test plants the situation the issue reported and fails on the recipe before its fix.
+test plants a situation a user met and fails on a recipe that loses the model or trains on.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_nonfinite_loss_stops_before_a_checkpoint_between_log_steps(tmp_path, mo
 
 
 def test_huge_learning_rate_stops_with_a_clear_message(tmp_path):
-    """The issue's --lr 1000 --grad-clip 0 trained to nan with no word."""
+    """--lr 1000 --grad-clip 0 must not train to nan without a word."""
     out = tmp_path / "run"
     with pytest.raises(tg.NonFiniteLossError, match="Lower --lr, keep --grad-clip above 0"):
         tg.train(cfg(out, lr=1000.0, grad_clip=0.0, steps=40, ckpt_every=2, eval_every=0))
@@ -237,7 +237,7 @@ def test_skip_mode_skips_nonfinite_steps(tmp_path, monkeypatch):
 
 
 def test_damaged_checkpoint_is_refused_and_names_an_earlier_one(finished, tmp_path):
-    """The issue's scenario: 4 KiB of step_000008's tensor bytes overwritten, then resumed."""
+    """4 KiB of step_000008's tensor bytes overwritten, then resumed."""
     out = copy_run(finished, tmp_path / "run")
     path = out / "checkpoints" / "step_000008" / "model.safetensors"
     data = bytearray(path.read_bytes())
@@ -379,8 +379,8 @@ def test_ctrl_c_on_the_command_line_exits_cleanly(tmp_path):
 
 
 def test_quickstart_twice_keeps_the_first_run(tmp_path):
-    """The issue's trial: quickstart, then quickstart --steps 50, deleted the new run's
-    checkpoints and exited 1 in generate. Now the second run is refused before training."""
+    """quickstart, then quickstart --steps 50: the second run must not delete the first run's
+    checkpoints (and exit 1 in generate); it is refused before training."""
     script = RECIPE.parents[1] / "scripts" / "quickstart.sh"
     out = tmp_path / "run"
     flags = ["--batch-size=2", "--block-size=128", "--n-layer=1", "--n-head=2", "--n-embd=16",

@@ -1,4 +1,4 @@
-"""Replays in an order other than the recorded one (issue 12, case 1; tgraph/pool.py).
+"""Replays in an order other than the recorded one (tgraph/pool.py).
 
 Graphs share one memory pool, which is safe only for replays in the recorded order. Every other
 order is either safe by the pool rule or detected: an unsafe forward runs eagerly (warning;
@@ -133,6 +133,18 @@ def test_backwards_out_of_nesting_order_raise(backend, device):
     ya.square().sum().backward()
     with pytest.raises(RuntimeError, match="saved activations of .* were overwritten"):
         yb.square().sum().backward()
+
+
+def test_replay_order_error_is_its_own_class(backend, device):
+    """The out-of-order backward raises tgraph.ReplayOrderError, which a caller can catch apart
+    from other RuntimeErrors."""
+    pair, _ = record_nested(backend, device)
+    x1, x2 = inputs(device, 2)
+    ya, yb = pair.a(x1), pair.b(x2)
+    ya.square().sum().backward()
+    with pytest.raises(tgraph.ReplayOrderError, match="were overwritten by the backward graph"):
+        yb.square().sum().backward()
+    assert issubclass(tgraph.ReplayOrderError, RuntimeError)
 
 
 def test_backwards_in_nesting_order_replay_exactly(backend, device):

@@ -21,7 +21,7 @@ Ported:
 * ``test_graph_make_graphed_callables_same_pool`` -> :func:`test_separate_models_share_one_pool`:
   three models graphed into one pool (tgraph always shares one pool), outputs, losses and
   gradients equal to eager, no gradient aliasing; also replayed in orders other than the
-  recorded one (issue 12 case 1: all forwards before the backwards, and reversed).
+  recorded one (all forwards before the backwards, and reversed).
 * ``allow_unused_input`` -> also :func:`test_unused_input_and_unused_output_get_no_gradient`
   (an input nobody reads and an output the loss ignores: eager leaves ``.grad`` None).
 * non-tensor and None inputs/outputs (torch refuses them; tgraph keys graphs by hashable
@@ -37,7 +37,7 @@ Ported:
 Left out, no tgraph equivalent:
 
 * ``sample_args`` and ``num_warmup_iters`` shapes of the API: tgraph records a real iteration
-  and warms up by itself (``tgraph.enable(..., warmup=)``).
+  and warms up by itself (``tgraph.enable(..., warmup_steps=)``).
 * ``pool=`` / ``graph_pool_handle()``: tgraph has no user-visible pool; all per-layer graphs
   share one pool by design, which the same-pool port covers.
 * graphing plain Python functions: tgraph graphs modules only (the port wraps them).
@@ -298,7 +298,7 @@ class TwoOut(GraphableModule):
 def test_unused_input_and_unused_output_get_no_gradient(backend, device):
     """An input no op reads and an output the loss ignores: eager leaves ``.grad`` None on
     the input and on the parameters reached only through that output, so AdamW leaves them
-    alone. Graphed calls must do the same (issue 12 case 3), not hand back zeros."""
+    alone. Graphed calls must do the same, not hand back zeros."""
     torch.manual_seed(0)
     model = TwoOut().to(device)
     eager = copy.deepcopy(model)

@@ -18,11 +18,7 @@ from safetensors.torch import load_file
 import tgraph
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_gpt.py"
-HAS_FULL = hasattr(tgraph, "FullIterationGraph")
-NEEDS_FULL = pytest.mark.skipif(
-    not HAS_FULL, reason="tgraph.FullIterationGraph has not landed yet (full-iteration issue)"
-)
-GRAPHS = ["none", "layer", pytest.param("full", marks=NEEDS_FULL)]
+GRAPHS = ["none", "layer", "full"]
 
 
 def _load_recipe():
@@ -329,7 +325,7 @@ def _torchrun(graph: str, out: Path) -> Path:
     report = f"torchrun --graph {graph} exited {proc.returncode}:\n{_tail(proc)}"
     assert proc.returncode == 0, report
     # Each worker's shutdown is the recipe's own (barrier, destroy, exit without teardown): a
-    # worker aborting at interpreter exit made this test flaky (issue 13).
+    # worker aborting at interpreter exit made this test flaky.
     assert "terminate called" not in proc.stderr, report
     return out
 

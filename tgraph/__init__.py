@@ -7,12 +7,13 @@ Importing tgraph has no side effects.
 
 from tgraph import decode, rng
 from tgraph.backend import capture_stream, resolve_backend
+from tgraph.errors import GraphFallbackError, ReplayOrderError, StaleBackwardError
 from tgraph.full_iteration import FullIterationGraph
 from tgraph.guards import CaptureError
+from tgraph.memory import MemoryReport
 from tgraph.module import (
     CaptureReport,
     GraphableModule,
-    GraphFallbackError,
     GraphFallbackWarning,
     create_graphs,
     disable,
@@ -20,6 +21,7 @@ from tgraph.module import (
     memory_report,
     reset,
 )
+from tgraph.nonfinite import ConditionalNodesUnavailable
 from tgraph.optimizer_graph import OptimizerGraph
 from tgraph.rng import register_generator, unregister_generator
 
@@ -27,12 +29,16 @@ __all__ = [
     "CaptureError",
     "CaptureReport",
     "capture_stream",
+    "ConditionalNodesUnavailable",
     "decode",
     "FullIterationGraph",
     "GraphFallbackError",
     "GraphFallbackWarning",
     "OptimizerGraph",
     "GraphableModule",
+    "MemoryReport",
+    "ReplayOrderError",
+    "StaleBackwardError",
     "create_graphs",
     "disable",
     "enable",

@@ -2,8 +2,10 @@
 
 A graph runs no Python: it keeps the memory each parameter and buffer lived in at capture, the
 effect of every Python value its forward read and of every hook that ran. :class:`Baked` is the
-frozen record of those, taken right after the forward capture, and :meth:`Baked.changed` says,
-before each replay, what differs now (a few microseconds: tuple comparisons of cached getters).
+frozen record of those, taken right after the forward capture; before each replay
+:meth:`tgraph.unit.GraphedUnit.check_baked` asks it what differs now (:meth:`Baked.changed_hooks`,
+:meth:`Baked.changed_attrs`, :meth:`Baked.moved`: a few microseconds, tuple comparisons of cached
+getters).
 
 What is checked, per module of the unit (the graphed module and its submodules):
 

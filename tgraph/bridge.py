@@ -3,9 +3,10 @@
 Forward replays the forward graph (the unit has copied the live inputs into its static buffers)
 and returns views of the static outputs. Backward copies the incoming gradients into the static
 grad-output buffers, replays the backward graph and returns the static input gradients and the
-parameter gradients (views of a fresh clone: never the static memory, which the next replay
-overwrites); the parameters are inputs of the node, so autograd accumulates their gradients and
-DDP / FSDP / Megatron hooks fire as in eager mode. ``unit`` is a
+parameter gradients (on PyTorch >= 2.13 views of the packed static buffer, which the pool's
+ledger moves out from under them before a replay may overwrite it; before 2.13 views of a fresh
+clone: :class:`tgraph.grads.ParamGradPacking`); the parameters are inputs of the node, so autograd
+accumulates their gradients and DDP / FSDP / Megatron hooks fire as in eager mode. ``unit`` is a
 :class:`tgraph.unit.GraphedUnit`.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from tgraph.errors import StaleBackwardError
 
 
 class GraphedCall(torch.autograd.Function):
@@ -44,7 +47,7 @@ class GraphedCall(torch.autograd.Function):
                 "or tgraph.disable(model) for the gradient-penalty step."
             )
         if unit.flight != id(flight):
-            raise RuntimeError(
+            raise StaleBackwardError(
                 f"backward through {unit} ran after its graph buffers were reused by a newer "
                 "forward (a second backward with retain_graph=True, or a backward of an old step). "
                 "Graphed modules support one backward per forward; use tgraph.reset() to go eager."

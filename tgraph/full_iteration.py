@@ -61,9 +61,8 @@ also construct DDP under ``torch.cuda.stream(tgraph.capture_stream())`` and, on 
 Full-iteration graphs and per-layer graphs (:func:`tgraph.enable`) do not nest: a model with
 enabled ``GraphableModule`` s inside ``fn`` raises; call ``tgraph.disable(model)`` first.
 
-Over 400 lines: the life cycle (warmup, capture, replay), DDP's and optimizers' requirements and
-their error messages are one mechanism; hyper-parameters, guards, snapshot and non-finite
-skipping live in their own files.
+Hyper-parameters as tensors, the capture guards, the snapshot of what warmups change and
+non-finite skipping live in hyperparams.py, guards.py, snapshot.py and nonfinite.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where per-layer graphs' memory goes, by kind (issue 15).
+"""Where per-layer graphs' memory goes, by kind.
 
 Every unit records, at capture, the bytes of each kind of buffer it owns (:class:`UnitMemory`);
 :func:`memory_report` adds them up over every captured unit. The kinds:

@@ -13,8 +13,8 @@ requires_grad, non-tensor value, train/eval switch, grad mode) runs eagerly and 
 naming what changed; with ``strict=True`` it raises instead. A graph is never replayed for a call
 it was not captured for.
 
-Over 400 lines: the whole per-layer life cycle (enable, record, create, replay dispatch, reset)
-reads in one place; the mechanisms themselves live in unit.py, record.py and pool.py.
+The mechanisms this life cycle drives live in their own files: the recorded iteration in
+record.py, a graphed unit (capture and replay) in unit.py, the shared memory pool in pool.py.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from tgraph.baked import (
     has_own_forward_hooks,
     hooks_run_outside,
 )
+from tgraph.errors import GraphFallbackError
 from tgraph.guards import CaptureError, explain_capture_failure
 from tgraph.memory import MemoryReport
 from tgraph.record import NoteBackward, Record
@@ -52,10 +53,6 @@ logger = logging.getLogger(__name__)
 
 class GraphFallbackWarning(UserWarning):
     """A graphed module ran eagerly because no captured graph matched the call."""
-
-
-class GraphFallbackError(RuntimeError):
-    """Under ``strict=True``: a graphed call matched no captured graph (the message says why)."""
 
 
 @dataclass
@@ -241,12 +238,13 @@ def enable(
     backend: str = "auto",
     *,
     strict: bool = False,
-    warmup: int | None = None,
+    warmup_steps: int | None = None,
     debug: bool = False,
     merge: bool = True,
     main_grad_fusion: bool = False,
     capturable_hooks: bool = False,
     compile: bool | dict[str, Any] = False,  # noqa: A002 - the option's name, as torch.compile
+    warmup: int | None = None,
 ) -> nn.Module:
     """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
 
@@ -254,7 +252,8 @@ def enable(
         model: any module (a DDP wrapper too); its ``GraphableModule`` descendants get graphed.
         backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (``TGRAPH_BACKEND`` overrides auto).
         strict: raise instead of falling back to eager when a call matches no captured graph.
-        warmup: eager warmup passes before each capture (default 2 on CUDA, 1 emulated).
+        warmup_steps: eager warmup passes before each capture (default 2 on CUDA, 1 emulated),
+            the option's name in :class:`FullIterationGraph` and :class:`OptimizerGraph` too.
         debug: poison static buffers with NaN after each backward replay, so a stale read shows
             up as NaN instead of plausible numbers.
         merge: capture a stack of graphed modules called back to back (each taking the previous
@@ -275,19 +274,28 @@ def enable(
             (once per layer class: identical layers share the compiled code), capture graphs
             the compiled kernels, eager fallbacks run them too. The warmup's first pass runs
             eagerly (dynamo does not run under its host-sync check, a dispatch mode), the
-            second compiles once more for the graphs' parameter aliases: keep ``warmup`` at
-            2 or more on CUDA (the default), or that compilation falls inside the capture. Modes
+            second compiles once more for the graphs' parameter aliases: keep ``warmup_steps``
+            at 2 or more on CUDA (the default), or that compilation falls inside the capture. Modes
             that put inductor's own CUDA graphs inside ours (``"reduce-overhead"``,
             ``"max-autotune"``) are refused: use ``"max-autotune-no-cudagraphs"``.
+        warmup: deprecated spelling of ``warmup_steps`` (warns ``DeprecationWarning``; it goes
+            in the next release).
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).
 
     Raises:
-        ValueError: no ``GraphableModule`` in ``model``, an unknown backend, or a compile mode
-            with CUDA graphs of its own.
+        ValueError: no ``GraphableModule`` in ``model``, an unknown backend, a compile mode
+            with CUDA graphs of its own, or both ``warmup`` and ``warmup_steps``.
         RuntimeError: graphs already exist (call :func:`reset` first).
     """
+    if warmup is not None:
+        if warmup_steps is not None:
+            raise ValueError("tgraph.enable(): pass warmup_steps= only (warmup= is its old name)")
+        warnings.warn(
+            "tgraph.enable(warmup=) is deprecated; use warmup_steps=", DeprecationWarning, 2
+        )
+        warmup_steps = warmup
     compile_options = _compile_options(compile)
     if backend not in ("auto", "cuda", "emulated"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
@@ -307,7 +315,7 @@ def enable(
         m._tgraph = _ModuleState(
             backend,
             strict,
-            warmup,
+            warmup_steps,
             debug,
             merge,
             main_grad_fusion,

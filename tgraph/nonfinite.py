@@ -190,11 +190,11 @@ def _real_capture(flag: torch.Tensor) -> bool:
 def _auto_if_node(optimizers: list[torch.optim.Optimizer]) -> bool:
     """Whether ``how="auto"`` puts these optimizers' captured step into an IF node.
 
-    Not yet: the conditional way is opt-in until scripts/probe_conditional_skip.py has measured
-    it on a GPU whose torch builds IF nodes. Known limits of IF-node bodies (torch 2.13): no
-    random numbers (``end_capture_to_conditional_node`` raises), no NCCL collectives in some
-    set-ups (pytorch/pytorch#180960), and not with the allocator's
-    ``graph_capture_record_stream_reuse``.
+    Not yet: the conditional way is opt-in until it is measured on a GPU whose torch builds IF
+    nodes (the H200 run in docs/BENCHMARKS.md had torch 2.11, which has none). Known limits of
+    IF-node bodies (torch 2.13): no random numbers (``end_capture_to_conditional_node``
+    raises), no NCCL collectives in some set-ups (pytorch/pytorch#180960), and not with the
+    allocator's ``graph_capture_record_stream_reuse``.
     """
     return False
 

@@ -40,8 +40,7 @@ where the capture had none (call :meth:`OptimizerGraph.reset`). Capture happens 
 after ``warmup_steps`` eager ones; a captured step that would create optimizer state is undone and
 run eagerly, and the next step is captured.
 
-Over 400 lines: the step graph, its gradient hand-off and its refusals are one mechanism;
-skipping non-finite steps lives in tgraph/nonfinite.py.
+Skipping non-finite steps lives in tgraph/nonfinite.py.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from tgraph.errors import ReplayOrderError
+
 NEVER = math.inf  # capture index of a backward that does not exist (no-grad calls)
 
 
@@ -126,7 +128,7 @@ class PoolLedger:
         """Check ``unit``'s saved activations are intact; mark those its backward overwrites."""
         culprit = self._clobbered.get(id(flight))
         if culprit is not None:
-            raise RuntimeError(
+            raise ReplayOrderError(
                 f"the saved activations of {unit} were overwritten by the backward graph of "
                 f"{culprit}, which ran while {unit} still awaited its backward. Graphs share one "
                 "memory pool and are safe only in the recorded order. Run the backwards in "

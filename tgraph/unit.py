@@ -20,14 +20,15 @@ Ownership and aliasing (what a user of the outputs must know):
   only after they are moved out of the pool (:mod:`tgraph.pool`).
 * ``static_grads`` (input gradients) are written by every backward replay and handed to
   autograd, which consumes them before this unit's next backward. Parameter gradients are
-  packed into one flat static buffer inside the graph; each backward hands autograd views of a
-  fresh clone of it (:class:`tgraph.grads.ParamGradPacking`), never the static memory itself.
+  packed into one flat static buffer inside the graph (:class:`tgraph.grads.ParamGradPacking`).
+  On PyTorch >= 2.13 each backward hands autograd views of that static buffer itself, which
+  AccumulateGrad adopts as ``.grad`` without a copy: they *are* static memory, so the pool's
+  ledger (:meth:`tgraph.pool.PoolLedger.hold_grads`) moves it out from under every tensor still
+  viewing it before a replay may overwrite it (this unit's next backward or forward, or a graph
+  captured before it). On older PyTorch each backward hands autograd views of a fresh clone.
   ``torch.cuda.make_graphed_callables`` hands autograd ``detach()``-ed aliases of its static
-  buffers, which AccumulateGrad adopts as ``.grad``, so the next replay overwrites accumulated
-  gradients (pytorch issue 181723). Gradient accumulation through a unit is exact.
-
-Over 400 lines on purpose: it is the one home of the graphed unit; keeping capture, replay and
-flights together keeps a forward replay within 8 file boundaries (docs/ARCHITECTURE.md).
+  buffers too, but never moves them, so the next replay overwrites accumulated gradients
+  (pytorch issue 181723). Gradient accumulation through a unit is exact either way.
 """
 
 from __future__ import annotations

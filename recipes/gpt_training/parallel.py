@@ -92,7 +92,7 @@ def exit_now(code: int) -> None:
 
     With gloo, a process sometimes aborted during teardown after a successful run ("terminate
     called without an active exception": a c10d thread still joinable when static objects are
-    destroyed; issue 13). By now the process group is destroyed and every file is written and
+    destroyed). By now the process group is destroyed and every file is written and
     closed, so nothing is lost by skipping the teardown.
     """
     logging.shutdown()

@@ -26,17 +26,15 @@ Sampling (:mod:`tgraph.decode.sampling`) draws each request's tokens from its ow
 stream keyed by its seed and position, so a seeded request gives the same tokens in any slot,
 bucket or company, with or without graphs.
 
-Per-step host work, and what was removed from it (issue 18, "close the last gap"): a decode step
-of an unchanged batch is one graph replay, one device-to-host copy of the sampled ids into a
-preallocated pinned buffer plus an event, one wait for the older step and the appends of the
-ids. Gone are: building and pinning a host tensor of every row's token, position and slot and
-copying it in before every step (now once per batch change); the device-to-device copy of
-the ids decoded ahead (the graph writes them where the next step reads); the eager argmax or
-softmax/top-k/multinomial launches after every replay (sampling is captured); a pinned
-allocation and a CUDA event created per step (a ring of two); the per-step Python scan of every
-row deciding lookahead (one counter, ``room``, computed per batch); the bucket lookup per step
-(once per padded batch); and, on the device, the gather of every row's whole KV slot at every
-layer (slots are rows, read as views: :mod:`tgraph.decode.kv_cache`).
+Per-step host work: a decode step of an unchanged batch is one graph replay, one
+device-to-host copy of the sampled ids into a preallocated pinned buffer plus an event, one wait
+for the older step and the appends of the ids. Everything else is done once per batch change or
+inside the graph: the host tensor of every row's token, position and slot is built and copied in
+when the batch changes; the ids decoded ahead are written by the graph where the next step reads
+them; sampling is captured; the pinned buffers and CUDA events are a ring of two; whether a row
+decodes ahead is one counter, ``room``, computed per batch; the bucket is looked up once per
+padded batch; and on the device, slots are rows of the KV cache read as views, never gathered
+(:mod:`tgraph.decode.kv_cache`).
 
 Example::
 

@@ -89,9 +89,9 @@ def enable_layer_graphs(model: nn.Module, **options) -> nn.Module:
     Args:
         model: a megatron-core model (GPTModel, or its DDP / Float16Module wrapper; pass the DDP
             wrapper so its ``overlap_grad_reduce`` setting is seen).
-        **options: passed to :func:`tgraph.enable` (``strict``, ``warmup``, ``debug``, ``backend``,
-            ``merge``). ``main_grad_fusion`` defaults to True when ``model`` contains megatron
-            DDP with ``overlap_grad_reduce=False``, else False.
+        **options: passed to :func:`tgraph.enable` (``strict``, ``warmup_steps``, ``debug``,
+            ``backend``, ``merge``). ``main_grad_fusion`` defaults to True when ``model``
+            contains megatron DDP with ``overlap_grad_reduce=False``, else False.
 
     Returns:
         ``model``.

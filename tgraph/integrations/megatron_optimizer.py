@@ -14,7 +14,7 @@ import torch
 
 import tgraph
 
-# -- megatron-core's own optimizer without host syncs (issue 16) -------------------------------
+# -- megatron-core's own optimizer without host syncs -------------------------------------------
 #
 # megatron-core's optimizer step syncs with the host four times per step (megatron/core/optimizer,
 # read at core_v0.17.0 and main): clip_grads.get_grad_norm_fp32 returns ``total_norm.item() **

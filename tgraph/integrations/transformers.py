@@ -127,8 +127,8 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
 
     Args:
         model: a transformers ``PreTrainedModel``, or a wrapper around one (PEFT, DDP).
-        **enable_options: passed to :func:`tgraph.enable` (``backend``, ``strict``, ``warmup``,
-            ``debug``, ``merge``).
+        **enable_options: passed to :func:`tgraph.enable` (``backend``, ``strict``,
+            ``warmup_steps``, ``debug``, ``merge``).
 
     Returns:
         ``model``; its transformers models now default to ``use_cache=False``

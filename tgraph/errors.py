@@ -1,0 +1,24 @@
+"""The errors a user may want to catch apart; each is a ``RuntimeError``.
+
+* :class:`GraphFallbackError`: under ``strict=True``, a graphed call matched no captured graph;
+* :class:`ReplayOrderError`: a backward would read saved activations that another unit's backward
+  graph overwrote, because the backwards ran in an order the pool is not safe for
+  (:mod:`tgraph.pool`);
+* :class:`StaleBackwardError`: a backward ran after its unit's graph buffers were reused by a
+  newer forward (a second backward with ``retain_graph=True``, or a backward of an old step).
+"""
+
+from __future__ import annotations
+
+
+class GraphFallbackError(RuntimeError):
+    """Under ``strict=True``: a graphed call matched no captured graph (the message says why)."""
+
+
+class ReplayOrderError(RuntimeError):
+    """A backward's saved activations were overwritten by a backward graph replayed out of the
+    recorded order; its gradients would be computed from garbage, so it raises instead."""
+
+
+class StaleBackwardError(RuntimeError):
+    """A backward ran after its unit's graph buffers were reused by a newer forward."""
