@@ -197,9 +197,45 @@ def _anneal(i, model, opt):
         b.temperature = 1.0 / (1 + i)
 
 
+class PrivateScaleBlock(Block):
+    """A private flag read by forward (as PEFT's ``_disable_adapters``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gain = 1.0
+
+    def forward(self, x):
+        return x + self._gain * self.fc2(torch.tanh(self.fc1(x)))
+
+
+class TensorAttributeBlock(Block):
+    """A tensor attribute that is neither a parameter nor a buffer, replaced after capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = torch.zeros(D)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x + self.shift)))
+
+
+def _private_gain(i, model, opt):
+    if i == 2:
+        for b in model.blocks:
+            b._gain = 0.5
+
+
+def _new_shift(i, model, opt):
+    if i == 2:
+        for b in model.blocks:
+            b.shift = torch.full_like(b.shift, 0.3)
+
+
 PY_STATE = {
     "dropout_p": (DropoutBlock, _disable_dropout, r"\bp\b|[Dd]ropout"),
     "temperature": (TemperatureBlock, _anneal, r"temperature"),
+    "private_flag": (PrivateScaleBlock, _private_gain, r"_gain"),
+    "tensor_attribute": (TensorAttributeBlock, _new_shift, r"shift"),
 }
 
 

@@ -9,8 +9,9 @@ getters).
 
 What is checked, per module of the unit (the graphed module and its submodules):
 
-* **plain attributes** (bool, int, float, str, None, tuples of them; e.g. ``dropout.p``, a
-  temperature, a LoRA ``disable_adapters`` flag, the objects a forward reads by identity);
+* **plain attributes**, public and private (bool, int, float, str, None, tuples of them; e.g.
+  ``dropout.p``, a temperature, a LoRA ``disable_adapters`` flag), by value, and every other
+  public attribute (a tensor, a function, a config object) by identity;
 * **parameters and buffers**: the same tensor objects, on the same memory;
 * **hooks**: the module's forward, forward-pre and backward hooks, and the global module hooks.
 
@@ -34,6 +35,9 @@ from torch.utils.hooks import RemovableHandle
 _data_ptr = torch.Tensor.data_ptr
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+# Module attributes that are not state a forward reads: torch's own bookkeeping, the training
+# flags (part of the call key) and tgraph's state.
+_NOT_READ = {"training", "_is_full_backward_hook", "_compiled_call_impl", "_tgraph"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
@@ -87,6 +91,10 @@ class Baked:
     hook_counts: tuple[int, ...]
     # Flat copies of the above for the per-call checks: one C-level pass each (map over
     # parallel tuples), not a Python loop over modules.
+    objects: tuple[_Slots, ...] = ()  # other public attributes, by identity
+    object_tables: tuple[dict, ...] = ()
+    object_keys: tuple[str, ...] = ()
+    object_ids: tuple[int, ...] = ()
     attr_tables: tuple[dict, ...] = ()
     attr_keys: tuple[str, ...] = ()
     attr_values: tuple = ()
@@ -107,14 +115,17 @@ class Baked:
         modules among them (their own forward hooks run eagerly at every call, see
         :func:`call_with_own_hooks`); ``graph_memory``: keep the memory of an earlier record
         as what the graph reads (after a re-bind)."""
-        attrs, tensors, memory, names, hooks, is_buffer = [], [], [], [], [], []
+        attrs, objects, tensors, memory, names, hooks, is_buffer = [], [], [], [], [], [], []
         for name, m in modules:
             d = vars(m)
-            keys = [k for k, v in d.items() if not k.startswith("_") and _plain(v)]
-            keys = [k for k in keys if k != "training"]  # part of the call key already
+            keys = [k for k, v in d.items() if k not in _NOT_READ and _plain(v)]
             s = _slots(name, d, keys, by_id=False)
             if s is not None:
                 attrs.append(s)
+            keys = [k for k, v in d.items() if not k.startswith("_") and not _plain(v)]
+            s = _slots(name, d, keys, by_id=True)  # tensors, functions, config objects
+            if s is not None:
+                objects.append(s)
             for table_name in ("_parameters", "_buffers"):
                 table = d[table_name]
                 keys = [k for k, v in table.items() if v is not None]
@@ -139,6 +150,10 @@ class Baked:
             is_buffer=tuple(is_buffer),
             hooks=tuple(hooks),
             hook_counts=tuple(len(h) for _, h in hooks),
+            objects=tuple(objects),
+            object_tables=tuple(o.table for o in objects for _ in o.keys),
+            object_keys=tuple(k for o in objects for k in o.keys),
+            object_ids=tuple(v for o in objects for v in o.values),
             attr_tables=tuple(a.table for a in attrs for _ in a.keys),
             attr_keys=tuple(k for a in attrs for k in a.keys),
             attr_values=tuple(v for a in attrs for v in a.values),
@@ -166,10 +181,22 @@ class Baked:
 
     def changed_attrs(self) -> str | None:
         try:
-            if tuple(map(getitem, self.attr_tables, self.attr_keys)) == self.attr_values:
+            if tuple(map(getitem, self.attr_tables, self.attr_keys)) == self.attr_values and (
+                tuple(map(id, map(getitem, self.object_tables, self.object_keys)))
+                == self.object_ids
+            ):
                 return None
         except KeyError:
             pass
+        for s in self.objects:
+            for k, was in zip(s.keys, s.values):
+                if k not in s.table:
+                    return f"{s.where}.{k} was deleted after capture"
+                if id(s.table[k]) != was:
+                    return (
+                        f"{s.where}.{k} was replaced by another object after capture; the graph "
+                        "reads the one it saw at capture"
+                    )
         for s in self.attrs:
             try:
                 now = s.get(s.table)
