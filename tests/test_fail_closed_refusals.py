@@ -255,3 +255,25 @@ def test_hf_output_hidden_states_equals_eager_or_is_refused(backend, device):
     else:
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, **TOL)
+
+
+class _CheckpointingBase(nn.Module):
+    """Like transformers' GradientCheckpointingLayer (<= 5.17): work done in ``__call__``."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, x):
+        return x * 2
+
+
+class _SwappedByHand(tgraph.GraphableModule, _CheckpointingBase):
+    pass
+
+
+def test_a_base_call_that_graphed_dispatch_skips_is_named_at_enable():
+    """A class swap by hand puts GraphableModule.__call__ ahead of a base class's own
+    ``__call__`` (transformers' gradient checkpointing): enable says so instead of dropping
+    it silently."""
+    with pytest.warns(UserWarning, match=r"_CheckpointingBase.__call__"):
+        tgraph.enable(nn.Sequential(_SwappedByHand()), backend="emulated")

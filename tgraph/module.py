@@ -309,6 +309,8 @@ def enable(
             f"{type(model).__name__} contains no tgraph.GraphableModule; make the blocks to graph "
             "subclass tgraph.GraphableModule instead of nn.Module"
         )
+    for cls in {type(m) for m in found}:
+        _warn_skipped_call(cls)
     for m in found:
         old = m.__dict__.get("_tgraph")
         named = list(m.named_modules())
@@ -346,6 +348,30 @@ def _compile_options(compile: bool | dict[str, Any]) -> dict[str, Any] | None:  
             "inside tgraph's; use mode 'default' or 'max-autotune-no-cudagraphs'"
         )
     return options
+
+
+def _warn_skipped_call(cls: type) -> None:
+    """A base class after GraphableModule in the MRO whose ``__call__`` the graphed dispatch
+    takes the place of (transformers' ``GradientCheckpointingLayer`` checkpoints there): say
+    so once, unless the class itself defines ``__call__`` (it handled that)."""
+    mro = cls.__mro__
+    if "__call__" in cls.__dict__ or GraphableModule not in mro:
+        return
+    after = mro[mro.index(GraphableModule) + 1 :]
+    skipped = [c for c in after if c not in (nn.Module, object) and "__call__" in c.__dict__]
+    if skipped:
+        hint = (
+            " For transformers layers use tgraph.integrations.transformers.graph_layers(model)."
+            if skipped[0].__module__.startswith("transformers")
+            else ""
+        )
+        warnings.warn(
+            f"{cls.__name__}: GraphableModule.__call__ takes the place of "
+            f"{skipped[0].__qualname__}.__call__, which does not run for graphed calls (e.g. "
+            f"gradient checkpointing done there).{hint}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def disable(model: nn.Module) -> None:
