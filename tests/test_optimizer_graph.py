@@ -760,3 +760,41 @@ def test_megatron_host_syncing_settings_are_refused():
     cfg = OptimizerConfig(optimizer="adam", lr=1e-3, log_num_zeros_in_grad=True)
     with pytest.raises(ValueError, match="log_num_zeros_in_grad"):
         tm.make_graph_safe(get_megatron_optimizer(cfg, [model]))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, "1 then 2"])
+def test_per_layer_gradients_are_read_in_place(backend, device, microbatches):
+    """Beside per-layer graphs, the optimizer graph reads the gradients the layers' backward
+    graphs wrote into their packed buffers where they are: it keeps buffers of its own only for
+    the other parameters (embeddings, head), and training equals eager. With two microbatches
+    the first one's gradients are moved out of the packed buffer before the second backward
+    (the accumulated .grad lives elsewhere), so the graph copies them into buffers of its own,
+    as before."""
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+    graph = tgraph.OptimizerGraph(opt, backend=backend)
+    tgraph.enable(model, backend=backend, strict=True)
+    ref = make_model(device)
+    ref_opt = make_optimizer(ref, device)
+    try:
+        for i, (x, y) in enumerate(make_batches(device)):
+            n = (1 if i < 4 else 2) if microbatches == "1 then 2" else microbatches
+            for m, o, step in ((model, opt, graph.step), (ref, ref_opt, ref_opt.step)):
+                for k in range(n):  # "1 then 2": the same batch twice (the captured shape)
+                    half = slice(None) if microbatches == "1 then 2" else slice(k * 2, k * 2 + 2)
+                    (m(x[half], y[half])[1] / n).backward()
+                step()
+                o.zero_grad(set_to_none=True)
+            if i == 0:
+                tgraph.create_graphs()
+        assert graph.captured
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        blocks = sum(p.numel() * p.element_size() for b in model.h for p in b.parameters())
+        # one microbatch: the blocks' gradients are read in place; two: the accumulated
+        # gradients live outside the packed buffers, so the graph holds its own copy of all
+        want = total if microbatches == 2 else total - blocks
+        assert graph.own_grad_bytes == want, (graph.own_grad_bytes, total, blocks)
+        assert_same_training_state(model, opt, ref, ref_opt, exact=False)
+    finally:
+        tgraph.reset()
+        tgraph.disable(model)

@@ -66,6 +66,29 @@ from tgraph.snapshot import Snapshot
 logger = logging.getLogger(__name__)
 
 
+def _packed_gradient_buffers() -> list[torch.Tensor]:
+    """Every captured per-layer unit's packed parameter-gradient buffer (tgraph.grads)."""
+    from tgraph.module import _manager  # the per-layer graphs of this process
+
+    return [u.packing.flat for u in _manager.units if u.packing.packed]
+
+
+def _inside(t: torch.Tensor, regions: list[tuple[int, int]]) -> bool:
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    return any(start <= lo and hi <= start + n for start, n in regions)
+
+
+def _at_address(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s memory that does not follow ``t``'s storage: the packed buffer's
+    memory moves out from under the ``.grad`` views it handed out (tgraph.grads) but stays
+    the memory the layer's graph writes, which this graph reads."""
+    raw = torch._C._construct_storage_from_data_pointer(
+        t.data_ptr(), t.device, t.numel() * t.element_size()
+    )
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(raw, 0, t.shape, t.stride())
+
+
 def _flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Buffers shaped like ``tensors``: views of one allocation per (device, dtype)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -165,7 +188,9 @@ class OptimizerGraph:
         self._static_loss: torch.Tensor | None = None
         self._with_loss: bool | None = None
         self._norm: torch.Tensor | None = None
-        self._layout: tuple = ()  # the optimizers' groups and state tensors at capture
+        self._layout: tuple = ()
+        self._read_in_place: list[torch.Tensor] = []  # per-layer gradient buffers it reads
+        self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)  # the optimizers' groups and state tensors at capture
 
     # -- what the graph reads and changes (overridden by tgraph.integrations.megatron) --------
 
@@ -211,12 +236,24 @@ class OptimizerGraph:
                 "OptimizerGraph: no parameter has a .grad at capture; call step() after "
                 "backward(), as optimizer.step()"
             )
-        buffers = _flat_like([g for _, g in live])
-        with torch.no_grad():
-            torch._foreach_copy_(buffers, [g for _, g in live])
-        self._grads = [(p, b) for (p, _), b in zip(live, buffers)]
-        for p, b in self._grads:
-            p.grad = b
+        # Gradients that per-layer graphs wrote into their packed buffers are read where they
+        # are (the hand-off without a copy); the graph gets buffers of its own for the rest.
+        flats = _packed_gradient_buffers()
+        packed = [(f.data_ptr(), f.numel() * f.element_size()) for f in flats]
+        self._read_in_place = flats  # their memory must outlive this graph (tgraph.reset())
+        own = [g for _, g in live if not _inside(g, packed)]
+        buffers = iter(_flat_like(own))
+        self._grads = []
+        for p, g in live:
+            if _inside(g, packed):  # the memory the layer's backward graph writes, forever
+                self._grads.append((p, _at_address(g)))
+            else:
+                b = next(buffers)
+                with torch.no_grad():
+                    b.copy_(g)
+                self._grads.append((p, b))
+                p.grad = b
+        self.own_grad_bytes = sum(g.numel() * g.element_size() for g in own)
 
     def _check_grads(self) -> None:
         """Before a replay: copy the step's gradients into the graph's buffers (one
@@ -230,7 +267,7 @@ class OptimizerGraph:
                     "a gradient for it and would step it (eager code would skip it). Call reset() "
                     "to capture anew when the set of parameters with gradients changes."
                 )
-            if live is not b:
+            if live is not b and (live.data_ptr() != b.data_ptr() or live.stride() != b.stride()):
                 dst.append(b)
                 src.append(live)
         if dst:
