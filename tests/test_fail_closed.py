@@ -489,3 +489,20 @@ def test_unused_output_leaves_grad_none_in_the_recorded_step_too(backend, device
         assert all(g is None for g in step), f"step {i}: aux .grad is {step}, eager None"
     assert_same_params(model, ref)
     assert not any(p in opt.state for p in model.body.aux.parameters())
+
+
+class ManagerEveryForward(Block):
+    """Sets a fresh helper object (as megatron's offloading and checkpoint managers) in every
+    forward: that is the module's own bookkeeping, not state a graph bakes in."""
+
+    def forward(self, x):
+        self.norm_manager = object()
+        return super().forward(x)
+
+
+def test_an_object_the_forward_assigns_itself_does_not_force_eager(backend, device):
+    model, ref = make_pair(device, lambda: Net(ManagerEveryForward))
+    data = batches(device, STEPS)
+    want = train(ref, data)
+    got = train(model, data, backend, strict=True)
+    torch.testing.assert_close(got, want, **TOL)

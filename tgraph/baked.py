@@ -10,8 +10,8 @@ getters).
 What is checked, per module of the unit (the graphed module and its submodules):
 
 * **plain attributes**, public and private (bool, int, float, str, None, tuples of them; e.g.
-  ``dropout.p``, a temperature, a LoRA ``disable_adapters`` flag), by value, and every other
-  public attribute (a tensor, a function, a config object) by identity;
+  ``dropout.p``, a temperature, a LoRA ``disable_adapters`` flag), by value, and public tensor
+  and function attributes (outside ``_parameters`` and ``_buffers``) by identity;
 * **parameters and buffers**: the same tensor objects, on the same memory;
 * **hooks**: the module's forward, forward-pre and backward hooks, and the global module hooks.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import types
 import weakref
 from dataclasses import dataclass
 from operator import getitem
@@ -50,6 +51,15 @@ _GLOBAL_HOOKS = (
 def _plain(v: object) -> bool:
     return isinstance(v, _PLAIN) or (
         isinstance(v, tuple) and len(v) < 16 and all(isinstance(x, _PLAIN) for x in v)
+    )
+
+
+def _by_identity(v: object) -> bool:
+    """Tensors and functions a forward reads, outside ``_parameters`` and ``_buffers``. Other
+    objects are not compared: modules assign some in every forward (megatron's checkpoint and
+    offloading managers), which would make every call fall back."""
+    return isinstance(v, torch.Tensor) or isinstance(
+        v, types.FunctionType | types.BuiltinFunctionType
     )
 
 
@@ -122,8 +132,8 @@ class Baked:
             s = _slots(name, d, keys, by_id=False)
             if s is not None:
                 attrs.append(s)
-            keys = [k for k, v in d.items() if not k.startswith("_") and not _plain(v)]
-            s = _slots(name, d, keys, by_id=True)  # tensors, functions, config objects
+            keys = [k for k, v in d.items() if not k.startswith("_") and _by_identity(v)]
+            s = _slots(name, d, keys, by_id=True)  # a tensor attribute, a function
             if s is not None:
                 objects.append(s)
             for table_name in ("_parameters", "_buffers"):

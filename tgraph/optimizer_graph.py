@@ -66,6 +66,11 @@ from tgraph.snapshot import Snapshot
 logger = logging.getLogger(__name__)
 
 
+# A tensor on a raw address (below) needs this private constructor; without it every gradient
+# gets a buffer of the graph's own, as before.
+_RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
+
+
 def _packed_gradient_buffers() -> list[torch.Tensor]:
     """Every captured per-layer unit's packed parameter-gradient buffer (tgraph.grads)."""
     from tgraph.module import _manager  # the per-layer graphs of this process
@@ -238,7 +243,7 @@ class OptimizerGraph:
             )
         # Gradients that per-layer graphs wrote into their packed buffers are read where they
         # are (the hand-off without a copy); the graph gets buffers of its own for the rest.
-        flats = _packed_gradient_buffers()
+        flats = _packed_gradient_buffers() if _RAW_STORAGE else []
         packed = [(f.data_ptr(), f.numel() * f.element_size()) for f in flats]
         self._read_in_place = flats  # their memory must outlive this graph (tgraph.reset())
         own = [g for _, g in live if not _inside(g, packed)]
