@@ -11,6 +11,9 @@
 #   bash scripts/gpu_check.sh host       # compile and signature tests; host time per call
 #                                        # (toy and HF Llama, 12 layers, B1; also host-bound)
 #   bash scripts/gpu_check.sh hf         # bench_train.py --hf (the three Llama cells)
+#   bash scripts/gpu_check.sh verify     # `pytest -m cuda`, then the CPU cases on this machine
+#                                        # (the emulated backend where CUDA is present), then
+#                                        # host time per call on the GPU (toy and HF Llama)
 # Output goes to $OUT (default ./gpu_check_out): log.txt, then each stage's files. Every stage
 # runs even when an earlier one failed; each is bounded by `timeout` and its exit code recorded.
 #
@@ -34,6 +37,18 @@ MEGATRON_OPT_MODES=megatron_opt_none,megatron_opt_none_capturable,megatron_opt_l
 
 case "$CHECK" in
 default) ;;
+verify)
+  env_stage
+  stage pytest-cuda 280 python -m pytest -m cuda -q -p no:cacheprovider -rf
+  stage pytest-cpu-cases 150 python -m pytest -m "not cuda" -q -p no:cacheprovider -rf \
+    tests/test_emulated_backend.py tests/test_fail_closed.py tests/test_fail_closed_hooks.py \
+    tests/test_fail_closed_optim.py tests/test_fail_closed_refusals.py \
+    tests/test_hf_integration.py tests/test_optimizer_graph.py tests/test_full_iteration.py
+  stage profile-host 60 python scripts/profile_host.py --device cuda --backend cuda \
+    --model both --steps 200 --reps 3 --out "$OUT"
+  printf '%s\n' "${STAGES[@]}"
+  exit 0
+  ;;
 decode)
   env_stage
   stage pytest-decode 130 python -m pytest -m cuda -q -p no:cacheprovider -rf \
