@@ -294,3 +294,17 @@ def test_held_outputs_are_protected_without_storage_swaps(backend, device, monke
     with pytest.raises(RuntimeError, match="still held"):
         blocks(data[1][0])
     del held
+
+
+def test_hooks_registered_elsewhere_every_step_keep_graphs(backend, device):
+    """A tensor hook registered anywhere at every step moves torch's hook counter: the graphed
+    modules' hook tables are then scanned, found unchanged, and the graphs keep replaying."""
+    model, ref = make_pair(device)
+    data = batches(device, STEPS)
+
+    def before(i, model, opt):
+        model.head.weight.register_hook(lambda g: g)  # identity: the numbers stay eager's
+
+    want = train(ref, data, before=before)
+    got = train(model, data, backend, before=before, strict=True)
+    torch.testing.assert_close(got, want, **TOL)

@@ -175,8 +175,11 @@ class Baked:
         )
 
     # ------------------------------------------------------------------ checks
-    def changed_hooks(self) -> str | None:
-        if RemovableHandle.next_id == self.hook_epoch and not self.any_hooks:
+    def changed_hooks(self, scan: bool = False) -> str | None:
+        """Why the hooks differ from the record's (None: they do not). Without ``scan``, the
+        tables are read only if a hook was registered anywhere since the record, or one was
+        present (it may have been removed)."""
+        if not scan and RemovableHandle.next_id == self.hook_epoch and not self.any_hooks:
             return None  # no hook registered anywhere since, none to remove: unchanged
         if tuple(len(h) for _, h in self.hooks) == self.hook_counts:
             return None

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from tgraph import grads as grads_module
 from tgraph import rng
@@ -206,6 +207,7 @@ class GraphedUnit:
         self._live: tuple[torch.Tensor, ...] = ()
         self._slot: list[int | None] = []  # per parameter of the backward: its baked index
         self._rerouted = False
+        self._hook_epoch = -1  # torch's hook counter when the hooks were last found unchanged
         self._aliasing_outputs: list[int] = []  # outputs that are (views of) static inputs
         self._output_uses: list[int] = []  # uses of each static output's memory by tgraph
         self._output_internal: list[list[torch.Tensor]] = []  # tgraph's tensors on each
@@ -381,6 +383,7 @@ class GraphedUnit:
         written; one swapped into another tensor may not). ``internal``: per static buffer's
         data pointer, tgraph's own tensors on it (all units')."""
         self.baked = Baked.of(self.labelled_modules(), self.roots())
+        self._hook_epoch = self.baked.hook_epoch
         self._others_use = [_uses(t) - 1 for t in self.baked.held]
         where = {id(r()): i for i, r in enumerate(self.baked.refs)}
         self._slot = [where.get(id(p)) for p in self.params]  # None: a foreign leaf
@@ -400,7 +403,13 @@ class GraphedUnit:
         b = self.baked
         if b is None:
             return None
-        why = b.changed_hooks() or b.changed_attrs()
+        epoch = RemovableHandle.next_id  # moves whenever a hook is registered anywhere
+        if epoch != self._hook_epoch or b.any_hooks:
+            why = b.changed_hooks(scan=True)
+            if why is not None:
+                return why
+            self._hook_epoch = epoch  # scanned: unchanged as of this epoch
+        why = b.changed_attrs()
         if why is not None:
             return why
         recording = recording_outputs()
