@@ -219,6 +219,20 @@ class TensorAttributeBlock(Block):
         return x + self.fc2(torch.tanh(self.fc1(x + self.shift)))
 
 
+class ClassDefaultBlock(Block):
+    """A default held by the class, overridden on an instance after capture."""
+
+    gain = 1.0
+
+    def forward(self, x):
+        return x + self.gain * self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _instance_gain(i, model, opt):
+    if i == 2:
+        model.blocks[1].gain = 0.25
+
+
 def _private_gain(i, model, opt):
     if i == 2:
         for b in model.blocks:
@@ -236,6 +250,7 @@ PY_STATE = {
     "temperature": (TemperatureBlock, _anneal, r"temperature"),
     "private_flag": (PrivateScaleBlock, _private_gain, r"_gain"),
     "tensor_attribute": (TensorAttributeBlock, _new_shift, r"shift"),
+    "instance_over_class": (ClassDefaultBlock, _instance_gain, r"gain"),
 }
 
 

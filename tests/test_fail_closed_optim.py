@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fail_closed_models import D, assert_same_params, batches
+from fail_closed_models import TOL, D, assert_same_params, batches, fallbacks
 
 import tgraph
 
@@ -245,3 +245,60 @@ def test_cpu_whole_step_entries_on_a_machine_with_a_gpu(entry):
     want = _eager_run(cpu, Nothing())
     run = _optimizer_graph_run if entry == "optimizer_graph" else _full_iteration_run
     assert_same_params(run("emulated", cpu, Nothing()), want)
+
+
+def _repoint_params(i, model, opt):
+    if i == 6:
+        for p in model.parameters():
+            p.data = p.data.clone()
+
+
+def _scale_attribute(i, model, opt):
+    if i == 6:
+        model[0].out_features_scale = 0.5
+
+
+@pytest.mark.parametrize("change", [_repoint_params, _scale_attribute], ids=["p_data", "attribute"])
+def test_full_iteration_follows_what_its_modules_baked_in(backend, device, change):
+    """Whole-step graphs keep the parameters' memory and the modules' attributes too: after
+    ``p.data = ...`` or an attribute change the step is captured again (eager meanwhile, with
+    a warning naming it), and training equals eager."""
+
+    class Scaled(nn.Linear):
+        out_features_scale = 1.0
+
+        def forward(self, x):
+            return super().forward(x) * self.out_features_scale
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(Scaled(D, D), nn.Tanh(), nn.Linear(D, 1)).to(device)
+
+    def run(graphed):
+        model = make()
+        extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **extra)
+
+        def step(batch):
+            x, y = batch
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        fn = tgraph.FullIterationGraph(step, warmup_steps=2, backend=backend) if graphed else step
+        losses = []
+        for i, b in enumerate(batches(device, 10)):
+            change(i, model, opt)
+            losses.append(fn(b))
+        return torch.stack(losses), model
+
+    want, ref = run(False)
+    with fallbacks() as msgs:
+        got, model = run(True)
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+    assert msgs and all("FullIterationGraph" in m for m in msgs), msgs
+    names = "out_features_scale" if change is _scale_attribute else r"weight|bias"
+    assert all(re.search(names, m) for m in msgs), msgs

@@ -111,6 +111,10 @@ class Baked:
     tensor_tables: tuple[dict, ...] = ()
     tensor_keys: tuple[str, ...] = ()
     tensor_ids: tuple[int, ...] = ()
+    dicts: tuple[dict, ...] = ()  # each module's __dict__: a new key (an instance attribute
+    dict_sizes: tuple[int, ...] = ()  # shadowing a class attribute) changes its size
+    dict_names: tuple[str, ...] = ()
+    dict_keys: tuple[frozenset, ...] = ()
     hook_epoch: int = -1  # torch's hook-handle counter at the record: no hook registered since
     any_hooks: bool = True  # a hook (other than transformers' inactive ones) at the record
 
@@ -170,6 +174,10 @@ class Baked:
             tensor_tables=tuple(t.table for t in tensors for _ in t.keys),
             tensor_keys=tuple(k for t in tensors for k in t.keys),
             tensor_ids=tuple(map(id, memory)),
+            dicts=tuple(vars(m) for _, m in modules),
+            dict_sizes=tuple(len(vars(m)) for _, m in modules),
+            dict_names=tuple(name for name, _ in modules),
+            dict_keys=tuple(frozenset(vars(m)) for _, m in modules),
             hook_epoch=RemovableHandle.next_id,
             any_hooks=any(not _inert(f) for _, h in hooks for f in h.values()),
         )
@@ -193,6 +201,16 @@ class Baked:
         return None
 
     def changed_attrs(self) -> str | None:
+        if tuple(map(len, self.dicts)) != self.dict_sizes:
+            for name, d, n, keys in zip(
+                self.dict_names, self.dicts, self.dict_sizes, self.dict_keys
+            ):
+                if len(d) != n:
+                    added, gone = sorted(set(d) - keys), sorted(keys - set(d))
+                    what = (
+                        f"{name}.{added[0]} was set" if added else f"{name}.{gone[0]} was deleted"
+                    )
+                    return f"{what} after capture; the graph reads what the forward saw at capture"
         try:
             if tuple(map(getitem, self.attr_tables, self.attr_keys)) == self.attr_values and (
                 tuple(map(id, map(getitem, self.object_tables, self.object_keys)))

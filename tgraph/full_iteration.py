@@ -84,6 +84,7 @@ from torch.utils._pytree import tree_leaves
 
 from tgraph import rng
 from tgraph.backend import GraphFactory, resolve_backend, stale_stream_override
+from tgraph.baked import Baked
 from tgraph.guards import check_lr_unwritten, explain_capture_failure
 from tgraph.hyperparams import (
     HyperParams,
@@ -97,6 +98,20 @@ from tgraph.signature import call_key, first_difference, split
 from tgraph.snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
+
+
+def _baked_change(baked: Baked | None) -> str | None:
+    """Why the step's modules differ from what the graph baked in: a plain attribute, a tensor
+    attribute, a hook, or a parameter or buffer replaced or re-pointed (``p.data = ...``)."""
+    if baked is None:
+        return None
+    live = baked.live()
+    if live is None or baked.replaced_tensors(live) is not None:
+        return baked.replaced_tensors() or "a parameter or buffer was removed after capture"
+    moved = baked.moved(live)
+    if moved:
+        return f"{baked.names[moved[0]]} lives in other memory than at capture (p.data = ...)"
+    return baked.changed_hooks() or baked.changed_attrs()
 
 
 def detach_clone(t: torch.Tensor) -> torch.Tensor:
@@ -123,6 +138,7 @@ class _Entry:
     outputs: list[torch.Tensor] = field(default_factory=list)
     template: Any = None  # the structure of fn's outputs (tgraph.signature.Template)
     layout: tuple = ()  # the optimizers' groups and state tensors at capture
+    baked: Any = None  # what the step's modules baked in (tgraph.baked.Baked)
     grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
     capture_seconds: float = 0.0
     pool_bytes: int = 0
@@ -179,6 +195,7 @@ class FullIterationGraph:
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._modules: dict[int, nn.Module] = {}
         self._hparams: list[HyperParams] = []  # one per batch of optimizers seen at a capture
+        self._recaptured: set[str] = set()  # changes after capture already warned about
 
     @property
     def num_graphs(self) -> int:
@@ -214,10 +231,17 @@ class FullIterationGraph:
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.graph is not None:
-            why = layout_change(entry.layout, self.optimizers)
+            why = layout_change(entry.layout, self.optimizers) or _baked_change(entry.baked)
             if why is None:
                 return self._replay(entry, tensors)
-            logger.warning("FullIterationGraph: %s; capturing the step again after warmup", why)
+            if why not in self._recaptured:
+                self._recaptured.add(why)
+                warnings.warn(
+                    f"FullIterationGraph: {why}; the step runs eagerly and is captured again "
+                    "after warmup",
+                    GraphFallbackWarning,
+                    stacklevel=2,
+                )
             self.reset()
             entry = None
         if entry is None:
@@ -340,6 +364,8 @@ class FullIterationGraph:
         entry.pool_bytes = f.memory_allocated() - before
         entry.graph, entry.out = graph, out
         entry.layout = baked_layout(self.optimizers)
+        # what the step's modules baked in (the modules that ran in it: tgraph.baked)
+        entry.baked = Baked.of([(type(m).__name__, m) for m in self._modules.values()], [])
         entry.outputs, entry.template = split(out)
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
