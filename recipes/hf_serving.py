@@ -100,6 +100,7 @@ def generate(args: argparse.Namespace, parser, path: Path) -> list[str]:
             )
     how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     how += f", top-k {args.top_k}" if args.top_k and args.temperature else ""
+    how += f", top-p {args.top_p}" if getattr(args, "top_p", 1.0) < 1 and args.temperature else ""
     print(f"transformers checkpoint {path} ({decoder.architecture}); {how}, seed {args.seed}")
     engine = DecodeEngine(
         decoder,
@@ -112,6 +113,7 @@ def generate(args: argparse.Namespace, parser, path: Path) -> list[str]:
         args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
+        top_p=getattr(args, "top_p", 1.0),
         eos_token_id=_eos(decoder, args),
         seed=args.seed,
     )

@@ -243,6 +243,10 @@ def test_generate_recipe_serves_a_save_pretrained_directory(tmp_path, capsys):
     assert completions == [decode(ids) for ids in want]
     out = capsys.readouterr().out
     assert "(LlamaForCausalLM)" in out and "----- sample 2 of 2 " in out
+    # --top-p reaches the engine: a nucleus of the likeliest token alone is greedy
+    nucleus = gen.main([*argv, "--prompt", texts[0], "--temperature", "1", "--top-p", "1e-9"])
+    assert nucleus == completions[:1]
+    assert "top-p 1e-09" in capsys.readouterr().out
     proc = subprocess.run(
         [sys.executable, str(recipe), *argv, "--prompt", texts[0]],
         capture_output=True, text=True, timeout=300,
