@@ -256,6 +256,17 @@ class Baked:
                 return f"a parameter or buffer of {s.where} was replaced after capture"
         return None
 
+    def changed(self) -> str | None:
+        """Anything changed since the record, followed or not (a whole-step graph captures
+        again): a parameter or buffer replaced or re-pointed, a hook, an attribute."""
+        live = self.live()
+        if live is None or self.replaced_tensors(live) is not None:
+            return self.replaced_tensors() or "a parameter or buffer was removed after capture"
+        moved = self.moved(live)
+        if moved:
+            return f"{self.names[moved[0]]} lives in other memory than at capture (p.data = ...)"
+        return self.changed_hooks() or self.changed_attrs()
+
     def live(self) -> tuple[torch.Tensor, ...] | None:
         """The parameters and buffers the modules hold now, in the record's order (None when
         one was removed)."""

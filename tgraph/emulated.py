@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from tgraph.guards import CaptureError, RefuseHostReads, check_registered, refusal
-from tgraph.pool import NEVER, poison_, saved_activations
+from tgraph.pool import NEVER, at_address, poison_, saved_activations
 
 # Operations skipped at replay: their output holds no value a later operation may rely on.
 _ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"}
@@ -77,14 +77,11 @@ class _Pins:
         pin = self._pins.get(key)
         if pin is not None:
             return pin
-        raw_key = (ptr, nbytes, t.device)
-        raw = self._raw.get(raw_key)
+        raw = self._raw.get((ptr, nbytes, t.device))
+        pin = at_address(t, raw)
         if raw is None:
-            raw = torch._C._construct_storage_from_data_pointer(ptr, t.device, nbytes)
-            self._raw[raw_key] = raw
+            self._raw[(ptr, nbytes, t.device)] = pin.untyped_storage()
             self.keep.setdefault(storage._cdata, storage)
-        pin = torch.empty(0, dtype=t.dtype, device=t.device)
-        pin.set_(raw, t.storage_offset(), t.shape, t.stride())
         self._pins[key] = pin
         return pin
 

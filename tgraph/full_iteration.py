@@ -100,20 +100,6 @@ from tgraph.snapshot import Snapshot
 logger = logging.getLogger(__name__)
 
 
-def _baked_change(baked: Baked | None) -> str | None:
-    """Why the step's modules differ from what the graph baked in: a plain attribute, a tensor
-    attribute, a hook, or a parameter or buffer replaced or re-pointed (``p.data = ...``)."""
-    if baked is None:
-        return None
-    live = baked.live()
-    if live is None or baked.replaced_tensors(live) is not None:
-        return baked.replaced_tensors() or "a parameter or buffer was removed after capture"
-    moved = baked.moved(live)
-    if moved:
-        return f"{baked.names[moved[0]]} lives in other memory than at capture (p.data = ...)"
-    return baked.changed_hooks() or baked.changed_attrs()
-
-
 def detach_clone(t: torch.Tensor) -> torch.Tensor:
     """An output handed to the caller: its own memory, safe to keep past the next replay."""
     return t.detach().clone()
@@ -231,7 +217,7 @@ class FullIterationGraph:
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.graph is not None:
-            why = layout_change(entry.layout, self.optimizers) or _baked_change(entry.baked)
+            why = layout_change(entry.layout, self.optimizers) or entry.baked.changed()
             if why is None:
                 return self._replay(entry, tensors)
             if why not in self._recaptured:

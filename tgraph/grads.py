@@ -20,6 +20,8 @@ from collections.abc import Iterable
 
 import torch
 
+from tgraph.pool import move_memory_out, storage_uses
+
 FLAG = "grad_added_to_main_grad"
 # PyTorch >= 2.13 can swap the memory of two storages (ParamGradPacking.rescue); older
 # versions get a copy of the parameter gradients at every backward instead.
@@ -188,7 +190,7 @@ class ParamGradPacking:
         return bool(self._index)
 
     def _aliases(self) -> int:
-        return torch._C._storage_Use_Count(self.flat.untyped_storage()._cdata)
+        return storage_uses(self.flat)
 
     def aliased(self) -> bool:
         """Some tensor other than the static buffer itself still views its memory."""
@@ -225,11 +227,7 @@ class ParamGradPacking:
         """
         if not self.aliased():
             return
-        held = self.flat.untyped_storage()
-        graph_memory = held.clone()
-        held._swap_data_ptr_(graph_memory)  # every alias now views the copy
-        self.flat.set_(graph_memory, 0, self.flat.shape)  # the buffer keeps the graph's memory
-        del held, graph_memory
+        move_memory_out(self.flat, [self.flat])  # every alias views a copy, the buffer does not
         self._baseline = self._aliases()
 
 

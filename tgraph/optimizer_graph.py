@@ -61,6 +61,7 @@ from tgraph.hyperparams import (
     layout_change,
 )
 from tgraph.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
+from tgraph.pool import at_address
 from tgraph.snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
@@ -82,16 +83,6 @@ def _inside(t: torch.Tensor, regions: list[tuple[int, int]]) -> bool:
     lo = t.data_ptr()
     hi = lo + t.numel() * t.element_size()
     return any(start <= lo and hi <= start + n for start, n in regions)
-
-
-def _at_address(t: torch.Tensor) -> torch.Tensor:
-    """A tensor on ``t``'s memory that does not follow ``t``'s storage: the packed buffer's
-    memory moves out from under the ``.grad`` views it handed out (tgraph.grads) but stays
-    the memory the layer's graph writes, which this graph reads."""
-    raw = torch._C._construct_storage_from_data_pointer(
-        t.data_ptr(), t.device, t.numel() * t.element_size()
-    )
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(raw, 0, t.shape, t.stride())
 
 
 def _flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -250,8 +241,9 @@ class OptimizerGraph:
         buffers = iter(_flat_like(own))
         self._grads = []
         for p, g in live:
-            if _inside(g, packed):  # the memory the layer's backward graph writes, forever
-                self._grads.append((p, _at_address(g)))
+            if _inside(g, packed):  # the memory the layer's backward graph writes, forever: read
+                # at its address, which the storage swaps that move .grad views out leave alone
+                self._grads.append((p, at_address(g)))
             else:
                 b = next(buffers)
                 with torch.no_grad():

@@ -221,3 +221,33 @@ def _packed_tensors(saved: Any) -> list[torch.Tensor]:
         if isinstance(t, torch.Tensor):
             out.append(t)
     return out
+
+
+def storage_uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) use ``t``'s memory."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def move_memory_out(t: torch.Tensor, keep: list[torch.Tensor]) -> None:
+    """Give every other tensor on ``t``'s memory a copy of it, while the tensors in ``keep``
+    (tgraph's own: a static buffer and those sharing it) keep the memory, which a graph writes.
+    One copy. Needs ``UntypedStorage._swap_data_ptr_`` (PyTorch >= 2.13)."""
+    held = t.untyped_storage()
+    graph_memory = held.clone()
+    held._swap_data_ptr_(graph_memory)  # every tensor on it now views the copy ...
+    with torch.no_grad():
+        for x in keep:  # ... except those, which keep the graph's memory
+            x.set_(graph_memory, x.storage_offset(), x.shape, x.stride())
+
+
+def at_address(t: torch.Tensor, raw: torch.UntypedStorage | None = None) -> torch.Tensor:
+    """A tensor on ``t``'s memory (its raw address, as a graph sees it) that does not follow
+    ``t``: ``p.data = ...`` or a storage swap move ``t``, not this tensor. The memory is not
+    owned: the caller keeps it alive. ``raw``: a non-owning storage of ``t``'s storage, reused."""
+    storage = t.untyped_storage()
+    if raw is None:
+        raw = torch._C._construct_storage_from_data_pointer(
+            storage.data_ptr(), t.device, storage.nbytes()
+        )
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(raw, t.storage_offset(), t.shape, t.stride())

@@ -57,7 +57,7 @@ from tgraph.grads import (
 )
 from tgraph.guards import RefuseHostSync
 from tgraph.memory import UnitMemory, tensor_bytes
-from tgraph.pool import LiveOutputs
+from tgraph.pool import LiveOutputs, move_memory_out, storage_uses
 
 logger = logging.getLogger(__name__)
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -365,7 +365,6 @@ class GraphedUnit:
         for r in self.members:
             r.drop_capture_state()
 
-    # ------------------------------------------------------------------ replay
     # ----------------------------------------------------- what the graphs baked in
     def labelled_modules(self) -> list[tuple[str, torch.nn.Module]]:
         out = []
@@ -384,11 +383,11 @@ class GraphedUnit:
         data pointer, tgraph's own tensors on it (all units')."""
         self.baked = Baked.of(self.labelled_modules(), self.roots())
         self._hook_epoch = self.baked.hook_epoch
-        self._others_use = [_uses(t) - 1 for t in self.baked.held]
+        self._others_use = [storage_uses(t) - 1 for t in self.baked.held]
         where = {id(r()): i for i, r in enumerate(self.baked.refs)}
         self._slot = [where.get(id(p)) for p in self.params]  # None: a foreign leaf
         self._rerouted = False
-        self._output_uses = [_uses(t) for t in self.static_outputs]
+        self._output_uses = [storage_uses(t) for t in self.static_outputs]
         self._output_internal = [
             internal.get(o.untyped_storage().data_ptr(), [o]) for o in self.static_outputs
         ]
@@ -446,7 +445,7 @@ class GraphedUnit:
         moved = b.moved(live)
         if moved != self._copy_in:
             for i in moved:
-                if _uses(b.held[i]) > self._others_use[i]:
+                if storage_uses(b.held[i]) > self._others_use[i]:
                     return (
                         f"{b.names[i]} lives in other memory than at capture (p.data = ...), "
                         "and the memory the graph reads is in use elsewhere (swapped into another "
@@ -481,12 +480,12 @@ class GraphedUnit:
         """Before the forward replays again: outputs of its last replay that the caller still
         holds (a ``.detach()`` or a view kept across steps) get their own memory."""
         for i, o in enumerate(self.static_outputs):
-            if _uses(o) > self._output_uses[i]:
+            if storage_uses(o) > self._output_uses[i]:
                 token = self._last_outputs() if self._last_outputs is not None else None
                 if token is not None:  # the returned tensors themselves: re-pointed, one copy
                     token.rescue()
                     self._last_outputs = None
-                if _uses(o) <= self._output_uses[i]:
+                if storage_uses(o) <= self._output_uses[i]:
                     continue
                 if not grads_module.SWAPS_STORAGE:
                     return (
@@ -495,9 +494,10 @@ class GraphedUnit:
                         "(UntypedStorage._swap_data_ptr_, PyTorch >= 2.13); clone outputs you keep"
                     )
                 move_memory_out(o, self._output_internal[i])
-                self._output_uses[i] = _uses(o)
+                self._output_uses[i] = storage_uses(o)
         return None
 
+    # ------------------------------------------------------------------ replay
     def replay(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | str:
         """Replay the forward on live ``tensors``: the static outputs' views, or the reason
         the call must run eagerly instead."""
@@ -614,23 +614,6 @@ class GraphedUnit:
             for buf in self.static_grad_outputs:
                 _poison(buf)
             self._grad_out_zero = [False] * len(self.static_grad_outputs)
-
-
-def _uses(t: torch.Tensor) -> int:
-    """How many tensors (and storage objects) use ``t``'s memory."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def move_memory_out(t: torch.Tensor, internal: list[torch.Tensor]) -> None:
-    """Give the caller's tensors on ``t``'s memory a copy of it; tgraph's own tensors on it
-    (``internal``: the static output and the static inputs that share it) keep the memory,
-    which a graph writes. One copy."""
-    held = t.untyped_storage()
-    graph_memory = held.clone()
-    held._swap_data_ptr_(graph_memory)  # every tensor on it now views the copy ...
-    with torch.no_grad():
-        for x in internal:  # ... except tgraph's own, which keep the graph's memory
-            x.set_(graph_memory, x.storage_offset(), x.shape, x.stride())
 
 
 def _poison(t: torch.Tensor) -> None:
