@@ -215,6 +215,10 @@ class TensorAttributeBlock(Block):
         super().__init__()
         self.shift = torch.zeros(D)
 
+    def _apply(self, fn, recurse=True):  # moved with the module, as a user's would be
+        self.shift = fn(self.shift)
+        return super()._apply(fn, recurse)
+
     def forward(self, x):
         return x + self.fc2(torch.tanh(self.fc1(x + self.shift)))
 
@@ -285,6 +289,40 @@ def test_python_attribute_changed_after_capture_under_strict(backend, device, ca
         assert_never_silent([str(exc)], names)
     else:
         torch.testing.assert_close(got, want, **TOL)
+
+
+class CountedBlock(Block):
+    """A framework's bookkeeping attribute, set before every call and never read by forward
+    (megatron's ``current_microbatch``), named in ``unread_attributes``."""
+
+    unread_attributes = frozenset({"calls_seen"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls_seen = 0
+
+
+class UncountedBlock(CountedBlock):
+    unread_attributes = frozenset()
+
+
+def test_unread_attributes_change_without_a_fallback(backend, device):
+    """A change of a named unread attribute replays the graph; any other attribute still falls
+    back (the same block with the name left out raises under strict)."""
+
+    def count(i, model, opt):
+        for b in model.blocks:
+            b.calls_seen = i
+
+    model, ref = make_pair(device, lambda: Net(CountedBlock))
+    data = batches(device, STEPS)
+    want = train(ref, data, before=count)
+    got = train(model, data, backend, before=count, strict=True)  # no GraphFallbackError
+    torch.testing.assert_close(got, want, **TOL)
+    tgraph.disable(model)
+    model, _ = make_pair(device, lambda: Net(UncountedBlock))
+    with pytest.raises(fallback_error(), match="calls_seen"):
+        train(model, data, backend, before=count, strict=True)
 
 
 class LoraLinear(tgraph.GraphableModule):

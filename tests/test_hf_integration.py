@@ -58,6 +58,8 @@ def family_model(arch: str, device, *, seed: int = 0, **extra):
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
     if experts is not None:
         model.set_experts_implementation(experts)
+    if experts == "grouped_mm" and device.type == "cuda":
+        model.to(torch.bfloat16)  # torch's grouped GEMM on CUDA (float32 is refused, below)
     return model.to(device)
 
 
@@ -107,9 +109,21 @@ def test_family_training_matches_eager(backend, device, arch):
     """Default calls (``model(input_ids, labels)``, ``use_cache`` left alone) replay graphs."""
     model, eager = graphed_and_twin(arch, device, backend)
     xs = batches(device)
+    # bfloat16 (grouped_mm on CUDA): the same kernels graphed and eager; torch's bf16 tolerance
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
     assert_same_training(
-        train(model, xs, graphed=True), train(eager, xs, graphed=False), tol(backend)
+        train(model, xs, graphed=True),
+        train(eager, xs, graphed=False),
+        {} if bf16 else tol(backend),
     )
+
+
+def test_float32_grouped_experts_on_cuda_are_refused_with_the_fix(device):
+    if device.type != "cuda":
+        pytest.skip("grouped_mm takes float32 on the CPU")
+    model = family_model("qwen3_moe/grouped_mm", device).float()
+    with pytest.raises(ValueError, match=r"bfloat16.*batched_mm"):
+        tg_hf.graph_layers(model)
 
 
 def test_eager_expert_loop_is_refused_with_the_fix(device):

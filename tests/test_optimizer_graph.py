@@ -792,7 +792,10 @@ def test_per_layer_gradients_are_read_in_place(backend, device, microbatches):
         blocks = sum(p.numel() * p.element_size() for b in model.h for p in b.parameters())
         # one microbatch: the blocks' gradients are read in place; two: the accumulated
         # gradients live outside the packed buffers, so the graph holds its own copy of all
-        want = total if microbatches == 2 else total - blocks
+        # (torch < 2.13 cannot move a kept gradient off a graph's memory, so the backward
+        # graphs hand out copies and the optimizer graph copies every gradient, as before)
+        in_place = microbatches != 2 and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        want = total - blocks if in_place else total
         assert graph.own_grad_bytes == want, (graph.own_grad_bytes, total, blocks)
         assert_same_training_state(model, opt, ref, ref_opt, exact=False)
     finally:

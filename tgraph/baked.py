@@ -132,7 +132,8 @@ class Baked:
         attrs, objects, tensors, memory, names, hooks, is_buffer = [], [], [], [], [], [], []
         for name, m in modules:
             d = vars(m)
-            keys = [k for k, v in d.items() if k not in _NOT_READ and _plain(v)]
+            unread = _NOT_READ | getattr(type(m), "unread_attributes", frozenset())
+            keys = [k for k, v in d.items() if k not in unread and _plain(v)]
             s = _slots(name, d, keys, by_id=False)
             if s is not None:
                 attrs.append(s)

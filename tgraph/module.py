@@ -220,7 +220,14 @@ class GraphableModule(nn.Module):
     Its own forward (pre-)hooks run eagerly around every call, graphed or not, as in eager
     mode; hooks on its submodules would be baked into the graphs, so ``create_graphs()``
     refuses them unless ``enable(..., capturable_hooks=True)``.
+
+    Every plain attribute of the module and its submodules is taken as read by ``forward``: a
+    change after capture runs the call eagerly (see README, "What a graph keeps"). Name in
+    ``unread_attributes`` the attributes a framework sets that ``forward`` never reads (megatron
+    sets ``current_microbatch`` on each layer at every microbatch for its own graphs).
     """
+
+    unread_attributes: frozenset[str] = frozenset()
 
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get("_tgraph")

@@ -58,7 +58,10 @@ def _transformer_layer_class() -> type:
 @functools.cache
 def _graphable(cls: type) -> type:
     """``cls`` with :class:`tgraph.GraphableModule` first in its MRO (``__call__`` dispatch)."""
-    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), {"__module__": __name__})
+    # megatron's schedule sets ``current_microbatch`` on every layer at each microbatch; only
+    # megatron's own graph replay (``MegatronModule.__call__``, replaced here) reads it.
+    attrs = {"__module__": __name__, "unread_attributes": frozenset({"current_microbatch"})}
+    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), attrs)
 
 
 def register_rng_tracker() -> int:

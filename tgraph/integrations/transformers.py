@@ -210,6 +210,14 @@ def _refuse_eager_experts(model: nn.Module) -> None:
                 'model.set_experts_implementation("batched_mm") (or "grouped_mm"), or '
                 'experts_implementation="batched_mm" when building the model'
             )
+        if impl == "grouped_mm" and isinstance(stacked, nn.Parameter) and stacked.is_cuda:
+            if stacked.dtype != torch.bfloat16:  # seen on an H200 with torch 2.11
+                raise ValueError(
+                    f"{name} ({type(m).__name__}) runs grouped_mm in {stacked.dtype} on CUDA, "
+                    "where torch's grouped GEMM takes bfloat16 and its other path copies to the "
+                    "host, which a CUDA graph cannot capture. Train the model in bfloat16 "
+                    '(model.to(torch.bfloat16)), or run model.set_experts_implementation("batched_mm")'
+                )
 
 
 def _is_adapter_layer(m: nn.Module) -> bool:
