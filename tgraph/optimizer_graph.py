@@ -27,7 +27,7 @@ value (one copy and three integer passes). A first step that created state and i
 that state deleted (one host read, eager warmup only). A device counter adds ``1 - ok`` at every
 step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync). With
 ``skip_nonfinite_how="conditional"`` the captured step sits in a CUDA-graph IF node on the flag
-instead, where torch builds them (tgraph/nonfinite.py).
+instead, where torch builds them (experimental, opt-in: tgraph/if_node.py).
 
 Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors
 (per-layer graphs do at every backward). :class:`OptimizerGraph` owns one flat gradient buffer;
@@ -136,9 +136,9 @@ class OptimizerGraph:
             optimizer that is not fused snapshots every parameter and state tensor at each
             step). Until the next release, leaving it out (None) warns (``FutureWarning``),
             since the default used to be True.
-        skip_nonfinite_how: ``"auto"``, ``"mask"`` or ``"conditional"`` (the captured step inside
-            a CUDA-graph IF node on the flag, where torch builds them): see
-            :class:`tgraph.nonfinite.SkipNonfinite`.
+        skip_nonfinite_how: ``"auto"``, ``"mask"`` or ``"conditional"`` (experimental, opt-in:
+            the captured step inside a CUDA-graph IF node on the flag, where torch builds them,
+            :mod:`tgraph.if_node`): see :class:`tgraph.nonfinite.SkipNonfinite`.
         zero_grad: zero the captured ``.grad`` tensors in place at the end of every step (see the
             module docstring on gradient ownership). With False, zero them yourself in place
             (``optimizer.zero_grad(set_to_none=False)``).
