@@ -24,18 +24,13 @@ import argparse
 import logging
 import math
 import sys
-from pathlib import Path
 
+import hf_serving  # beside this file: Python puts its directory on sys.path when it runs it
 import torch
 
 from tgraph.decode import DecodeEngine
 from tgraph.toy import checkpoint
 from tgraph.toy.checkpoint import CheckpointError
-
-# Python puts this file's directory on sys.path when it runs the file; a test that loads the
-# file by path needs it for hf_serving (transformers checkpoints).
-sys.path.append(str(Path(__file__).resolve().parent))
-import hf_serving  # noqa: E402
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -41,38 +41,13 @@ import textwrap
 import traceback
 from pathlib import Path
 
-# The recipe's modules sit beside this file in gpt_training/. Python puts this directory on
-# sys.path when it runs the file (python, torchrun); a test that loads the file by path needs it.
-sys.path.append(str(Path(__file__).resolve().parent))
-
 import torch
-from gpt_training.checkpointing import RunDirectoryError, latest_checkpoint, resolve_resume
+from gpt_training.checkpointing import RunDirectoryError, latest_checkpoint
 from gpt_training.config import GRAPH_MODES, NONFINITE_MODES, RunOnly, TrainConfig
-from gpt_training.optim import lr_at
 from gpt_training.parallel import exit_now
 from gpt_training.trainer import NonFiniteLossError, TrainingInterrupted, train
 
 from tgraph.toy.checkpoint import CheckpointError
-from tgraph.toy.corpus import BatchSampler
-from tgraph.toy.gpt import GPT
-
-# The names the tests reach through this file (they load it by path, as "train_gpt").
-__all__ = [
-    "BatchSampler",
-    "CheckpointError",
-    "EXIT_INTERRUPTED",
-    "GPT",
-    "NonFiniteLossError",
-    "RunDirectoryError",
-    "TrainConfig",
-    "TrainingInterrupted",
-    "latest_checkpoint",
-    "lr_at",
-    "main",
-    "parse_config",
-    "resolve_resume",
-    "train",
-]
 
 EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT (128 + 2)
 

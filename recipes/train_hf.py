@@ -46,15 +46,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gpt_training.optim import lr_at, set_lr, tensor_lrs
+from gpt_training.parallel import all_reduce_mean, setup, shutdown, synchronize
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.append(str(Path(__file__).resolve().parent))  # gpt_training/ beside this file
-
-from gpt_training.optim import lr_at, set_lr, tensor_lrs  # noqa: E402
-from gpt_training.parallel import all_reduce_mean, setup, shutdown, synchronize  # noqa: E402
-
-import tgraph  # noqa: E402
-from tgraph.toy.corpus import BatchSampler, load_split  # noqa: E402
+import tgraph
+from tgraph.toy.corpus import BatchSampler, load_split
 
 logger = logging.getLogger("train_hf")
 

@@ -14,7 +14,7 @@ per iteration. ``--graph`` picks how a step runs:
 * ``layer`` (default): the same step, every TransformerLayer replaying tgraph per-layer graphs
   (``enable_layer_graphs``); ``mopt.step()`` stays eager.
 * ``layer+opt``: per-layer graphs, and megatron's optimizer step (norm, clipping, AdamW) as one
-  graph: ``MegatronOptimizerGraph(mopt).step(loss)``.
+  graph: ``MegatronOptimizerGraph(mopt, skip_nonfinite=True).step(loss)``.
 * ``full``: ``forward_backward`` and ``graph_safe_step(mopt)`` captured together as one
   ``tgraph.FullIterationGraph(..., skip_nonfinite=True)``.
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     if layer_graphs:
         tm.enable_layer_graphs(model)
     if a.graph == "layer+opt":
-        opt_graph = tm.MegatronOptimizerGraph(mopt)  # skip_nonfinite=True; capturable AdamW
+        opt_graph = tm.MegatronOptimizerGraph(mopt, skip_nonfinite=True)  # capturable AdamW
     if a.graph == "full":
         tm.make_graph_safe(mopt)  # capturable AdamW; refuses what needs the host every step
 

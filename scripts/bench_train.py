@@ -8,6 +8,11 @@ The final losses must agree: the benchmark doubles as a parity check (column ``p
     python scripts/bench_train.py --smoke --out /tmp/smoke     # seconds, CPU, emulated graphs
     python scripts/bench_train.py --hf                         # HF Llama cells, JSON to $OUT
 
+The hand-written baselines (eager, graphed_callables, compile, floor) are in bench_baselines.py, the
+megatron-core modes in bench_megatron_modes.py, the shared set-up (configs, the model, batches and
+optimizer of a cell, the timed loop) in bench_train_setup.py; this file holds the tgraph modes,
+the table of modes and the command line.
+
 Modes: eager, graphed_callables (``torch.cuda.make_graphed_callables`` on every block), compile
 (``torch.compile(mode="reduce-overhead")`` on the model, optimizer eager), floor (one hand-written
 ``torch.cuda.CUDAGraph`` of forward+backward+AdamW, PyTorch's "whole network capture" recipe),
@@ -26,22 +31,24 @@ toy (random init, SDPA attention; scripts/bench_llama.py); ``--hf`` runs the thr
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import functools
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_baselines import (  # noqa: E402
+    mode_compile,
+    mode_eager,
+    mode_eager_ckpt,
+    mode_floor,
+    mode_graphed_callables,
+)
 from bench_common import (  # noqa: E402
     Skip,
-    StepTimer,
     environment,
     environment_markdown,
     fresh_memory,
@@ -51,20 +58,21 @@ from bench_common import (  # noqa: E402
     synchronize,
     write_outputs,
 )
-from bench_llama import LLAMA_CONFIGS, LLAMA_DTYPES, LlamaLM, make_graphed_layers  # noqa: E402
+from bench_llama import LLAMA_DTYPES  # noqa: E402
+from bench_megatron_modes import mode_megatron, mode_megatron_optimizer  # noqa: E402
+from bench_train_setup import (  # noqa: E402
+    CONFIGS,
+    VOCAB,
+    Setup,
+    checkpoint_blocks,
+    drive,
+    eager_step,
+    make_setup,
+    optimizer_description,
+)
 
 import tgraph  # noqa: E402
-from tgraph.toy.gpt import GPT, GPTConfig  # noqa: E402
 
-VOCAB = 1024  # the reference configuration of every benchmark in docs/BENCHMARKS.md
-CONFIGS: dict[str, dict[str, int]] = {
-    "tiny": dict(n_layer=12, n_embd=256, n_head=4, seq=128, batch=8),
-    "small": dict(n_layer=24, n_embd=512, n_head=8, seq=256, batch=8),
-    "medium": dict(n_layer=12, n_embd=1024, n_head=16, seq=512, batch=8),
-    "smoke": dict(n_layer=2, n_embd=32, n_head=2, seq=16, batch=2),
-    "tiny_b1": dict(n_layer=12, n_embd=256, n_head=4, seq=128, batch=1),  # host-bound
-    **LLAMA_CONFIGS,  # Hugging Face LlamaForCausalLM (bench_llama.py)
-}
 MODES = [
     "eager",
     "graphed_callables",
@@ -107,248 +115,15 @@ HF_MODES = [
     "tgraph_full_compiled",
 ]
 HF_STEPS, HF_WARMUP = 10, 2  # 12 steps trained: the final loss is the parity check
-LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
 # Final-loss agreement. The graph modes run the same kernels as eager, so they agree to ~1e-6;
 # torch.compile fuses kernels (other reduction orders) and Adam's normalised update amplifies
 # those last-bit differences over the steps, so allow 2e-3 relative in fp32. bf16 autocast
 # rounds every matmul to 8 mantissa bits: 3e-2.
 PARITY_RTOL = {"fp32": 2e-3, "bf16": 3e-2}
-NUM_BATCHES = 4
-
-
-@dataclass
-class Setup:
-    """One (config, dtype) cell: the shared initial model and batches, and the step counts."""
-
-    name: str
-    dtype: str
-    device: torch.device
-    backend: str
-    steps: int
-    warmup: int
-    dims: dict[str, int]
-    base: GPT | LlamaLM
-    batches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    setup_peak: int = 0  # bytes: peak allocated before the first timed step (warmup, capture)
-
-    @property
-    def total(self) -> int:
-        return self.warmup + self.steps
-
-    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batches[i % len(self.batches)]
-
-    def autocast(self):
-        # bf16 = autocast over fp32 master weights (same optimizer state in every mode). The
-        # autocast weight cache must be off under graph capture (make_graphed_callables asserts).
-        if self.dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
-        return contextlib.nullcontext()
-
-    def fresh(self) -> tuple[GPT | LlamaLM, torch.optim.Optimizer]:
-        model = copy.deepcopy(self.base).to(self.device).train()
-        return model, make_optimizer(model.parameters(), self.device)
-
-
-def make_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
-    """The same AdamW in every mode (see :func:`optimizer_description`)."""
-    # fused=True in every mode: the fastest eager AdamW (one kernel for all parameters). On CUDA
-    # also capturable=True (step count and lr on the device), which the whole-step graphs need
-    # and which costs the eager modes nothing measurable with fused kernels.
-    extra = dict(fused=True, capturable=True) if device.type == "cuda" else dict(fused=True)
-    return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, **extra)
-
-
-def optimizer_description(device: torch.device) -> str:
-    extra = "fused=True, capturable=True" if device.type == "cuda" else "fused=True"
-    return (
-        f"AdamW(lr={LR}, betas={BETAS}, weight_decay={WEIGHT_DECAY}, {extra}) in every mode; "
-        "zero_grad(set_to_none=True) each step"
-    )
-
-
-def make_setup(
-    name: str, dtype: str, device: torch.device, backend: str, steps: int, warmup: int, seed: int
-) -> Setup:
-    d = CONFIGS[name]
-    torch.manual_seed(seed)
-    if d.get("model") == "llama":
-        base = LlamaLM(d, VOCAB)
-    else:
-        cfg = GPTConfig(
-            vocab_size=VOCAB,
-            block_size=d["seq"],
-            n_layer=d["n_layer"],
-            n_head=d["n_head"],
-            n_embd=d["n_embd"],
-            dropout=0.0,
-        )
-        base = GPT(cfg)  # kept on CPU: every mode deep-copies it onto the device
-    g = torch.Generator().manual_seed(seed + 1)
-    batches = []
-    for _ in range(NUM_BATCHES):  # a few sequences the model can memorise: the loss moves
-        seq = torch.randint(0, VOCAB, (d["batch"], d["seq"] + 1), generator=g)
-        batches.append((seq[:, :-1].contiguous().to(device), seq[:, 1:].contiguous().to(device)))
-    return Setup(name, dtype, device, backend, steps, warmup, d, base, batches)
-
-
-def eager_step(model, opt, x, y, s: Setup) -> torch.Tensor:
-    opt.zero_grad(set_to_none=True)
-    with s.autocast():
-        _, loss = model(x, y)
-    loss.backward()
-    opt.step()
-    return loss
-
-
-def drive(s: Setup, step: Callable, start: int = 0) -> tuple[list[float], torch.Tensor]:
-    """Run steps ``start .. total-1``; time those at index >= warmup. Returns (ms, last loss)."""
-    timer = StepTimer(s.device)
-    loss = None
-    for i in range(start, s.total):
-        x, y = s.batch(i)
-        if i == s.warmup and s.device.type == "cuda":  # steady-state peak from here on
-            synchronize(s.device)
-            s.setup_peak = torch.cuda.max_memory_allocated(s.device)
-            torch.cuda.reset_peak_memory_stats(s.device)
-        if i >= s.warmup:
-            timer.start()
-        loss = step(x, y)
-        if i >= s.warmup:
-            timer.stop()
-    return timer.times_ms(), loss
-
-
-def need_cuda(s: Setup) -> None:
-    if s.device.type != "cuda":
-        raise Skip("needs a CUDA GPU")
 
 
 # ------------------------------------------------------------------------------------ modes
 # Each returns (per-step ms, final loss tensor, capture seconds or None, note).
-
-
-def mode_eager(s: Setup):
-    model, opt = s.fresh()
-    times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s))
-    return times, loss, None, ""
-
-
-def checkpoint_blocks(model: GPT) -> GPT:
-    """Activation recompute: every block's forward through non-reentrant
-    ``torch.utils.checkpoint`` (what a user writes; tgraph graphs it as it is)."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in model.h:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    return model
-
-
-def mode_eager_ckpt(s: Setup):
-    model, opt = s.fresh()
-    checkpoint_blocks(model)
-    times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s))
-    return times, loss, None, "every block under torch.utils.checkpoint (non-reentrant)"
-
-
-def mode_graphed_callables(s: Setup):
-    need_cuda(s)
-    model, opt = s.fresh()
-    if isinstance(model, LlamaLM):  # HF's keyword call, through positional wrappers
-        synchronize(s.device)
-        t0 = time.perf_counter()
-        make_graphed_layers(model, s.batch(0)[0], s.autocast)
-        synchronize(s.device)
-        capture = time.perf_counter() - t0
-        times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s))
-        return times, loss, capture, "every decoder layer in one call (shared pool); rest eager"
-    B, T, C = s.dims["batch"], s.dims["seq"], s.dims["n_embd"]
-    # Block inputs are the fp32 residual stream (autocast keeps x + bf16 in fp32) and require
-    # grad; make_graphed_callables needs samples whose requires_grad matches the real calls.
-    samples = tuple((torch.randn(B, T, C, device=s.device, requires_grad=True),) for _ in model.h)
-    synchronize(s.device)
-    t0 = time.perf_counter()
-    with s.autocast():
-        torch.cuda.make_graphed_callables(tuple(model.h), samples)  # replaces each block's forward
-    synchronize(s.device)
-    capture = time.perf_counter() - t0
-    times, loss = drive(s, lambda x, y: eager_step(model, opt, x, y, s))
-    return (
-        times,
-        loss,
-        capture,
-        "all blocks in one call (shared pool); embeddings, head, loss, AdamW eager",
-    )
-
-
-def mode_compile(s: Setup, mode: str = "reduce-overhead"):
-    if mode == "reduce-overhead":  # inductor's CUDA graphs
-        need_cuda(s)
-    model, opt = s.fresh()
-    try:
-        cmodel = torch.compile(model, mode=mode)
-    except Exception as exc:  # noqa: BLE001 - any compile failure is a skip reason
-        raise Skip(f"torch.compile failed: {type(exc).__name__}: {exc}") from exc
-    mark = getattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
-
-    def step(x, y):
-        mark()
-        return eager_step(cmodel, opt, x, y, s)
-
-    synchronize(s.device)
-    t0 = time.perf_counter()
-    try:
-        for i in range(s.warmup):  # compilation + cudagraph-tree recording happen here
-            step(*s.batch(i))
-        synchronize(s.device)
-    except Exception as exc:  # noqa: BLE001
-        raise Skip(f"torch.compile failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
-    capture = time.perf_counter() - t0
-    times, loss = drive(s, step, start=s.warmup)
-    torch._dynamo.reset()
-    return (
-        times,
-        loss,
-        capture,
-        f"model compiled (mode {mode}); AdamW eager; capture_s = all warmup steps (compile+record)",
-    )
-
-
-def mode_floor(s: Setup):
-    need_cuda(s)
-    model, opt = s.fresh()
-    # PyTorch CUDA-graphs docs, "Whole-network capture": warm up on a side stream (AdamW state
-    # is created lazily at the first step), capture fwd+bwd+step with grads set to None so the
-    # backward allocates them from the graph's pool, then copy batches into static buffers.
-    x0, y0 = s.batch(0)
-    static_x, static_y = x0.clone(), y0.clone()
-    n_eager = s.warmup - 1
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(n_eager):
-            eager_step(model, opt, *s.batch(i), s)
-    torch.cuda.current_stream().wait_stream(side)
-    synchronize(s.device)
-    t0 = time.perf_counter()
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        with s.autocast():
-            _, static_loss = model(static_x, static_y)
-        static_loss.backward()
-        opt.step()
-    synchronize(s.device)
-    capture = time.perf_counter() - t0
-
-    def step(x, y):
-        static_x.copy_(x)
-        static_y.copy_(y)
-        graph.replay()
-        return static_loss
-
-    times, loss = drive(s, step, start=n_eager)
-    return times, loss, capture, "one CUDAGraph: forward+backward+AdamW step"
 
 
 def mode_tgraph_layer(s: Setup, ckpt: bool = False, compile: bool = False):  # noqa: A002
@@ -412,87 +187,6 @@ def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
     return times, loss, capture, note + ("; skip_nonfinite=True" if skip else "")
 
 
-def megatron_model(s: Setup, variant: str):
-    """(tgraph's megatron integration, a megatron-core GPTModel + DDP of the cell's dims), or
-    Skip when megatron-core is missing or the cell is not fp32 on CUDA."""
-    need_cuda(s)
-    try:
-        from tgraph.integrations import megatron as tm
-
-        tm._transformer_layer_class()
-    except ImportError as exc:
-        raise Skip(f"megatron-core not importable ({exc}); pip install 'tgraph[megatron]'") from exc
-    if s.dtype != "fp32":
-        raise Skip("megatron modes are measured in fp32 only")
-    tm.init_single_gpu()
-    d = s.dims
-    model = tm.build_gpt(
-        num_layers=d["n_layer"],
-        hidden_size=d["n_embd"],
-        num_attention_heads=d["n_head"],
-        vocab_size=VOCAB,
-        seq_length=d["seq"],
-        cuda_graph_impl="local" if variant == "local" else "none",
-    )
-    return tm, model
-
-
-def mode_megatron(s: Setup, variant: str):
-    """megatron-core GPTModel + its DDP (main_grad), same dims; fused AdamW on main_grad.
-
-    variant: "none" (megatron eager), "local" (megatron-core's own per-layer graphs),
-    "tgraph_layer" (tgraph per-layer graphs on megatron's TransformerLayers) or
-    "tgraph_full" (forward_backward_func + optimizer step in one tgraph.FullIterationGraph).
-    """
-    tm, model = megatron_model(s, variant)
-    params = list(model.parameters())
-    opt = make_optimizer(params, s.device)
-
-    def train_step(batch):
-        loss = tm.forward_backward(model, [batch])
-        tm.optimizer_step(opt, params)  # on megatron DDP's fp32 main_grad buffers
-        return loss.detach()
-
-    capture = None
-    note = "megatron-core GPTModel (local spec) + megatron DDP, own init: parity n/a"
-    try:
-        if variant == "tgraph_full":
-            graph = tgraph.FullIterationGraph(train_step, warmup_steps=s.warmup - 1)
-            for i in range(s.warmup - 1):
-                graph(s.batch(i))
-            synchronize(s.device)
-            t0 = time.perf_counter()
-            graph(s.batch(s.warmup - 1))
-            synchronize(s.device)
-            capture = time.perf_counter() - t0
-            times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
-            return times, loss, capture, note
-        if variant.startswith("tgraph_layer"):  # _hooks: gradients through DDP's hooks
-            tm.enable_layer_graphs(model, main_grad_fusion=variant == "tgraph_layer")
-        train_step(s.batch(0))  # recorded / warmup iteration
-        synchronize(s.device)
-        t0 = time.perf_counter()
-        if variant.startswith("tgraph_layer"):
-            note += f"; {tgraph.create_graphs()}"
-        elif variant == "local":
-            from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
-
-            _CudagraphGlobalRecord.create_cudagraphs()
-        synchronize(s.device)
-        capture = time.perf_counter() - t0 if variant != "none" else None
-        times, loss = drive(s, lambda x, y: train_step((x, y)), start=1)
-        return times, loss, capture, note
-    finally:
-        if variant.startswith("tgraph_layer"):
-            tgraph.reset()
-            tgraph.disable(model)
-        if variant == "local":
-            with contextlib.suppress(Exception):
-                from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
-                delete_cuda_graphs()
-
-
 def mode_tgraph_layer_opt(s: Setup, skip: bool = True, compile: bool = False):  # noqa: A002
     """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step;
     ``skip``: non-finite steps skipped on the device (the default); ``compile``:
@@ -525,86 +219,6 @@ def mode_tgraph_layer_opt(s: Setup, skip: bool = True, compile: bool = False):  
     finally:
         tgraph.reset()
         tgraph.disable(model)
-
-
-def mode_megatron_optimizer(s: Setup, variant: str):
-    """The megatron-core harness: GPTModel + megatron DDP + megatron's OWN optimizer,
-    ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])`` (clip_grad 1.0).
-
-    variant: "none" (megatron eager, ``opt.step()`` with its host syncs), "local" (megatron-core's
-    own per-layer graphs, same optimizer), "tgraph_layer_opt" (tgraph per-layer graphs plus
-    tgraph.integrations.megatron.MegatronOptimizerGraph), "tgraph_full" (forward_backward and
-    graph_safe_step in one FullIterationGraph(skip_nonfinite=True)).
-    """
-    tm, model = megatron_model(s, variant)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    capturable = variant == "none_capturable"  # megatron eager, capturable AdamW (see below)
-    mopt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, optimizer_cuda_graph=capturable), [model]
-    )
-    note = "megatron-core GPTModel + DDP + get_megatron_optimizer(adam, lr=1e-3, clip_grad=1.0)"
-    if capturable:
-        note += ", optimizer_cuda_graph=True (the inner AdamW the tgraph modes step)"
-    capture = None
-    try:
-        if variant == "tgraph_full":
-            tm.make_graph_safe(mopt)
-
-            def full_step(batch):
-                loss = tm.forward_backward(model, [batch])
-                tm.graph_safe_step(mopt)
-                return loss.detach()
-
-            graph = tgraph.FullIterationGraph(
-                full_step, warmup_steps=s.warmup - 1, skip_nonfinite=True
-            )
-            for i in range(s.warmup - 1):
-                graph(s.batch(i))
-            synchronize(s.device)
-            t0 = time.perf_counter()
-            graph(s.batch(s.warmup - 1))
-            synchronize(s.device)
-            capture = time.perf_counter() - t0
-            times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
-            return times, loss, capture, note + f"; skipped {graph.skipped_steps}"
-        opt_graph = None
-        if variant == "tgraph_layer_opt":
-            tm.enable_layer_graphs(model)
-            opt_graph = tm.MegatronOptimizerGraph(mopt)
-
-        def train_step(x, y):
-            mopt.zero_grad()
-            loss = tm.forward_backward(model, [(x, y)])  # zero_grad_buffer, fwd/bwd, grad sync
-            if opt_graph is None:
-                mopt.step()
-            else:
-                opt_graph.step(loss)
-            return loss.detach()
-
-        train_step(*s.batch(0))  # recorded / warmup iteration
-        synchronize(s.device)
-        t0 = time.perf_counter()
-        if variant == "tgraph_layer_opt":
-            note += f"; {tgraph.create_graphs()}"
-        elif variant == "local":
-            from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
-
-            _CudagraphGlobalRecord.create_cudagraphs()
-        train_step(*s.batch(1))  # the optimizer graph's capture
-        synchronize(s.device)
-        capture = time.perf_counter() - t0 if not variant.startswith("none") else None
-        times, loss = drive(s, train_step, start=2)
-        return times, loss, capture, note
-    finally:
-        if variant == "tgraph_layer_opt":
-            tgraph.reset()
-            tgraph.disable(model)
-        if variant == "local":
-            with contextlib.suppress(Exception):
-                from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
-                delete_cuda_graphs()
 
 
 MODE_FUNCS: dict[str, Callable] = {

@@ -151,7 +151,11 @@ def layer_setup(a: argparse.Namespace, device: torch.device):
     """The per-layer graphed step, recorded and captured; returns ``step()``."""
     model, x, y = build(a, device)
     opt = make_optimizer(model, device) if a.optimizer != "none" else None
-    graph = tgraph.OptimizerGraph(opt, backend=a.backend) if a.optimizer == "graph" else None
+    graph = (
+        tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=a.backend)
+        if a.optimizer == "graph"
+        else None
+    )
 
     def step() -> torch.Tensor:
         if opt is not None and graph is None:

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import tgraph
+
+# The recipes import their modules from beside them (recipes/gpt_training/, hf_serving.py), as
+# Python finds them when it runs a recipe file; tests that load a recipe by path need the same.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None

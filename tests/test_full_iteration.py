@@ -247,8 +247,12 @@ def test_kept_outputs_hold_their_own_step(backend, device, monkeypatch):
     (eager_losses, _, _), (graph_losses, _, _) = run_pair(backend, device, "sgd")
     torch.testing.assert_close(graph_losses, eager_losses, **TOL)
     assert len(set(graph_losses.tolist())) == STEPS  # every step kept a different value
-    # Planted: return the static output itself; every kept loss becomes the last replay's.
-    monkeypatch.setattr(full_iteration, "detach_clone", lambda t: t)
+    # Planted: return the static outputs themselves; every kept loss becomes the last replay's.
+    monkeypatch.setattr(
+        full_iteration.FullIterationGraph,
+        "_outputs",
+        lambda self, entry: entry.template.fill(list(entry.outputs)),
+    )
     (eager_losses, _, _), (graph_losses, _, _) = run_pair(backend, device, "sgd")
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         torch.testing.assert_close(graph_losses, eager_losses, **TOL)

@@ -38,8 +38,10 @@ def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
 def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypatch):
     # What torch.cuda.make_graphed_callables does (pytorch issue 181723): .grad aliases the
     # static buffer, and the next microbatch's replay overwrites it.
-    monkeypatch.setattr(grads, "SWAPS_STORAGE", True)  # hand over the static memory ...
-    monkeypatch.setattr(ParamGradPacking, "rescue", lambda self: None)  # ... and never move it
+    if not grads.swaps_storage():  # .grad gets a copy of the static memory: nothing to plant
+        pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")
+    # The static memory is handed over (PyTorch >= 2.13) and, planted, never moved out:
+    monkeypatch.setattr(ParamGradPacking, "rescue", lambda self: None)
     with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
         check_gradient_accumulation(backend, device)
 
@@ -47,9 +49,10 @@ def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypa
 @pytest.fixture(params=[True, False], ids=["swap", "older_torch"])
 def swaps(request, monkeypatch):
     """PyTorch >= 2.13 (storage memory can be swapped) and older (a copy per backward)."""
-    if request.param and not grads.SWAPS_STORAGE:
+    if request.param and not grads.swaps_storage():
         pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")
-    monkeypatch.setattr(grads, "SWAPS_STORAGE", request.param)
+    if not request.param:  # as on PyTorch < 2.13, which has no storage swap
+        monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", None, raising=False)
     return request.param
 
 

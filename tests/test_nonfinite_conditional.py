@@ -1,4 +1,5 @@
-"""Skipping non-finite steps with a CUDA-graph IF node (``how="conditional"``).
+"""Skipping non-finite steps with a CUDA-graph IF node (``how="conditional"``, experimental:
+tgraph/if_node.py).
 
 On the CPU: the protocol of the IF-node step (against a stand-in for the capturing graph: the
 node opens right before the step and closes right after it, before the skip counter; nothing is
@@ -26,7 +27,7 @@ from test_optimizer_graph import (
 )
 
 import tgraph
-from tgraph import nonfinite
+from tgraph import if_node, nonfinite
 from tgraph.guards import CaptureError
 from tgraph.nonfinite import ConditionalNodesUnavailable, SkipNonfinite, _Step
 
@@ -110,7 +111,8 @@ def test_error_inside_the_step_closes_the_if_node(events):
 def test_state_created_inside_the_if_node_is_refused_after_closing_it(events, monkeypatch):
     """As the mask way: a captured step must not create optimizer state (OptimizerGraph then
     runs it eagerly and captures the next one)."""
-    monkeypatch.setattr(nonfinite, "_capturing", lambda: True)
+    # what an emulated capture answers (tgraph.emulated.emulated_capture patches it the same way)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     p = torch.nn.Parameter(torch.ones(2))
     p.grad = torch.ones(2)
     opt = sgd([p])  # no momentum buffer yet: the step creates it
@@ -136,20 +138,21 @@ def test_routing(monkeypatch):
         SkipNonfinite("if")
     with pytest.raises(ValueError, match="needs the flag before the step"):
         SkipNonfinite("conditional").protect([opt])
-    assert not SkipNonfinite("conditional")._uses_if_node(torch.tensor(True), [opt])  # CPU
+    assert not if_node.uses_if_node("conditional", torch.tensor(True))  # a CPU flag
 
-    monkeypatch.setattr(nonfinite, "conditional_nodes_unavailable", lambda device: "no IF here")
+    monkeypatch.setattr(if_node, "conditional_nodes_unavailable", lambda device: "no IF here")
     with pytest.raises(ConditionalNodesUnavailable, match=r"no IF here.*how='mask'.*2\.13"):
-        SkipNonfinite("conditional")._uses_if_node(CudaFlag(), [opt])
-    assert not SkipNonfinite("auto")._uses_if_node(CudaFlag(), [opt])
-    assert not SkipNonfinite("mask")._uses_if_node(CudaFlag(), [opt])
+        if_node.uses_if_node("conditional", CudaFlag())
+    assert not if_node.uses_if_node("auto", CudaFlag())  # the IF node is opt-in only
+    assert not if_node.uses_if_node("mask", CudaFlag())
 
-    monkeypatch.setattr(nonfinite, "conditional_nodes_unavailable", lambda device: None)
-    monkeypatch.setattr(nonfinite, "_real_capture", lambda flag: False)
-    assert not SkipNonfinite("conditional")._uses_if_node(CudaFlag(), [opt])  # eager: the mask
-    monkeypatch.setattr(nonfinite, "_real_capture", lambda flag: True)
-    assert SkipNonfinite("conditional")._uses_if_node(CudaFlag(), [opt])
-    assert not SkipNonfinite("auto")._uses_if_node(CudaFlag(), [opt])  # opt-in for now
+    monkeypatch.setattr(if_node, "conditional_nodes_unavailable", lambda device: None)
+    # torch's own stream query: no CUDA capture under way (eager) takes the mask way
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    assert not if_node.uses_if_node("conditional", CudaFlag())
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True, raising=False)
+    assert if_node.uses_if_node("conditional", CudaFlag())
+    assert not if_node.uses_if_node("auto", CudaFlag())
 
 
 def test_availability_is_answered_with_a_reason():
@@ -178,7 +181,9 @@ def run_cuda(kind: str, *, graphed: bool, bad=(), steps: int = 12, sync_check: b
     model = make_model(device)
     opt = make_cuda_optimizer(model, kind)
     graph = (
-        tgraph.OptimizerGraph(opt, clip_grad_norm=0.05, skip_nonfinite_how="conditional")
+        tgraph.OptimizerGraph(
+            opt, clip_grad_norm=0.05, skip_nonfinite=True, skip_nonfinite_how="conditional"
+        )
         if graphed
         else None
     )

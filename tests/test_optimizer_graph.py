@@ -84,6 +84,7 @@ def train_graphed(backend, device, *, clip=None, sched=None, bad=None, kind=None
     model = make_model(device)
     opt = make_optimizer(model, device, kw.pop("opt_kind", "adamw"))
     schedule = make_schedule(sched, opt)
+    kw.setdefault("skip_nonfinite", True)
     graph = tgraph.OptimizerGraph(opt, clip_grad_norm=clip, backend=backend, **kw)
     for i, (x, y) in enumerate(make_batches(device)):
         loss = plant(kind if i in (bad or ()) else None, model, model(x, y)[1])
@@ -135,7 +136,7 @@ def test_bitwise_equal_to_eager(backend, device, clip, opt_kind):
 def test_grad_norm_is_the_eager_clip_grad_norm(backend, device):
     model = make_model(device)
     graph = tgraph.OptimizerGraph(
-        make_optimizer(model, device), clip_grad_norm=0.05, backend=backend
+        make_optimizer(model, device), clip_grad_norm=0.05, skip_nonfinite=True, backend=backend
     )
     ref = make_model(device)
     ref_opt = make_optimizer(ref, device)
@@ -203,6 +204,7 @@ def test_skip_counter_and_no_host_sync_in_replays(backend, device, how):
     graph = tgraph.OptimizerGraph(
         make_optimizer(model, device),
         clip_grad_norm=1.0,
+        skip_nonfinite=True,
         backend=backend,
         skip_nonfinite_how=how,
     )
@@ -242,7 +244,7 @@ def _train_with_change(backend, device, change, *, graphed: bool, opt_kind: str 
     """Train STEPS steps, calling ``change(opt)`` before step 5 (after the capture at step 2)."""
     model = make_model(device)
     opt = make_optimizer(model, device, opt_kind)
-    graph = tgraph.OptimizerGraph(opt, backend=backend) if graphed else None
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend) if graphed else None
     for i, (x, y) in enumerate(make_batches(device)):
         if i == 5:
             assert graph is None or graph.captured
@@ -304,7 +306,7 @@ def test_beside_per_layer_graphs(backend, device):
     """The intended use: per-layer graphs for forward/backward, OptimizerGraph for the step."""
     model = make_model(device)
     opt = make_optimizer(model, device)
-    graph = tgraph.OptimizerGraph(opt, clip_grad_norm=0.05, backend=backend)
+    graph = tgraph.OptimizerGraph(opt, clip_grad_norm=0.05, skip_nonfinite=True, backend=backend)
     tgraph.enable(model, backend=backend, strict=True)
     try:
         for i, (x, y) in enumerate(make_batches(device)):
@@ -326,7 +328,7 @@ def test_grad_ownership_rules(backend, device):
     each step's gradients into its own buffers, so autograd's tensors are used as they come."""
     model = make_model(device)
     opt = make_optimizer(model, device)
-    graph = tgraph.OptimizerGraph(opt, backend=backend)
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
     batches = make_batches(device)
     for x, y in batches[:3]:
         model(x, y)[1].backward()
@@ -341,7 +343,7 @@ def test_grad_ownership_rules(backend, device):
 def test_zero_grad_false_leaves_grad_to_the_caller(backend, device):
     model = make_model(device)
     opt = make_optimizer(model, device)
-    graph = tgraph.OptimizerGraph(opt, zero_grad=False, backend=backend)
+    graph = tgraph.OptimizerGraph(opt, zero_grad=False, skip_nonfinite=True, backend=backend)
     ref_model = make_model(device)
     ref_opt = make_optimizer(ref_model, device)
     for x, y in make_batches(device):
@@ -363,7 +365,7 @@ def test_capture_right_after_the_state_creating_step(backend, device):
     set_sync_debug_mode("error"))."""
     model = make_model(device)
     graph = tgraph.OptimizerGraph(
-        make_optimizer(model, device), clip_grad_norm=1.0, backend=backend
+        make_optimizer(model, device), clip_grad_norm=1.0, skip_nonfinite=True, backend=backend
     )
     for x, y in make_batches(device, 2):
         loss = model(x, y)[1]
@@ -376,7 +378,7 @@ def test_capture_that_creates_state_runs_eagerly(backend, device):
     """A parameter gets its first gradient at the capturing step: its state is created there,
     which a graph must not contain (it would re-create it at every replay). The capture is undone,
     the step runs eagerly, the next one is captured; bitwise equal to eager."""
-    kw = dict(backend=backend, warmup_steps=1)
+    kw = dict(backend=backend, warmup_steps=1, skip_nonfinite=True)
 
     def run(graphed: bool):
         model = make_model(device)
@@ -405,7 +407,9 @@ def test_capture_that_creates_state_runs_eagerly(backend, device):
 
 def test_loss_given_at_some_calls_only_is_refused(backend, device):
     model = make_model(device)
-    graph = tgraph.OptimizerGraph(make_optimizer(model, device), backend=backend)
+    graph = tgraph.OptimizerGraph(
+        make_optimizer(model, device), skip_nonfinite=True, backend=backend
+    )
     x, y = make_batches(device, 1)[0]
     loss = model(x, y)[1]
     loss.backward()
@@ -420,7 +424,7 @@ def test_host_syncing_optimizer_is_refused(backend, device):
     run: "Expected all tensors to be on the same device, ... cuda:0 and cpu")."""
     model = make_model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)  # neither capturable nor fused
-    graph = tgraph.OptimizerGraph(opt, backend=backend)
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
     fix = "capturable=True" if device.type == "cuda" else "fused=True"
     x, y = make_batches(device, 1)[0]
     loss = model(x, y)[1]
@@ -561,7 +565,11 @@ def megatron_like_run(backend, device, mode: str, bad=()):
 
     model = make_model(device)
     mopt = FakeFP32Optimizer(model, device, clip_grad=0.05)
-    graph = tm.MegatronOptimizerGraph(mopt, backend=backend) if mode == "graph" else None
+    graph = (
+        tm.MegatronOptimizerGraph(mopt, skip_nonfinite=True, backend=backend)
+        if mode == "graph"
+        else None
+    )
     for i, (x, y) in enumerate(make_batches(device)):
         for p in model.parameters():
             p.main_grad.zero_()  # megatron DDP's zero_grad_buffer()
@@ -604,7 +612,9 @@ def test_no_host_sync_over_20_replays():
     """torch.cuda.set_sync_debug_mode("error") stays silent over 20 optimizer-graph replays."""
     device = torch.device("cuda")
     model = make_model(device)
-    graph = tgraph.OptimizerGraph(make_optimizer(model, device), clip_grad_norm=1.0)
+    graph = tgraph.OptimizerGraph(
+        make_optimizer(model, device), clip_grad_norm=1.0, skip_nonfinite=True
+    )
     batches = make_batches(device, 22)
     for x, y in batches[:2]:  # eager (creates Adam's state), then the capture
         loss = model(x, y)[1]
@@ -662,7 +672,7 @@ def megatron_run(mode: str, steps: int = 10, bad=()):
     graph = None
     if mode == "layer+opt":
         tm.enable_layer_graphs(model, strict=True)
-        graph = tm.MegatronOptimizerGraph(mopt)
+        graph = tm.MegatronOptimizerGraph(mopt, skip_nonfinite=True)
     if mode == "full":
         graph = tgraph.FullIterationGraph(full_step, warmup_steps=3, skip_nonfinite=True)
     losses = []
@@ -772,7 +782,7 @@ def test_per_layer_gradients_are_read_in_place(backend, device, microbatches):
     as before."""
     model = make_model(device)
     opt = make_optimizer(model, device)
-    graph = tgraph.OptimizerGraph(opt, backend=backend)
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
     tgraph.enable(model, backend=backend, strict=True)
     ref = make_model(device)
     ref_opt = make_optimizer(ref, device)

@@ -19,7 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpt_training.checkpointing import resolve_resume
+from gpt_training.optim import lr_at
 from safetensors.torch import load_file
+
+from tgraph.toy.corpus import BatchSampler
+from tgraph.toy.gpt import GPT
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_gpt.py"
 
@@ -135,7 +140,7 @@ def test_resume_from_an_earlier_checkpoint_keeps_its_own_latest(tmp_path, monkey
     tg.train(cfg(out, ckpt_every=2, keep_checkpoints=3))
     assert ckpts(out) == ["step_000004", "step_000006", "step_000008"]
     uninterrupted = params(out / "checkpoints" / "step_000008")
-    real_next = tg.BatchSampler.next
+    real_next = BatchSampler.next
     calls = {"n": 0}
 
     def next_or_die(self):
@@ -144,13 +149,13 @@ def test_resume_from_an_earlier_checkpoint_keeps_its_own_latest(tmp_path, monkey
             raise _Killed
         return real_next(self)
 
-    monkeypatch.setattr(tg.BatchSampler, "next", next_or_die)
+    monkeypatch.setattr(BatchSampler, "next", next_or_die)
     from_4 = str(out / "checkpoints" / "step_000004")
     with pytest.raises(_Killed):
         tg.train(cfg(out, resume=from_4, ckpt_every=1, keep_checkpoints=2))
     monkeypatch.undo()
     assert "step_000005" in ckpts(out) and latest(out) == "step_000005"
-    assert tg.resolve_resume(cfg(out, resume="latest")).name == "step_000005"
+    assert resolve_resume(cfg(out, resume="latest")).name == "step_000005"
     summary = tg.train(cfg(out, resume="latest"))
     assert summary["resumed_at"] == 5
     assert_same(params(out / "checkpoints" / "latest"), uninterrupted)
@@ -193,7 +198,7 @@ def test_pruning_keeps_the_newest_checkpoints(tmp_path):
 
 def plant_nan_loss(monkeypatch, at_calls: set[int]) -> None:
     """Make the training forward of the given (1-based) calls return a nan loss."""
-    real = tg.GPT.forward
+    real = GPT.forward
     calls = {"n": 0}
 
     def forward(self, idx, targets=None):
@@ -204,7 +209,7 @@ def plant_nan_loss(monkeypatch, at_calls: set[int]) -> None:
                 loss = loss * float("nan")
         return logits, loss
 
-    monkeypatch.setattr(tg.GPT, "forward", forward)
+    monkeypatch.setattr(GPT, "forward", forward)
 
 
 def test_nonfinite_loss_stops_before_a_checkpoint_between_log_steps(tmp_path, monkeypatch):
@@ -305,9 +310,9 @@ def test_finished_run_continues_with_more_steps_at_min_lr(finished, tmp_path):
 
 def test_lr_schedule_holds_min_lr_after_its_horizon():
     c = tg.TrainConfig(steps=200, warmup_steps=10, lr=1.0, min_lr=0.1)
-    assert tg.lr_at(99, c, decay_steps=100) == pytest.approx(0.1, abs=1e-3)
-    assert tg.lr_at(150, c, decay_steps=100) == tg.lr_at(199, c, decay_steps=100) == 0.1
-    assert tg.lr_at(150, c) > 0.1  # without a horizon: the cosine of --steps
+    assert lr_at(99, c, decay_steps=100) == pytest.approx(0.1, abs=1e-3)
+    assert lr_at(150, c, decay_steps=100) == lr_at(199, c, decay_steps=100) == 0.1
+    assert lr_at(150, c) > 0.1  # without a horizon: the cosine of --steps
 
 
 # -- 4. Ctrl-C ------------------------------------------------------------------------------------
@@ -316,7 +321,7 @@ def test_lr_schedule_holds_min_lr_after_its_horizon():
 def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(finished, tmp_path, monkeypatch):
     """Before: KeyboardInterrupt with a 43-line traceback and no checkpoint of the last step."""
     out = tmp_path / "run"
-    real_next = tg.BatchSampler.next
+    real_next = BatchSampler.next
     calls = {"n": 0}
 
     def next_with_ctrl_c(self):
@@ -325,7 +330,7 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(finished, tmp_path, monk
             signal.raise_signal(signal.SIGINT)  # during step 3: it finishes, then stops
         return real_next(self)
 
-    monkeypatch.setattr(tg.BatchSampler, "next", next_with_ctrl_c)
+    monkeypatch.setattr(BatchSampler, "next", next_with_ctrl_c)
     hint = r"after step 3: saved .*step_000003\. Continue with --out .* --resume latest --steps 8$"
     with pytest.raises(tg.TrainingInterrupted, match=hint) as err:
         tg.train(cfg(out))

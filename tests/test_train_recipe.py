@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpt_training.optim import lr_at
 from safetensors.torch import load_file
 
 import tgraph
+from tgraph.toy.corpus import BatchSampler
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_gpt.py"
 GRAPHS = ["none", "layer", "full"]
@@ -81,7 +83,7 @@ class _Killed(BaseException):
 def _kill_at_step(monkeypatch, step: int) -> None:
     """Make the recipe die while drawing the batch of (1-based) step ``step``."""
     calls = {"n": 0}
-    real = tg.BatchSampler.next
+    real = BatchSampler.next
 
     def next_or_die(self):
         calls["n"] += 1
@@ -89,7 +91,7 @@ def _kill_at_step(monkeypatch, step: int) -> None:
             raise _Killed
         return real(self)
 
-    monkeypatch.setattr(tg.BatchSampler, "next", next_or_die)
+    monkeypatch.setattr(BatchSampler, "next", next_or_die)
 
 
 # -- config -----------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def test_config_errors_name_the_field(overrides, field):
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
     cfg = tg.TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
-    lrs = [tg.lr_at(s, cfg) for s in range(100)]
+    lrs = [lr_at(s, cfg) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
@@ -153,7 +155,7 @@ def test_graph_modes_train_the_same_parameters(graph, run_cfg, device):
 
 def test_validation_without_recorded_eval_forward_falls_back(run_cfg, monkeypatch):
     """Planted bug: skip the recorded validation forward; validation then misses every graph."""
-    from gpt_training import trainer  # recipes/gpt_training: on sys.path once the recipe loaded
+    from gpt_training import trainer  # recipes/gpt_training: on sys.path (tests/conftest.py)
 
     real = trainer.evaluate
     monkeypatch.setattr(
@@ -189,7 +191,7 @@ def test_resume_check_fails_when_state_is_not_restored(forget, run_cfg, device, 
     full = run_cfg("uninterrupted", graph="none")
     tg.train(full)
     if forget == "data":
-        monkeypatch.setattr(tg.BatchSampler, "load_state_dict", lambda self, state: None)
+        monkeypatch.setattr(BatchSampler, "load_state_dict", lambda self, state: None)
     else:
         monkeypatch.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None)
     resumed = run_cfg("resumed", graph="none", resume=str(Path(full.out) / "checkpoints" /

@@ -1,25 +1,36 @@
 """tgraph: CUDA graphs for PyTorch training and decoding, without the silent wrong results.
 
-Per-layer graphs (:class:`GraphableModule`, :func:`enable`, :func:`create_graphs`, :func:`reset`),
-whole-step graphs (:class:`FullIterationGraph`) and graph-served decode (:mod:`tgraph.decode`).
-Importing tgraph has no side effects.
+Per-layer graphs (:class:`GraphableModule`, :func:`enable`, :func:`create_graphs`,
+:func:`reset_layer_graphs`), whole-step graphs (:class:`FullIterationGraph`,
+:class:`OptimizerGraph`) and graph-served decode (:mod:`tgraph.decode`); :func:`reset` drops
+every graph of the first two. Every capture reports in one shape (:class:`CaptureReport`,
+:class:`MemoryReport`). Importing tgraph has no side effects.
+
+``__all__`` lists what a user calls or catches. ``tgraph.resolve_backend`` (internal: backends
+are chosen by the ``backend=`` arguments) still works for one release, with a
+``DeprecationWarning``; use ``tgraph.backend.resolve_backend``. ``tgraph.rng`` is the submodule
+behind :func:`register_generator` and :func:`unregister_generator`.
 """
 
-from tgraph import decode, rng
-from tgraph.backend import capture_stream, resolve_backend
+import warnings as _warnings
+
+from tgraph import decode
+from tgraph import rng as rng  # the submodule behind register_generator (not in __all__)
+from tgraph.backend import capture_stream
 from tgraph.errors import GraphFallbackError, ReplayOrderError, StaleBackwardError
 from tgraph.full_iteration import FullIterationGraph
 from tgraph.guards import CaptureError
-from tgraph.memory import MemoryReport
+from tgraph.memory import CaptureReport, MemoryReport
 from tgraph.module import (
-    CaptureReport,
     GraphableModule,
     GraphFallbackWarning,
+    capture_report,
     create_graphs,
     disable,
     enable,
     memory_report,
     reset,
+    reset_layer_graphs,
 )
 from tgraph.nonfinite import ConditionalNodesUnavailable
 from tgraph.optimizer_graph import OptimizerGraph
@@ -28,6 +39,7 @@ from tgraph.rng import register_generator, unregister_generator
 __all__ = [
     "CaptureError",
     "CaptureReport",
+    "capture_report",
     "capture_stream",
     "ConditionalNodesUnavailable",
     "decode",
@@ -44,9 +56,24 @@ __all__ = [
     "enable",
     "memory_report",
     "register_generator",
-    "rng",
     "reset",
-    "resolve_backend",
+    "reset_layer_graphs",
     "unregister_generator",
 ]
 __version__ = "0.1.0"
+
+_DEPRECATED = {"resolve_backend": ("tgraph.backend", "tgraph.backend.resolve_backend")}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        module, new = _DEPRECATED[name]
+        _warnings.warn(
+            f"tgraph.{name} is deprecated (not part of the public API); use {new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module 'tgraph' has no attribute {name!r}")

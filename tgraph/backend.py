@@ -1,12 +1,17 @@
 """Graph backends: one interface (`capture` a callable, `replay` it) over two implementations.
 
-* ``"cuda"`` wraps :class:`torch.cuda.CUDAGraph`: kernels are recorded once and replayed on the
-  same memory addresses.
-* ``"emulated"`` (:mod:`tgraph.emulated`) is a CPU stand-in that records the ATen operations of
-  the capture and replays that tape on the captured memory, running no Python, as a CUDA graph.
+* ``"cuda"`` (:class:`CudaBackend`, here) wraps :class:`torch.cuda.CUDAGraph`: kernels are
+  recorded once and replayed on the same memory addresses.
+* ``"emulated"`` (:class:`tgraph.emulated.EmulatedBackend`) is a CPU stand-in that records the
+  ATen operations of the capture and replays that tape on the captured memory, running no
+  Python, as a CUDA graph.
 
 ``"auto"`` picks ``"cuda"`` for CUDA tensors and ``"emulated"`` otherwise; the environment
-variable ``TGRAPH_BACKEND`` overrides ``"auto"``.
+variable ``TGRAPH_BACKEND`` overrides ``"auto"``. That choice is made here only
+(:func:`resolve_backend`, :meth:`GraphFactory.for_device`); everything that differs between the
+two backends is a member of the :class:`Backend` protocol, so callers ask the factory's
+backend (``factory.executes_capture``, ``factory.warmup_steps(...)``) instead of testing a
+device type or a backend name.
 """
 
 from __future__ import annotations
@@ -15,14 +20,26 @@ import contextlib
 import gc
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
-from tgraph.emulated import EmulatedGraph, EmulatedPool
+from tgraph.emulated import EmulatedBackend
 from tgraph.pool import PoolLedger
 
 BACKENDS = ("cuda", "emulated")
+BACKEND_CHOICES = ("auto", *BACKENDS)
+
+
+def check_backend_name(backend: str) -> None:
+    """Refuse a ``backend=`` argument that names no backend (before any device is known).
+
+    Raises:
+        ValueError: not ``"auto"``, ``"cuda"`` or ``"emulated"``.
+    """
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
 
 
 def resolve_backend(backend: str, device: torch.device | str | None) -> str:
@@ -178,41 +195,56 @@ def capture_stream(device: torch.device | str | int | None = None) -> torch.cuda
     return _capture_streams[index]
 
 
-class GraphFactory:
-    """Makes graphs for one backend that share one memory pool and one capture stream.
+class Backend(Protocol):
+    """What differs between graph backends, for the graphs of one pool on one device.
 
-    Args:
-        backend: ``"cuda"`` or ``"emulated"`` (already resolved).
-        device: device of the captured tensors.
+    Implemented by :class:`CudaBackend` (here) and :class:`tgraph.emulated.EmulatedBackend`.
     """
 
-    def __init__(self, backend: str, device: torch.device | None = None) -> None:
-        self.backend = backend
-        self.device = device
-        self.ledger = PoolLedger()  # capture indices and the replay-order guard (tgraph.pool)
-        if backend == "cuda":
-            gc.collect()  # see CudaGraph.capture
-            self.pool = torch.cuda.graph_pool_handle()
-            self.stream: torch.cuda.Stream | None = capture_stream(device)
-            self.emulated_pool = None
-        else:
-            self.pool = None
-            self.stream = None
-            self.emulated_pool = EmulatedPool()
+    name: str
+    """``"cuda"`` or ``"emulated"``."""
+    executes_capture: bool
+    """Whether a capture runs the captured function once (emulated: it records what it runs)
+    or only records kernels (CUDA: nothing executes until the first replay)."""
+    default_warmup: int
+    """Eager warmup passes before a per-layer capture when the user sets none."""
+    min_warmup: int
+    """The fewest warmup passes a capture needs (CUDA: 1, for lazy initialisation and the
+    host-sync check; emulated: 0)."""
 
-    def new_graph(self, *, frees: Any = None) -> EmulatedGraph | CudaGraph:
-        """A graph of this factory's pool; ``frees``: the forward graph whose saved activations
-        this backward graph's capture frees (the emulated pool model needs it)."""
-        if self.backend == "cuda":
-            return CudaGraph(self.pool, self.stream, self.ledger.stamp)
-        return EmulatedGraph(pool=self.emulated_pool, frees=frees, stamp=self.ledger.stamp)
+    def new_graph(self, stamp: Callable[[], int], frees: Any = None) -> Any:
+        """A graph of this backend's pool (``capture``, ``replay``, ``reset``, ...)."""
+
+    def side_stream(self) -> AbstractContextManager[None]:
+        """Where warmups and captures run (CUDA: the capture stream)."""
+
+    def synchronize(self) -> None: ...
+
+    def memory_allocated(self) -> int: ...
+
+    def max_memory_allocated(self) -> int: ...
+
+
+class CudaBackend:
+    """Real CUDA graphs of one pool, captured on the device's capture stream."""
+
+    name = "cuda"
+    executes_capture = False
+    default_warmup = 2
+    min_warmup = 1
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+        gc.collect()  # see CudaGraph.capture
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = capture_stream(device)
+
+    def new_graph(self, stamp: Callable[[], int], frees: Any = None) -> CudaGraph:
+        del frees  # a CUDA pool tracks its own memory
+        return CudaGraph(self.pool, self.stream, stamp)
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
-        """Run warmups and captures on the capture stream (CUDA); a no-op when emulated."""
-        if self.stream is None:
-            yield
-            return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(self.stream):
@@ -221,11 +253,72 @@ class GraphFactory:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def synchronize(self) -> None:
-        if self.backend == "cuda":
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
 
     def memory_allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.backend == "cuda" else 0
+        return torch.cuda.memory_allocated(self.device)
 
     def max_memory_allocated(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device) if self.backend == "cuda" else 0
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def make_backend(backend: str, device: torch.device | None) -> Backend:
+    """The :class:`Backend` of an already resolved name (:func:`resolve_backend`)."""
+    if backend == "cuda":
+        return CudaBackend(device)
+    if backend == "emulated":
+        return EmulatedBackend(device)
+    raise ValueError(f"unknown graph backend {backend!r}; expected 'cuda' or 'emulated'")
+
+
+class GraphFactory:
+    """Makes graphs for one backend that share one memory pool and one capture stream.
+
+    Args:
+        backend: ``"cuda"`` or ``"emulated"`` (already resolved; :meth:`for_device` resolves).
+        device: device of the captured tensors.
+
+    The backend's differences are read through the factory: :attr:`executes_capture`,
+    :meth:`warmup_steps`, :meth:`side_stream`, :meth:`synchronize`, the memory counters.
+    """
+
+    def __init__(self, backend: str, device: torch.device | None = None) -> None:
+        self.impl: Backend = make_backend(backend, device)
+        self.backend = self.impl.name
+        self.device = device
+        self.ledger = PoolLedger()  # capture indices and the replay-order guard (tgraph.pool)
+
+    @classmethod
+    def for_device(cls, backend: str, device: torch.device) -> GraphFactory:
+        """The factory for ``backend`` (``"auto"`` resolved for tensors on ``device``)."""
+        return cls(resolve_backend(backend, device), device)
+
+    @property
+    def executes_capture(self) -> bool:
+        """Whether a capture runs the function once (emulated), so its effects happened."""
+        return self.impl.executes_capture
+
+    def warmup_steps(self, requested: int | None) -> int:
+        """Eager warmup passes before a capture: ``requested`` (None: the backend's default),
+        at least the backend's minimum."""
+        if requested is None:
+            return self.impl.default_warmup
+        return max(requested, self.impl.min_warmup)
+
+    def new_graph(self, *, frees: Any = None) -> Any:
+        """A graph of this factory's pool; ``frees``: the forward graph whose saved activations
+        this backward graph's capture frees (the emulated pool model needs it)."""
+        return self.impl.new_graph(self.ledger.stamp, frees)
+
+    def side_stream(self) -> AbstractContextManager[None]:
+        """Run warmups and captures on the capture stream (CUDA); a no-op when emulated."""
+        return self.impl.side_stream()
+
+    def synchronize(self) -> None:
+        self.impl.synchronize()
+
+    def memory_allocated(self) -> int:
+        return self.impl.memory_allocated()
+
+    def max_memory_allocated(self) -> int:
+        return self.impl.max_memory_allocated()

@@ -434,4 +434,37 @@ class _Region:
                 poison_(t)
 
 
-__all__ = ["EmulatedGraph", "EmulatedPool", "emulated_capture"]
+# ------------------------------------------------------------------------------ the backend
+
+
+class EmulatedBackend:
+    """The emulated member of :class:`tgraph.backend.Backend`: graphs of one
+    :class:`EmulatedPool`, captured on the current thread (no streams, no device memory
+    counters)."""
+
+    name = "emulated"
+    executes_capture = True  # the capture runs the function once, recording it
+    default_warmup = 1
+    min_warmup = 0
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.pool = EmulatedPool()
+
+    def new_graph(self, stamp: Callable[[], int], frees: Any = None) -> EmulatedGraph:
+        return EmulatedGraph(pool=self.pool, frees=frees, stamp=stamp)
+
+    def side_stream(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+
+__all__ = ["EmulatedBackend", "EmulatedGraph", "EmulatedPool", "emulated_capture"]

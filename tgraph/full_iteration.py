@@ -61,15 +61,16 @@ also construct DDP under ``torch.cuda.stream(tgraph.capture_stream())`` and, on 
 Full-iteration graphs and per-layer graphs (:func:`tgraph.enable`) do not nest: a model with
 enabled ``GraphableModule`` s inside ``fn`` raises; call ``tgraph.disable(model)`` first.
 
-Hyper-parameters as tensors, the capture guards, the snapshot of what warmups change and
-non-finite skipping live in hyperparams.py, guards.py, snapshot.py and nonfinite.py.
+The capture follows the step-capture protocol shared with :class:`tgraph.OptimizerGraph`
+(step_capture.py: optimizer checks, learning rates as tensors, the snapshot of what the capture
+changes, restore on failure); hyper-parameters, the capture guards and non-finite skipping live
+in hyperparams.py, guards.py and nonfinite.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -82,27 +83,17 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from tgraph import rng
-from tgraph.backend import GraphFactory, resolve_backend, stale_stream_override
+from tgraph import rng, step_capture
+from tgraph.backend import GraphFactory, check_backend_name
 from tgraph.baked import Baked
-from tgraph.guards import check_lr_unwritten, explain_capture_failure
-from tgraph.hyperparams import (
-    HyperParams,
-    baked_layout,
-    check_graphable_optimizer,
-    layout_change,
-)
-from tgraph.module import GraphFallbackWarning, _manager
+from tgraph.hyperparams import HyperParams, baked_layout, layout_change
+from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
+from tgraph.module import GraphFallbackWarning, is_enabled, layer_graphs_enabled
 from tgraph.nonfinite import SkipNonfiniteStep
 from tgraph.signature import call_key, first_difference, split
-from tgraph.snapshot import Snapshot
+from tgraph.step_capture import StepCapture
 
 logger = logging.getLogger(__name__)
-
-
-def detach_clone(t: torch.Tensor) -> torch.Tensor:
-    """An output handed to the caller: its own memory, safe to keep past the next replay."""
-    return t.detach().clone()
 
 
 DDP_MIN_WARMUP = 11
@@ -145,6 +136,9 @@ class FullIterationGraph:
             sync, when ``fn``'s loss (its first tensor output) or the gradients at the
             optimizer's ``step()`` are not finite: parameters and optimizer state stay untouched
             (:class:`tgraph.nonfinite.SkipNonfiniteStep`). :attr:`skipped_steps` counts them.
+            Default False, as :class:`tgraph.OptimizerGraph`: the graph then computes exactly
+            what the eager ``fn`` computes, ``fn`` may return anything tensor-valued, and no
+            snapshot of parameters and optimizer state is taken at each step.
 
     Raises:
         TypeError: ``fn`` is not callable.
@@ -170,8 +164,7 @@ class FullIterationGraph:
             )
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
-        if backend not in ("auto", "cuda", "emulated"):
-            raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
+        check_backend_name(backend)
         self._skip = SkipNonfiniteStep(fn) if skip_nonfinite else None
         self.fn = self._skip or fn
         self.warmup_steps = warmup_steps
@@ -182,6 +175,7 @@ class FullIterationGraph:
         self._modules: dict[int, nn.Module] = {}
         self._hparams: list[HyperParams] = []  # one per batch of optimizers seen at a capture
         self._recaptured: set[str] = set()  # changes after capture already warned about
+        step_capture.register(self)
 
     @property
     def num_graphs(self) -> int:
@@ -211,7 +205,7 @@ class FullIterationGraph:
             tgraph.CaptureError: capture failed (e.g. a host sync inside ``fn``); the call made no
                 training step, and later calls of that signature run eagerly.
         """
-        if _manager.modules:  # per-layer graphs exist somewhere: were they enabled inside fn?
+        if layer_graphs_enabled():  # per-layer graphs exist somewhere: enabled inside fn?
             self._check_not_nested(self._modules.values(), recurse=False)
         tensors: list[torch.Tensor] = []
         key = call_key((batch,), {}, (False,), tensors)
@@ -261,8 +255,7 @@ class FullIterationGraph:
                 f"{first_difference(old, key, 'batch')}. Pad batches to a fixed shape, or "
                 "raise max_graphs (each signature costs its own warmups and graph memory)."
             )
-        device = tensors[0].device
-        entry = _Entry(key, GraphFactory(resolve_backend(self.backend, device), device))
+        entry = _Entry(key, GraphFactory.for_device(self.backend, tensors[0].device))
         self._entries[key] = entry
         return entry
 
@@ -285,98 +278,63 @@ class FullIterationGraph:
         return out
 
     def _capture(self, entry: _Entry, batch: Any, tensors: list[torch.Tensor]) -> Any:
+        """The step-capture protocol (tgraph.step_capture) around one call of ``fn`` on static
+        copies of the batch; this call's training step is the capture (emulated) or the first
+        replay (CUDA)."""
         f = entry.factory
-        self._check_optimizers(f.device)
-        covered = {id(g) for hp in self._hparams for _, _, g in hp._groups}
-        new = [o for o in self.optimizers if any(id(g) not in covered for g in o.param_groups)]
-        fresh = HyperParams(new) if new else None  # optimizers first seen in this warmup
-        if fresh is not None:
-            fresh.prepare()
-            self._hparams.append(fresh)
-        lr_tensors = [
-            g["lr"]
-            for hp in self._hparams
-            for _, _, g in hp._groups
-            if isinstance(g["lr"], torch.Tensor)
-        ]
-        entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
-        static_batch = split(batch)[1].fill(entry.static)
-        graph = f.new_graph()
-        for g in rng.graph_generators(f.device):
-            graph.register_generator_state(g)
-        params = self._params()
-        buffers = {id(b): b for m in self._modules.values() for b in nn.Module.buffers(m)}.values()
-        runs = f.backend != "cuda"  # an emulated capture executes the step; a CUDA one does not
-        snap = Snapshot(
-            params,
-            buffers,
-            f.device,
-            optimizers=self.optimizers,
-            params_values=runs,
-            state_values=runs,
-            weak_grads=not runs,
+        step = StepCapture(
+            f,
+            "the training step of FullIterationGraph",
+            self.optimizers,
+            elsewhere=_elsewhere(f.device),
+            held=self._hparams,
         )
-        f.synchronize()
-        before, start = f.memory_allocated(), time.perf_counter()
-        # weakly: a gradient the step drops is freed during the capture (its peak), not held
-        grads_before = {id(p): None if p.grad is None else weakref.ref(p.grad) for p in params}
+        static_batch = self._static_batch(entry, batch, tensors)
+        for g in rng.graph_generators(f.device):
+            step.graph.register_generator_state(g)
+        params = self._params()
+        step.save(params, self._buffers(), drops_grads=True)
+        grads_before = _grads_weakly(params)
         try:
-            lr_versions = [t._version for t in lr_tensors]
-            with f.side_stream(), stale_stream_override():
-                out = graph.capture(lambda: self.fn(static_batch))
-            check_lr_unwritten(lr_tensors, lr_versions)
-            bad = [
-                type(x).__name__
-                for x in tree_leaves(out)
-                if x is not None and not isinstance(x, torch.Tensor)
-            ]
-            if bad:
-                raise ValueError(
-                    f"fn returned non-tensor values ({', '.join(bad)}); a graph replays kernels, "
-                    "not Python, so they would keep their capture-time value. Return tensors only."
-                )
-        except BaseException as exc:
-            f.synchronize()
-            snap.restore()
-            if fresh is not None:
-                fresh.restore()
-                self._hparams.remove(fresh)
+            with step.undone_on_failure():
+                out = step.capture(lambda: self.fn(static_batch))
+                _refuse_non_tensors(out)
+        except BaseException:
             entry.failed = True
-            if isinstance(exc, ValueError):
-                raise
-            raise explain_capture_failure("the training step of FullIterationGraph", exc) from exc
-        f.synchronize()
-        entry.capture_seconds = time.perf_counter() - start
-        entry.pool_bytes = f.memory_allocated() - before
-        entry.graph, entry.out = graph, out
+            raise
+        self._hparams = step.hparams
+        self._keep(entry, step, out)
+        entry.grads = _grad_modes(params, grads_before)
+        if f.executes_capture:
+            # The emulated capture really executed fn once: that was this call's step (running
+            # it again would apply every side effect twice: EMA weights, counters, ...).
+            return self._outputs(entry)
+        return self._replay(entry, tensors, first=True)
+
+    def _static_batch(self, entry: _Entry, batch: Any, tensors: list[torch.Tensor]) -> Any:
+        """The graph's own copies of the batch's tensors, in the batch's structure."""
+        entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        return split(batch)[1].fill(entry.static)
+
+    def _keep(self, entry: _Entry, step: StepCapture, out: Any) -> None:
+        """After a capture: the graph, its outputs and what it baked in."""
+        entry.capture_seconds, entry.pool_bytes = step.seconds, step.pool_bytes
+        entry.graph, entry.out = step.graph, out
         entry.layout = baked_layout(self.optimizers)
         # what the step's modules baked in (the modules that ran in it: tgraph.baked)
         entry.baked = Baked.of([(type(m).__name__, m) for m in self._modules.values()], [])
         entry.outputs, entry.template = split(out)
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
-            f.backend,
+            entry.factory.backend,
             entry.capture_seconds,
             entry.pool_bytes / 2**20,
         )
-        # How each .grad relates to the graph. "add": the graph accumulates into the .grad
-        # that existed at capture; "assign": it writes fresh gradients (zero_grad with
-        # set_to_none=True ran before the capture, "cleared" when it ran inside fn).
-        entry.grads = []
-        for p in params:
-            ref, g = grads_before[id(p)], p.grad
-            if g is None:
-                continue
-            if ref is None:
-                mode = "assign"
-            else:
-                mode = "add" if g is ref() else "cleared"
-            entry.grads.append((p, g, mode))
-        if runs:
-            # The emulated capture really executed fn once: that was this call's step (running
-            # it again would apply every side effect twice: EMA weights, counters, ...).
-            return entry.template.fill([detach_clone(t) for t in entry.outputs])
-        return self._replay(entry, tensors, first=True)
+
+    def _outputs(self, entry: _Entry) -> Any:
+        """What a call returns: fresh detached clones of the graph's outputs, safe to keep past
+        the next replay (which overwrites the graph's own)."""
+        return entry.template.fill([t.detach().clone() for t in entry.outputs])
 
     def _replay(self, entry: _Entry, tensors: list[torch.Tensor], first: bool = False) -> Any:
         for hp in self._hparams:
@@ -390,7 +348,7 @@ class FullIterationGraph:
         entry.graph.replay()
         for p, grad, _ in entry.grads:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
-        return entry.template.fill([detach_clone(t) for t in entry.outputs])
+        return self._outputs(entry)
 
     @staticmethod
     def _sync_grads_in(entry: _Entry) -> None:
@@ -412,6 +370,38 @@ class FullIterationGraph:
 
     # -- what fn touches ---------------------------------------------------------------------
 
+    # -- reports -------------------------------------------------------------------------------
+
+    def capture_report(self) -> CaptureReport:
+        """What the captures made, in the shape of :func:`tgraph.create_graphs`'s report
+        (``entry="FullIterationGraph"``; one graph per batch signature)."""
+        captured = [e for e in self._entries.values() if e.graph is not None]
+        return CaptureReport(
+            graphs=len(captured),
+            runners=0,
+            segments=0,
+            seconds=sum(e.capture_seconds for e in captured),
+            pool_bytes=sum(e.pool_bytes for e in captured),
+            backends=sorted({e.factory.backend for e in captured}),
+            eager_modules=[],
+            memory=self.memory_report(),
+            entry="FullIterationGraph",
+        )
+
+    def memory_report(self) -> MemoryReport:
+        """The graphs' buffers by kind (:class:`tgraph.MemoryReport`): the static batches
+        (``static_inputs``), the outputs (``static_outputs``) and the gradients the graphs
+        write (``param_grads``)."""
+        report = MemoryReport()
+        for e in self._entries.values():
+            if e.graph is None:
+                continue
+            report.units += 1
+            report.static_inputs += tensor_bytes(e.static)
+            report.static_outputs += tensor_bytes(e.outputs)
+            report.param_grads += tensor_bytes(g for _, g, _ in e.grads)
+        return report
+
     def _params(self) -> list[torch.Tensor]:
         params = {id(p): p for o in self.optimizers for g in o.param_groups for p in g["params"]}
         params.update(
@@ -419,13 +409,18 @@ class FullIterationGraph:
         )
         return list(params.values())
 
+    def _buffers(self) -> list[torch.Tensor]:
+        return list(
+            {id(b): b for m in self._modules.values() for b in nn.Module.buffers(m)}.values()
+        )
+
     def _watch(self) -> _Watch:
         return _Watch(self)
 
     def _check_not_nested(self, modules: Iterable[nn.Module], recurse: bool = True) -> None:
         for m in modules:
             for sub in m.modules() if recurse else (m,):
-                if "_tgraph" in sub.__dict__:
+                if is_enabled(sub):
                     raise ValueError(
                         f"FullIterationGraph: {type(sub).__name__} inside the training step has "
                         "per-layer graphs enabled (tgraph.enable). The two modes do not nest: a "
@@ -434,13 +429,48 @@ class FullIterationGraph:
                         "per-layer graphs and call the step without FullIterationGraph."
                     )
 
-    def _check_optimizers(self, device: torch.device) -> None:
-        elsewhere = (
-            f" but the batch is on {device}; move the batch to the parameters' device before "
-            "calling the step (a graph reads static device buffers only)"
+
+def _elsewhere(device: torch.device) -> str:
+    return (
+        f" but the batch is on {device}; move the batch to the parameters' device before "
+        "calling the step (a graph reads static device buffers only)"
+    )
+
+
+def _grads_weakly(params: list[torch.Tensor]) -> dict[int, Any]:
+    """Each parameter's ``.grad`` before the capture, weakly: a gradient the step drops is
+    freed during the capture (its peak), not held."""
+    return {id(p): None if p.grad is None else weakref.ref(p.grad) for p in params}
+
+
+def _grad_modes(params: list[torch.Tensor], before: dict[int, Any]) -> list[tuple]:
+    """How each ``.grad`` relates to the graph. "add": the graph accumulates into the ``.grad``
+    that existed at capture; "assign": it writes fresh gradients (``zero_grad`` with
+    ``set_to_none=True`` ran before the capture; "cleared" when it ran inside ``fn``)."""
+    modes = []
+    for p in params:
+        ref, g = before[id(p)], p.grad
+        if g is None:
+            continue
+        if ref is None:
+            mode = "assign"
+        else:
+            mode = "add" if g is ref() else "cleared"
+        modes.append((p, g, mode))
+    return modes
+
+
+def _refuse_non_tensors(out: Any) -> None:
+    bad = [
+        type(x).__name__
+        for x in tree_leaves(out)
+        if x is not None and not isinstance(x, torch.Tensor)
+    ]
+    if bad:
+        raise ValueError(
+            f"fn returned non-tensor values ({', '.join(bad)}); a graph replays kernels, "
+            "not Python, so they would keep their capture-time value. Return tensors only."
         )
-        for opt in self.optimizers:
-            check_graphable_optimizer(opt, device, elsewhere)
 
 
 class _Watch:
@@ -477,7 +507,7 @@ class _Watch:
         if isinstance(getattr(module, "_orig_mod", None), nn.Module):  # torch.compile(module):
             for sub in module.modules():
                 owner._modules.setdefault(id(sub), sub)
-        if _manager.modules:
+        if layer_graphs_enabled():
             owner._check_not_nested([module])
         if isinstance(module, DistributedDataParallel) and owner.warmup_steps < DDP_MIN_WARMUP:
             raise ValueError(

@@ -23,9 +23,13 @@ import torch
 from tgraph.pool import move_memory_out, storage_uses
 
 FLAG = "grad_added_to_main_grad"
-# PyTorch >= 2.13 can swap the memory of two storages (ParamGradPacking.rescue); older
-# versions get a copy of the parameter gradients at every backward instead.
-SWAPS_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def swaps_storage() -> bool:
+    """Whether this PyTorch can swap the memory of two storages (``UntypedStorage.
+    _swap_data_ptr_``, PyTorch >= 2.13: :meth:`ParamGradPacking.rescue`); older versions get a
+    copy of the parameter gradients at every backward instead."""
+    return getattr(torch.UntypedStorage, "_swap_data_ptr_", None) is not None
 
 
 class MainGradFlags:

@@ -30,6 +30,21 @@ class HyperParams:
         self._tensor_lrs: list[tuple[dict, torch.Tensor]] = []
         self._baked: list[tuple[str, int, dict, str, Any]] = []
 
+    @property
+    def groups(self) -> list[dict]:
+        """The param_group dicts these hyper-parameters cover (every group of the optimizers
+        given at construction)."""
+        return [g for _, _, g in self._groups]
+
+    def covers(self, group: dict) -> bool:
+        """Whether ``group`` (a param_group dict) is one of :attr:`groups`."""
+        return any(g is group for _, _, g in self._groups)
+
+    def lr_tensors(self) -> list[torch.Tensor]:
+        """The learning rates held in device tensors now (after :meth:`prepare`: every group
+        whose optimizer reads a tensor ``lr``)."""
+        return [g["lr"] for _, _, g in self._groups if isinstance(g["lr"], torch.Tensor)]
+
     def prepare(self) -> None:
         """Move float learning rates into device tensors; remember the values a graph bakes."""
         for _, _, g in self._groups:

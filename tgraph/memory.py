@@ -1,4 +1,11 @@
-"""Where per-layer graphs' memory goes, by kind.
+"""Where graphs' memory goes, by kind, and what a capture made (:class:`CaptureReport`).
+
+Every entry reports in one shape: :func:`tgraph.create_graphs` (per-layer graphs),
+:meth:`tgraph.FullIterationGraph.capture_report` and :meth:`tgraph.OptimizerGraph.capture_report`
+return a :class:`CaptureReport` whose ``memory`` is a :class:`MemoryReport`. The kinds below are
+per-layer graphs'; a whole-step graph fills the ones it has (its static batch or loss in
+``static_inputs``, its outputs in ``static_outputs``, the gradients it writes or owns in
+``param_grads``) and leaves the others 0.
 
 Every unit records, at capture, the bytes of each kind of buffer it owns (:class:`UnitMemory`);
 :func:`memory_report` adds them up over every captured unit. The kinds:
@@ -30,7 +37,7 @@ The other kinds are sizes of the buffers themselves, so their sum can be checked
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -90,6 +97,45 @@ class MemoryReport(UnitMemory):
                 "them first)"
             )
         return text
+
+
+@dataclass
+class CaptureReport:
+    """What a capture made: :func:`tgraph.create_graphs` returns one (``entry="layers"``);
+    :meth:`tgraph.FullIterationGraph.capture_report` and
+    :meth:`tgraph.OptimizerGraph.capture_report` give the same shape."""
+
+    graphs: int
+    """Number of graphs captured (forward and backward counted separately)."""
+    runners: int
+    """Number of (module, signature) runners (per-layer graphs; 0 for a whole-step entry)."""
+    segments: int
+    """Number of merged stacks (each one forward and one backward graph for several runners)."""
+    seconds: float
+    """Wall time of warmup plus capture (per-layer), or of the captures (whole-step)."""
+    pool_bytes: int
+    """CUDA memory held after capture minus before (0 on the emulated backend)."""
+    backends: list[str]
+    """Backends used."""
+    eager_modules: list[str]
+    """Enabled modules that stay eager, with the reason (per-layer graphs)."""
+    memory: MemoryReport = field(default_factory=MemoryReport)
+    """The graphs' memory by kind."""
+    entry: str = "layers"
+    """Which entry captured: ``"layers"``, ``"FullIterationGraph"`` or ``"OptimizerGraph"``."""
+
+    def __str__(self) -> str:
+        eager = f"; eager: {', '.join(self.eager_modules)}" if self.eager_modules else ""
+        made = (
+            f"{self.graphs} graphs for {self.runners} runners ({self.segments} merged stacks)"
+            if self.entry == "layers"
+            else f"{self.graphs} {self.entry} graph{'s' if self.graphs != 1 else ''}"
+        )
+        return (
+            f"tgraph: captured {made} on "
+            f"{'/'.join(self.backends)} in {self.seconds:.2f}s, pool {self.pool_bytes / 2**20:.1f} MiB"
+            f"{eager}; {self.memory}"
+        )
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None], skip: Iterable[int] = ()) -> int:

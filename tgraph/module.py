@@ -1,4 +1,5 @@
-"""Per-layer graphs: ``GraphableModule``, ``enable``, ``create_graphs``, ``reset``.
+"""Per-layer graphs: ``GraphableModule``, ``enable``, ``create_graphs``, ``reset_layer_graphs``
+(and ``reset``, which also resets the whole-step graphs).
 
 Life cycle::
 
@@ -30,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tgraph import memory
-from tgraph.backend import GraphFactory, resolve_backend
+from tgraph import memory, step_capture
+from tgraph.backend import GraphFactory, check_backend_name, resolve_backend
 from tgraph.baked import (
     call_with_own_hooks,
     describe_hooks,
@@ -40,7 +41,7 @@ from tgraph.baked import (
 )
 from tgraph.errors import GraphFallbackError
 from tgraph.guards import CaptureError, explain_capture_failure
-from tgraph.memory import MemoryReport
+from tgraph.memory import CaptureReport, MemoryReport
 from tgraph.record import NoteBackward, Record
 from tgraph.runner import Runner, compiled_call, module_call
 from tgraph.segment import Segment, mergeable_chains
@@ -70,37 +71,6 @@ class _ModuleState:
     compiled: Any = None  # torch.compile of the module's call (enable(compile=...)), or None
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
-
-
-@dataclass
-class CaptureReport:
-    """What ``create_graphs()`` did."""
-
-    graphs: int
-    """Number of graphs captured (forward and backward counted separately)."""
-    runners: int
-    """Number of (module, signature) runners."""
-    segments: int
-    """Number of merged stacks (each one forward and one backward graph for several runners)."""
-    seconds: float
-    """Wall time of warmup plus capture."""
-    pool_bytes: int
-    """CUDA memory held after capture minus before (0 on the emulated backend)."""
-    backends: list[str]
-    """Backends used."""
-    eager_modules: list[str]
-    """Enabled modules that stay eager, with the reason."""
-    memory: MemoryReport
-    """The graphs' memory by kind (:func:`memory_report`)."""
-
-    def __str__(self) -> str:
-        eager = f"; eager: {', '.join(self.eager_modules)}" if self.eager_modules else ""
-        return (
-            f"tgraph: captured {self.graphs} graphs for {self.runners} runners "
-            f"({self.segments} merged stacks) on "
-            f"{'/'.join(self.backends)} in {self.seconds:.2f}s, pool {self.pool_bytes / 2**20:.1f} MiB"
-            f"{eager}; {self.memory}"
-        )
 
 
 class _Manager:
@@ -304,8 +274,7 @@ def enable(
         )
         warmup_steps = warmup
     compile_options = _compile_options(compile)
-    if backend not in ("auto", "cuda", "emulated"):
-        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
+    check_backend_name(backend)
     if _manager.captured:
         raise RuntimeError(
             "tgraph.enable() after tgraph.create_graphs(); call tgraph.reset() first"
@@ -384,11 +353,12 @@ def _warn_skipped_call(cls: type) -> None:
 def disable(model: nn.Module) -> None:
     """Make every graphable module of ``model`` an ordinary eager module again.
 
-    Graphs and the record are process-wide (one pool, one recorded order), so this also drops
-    the graphs and the record of every other enabled model, as :func:`reset` does; they record
-    again on their next iteration.
+    Per-layer graphs and the record are process-wide (one pool, one recorded order), so this
+    also drops the per-layer graphs and the record of every other enabled model, as
+    :func:`reset_layer_graphs` does; they record again on their next iteration. Whole-step
+    graphs (:class:`tgraph.FullIterationGraph`, :class:`tgraph.OptimizerGraph`) are kept.
     """
-    reset()
+    reset_layer_graphs()
     for m in model.modules():
         if isinstance(m, GraphableModule) and "_tgraph" in m.__dict__:
             del m.__dict__["_tgraph"]
@@ -436,11 +406,13 @@ def create_graphs() -> CaptureReport:
         r.flight, r.held = None, False  # capturing cannot touch them
     start = time.perf_counter()
     factories: dict[tuple[str, torch.device], GraphFactory] = {}
+    factory_of_runner: dict[int, GraphFactory] = {}
     for r in runners:
         st = r.module._tgraph
         k = (resolve_backend(st.backend, r.device), r.device)
         if k not in factories:
             factories[k] = GraphFactory(*k)
+        factory_of_runner[id(r)] = factories[k]
         r.debug = st.debug
     params = {id(p): p for root in m.roots for p in root.parameters()}
     grads_alive = memory.tensor_bytes(p.grad for p in params.values())
@@ -455,12 +427,10 @@ def create_graphs() -> CaptureReport:
     units = list(dict.fromkeys(r.segment or r for r in runners))
 
     def factory_of(r: Runner) -> GraphFactory:
-        return factories[(resolve_backend(r.module._tgraph.backend, r.device), r.device)]
+        return factory_of_runner[id(r)]
 
     def warmup_of(r: Runner, f: GraphFactory) -> int:
-        # CUDA needs >= 1 eager warmup (lazy init, and the host-sync check runs there)
-        warm, default = r.module._tgraph.warmup, (2 if f.backend == "cuda" else 1)
-        return default if warm is None else max(warm, 1 if f.backend == "cuda" else 0)
+        return f.warmup_steps(r.module._tgraph.warmup)  # the backend's default and minimum
 
     _refuse_hooks(units)
     current = None
@@ -483,7 +453,7 @@ def create_graphs() -> CaptureReport:
     except BaseException as exc:
         for f in factories.values():
             f.synchronize()
-        reset()  # modules run (and record) eagerly again; create_graphs() may be retried
+        reset_layer_graphs()  # modules run (and record) eagerly again; create_graphs() may be retried
         raise explain_capture_failure(f"{current}", exc) from exc
     finally:
         for s in snaps:
@@ -537,7 +507,18 @@ def _refuse_hooks(units: list) -> None:
 
 
 def reset() -> None:
-    """Drop every graph and the record; enabled modules run eagerly and record again."""
+    """Drop every graph tgraph holds: the per-layer graphs and the record
+    (:func:`reset_layer_graphs`), and the graphs of every :class:`tgraph.FullIterationGraph`
+    and :class:`tgraph.OptimizerGraph` alive (their ``reset()``: learning rates become floats
+    again, the next calls warm up and capture anew). Enabled modules run eagerly and record
+    again."""
+    reset_layer_graphs()
+    step_capture.reset_all()
+
+
+def reset_layer_graphs() -> None:
+    """Drop the per-layer graphs and the record only; enabled modules run eagerly and record
+    again (whole-step graphs are kept)."""
     for seg in _manager.segments:
         seg.drop_graphs()
     _manager.segments = []
@@ -559,5 +540,30 @@ def memory_report() -> MemoryReport:
     Returns:
         A :class:`tgraph.memory.MemoryReport` (all zeros before :func:`create_graphs`).
     """
+    return capture_report().memory
+
+
+def capture_report() -> CaptureReport:
+    """The report of the last :func:`create_graphs` (the same object it returned), or an empty
+    one (no graphs) before it; the whole-step entries have a ``capture_report()`` method of
+    the same shape."""
     report = _manager.report
-    return report.memory if _manager.captured and report is not None else MemoryReport()
+    if _manager.captured and report is not None:
+        return report
+    return CaptureReport(0, 0, 0, 0.0, 0, [], [])
+
+
+def layer_graphs_enabled() -> bool:
+    """Whether any module of this process has per-layer graphs enabled (:func:`enable`)."""
+    return bool(_manager.modules)
+
+
+def is_enabled(module: nn.Module) -> bool:
+    """Whether ``module`` itself (not its submodules) has per-layer graphs enabled."""
+    return "_tgraph" in module.__dict__
+
+
+def packed_gradient_buffers() -> list[torch.Tensor]:
+    """The packed parameter-gradient buffer of every captured per-layer unit
+    (:class:`tgraph.grads.ParamGradPacking`): the memory their backward graphs write."""
+    return [u.packing.flat for u in _manager.units if u.packing.packed]

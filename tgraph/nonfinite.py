@@ -11,14 +11,11 @@ three integer passes). A first step that created state and is skipped gets that 
 (one host read, eager warmup only). A device counter adds ``1 - ok`` at every step;
 :attr:`SkipNonfinite.skipped_steps` reads it (one sync).
 
-The conditional way (``SkipNonfinite(how="conditional")``): where torch can build CUDA-graph
-conditional nodes (``torch.cuda.CUDAGraph.begin_capture_to_if_node``, CUDA >= 12.4, not ROCm),
-the captured step goes into an IF node keyed on the flag: a skipped replay runs none of the
-step's kernels, and nothing is snapshotted, found_inf included. Outside a real CUDA capture
-(eager warmup, CPU, the emulated backend) the same ``how`` skips by the mask way above: the same
-bits. ``how="auto"`` (the default) is the mask way (see :func:`_auto_if_node`);
-``how="conditional"`` where conditional nodes are unavailable raises
-:class:`ConditionalNodesUnavailable` at the first step on a CUDA device.
+``how="auto"`` (the default) and ``how="mask"`` are the mask way above. The experimental,
+opt-in ``how="conditional"`` puts a captured step into a CUDA-graph IF node on the flag instead
+(:mod:`tgraph.if_node`: nothing snapshotted, a skipped replay runs none of the step's kernels);
+outside a real CUDA capture it is the mask way too, and where torch builds no IF nodes it raises
+:class:`tgraph.if_node.ConditionalNodesUnavailable` at the first step on a CUDA device.
 
 Used by :class:`tgraph.OptimizerGraph` and, through :class:`SkipNonfiniteStep`, by
 ``tgraph.FullIterationGraph(skip_nonfinite=True)`` (always the mask way: its flag is complete
@@ -35,7 +32,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
+from tgraph import if_node
 from tgraph.guards import CaptureError
+from tgraph.if_node import ConditionalNodesUnavailable, conditional_nodes_unavailable
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -96,109 +95,6 @@ def finite(*values: torch.Tensor | None) -> torch.Tensor:
     return ok
 
 
-# -- CUDA-graph conditional nodes ----------------------------------------------------------------
-
-
-class ConditionalNodesUnavailable(RuntimeError):
-    """``how="conditional"`` on a CUDA device where torch cannot build CUDA-graph IF nodes."""
-
-
-_IF_NODE_API = (
-    "get_currently_capturing_graph",
-    "begin_capture_to_if_node",
-    "end_capture_to_conditional_node",
-)
-_if_node_support: dict[int, str | None] = {}  # device index -> None (IF nodes work) or why not
-
-
-def conditional_nodes_unavailable(device: torch.device | str | int | None = None) -> str | None:
-    """Why CUDA-graph conditional (IF) nodes cannot be used on ``device``; None where they can.
-
-    Detected by feature, not by version: the methods torch's own ``torch.cond`` lowering uses
-    (``torch.cuda.CUDAGraph.get_currently_capturing_graph``, ``begin_capture_to_if_node``,
-    ``end_capture_to_conditional_node``), a CUDA (not ROCm) build, and, once per device, a tiny
-    graph with an IF node captured and replayed with the flag true, then false (this catches a
-    build for CUDA < 12.4 or a driver without conditional nodes). The probe cannot run inside a
-    capture: a first call there answers from the API alone and is not remembered.
-    """
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    missing = [name for name in _IF_NODE_API if not hasattr(torch.cuda.CUDAGraph, name)]
-    if missing:
-        return (
-            f"torch {torch.__version__} has no torch.cuda.CUDAGraph.{missing[0]} (the CUDA-graph "
-            "IF-node API behind torch.cond's CUDA-graph lowering)"
-        )
-    if torch.version.hip is not None:
-        return f"torch {torch.__version__} is a ROCm build: HIP graphs have no conditional nodes"
-    index = _device_index(device)
-    if index not in _if_node_support:
-        if torch._C._cuda_isCurrentStreamCapturing():
-            return None
-        _if_node_support[index] = _probe_if_node(index)
-    return _if_node_support[index]
-
-
-def _device_index(device: torch.device | str | int | None) -> int:
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    index = torch.device(device).index
-    return torch.cuda.current_device() if index is None else index
-
-
-def _probe_if_node(index: int) -> str | None:
-    """Capture ``hits += 1`` inside an IF node, replay with the flag true and false: one hit."""
-    try:
-        with torch.cuda.device(index):
-            flag = torch.ones((), dtype=torch.bool, device="cuda")
-            hits = torch.zeros((), dtype=torch.int32, device="cuda")
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    live = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-                    live.begin_capture_to_if_node(flag)
-                    try:
-                        hits.add_(1)
-                    finally:
-                        live.end_capture_to_conditional_node()
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph.replay()
-            flag.fill_(False)
-            graph.replay()
-            ran = int(hits.item())  # outside any capture: one host read, once per device
-            del graph
-    except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
-        return f"a test capture with an IF node failed: {type(exc).__name__}: {exc}"
-    if ran != 1:
-        return f"a test IF node ran its body {ran} times over one true and one false flag"
-    return None
-
-
-def _real_capture(flag: torch.Tensor) -> bool:
-    """A CUDA stream capture is under way (the emulated backend patches
-    ``torch.cuda.is_current_stream_capturing``, not this)."""
-    return flag.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
-
-
-def _auto_if_node(optimizers: list[torch.optim.Optimizer]) -> bool:
-    """Whether ``how="auto"`` puts these optimizers' captured step into an IF node.
-
-    Not yet: the conditional way is opt-in until it is measured on a GPU whose torch builds IF
-    nodes (the H200 run in docs/BENCHMARKS.md had torch 2.11, which has none). Known limits of
-    IF-node bodies (torch 2.13): no random numbers (``end_capture_to_conditional_node``
-    raises), no NCCL collectives in some set-ups (pytorch/pytorch#180960), and not with the
-    allocator's ``graph_capture_record_stream_reuse``.
-    """
-    return False
-
-
 # -- the mask way ---------------------------------------------------------------------------------
 
 
@@ -246,7 +142,7 @@ class SkipNonfinite:
             nothing is snapshotted); elsewhere (eager, CPU, emulated) the mask way, with the same
             bits. Needs ``ok`` before the step; raises :class:`ConditionalNodesUnavailable` at
             the first step on a CUDA device where torch cannot build IF nodes. ``"auto"``: the
-            mask way for now (:func:`_auto_if_node`).
+            mask way. ``"conditional"`` is experimental (:mod:`tgraph.if_node`).
     """
 
     def __init__(self, how: str = "auto") -> None:
@@ -296,31 +192,10 @@ class SkipNonfinite:
                     "protect(optimizers, ok=...) (an IF node reads it where the step starts)"
                 )
             return _Step(self, opts, list(extra), "snapshot")
-        if self._uses_if_node(ok, opts):
+        if if_node.uses_if_node(self.how, ok):  # experimental, opt-in (how="conditional")
             return _Step(self, opts, list(extra), "if_node", ok)
         way = "found_inf" if all(masks_with_found_inf(o) for o in opts) else "snapshot"
         return _Step(self, opts, list(extra), way, ok)
-
-    def _uses_if_node(self, ok: torch.Tensor, opts: list[torch.optim.Optimizer]) -> bool:
-        """IF node for this step: under a real CUDA capture, where asked for and available.
-        Checked at every step on a CUDA device, so an unavailable ``how="conditional"`` fails
-        at the first (eager) step, not at capture."""
-        if not ok.is_cuda or self.how == "mask":
-            return False
-        if self.how == "auto" and not _auto_if_node(opts):
-            return False
-        reason = conditional_nodes_unavailable(ok.device)
-        if reason is not None:
-            if self.how == "auto":
-                return False
-            raise ConditionalNodesUnavailable(
-                f"SkipNonfinite(how='conditional') needs CUDA-graph conditional (IF) nodes, which "
-                f"are unavailable here: {reason}. Fix: use how='mask' or how='auto' (the same "
-                "results through a 0/1 mask: OptimizerGraph(..., skip_nonfinite_how='auto')), or "
-                "a torch whose torch.cuda.CUDAGraph has begin_capture_to_if_node (torch 2.13 "
-                "has it; a CUDA >= 12.4 build, not ROCm)."
-            )
-        return _real_capture(ok)
 
     def _snapshot(
         self, opts: list[torch.optim.Optimizer], tensors: list[torch.Tensor]
@@ -368,9 +243,7 @@ class _Step:
         if self._way == "if_node":
             # the eager warmups' snapshot buffers are not needed by this graph: free them
             self._guard._snapshots.pop(tuple(id(o) for o in self._opts), None)
-            graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-            graph.begin_capture_to_if_node(self._ok)  # the step's kernels go into its body
-            self._if_graph = graph
+            self._if_graph = if_node.open_if_node(self._ok)  # the step's kernels go in its body
             return self.commit
         if self._way == "found_inf":
             # only what the optimizers do not own needs a snapshot (usually nothing)
@@ -402,7 +275,7 @@ class _Step:
     def _close_if_node(self) -> None:
         graph, self._if_graph = self._if_graph, None
         if graph is not None:
-            graph.end_capture_to_conditional_node()
+            if_node.close_if_node(graph)
 
     def _select(self, ok: torch.Tensor) -> None:
         if self._snap is not None:

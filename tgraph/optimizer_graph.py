@@ -5,7 +5,7 @@ Usage, next to :func:`tgraph.enable`::
 
     tgraph.enable(model)
     opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
-    opt_graph = tgraph.OptimizerGraph(opt, clip_grad_norm=1.0)   # skip_nonfinite=True
+    opt_graph = tgraph.OptimizerGraph(opt, clip_grad_norm=1.0, skip_nonfinite=True)
     for step, (x, y) in enumerate(loader):
         _, loss = model(x, y)
         loss.backward()
@@ -27,7 +27,7 @@ value (one copy and three integer passes). A first step that created state and i
 that state deleted (one host read, eager warmup only). A device counter adds ``1 - ok`` at every
 step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync). With
 ``skip_nonfinite_how="conditional"`` the captured step sits in a CUDA-graph IF node on the flag
-instead, where torch builds them (tgraph/nonfinite.py).
+instead, where torch builds them (experimental, opt-in: tgraph/if_node.py).
 
 Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors
 (per-layer graphs do at every backward). :class:`OptimizerGraph` owns one flat gradient buffer;
@@ -40,29 +40,31 @@ where the capture had none (call :meth:`OptimizerGraph.reset`). Capture happens 
 after ``warmup_steps`` eager ones; a captured step that would create optimizer state is undone and
 run eagerly, and the next step is captured.
 
-Skipping non-finite steps lives in tgraph/nonfinite.py.
+Skipping non-finite steps lives in tgraph/nonfinite.py; the capture protocol (optimizer checks,
+learning rates as tensors, snapshot, restore on failure) is tgraph/step_capture.py's, shared with
+:class:`tgraph.FullIterationGraph`.
+
+Extension points: a subclass that steps another kind of optimizer (megatron-core's, in
+:mod:`tgraph.integrations.megatron_optimizer`) overrides the public hooks of
+:class:`OptimizerGraph` listed in its docstring, and nothing else.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from typing import Any
 
 import torch
 
-from tgraph.backend import GraphFactory, resolve_backend
-from tgraph.guards import CaptureError, RefuseLrWrites, explain_capture_failure
-from tgraph.hyperparams import (
-    HyperParams,
-    baked_layout,
-    check_graphable_optimizer,
-    layout_change,
-)
+from tgraph import step_capture
+from tgraph.backend import GraphFactory, check_backend_name
+from tgraph.guards import CaptureError
+from tgraph.hyperparams import HyperParams, baked_layout, layout_change
+from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
 from tgraph.pool import at_address
-from tgraph.snapshot import Snapshot
+from tgraph.step_capture import StepCapture
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +76,9 @@ _RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
 
 def _packed_gradient_buffers() -> list[torch.Tensor]:
     """Every captured per-layer unit's packed parameter-gradient buffer (tgraph.grads)."""
-    from tgraph.module import _manager  # the per-layer graphs of this process
+    from tgraph.module import packed_gradient_buffers  # imports this module's users: lazily
 
-    return [u.packing.flat for u in _manager.units if u.packing.packed]
+    return packed_gradient_buffers()
 
 
 def _inside(t: torch.Tensor, regions: list[tuple[int, int]]) -> bool:
@@ -106,6 +108,15 @@ def _flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 _ELSEWHERE = ", but the graph runs on {device}: one OptimizerGraph per device"
 
+# The private hooks of earlier releases, and the public hooks that replace them.
+_OLD_HOOKS = {
+    "_protected_extra": "protected_tensors",
+    "_norm_and_clip": "norm_and_clip",
+    "_inner_step": "inner_step",
+    "_grad_ownership": "bind_grads",
+    "_check_grads": "refresh_grads",
+}
+
 
 class OptimizerGraph:
     """``optimizer.step()`` with clipping, non-finite skipping and gradient zeroing as one graph.
@@ -120,9 +131,14 @@ class OptimizerGraph:
         norm_type: the norm of clipping and of the finiteness check.
         skip_nonfinite: skip the step (parameters and state untouched, Adam's step count
             included) when the gradient norm, or the loss passed to :meth:`step`, is not finite.
-        skip_nonfinite_how: ``"auto"``, ``"mask"`` or ``"conditional"`` (the captured step inside
-            a CUDA-graph IF node on the flag, where torch builds them): see
-            :class:`tgraph.nonfinite.SkipNonfinite`.
+            Default False, as :class:`tgraph.FullIterationGraph`: the graph then steps exactly
+            as the eager ``optimizer.step()`` it replaces, and costs nothing extra (skipping an
+            optimizer that is not fused snapshots every parameter and state tensor at each
+            step). Until the next release, leaving it out (None) warns (``FutureWarning``),
+            since the default used to be True.
+        skip_nonfinite_how: ``"auto"``, ``"mask"`` or ``"conditional"`` (experimental, opt-in:
+            the captured step inside a CUDA-graph IF node on the flag, where torch builds them,
+            :mod:`tgraph.if_node`): see :class:`tgraph.nonfinite.SkipNonfinite`.
         zero_grad: zero the captured ``.grad`` tensors in place at the end of every step (see the
             module docstring on gradient ownership). With False, zero them yourself in place
             (``optimizer.zero_grad(set_to_none=False)``).
@@ -132,7 +148,36 @@ class OptimizerGraph:
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
         ValueError: a bad argument value.
+
+    Extension points, for a subclass that steps another kind of optimizer (the defaults step
+    ``optimizer`` and own ``.grad`` buffers; :class:`tgraph.integrations.megatron_optimizer.
+    MegatronOptimizerGraph` overrides them for megatron-core's optimizer):
+
+    * :attr:`optimizers`: the torch optimizers the step runs (their learning rates reach the
+      graph, their state is snapshotted and checked);
+    * :meth:`params`: the parameters whose gradients the step reads;
+    * :meth:`protected_tensors`: tensors besides those a skipped step restores;
+    * :meth:`norm_and_clip`: the gradient norm (and clipping) before the step;
+    * :meth:`inner_step`: the step itself;
+    * :meth:`bind_grads`: at capture, the gradient buffers the graph reads;
+    * :meth:`refresh_grads`: before each replay, bring the step's gradients into them.
+
+    Each runs inside the captured step or around it as its docstring says; none may sync with
+    the host. (The underscore names of earlier releases still work for one release, with a
+    ``DeprecationWarning``.)
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in _OLD_HOOKS.items():
+            if old in cls.__dict__ and new not in cls.__dict__:
+                warnings.warn(
+                    f"{cls.__name__}.{old} overrides a private hook of OptimizerGraph, which is "
+                    f"deprecated; override {new}() instead",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                setattr(cls, new, cls.__dict__[old])
 
     def __init__(
         self,
@@ -140,7 +185,7 @@ class OptimizerGraph:
         *,
         clip_grad_norm: float | None = None,
         norm_type: float = 2.0,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool | None = None,
         skip_nonfinite_how: str = "auto",
         zero_grad: bool = True,
         warmup_steps: int = 1,
@@ -158,8 +203,16 @@ class OptimizerGraph:
             raise ValueError(
                 f"skip_nonfinite_how must be one of {HOWS}, got {skip_nonfinite_how!r}"
             )
-        if backend not in ("auto", "cuda", "emulated"):
-            raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'cuda' or 'emulated'")
+        check_backend_name(backend)
+        if skip_nonfinite is None:  # not given: False, with a warning for one release
+            warnings.warn(
+                f"{type(self).__name__}: the default of skip_nonfinite is now False (as "
+                "FullIterationGraph's); pass skip_nonfinite=True to keep skipping non-finite "
+                "steps, or skip_nonfinite=False to silence this warning",
+                FutureWarning,
+                stacklevel=2,
+            )
+            skip_nonfinite = False
         self.optimizer = optimizer
         self.clip_grad_norm = clip_grad_norm
         self.norm_type = float(norm_type)
@@ -168,7 +221,9 @@ class OptimizerGraph:
         self.warmup_steps = warmup_steps
         self.backend = backend
         self.capture_seconds = 0.0
+        self.pool_bytes = 0
         self._reset_state()
+        step_capture.register(self)
 
     def _reset_state(self) -> None:
         self._factory: GraphFactory | None = None
@@ -186,9 +241,9 @@ class OptimizerGraph:
         self._norm: torch.Tensor | None = None
         self._layout: tuple = ()
         self._read_in_place: list[torch.Tensor] = []  # per-layer gradient buffers it reads
-        self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)  # the optimizers' groups and state tensors at capture
+        self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)
 
-    # -- what the graph reads and changes (overridden by tgraph.integrations.megatron) --------
+    # -- extension points (the class docstring) -----------------------------------------------
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -196,9 +251,13 @@ class OptimizerGraph:
         return [self.optimizer]
 
     def params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients the step reads (default: the optimizers')."""
         return [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
 
-    def _norm_and_clip(self) -> torch.Tensor | None:
+    def norm_and_clip(self) -> torch.Tensor | None:
+        """Inside the step, first: the total gradient norm before clipping (a 0-dim device
+        tensor), after clipping to ``clip_grad_norm``; None when neither clipping nor skipping
+        needs it."""
         grads = [p.grad for p in self.params() if p.grad is not None]
         if self.clip_grad_norm is not None:
             return torch.nn.utils.clip_grad_norm_(
@@ -208,11 +267,13 @@ class OptimizerGraph:
             return total_norm(grads, self.norm_type)
         return None
 
-    def _protected_extra(self) -> list[torch.Tensor]:
-        """Tensors besides the optimizers' parameters and state that a skipped step restores."""
+    def protected_tensors(self) -> list[torch.Tensor]:
+        """Tensors besides the optimizers' parameters and state that a skipped step restores
+        (default: none)."""
         return []
 
-    def _inner_step(self) -> None:
+    def inner_step(self) -> None:
+        """Inside the step, after :meth:`norm_and_clip`: the optimizer step itself."""
         self.optimizer.step()
 
     def _clear_grads(self) -> None:
@@ -222,11 +283,22 @@ class OptimizerGraph:
             for p in self.params():
                 p.grad = None
 
-    def _grad_ownership(self) -> None:
-        """At capture: the graph's own gradient buffers (one flat allocation, fixed address),
-        filled with this step's gradients; the parameters it never steps."""
+    def bind_grads(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """At capture, before the step is captured: the gradient buffers the graph reads.
+
+        Returns:
+            ``(pairs, gradless)``: ``(parameter, buffer)`` for every gradient the graph reads
+            (at a fixed address), and the parameters it never steps (they must keep
+            ``.grad`` None; checked at the first replay). The default reads the packed
+            buffers of per-layer graphs in place and gives every other gradient a buffer of
+            the graph's own (one flat allocation), filled with this step's gradients and made
+            the parameters' ``.grad``.
+
+        Raises:
+            ValueError: no gradient to step.
+        """
         live = [(p, p.grad) for p in self.params() if p.grad is not None]
-        self._gradless = [p for p in self.params() if p.grad is None]
+        gradless = [p for p in self.params() if p.grad is None]
         if not live:
             raise ValueError(
                 "OptimizerGraph: no parameter has a .grad at capture; call step() after "
@@ -239,22 +311,28 @@ class OptimizerGraph:
         self._read_in_place = flats  # their memory must outlive this graph (tgraph.reset())
         own = [g for _, g in live if not _inside(g, packed)]
         buffers = iter(_flat_like(own))
-        self._grads = []
+        pairs = []
         for p, g in live:
             if _inside(g, packed):  # the memory the layer's backward graph writes, forever: read
                 # at its address, which the storage swaps that move .grad views out leave alone
-                self._grads.append((p, at_address(g)))
+                pairs.append((p, at_address(g)))
             else:
                 b = next(buffers)
                 with torch.no_grad():
                     b.copy_(g)
-                self._grads.append((p, b))
+                pairs.append((p, b))
                 p.grad = b
         self.own_grad_bytes = sum(g.numel() * g.element_size() for g in own)
+        return pairs, gradless
 
-    def _check_grads(self) -> None:
-        """Before a replay: copy the step's gradients into the graph's buffers (one
-        multi-tensor copy; module docstring)."""
+    def refresh_grads(self) -> None:
+        """Before a replay (no grad mode): copy the step's gradients into the graph's buffers
+        (one multi-tensor copy; module docstring).
+
+        Raises:
+            ValueError: a gradient the graph reads is missing, or a parameter it never steps
+                has one now (call :meth:`reset`).
+        """
         dst, src = [], []
         for p, b in self._grads:
             live = p.grad
@@ -283,14 +361,14 @@ class OptimizerGraph:
     def _run(self) -> None:
         """The captured body: norm (and clip), flag, protected step, zeroing."""
         with torch.no_grad():
-            norm = self._norm_and_clip()
+            norm = self.norm_and_clip()
             if self.guard is not None:
                 ok = finite(norm, self._static_loss)
-                with self.guard.protect(self.optimizers, self._protected_extra(), ok) as commit:
-                    self._inner_step()
+                with self.guard.protect(self.optimizers, self.protected_tensors(), ok) as commit:
+                    self.inner_step()
                     commit(ok)
             else:
-                self._inner_step()
+                self.inner_step()
             if norm is not None:
                 if self._norm is None:
                     self._norm = torch.zeros_like(norm)
@@ -304,7 +382,7 @@ class OptimizerGraph:
                 skips the step. Pass it at every call or at none (the graph reads a static copy).
 
         Raises:
-            ValueError: see :meth:`_check_grads`, a misconfigured optimizer, a changed baked
+            ValueError: see :meth:`refresh_grads`, a misconfigured optimizer, a changed baked
                 hyper-parameter, or ``loss`` given at some calls only.
             tgraph.CaptureError: capture failed; later steps run eagerly (with a warning).
         """
@@ -320,9 +398,8 @@ class OptimizerGraph:
             # before any step: a host-stepping optimizer would be refused at capture anyway,
             # and its eager steps keep tensors on the host (Adam's step count) that the skip
             # guard would mix with device tensors
-            for opt in self.optimizers:
-                check_graphable_optimizer(opt, device, _ELSEWHERE.format(device=device))
-            self._factory = GraphFactory(resolve_backend(self.backend, device), device)
+            step_capture.check_optimizers(self.optimizers, device, _ELSEWHERE.format(device=device))
+            self._factory = GraphFactory.for_device(self.backend, device)
         if self._failed or self._eager_calls < self.warmup_steps or self._state_changed:
             return self._eager()
         if any(p.grad is not None and id(p) not in self._stepped for p in self.params()):
@@ -366,63 +443,62 @@ class OptimizerGraph:
         self._eager_calls += 1
 
     def _capture(self) -> None:
+        """The step-capture protocol (tgraph.step_capture) around :meth:`_run`; a captured step
+        that created optimizer state is undone and run eagerly (the next step captures)."""
         f = self._factory
-        for opt in self.optimizers:
-            check_graphable_optimizer(opt, f.device, _ELSEWHERE.format(device=f.device))
-        layout = [state_layout(o) for o in self.optimizers]
+        step = StepCapture(
+            f,
+            "the optimizer step of OptimizerGraph",
+            self.optimizers,
+            elsewhere=_ELSEWHERE.format(device=f.device),
+        )
+        layout = self._state_layouts()
         live_grads = [(p, p.grad) for p in self.params()]
-        hp = HyperParams(self.optimizers)
-        hp.prepare()
-        lr_tensors = [g["lr"] for _, _, g in hp._groups if isinstance(g["lr"], torch.Tensor)]
-        graph = f.new_graph()
         extra = [
             t for t in (self._norm, self.guard and self.guard.skipped_steps_tensor) if t is not None
         ]
-        runs = f.backend != "cuda"  # an emulated capture executes the step; a CUDA one does not
-        snap = Snapshot(
-            self.params(),
-            extra,
-            f.device,
-            optimizers=self.optimizers,
-            params_values=runs,
-            state_values=runs,
-        )
-        self._grad_ownership()
-        f.synchronize()
-        start = time.perf_counter()
+        step.save(self.params(), extra)
         try:
-            with f.side_stream(), RefuseLrWrites(lr_tensors):
-                graph.capture(self._run)
+            self._grads, self._gradless = self.bind_grads()
+        except BaseException:
+            step.undo()
+            raise
+        created = False
+        try:
+            with step.undone_on_failure():  # also deletes state the capture created
+                try:
+                    step.capture(self._run, refuse_lr_writes=True)
+                except BaseException:
+                    created = self._state_layouts() != layout
+                    raise
         except BaseException as exc:
-            created = [state_layout(o) for o in self.optimizers] != layout
-            f.synchronize()
-            snap.restore()  # also deletes state the capture created
-            hp.restore()
             self._grads, self._gradless = [], []
-            if created and isinstance(exc, CaptureError):
+            if (
+                created
+                and isinstance(exc, CaptureError)
+                and isinstance(exc.__cause__, CaptureError)
+            ):
                 # The step created optimizer state (SkipNonfinite refuses to capture that, e.g.
                 # the first step of a parameter that had no gradient before): not capturable,
                 # but not a failure either. Run it eagerly; capture at the next step.
                 return self._eager()
             self._failed = True
-            if isinstance(exc, ValueError):
-                raise
-            raise explain_capture_failure("the optimizer step of OptimizerGraph", exc) from exc
-        if [state_layout(o) for o in self.optimizers] != layout:  # created state: undo
-            f.synchronize()
-            snap.restore()  # drop the state first: the graph's pool must hold no live tensor
-            hp.restore()
-            graph.reset()
+            raise
+        if self._state_layouts() != layout:  # created state: undo
+            step.undo()  # drop the state first: the graph's pool must hold no live tensor
+            step.graph.reset()
             self._grads, self._gradless = [], []
             return self._eager()
-        f.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        self._graph, self._hparams = graph, hp
+        self.capture_seconds, self.pool_bytes = step.seconds, step.pool_bytes
+        self._graph, self._hparams = step.graph, step.fresh
         self._layout = baked_layout(self.optimizers)
         logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
-        if f.backend == "cuda":  # a CUDA capture executed nothing: this call's step is a replay
-            graph.replay()
+        if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
+            step.graph.replay()
         self._after_step(live_grads)
+
+    def _state_layouts(self) -> list[dict[int, frozenset]]:
+        return [state_layout(o) for o in self.optimizers]
 
     def _after_step(self, live_grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         if self.zero_grad:
@@ -435,7 +511,7 @@ class OptimizerGraph:
         self._hparams.refresh()
         live = None if self.zero_grad else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
-            self._check_grads()
+            self.refresh_grads()
         self._graph.replay()
         if live is not None:
             self._after_step(live)
@@ -458,6 +534,33 @@ class OptimizerGraph:
         """The last step's total gradient norm before clipping (a fresh device tensor), or None
         without clipping and skipping."""
         return None if self._norm is None else self._norm.clone()
+
+    def capture_report(self) -> CaptureReport:
+        """What the capture made, in the shape of :func:`tgraph.create_graphs`'s report
+        (``entry="OptimizerGraph"``; all zeros before the capture)."""
+        return CaptureReport(
+            graphs=int(self.captured),
+            runners=0,
+            segments=0,
+            seconds=self.capture_seconds if self.captured else 0.0,
+            pool_bytes=self.pool_bytes if self.captured else 0,
+            backends=[self._factory.backend] if self.captured else [],
+            eager_modules=[],
+            memory=self.memory_report(),
+            entry="OptimizerGraph",
+        )
+
+    def memory_report(self) -> MemoryReport:
+        """The graph's buffers by kind (:class:`tgraph.MemoryReport`): the static loss
+        (``static_inputs``) and the gradient buffers of its own (``param_grads``; gradients
+        read in place from per-layer graphs are theirs)."""
+        if not self.captured:
+            return MemoryReport()
+        return MemoryReport(
+            units=1,
+            static_inputs=tensor_bytes([self._static_loss]),
+            param_grads=self.own_grad_bytes,
+        )
 
     def reset(self) -> None:
         """Drop the graph; learning rates become floats again; the next steps warm up anew."""

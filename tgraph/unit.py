@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from tgraph import grads as grads_module
 from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked, recording_outputs
@@ -54,6 +53,7 @@ from tgraph.grads import (
     ParamGradPacking,
     UnusedOutputs,
     reached_leaves,
+    swaps_storage,
 )
 from tgraph.guards import RefuseHostSync
 from tgraph.memory import UnitMemory, tensor_bytes
@@ -343,7 +343,7 @@ class GraphedUnit:
         m.input_grads = tensor_bytes(self.static_grads)
         held = [self.packing.flat] if self.packing.packed else self._param_grads
         m.param_grads = tensor_bytes(held)
-        copied = not (self.packing.packed and grads_module.SWAPS_STORAGE)  # see ParamGradPacking
+        copied = not (self.packing.packed and swaps_storage())  # see ParamGradPacking
         m.param_grad_copy = m.param_grads if copied and self.autograd_params else 0
 
     def _autograd_params(self) -> list[torch.Tensor]:
@@ -487,7 +487,7 @@ class GraphedUnit:
                     self._last_outputs = None
                 if storage_uses(o) <= self._output_uses[i]:
                     continue
-                if not grads_module.SWAPS_STORAGE:
+                if not swaps_storage():
                     return (
                         "an output of its previous call (or a view or .detach() of it) is still "
                         "held, and this PyTorch cannot move it out of the graph's memory "
@@ -575,7 +575,7 @@ class GraphedUnit:
         ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
         parameters that only inactive outputs reach get None (:class:`UnusedOutputs`).
         """
-        clone = not grads_module.SWAPS_STORAGE  # see ParamGradPacking
+        clone = not swaps_storage()  # see ParamGradPacking
         kept = self.fusion.keep(self.packing.for_autograd(self._param_grads, clone))
         if not kept and self.autograd_params:  # the anchor leaf (see _autograd_params)
             kept = [None]

@@ -148,7 +148,7 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
 
     Beside :func:`enable_layer_graphs`, megatron's loop becomes::
 
-        opt_graph = MegatronOptimizerGraph(mopt)     # skip_nonfinite=True
+        opt_graph = MegatronOptimizerGraph(mopt, skip_nonfinite=True)
         for batch in batches:
             loss = forward_backward(model, batch)    # zero_grad_buffer(), fwd/bwd, grad sync
             opt_graph.step(loss)
@@ -163,14 +163,20 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
 
     Args:
         mopt: what ``get_megatron_optimizer`` returned (made graph-safe here).
-        skip_nonfinite, warmup_steps, backend: as :class:`tgraph.OptimizerGraph`.
+        skip_nonfinite, warmup_steps, backend: as :class:`tgraph.OptimizerGraph` (the default
+            of ``skip_nonfinite`` is False there and here; leaving it out warns for one
+            release).
+
+    It overrides :class:`tgraph.OptimizerGraph`'s extension points (its docstring lists them):
+    :attr:`optimizers`, :meth:`protected_tensors`, :meth:`norm_and_clip`, :meth:`inner_step`,
+    :meth:`bind_grads` and :meth:`refresh_grads`.
     """
 
     def __init__(
         self,
         mopt,
         *,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool | None = None,
         warmup_steps: int = 1,
         backend: str = "auto",
     ) -> None:
@@ -190,36 +196,40 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._inners)
 
-    def _protected_extra(self) -> list[torch.Tensor]:
+    def protected_tensors(self) -> list[torch.Tensor]:
+        """Every parameter of the optimizer's ``model_chunks`` (the fp32 master weights are
+        copied into them)."""
         chunks = getattr(self.megatron_optimizer, "model_chunks", None) or []
         return [p for chunk in chunks for p in chunk.parameters()]
 
-    def _norm_and_clip(self) -> torch.Tensor:
+    def norm_and_clip(self) -> torch.Tensor:
+        """megatron's ``prepare_grads()`` then its fp32 norm and clipping, on the device."""
         subs = _sub_optimizers(self.megatron_optimizer)
         self._saved_grads = [(p, p.grad) for sub in subs for p in sub.get_parameters()]
         for sub in subs:
             sub.prepare_grads()
         return _norm_and_clip(subs)
 
-    def _inner_step(self) -> None:
+    def inner_step(self) -> None:
+        """megatron's ``step_with_ready_grads()``; ``.grad`` as before the step."""
         for sub in _sub_optimizers(self.megatron_optimizer):
             sub.step_with_ready_grads()
         for p, g in self._saved_grads:  # .grad as before the step (see graph_safe_step)
             p.grad = g
 
-    def _grad_ownership(self) -> None:
-        params = {id(p): p for p in [*self.params(), *self._protected_extra()]}.values()
-        self._grads = [
-            (p, p.main_grad) for p in params if getattr(p, "main_grad", None) is not None
-        ]
-        self._gradless = []
-        if not self._grads:
+    def bind_grads(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """megatron DDP's ``main_grad`` buffers, read where they are (they never move)."""
+        params = {id(p): p for p in [*self.params(), *self.protected_tensors()]}.values()
+        pairs = [(p, p.main_grad) for p in params if getattr(p, "main_grad", None) is not None]
+        if not pairs:
             raise ValueError(
                 "MegatronOptimizerGraph: no parameter has main_grad; wrap the model in "
                 "megatron-core's DistributedDataParallel (its grad buffers have fixed addresses)"
             )
+        return pairs, []
 
-    def _check_grads(self) -> None:
+    def refresh_grads(self) -> None:
+        """Nothing to copy; refuse a ``main_grad`` that moved since the capture."""
         for p, g in self._grads:
             if p.main_grad is not g:
                 raise ValueError(

@@ -1,0 +1,232 @@
+"""The public API agrees with itself: exports, defaults, deprecated spellings, one report shape
+for every entry, what ``tgraph.reset()`` drops, and the backend decided by the backend."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_full_iteration import make_batches, make_model, make_optimizer, make_step
+
+import tgraph
+from tgraph import errors, step_capture
+from tgraph.backend import GraphFactory
+from tgraph.emulated import EmulatedBackend
+from tgraph.optimizer_graph import OptimizerGraph
+
+# -- exports -------------------------------------------------------------------------------------
+
+
+def test_exports_are_exactly_the_user_facing_names():
+    assert set(tgraph.__all__) == {
+        "CaptureError",
+        "CaptureReport",
+        "ConditionalNodesUnavailable",
+        "FullIterationGraph",
+        "GraphFallbackError",
+        "GraphFallbackWarning",
+        "GraphableModule",
+        "MemoryReport",
+        "OptimizerGraph",
+        "ReplayOrderError",
+        "StaleBackwardError",
+        "capture_report",
+        "capture_stream",
+        "create_graphs",
+        "decode",
+        "disable",
+        "enable",
+        "memory_report",
+        "register_generator",
+        "reset",
+        "reset_layer_graphs",
+        "unregister_generator",
+    }
+    for name in tgraph.__all__:
+        assert getattr(tgraph, name) is not None
+
+
+def test_error_classes_are_distinct_runtime_errors():
+    kinds = [tgraph.GraphFallbackError, tgraph.ReplayOrderError, tgraph.StaleBackwardError]
+    assert kinds == [errors.GraphFallbackError, errors.ReplayOrderError, errors.StaleBackwardError]
+    for i, a in enumerate(kinds):
+        assert issubclass(a, RuntimeError)
+        assert not any(issubclass(a, b) for b in kinds[:i] + kinds[i + 1 :])
+
+
+def test_resolve_backend_at_the_top_level_is_a_deprecated_alias():
+    from tgraph.backend import resolve_backend
+
+    with pytest.warns(DeprecationWarning, match=r"tgraph\.backend\.resolve_backend"):
+        alias = tgraph.resolve_backend
+    assert alias is resolve_backend
+    with pytest.raises(AttributeError):
+        tgraph.no_such_name  # noqa: B018
+
+
+# -- skip_nonfinite: one default ------------------------------------------------------------------
+
+
+def _sgd():
+    return torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, fused=True)
+
+
+def test_skip_nonfinite_defaults_agree():
+    with pytest.warns(FutureWarning, match="default of skip_nonfinite is now False"):
+        graph = OptimizerGraph(_sgd())
+    assert graph.guard is None  # False, as FullIterationGraph's default
+    assert tgraph.FullIterationGraph(lambda b: b)._skip is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert OptimizerGraph(_sgd(), skip_nonfinite=False).guard is None
+        assert OptimizerGraph(_sgd(), skip_nonfinite=True).guard is not None
+
+
+# -- the optimizer graph's extension points --------------------------------------------------------
+
+
+def test_old_private_hook_names_still_work_with_a_deprecation_warning():
+    calls = []
+    with pytest.warns(DeprecationWarning, match=r"_inner_step .*override inner_step\(\)"):
+
+        class Old(OptimizerGraph):
+            def _inner_step(self):
+                calls.append("old")
+                self.optimizer.step()
+
+    assert Old.inner_step is Old.__dict__["_inner_step"]
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1, fused=True)
+    graph = Old(opt, skip_nonfinite=False, backend="emulated")
+    for _ in range(3):  # eager, capture, replay
+        p.grad = torch.ones(2)
+        graph.step()
+    assert graph.captured
+    assert calls == ["old", "old"]  # the eager step and the capture; the replay runs no Python
+    torch.testing.assert_close(p.detach(), torch.full((2,), 0.7))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class New(OptimizerGraph):
+            def inner_step(self):
+                self.optimizer.step()
+
+
+# -- one report shape -------------------------------------------------------------------------------
+
+
+def _train_full(device, n=5):
+    model = make_model(device)
+    opt = make_optimizer("adamw", model, device)
+    step = tgraph.FullIterationGraph(make_step(model, opt), warmup_steps=2)
+    for b in make_batches(device, n=n):
+        step(b)
+    return step, model
+
+
+def test_every_entry_reports_in_one_shape(backend, device):
+    step, model = _train_full(device)
+    report = step.capture_report()
+    assert isinstance(report, tgraph.CaptureReport)
+    assert report.entry == "FullIterationGraph"
+    assert report.graphs == 1 and report.backends == [backend]
+    mem = step.memory_report()
+    assert isinstance(mem, tgraph.MemoryReport) and report.memory == mem
+    x, y = make_batches(device, n=1)[0]
+    assert mem.units == 1
+    assert mem.static_inputs == x.nbytes + y.nbytes
+    assert mem.static_outputs == 4  # the loss, one float32
+    assert mem.param_grads == sum(p.nbytes for p in model.parameters())
+    assert "FullIterationGraph graph" in str(report)
+
+    p = torch.nn.Parameter(torch.ones(3, device=device))
+    opt = torch.optim.SGD([p], lr=0.1, fused=True)
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
+    empty = graph.capture_report()
+    assert empty.graphs == 0 and empty.memory == tgraph.MemoryReport()
+    for _ in range(3):
+        p.grad = torch.ones(3, device=device)
+        graph.step(torch.zeros((), device=device))
+    report = graph.capture_report()
+    assert (report.entry, report.graphs, report.backends) == ("OptimizerGraph", 1, [backend])
+    assert report.memory.param_grads == graph.own_grad_bytes == p.nbytes
+    assert report.memory.static_inputs == 4  # the static loss
+
+    layers = tgraph.capture_report()  # per-layer graphs: none yet
+    assert (layers.entry, layers.graphs) == ("layers", 0)
+    assert tgraph.memory_report() == layers.memory
+
+
+def test_layer_report_is_what_create_graphs_returned(backend, device):
+    from test_optimizer_graph import make_batches as gpt_batches
+    from test_optimizer_graph import make_model as gpt_model
+
+    model = gpt_model(device)
+    tgraph.enable(model, backend=backend)
+    x, y = gpt_batches(device, 1)[0]
+    model(x, y)[1].backward()
+    report = tgraph.create_graphs()
+    assert tgraph.capture_report() is report and report.entry == "layers"
+    assert tgraph.memory_report() is report.memory
+    assert {f.name for f in report.__dataclass_fields__.values()} >= {"graphs", "memory", "entry"}
+
+
+# -- what reset() drops --------------------------------------------------------------------------------
+
+
+def test_reset_drops_whole_step_graphs_too_and_reset_layer_graphs_does_not(backend, device):
+    step, _ = _train_full(device)
+    assert step.num_graphs == 1
+    tgraph.reset_layer_graphs()
+    assert step.num_graphs == 1
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    opt = torch.optim.SGD([p], lr=0.1, fused=True)
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=False, backend=backend)
+    for _ in range(2):
+        p.grad = torch.ones(2, device=device)
+        graph.step()
+    assert graph.captured and isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    tgraph.reset()
+    assert step.num_graphs == 0 and not graph.captured
+    assert isinstance(opt.param_groups[0]["lr"], float)  # restored, as graph.reset() does
+    for _ in range(2):  # warms up and captures again
+        p.grad = torch.ones(2, device=device)
+        graph.step()
+    assert graph.captured
+
+
+def test_the_whole_step_registry_holds_entries_weakly():
+    import gc
+
+    gc.collect()
+    before = len(step_capture._owners)
+    graph = OptimizerGraph(_sgd(), skip_nonfinite=False)
+    assert graph in set(step_capture._owners) and len(step_capture._owners) == before + 1
+    del graph
+    gc.collect()
+    assert len(step_capture._owners) == before  # a graph nobody holds is not kept alive
+    tgraph.reset()
+
+
+# -- the backend decides ---------------------------------------------------------------------------------
+
+
+def test_the_backend_answers_what_differs():
+    f = GraphFactory("emulated", torch.device("cpu"))
+    assert isinstance(f.impl, EmulatedBackend)
+    assert f.executes_capture and f.backend == "emulated"
+    assert (f.warmup_steps(None), f.warmup_steps(0), f.warmup_steps(3)) == (1, 0, 3)
+    assert GraphFactory.for_device("auto", torch.device("cpu")).backend == "emulated"
+    with pytest.raises(ValueError, match="unknown backend"):
+        tgraph.OptimizerGraph(_sgd(), skip_nonfinite=False, backend="tpu")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        GraphFactory.for_device("cuda", torch.device("cpu"))
+
+
+@pytest.mark.cuda
+def test_the_cuda_backend_answers_what_differs():
+    f = GraphFactory.for_device("auto", torch.device("cuda"))
+    assert f.backend == "cuda" and not f.executes_capture
+    assert (f.warmup_steps(None), f.warmup_steps(0)) == (2, 1)

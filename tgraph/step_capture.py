@@ -1,0 +1,190 @@
+"""The whole-step capture protocol, shared by :class:`tgraph.FullIterationGraph` and
+:class:`tgraph.OptimizerGraph`.
+
+A whole-step capture (a training step, or the optimizer step alone) does the same five things
+in the same order, whichever entry asks:
+
+1. refuse optimizers a graph cannot step (:func:`tgraph.hyperparams.check_graphable_optimizer`);
+2. move the learning rates of optimizers not covered yet into device tensors
+   (:class:`tgraph.hyperparams.HyperParams`);
+3. snapshot what the capture may change (:class:`tgraph.snapshot.Snapshot`: values too when the
+   backend executes the captured function, references only on CUDA);
+4. capture on the backend's side stream, refusing a learning-rate tensor written inside the step
+   (a scheduler stepping inside it);
+5. on failure, undo 3 and 2 and raise a :class:`tgraph.CaptureError` that names the likely cause
+   (a ``ValueError``, a misconfiguration the message already explains, passes unchanged).
+
+:class:`StepCapture` holds one such capture. Usage::
+
+    step = StepCapture(factory, "the training step of X", optimizers, elsewhere=..., held=hps)
+    step.save(params, buffers)
+    with step.undone_on_failure():
+        out = step.capture(fn)
+    hparams = step.hparams          # held plus the ones this capture prepared
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from tgraph.backend import GraphFactory, stale_stream_override
+from tgraph.guards import RefuseLrWrites, check_lr_unwritten, explain_capture_failure
+from tgraph.hyperparams import HyperParams, check_graphable_optimizer
+from tgraph.snapshot import Snapshot
+
+
+def check_optimizers(
+    optimizers: Iterable[torch.optim.Optimizer], device: torch.device, elsewhere: str
+) -> None:
+    """Step 1: refuse an optimizer a graph on ``device`` cannot step (``elsewhere`` ends the
+    message for parameters on another device with the fix).
+
+    Raises:
+        ValueError: naming the param_group and the fix.
+    """
+    for opt in optimizers:
+        check_graphable_optimizer(opt, device, elsewhere)
+
+
+class StepCapture:
+    """One whole-step capture (module docstring): steps 1 and 2 at construction.
+
+    Args:
+        factory: the graphs' factory (its backend decides what the snapshot keeps).
+        what: names the captured step in error messages (``"the optimizer step of ..."``).
+        optimizers: the optimizers the step runs.
+        elsewhere: the end of the message for an optimizer with parameters on another device.
+        held: hyper-parameters prepared by earlier captures of the same owner; only the
+            param_groups they do not cover get new ones (:attr:`fresh`).
+
+    Raises:
+        ValueError: an optimizer a graph cannot step.
+    """
+
+    def __init__(
+        self,
+        factory: GraphFactory,
+        what: str,
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        elsewhere: str,
+        held: Sequence[HyperParams] = (),
+    ) -> None:
+        self.factory = factory
+        self.what = what
+        self.optimizers = list(optimizers)
+        check_optimizers(self.optimizers, factory.device, elsewhere)
+        new = [o for o in self.optimizers if not all(_covered(g, held) for g in o.param_groups)]
+        self.fresh: HyperParams | None = HyperParams(new) if new else None
+        if self.fresh is not None:
+            self.fresh.prepare()
+        self.hparams: list[HyperParams] = [*held, *([self.fresh] if self.fresh else [])]
+        """The hyper-parameters the captured graph reads: ``held`` plus :attr:`fresh`."""
+        self.lr_tensors = [t for hp in self.hparams for t in hp.lr_tensors()]
+        self.graph = factory.new_graph()
+        self.snapshot: Snapshot | None = None
+        self.seconds = 0.0
+        """Wall time of the capture (after synchronizing the device)."""
+        self.pool_bytes = 0
+        """Device memory the capture allocated (0 on the emulated backend)."""
+
+    def save(
+        self,
+        params: Iterable[torch.Tensor],
+        buffers: Iterable[torch.Tensor],
+        *,
+        drops_grads: bool = False,
+    ) -> None:
+        """Step 3: snapshot ``params`` (``.grad``, ``main_grad``), ``buffers`` and the
+        optimizers' state, with their values when the backend executes the captured step.
+
+        ``drops_grads``: the step may drop ``.grad`` (``zero_grad(set_to_none=True)`` inside
+        it); on CUDA the snapshot then holds ``.grad`` weakly, so a dropped gradient is freed
+        during the capture instead of adding to its peak (:class:`tgraph.snapshot.Snapshot`).
+        """
+        runs = self.factory.executes_capture
+        self.snapshot = Snapshot(
+            params,
+            buffers,
+            self.factory.device,
+            optimizers=self.optimizers,
+            params_values=runs,
+            state_values=runs,
+            weak_grads=drops_grads and not runs,
+        )
+
+    def capture(self, fn: Callable[[], Any], *, refuse_lr_writes: bool = False) -> Any:
+        """Step 4: capture ``fn`` into :attr:`graph` on the backend's side stream; returns
+        its output (the graph's static outputs).
+
+        A learning-rate tensor written inside ``fn`` raises :class:`tgraph.CaptureError`:
+        after the capture, from the tensors' version counters (invisible to
+        ``torch.compile``), or, with ``refuse_lr_writes``, at the write itself (a torch
+        function mode: the error's traceback points at the write).
+        """
+        f = self.factory
+        f.synchronize()
+        before, start = f.memory_allocated(), time.perf_counter()
+        versions = [t._version for t in self.lr_tensors]
+        guard = RefuseLrWrites(self.lr_tensors) if refuse_lr_writes else contextlib.nullcontext()
+        with f.side_stream(), stale_stream_override(), guard:
+            out = self.graph.capture(fn)
+        check_lr_unwritten(self.lr_tensors, versions)
+        f.synchronize()
+        self.seconds = time.perf_counter() - start
+        self.pool_bytes = f.memory_allocated() - before
+        return out
+
+    def undo(self) -> None:
+        """Put back what :meth:`save` saved and undo the hyper-parameters this capture
+        prepared (the graph itself is the caller's to reset)."""
+        self.factory.synchronize()
+        if self.snapshot is not None:
+            self.snapshot.restore()
+        if self.fresh is not None:
+            self.fresh.restore()
+        self.hparams = [hp for hp in self.hparams if hp is not self.fresh]
+
+    @contextlib.contextmanager
+    def undone_on_failure(self) -> Iterator[None]:
+        """Step 5: an exception inside undoes the capture (:meth:`undo`); a ``ValueError``
+        is re-raised as it is, anything else as a :class:`tgraph.CaptureError` naming the
+        likely cause (its ``__cause__`` is the original exception)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.undo()
+            if isinstance(exc, ValueError):
+                raise
+            raise explain_capture_failure(self.what, exc) from exc
+
+
+def _covered(group: dict, held: Sequence[HyperParams]) -> bool:
+    return any(hp.covers(group) for hp in held)
+
+
+# -- every whole-step graph alive, for tgraph.reset() ---------------------------------------------
+
+_owners: weakref.WeakSet = weakref.WeakSet()
+
+
+def register(owner: Any) -> None:
+    """Note a whole-step entry (an object with ``reset()``) so that :func:`reset_all` reaches
+    it; held weakly (an entry nobody references is dropped with its graphs)."""
+    _owners.add(owner)
+
+
+def reset_all() -> None:
+    """``reset()`` every whole-step entry alive: :class:`tgraph.FullIterationGraph` and
+    :class:`tgraph.OptimizerGraph` (their graphs dropped, learning rates floats again)."""
+    for owner in list(_owners):
+        owner.reset()
+
+
+__all__ = ["StepCapture", "check_optimizers", "register", "reset_all"]
