@@ -266,8 +266,8 @@ def run_peer(peer: str, model, config: str, batch: int, args, device, deadline: 
         row["peak_mem_mib"] = peak_memory_mib(device)
         row["peak_over_weights_mib"] = peak_memory_mib(device, since=base)
         row["tokens_per_s"] = batch * 1e3 / ms if ms else None
-        if ms is None:
-            row.update(status="skipped", reason="timing noise larger than the decode steps")
+        if ms is None:  # the tokens stand; only the time is unknown
+            row.update(reason="no time: timing noise larger than the decode steps")
     except Skip as exc:
         row.update(status="skipped", reason=str(exc))
     except Exception as exc:  # noqa: BLE001 - one failing peer must not hide the others
@@ -348,7 +348,7 @@ def compare(rows: list[dict]) -> dict:
             continue
         for other in ("hf_dynamic", *COMPILED):
             o = by_key.get((config, batch, other))
-            if o and o["status"] == "ok":
+            if o and o["status"] == "ok" and o["ms_per_step"] and r["ms_per_step"]:
                 r[f"speedup_vs_{other}"] = o["ms_per_step"] / r["ms_per_step"]
         if batch == 1:
             dyn = r.get("speedup_vs_hf_dynamic")
@@ -470,9 +470,12 @@ def _print_row(r: dict) -> None:
     if r["status"] != "ok":
         print(f"{where}: {r['status']}: {r['reason']}", flush=True)
         return
-    mem = r.get("peak_mem_mib")
+    mem, ms = r.get("peak_mem_mib"), r["ms_per_step"]
+    if ms is None:
+        print(f"{where}: {r['reason']}", flush=True)
+        return
     print(
-        f"{where}: {r['ms_per_step']:.3f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
+        f"{where}: {ms:.3f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
         f"peak {'-' if mem is None else f'{mem:.0f} MiB'}, setup {r['setup_s']:.1f}s",
         flush=True,
     )
