@@ -76,7 +76,7 @@ def _packed_gradient_buffers() -> list[torch.Tensor]:
     """Every captured per-layer unit's packed parameter-gradient buffer (tgraph.grads)."""
     from tgraph.module import _manager  # the per-layer graphs of this process
 
-    return [u.packing.flat for u in _manager.units if u.packing.packed]
+    return [u.cap.packing.flat for u in _manager.units if u.cap.packing.packed]
 
 
 def _inside(t: torch.Tensor, regions: list[tuple[int, int]]) -> bool:
