@@ -30,13 +30,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as nn_module
 
 from tgraph import memory
+from tgraph import unit as _unit
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import (
     call_with_own_hooks,
     describe_hooks,
-    has_own_forward_hooks,
     hooks_run_outside,
 )
 from tgraph.bridge import REBIND, Flight, hold_while_alive
@@ -49,7 +50,7 @@ from tgraph.runner import Runner, compiled_call, module_call
 from tgraph.segment import Segment, mergeable_chains
 from tgraph.signature import MutableArgument, call_key, difference, split
 from tgraph.snapshot import Snapshot
-from tgraph.unit import graphed_region, inside_graphed_region
+from tgraph.unit import graphed_region
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class _Manager:
         self.eager_calls = 0  # fallbacks to eager since the last reset (create_graphs' message)
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
-        if torch.is_inference_mode_enabled():
+        if _inference_mode():
             return self._eager(
                 module,
                 state,
@@ -226,6 +227,7 @@ class _Manager:
 
 _manager = _Manager()
 _TRAINING = operator.attrgetter("training")
+_inference_mode = torch.is_inference_mode_enabled
 
 
 class GraphableModule(nn.Module):
@@ -242,9 +244,14 @@ class GraphableModule(nn.Module):
 
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get("_tgraph")
-        if state is None or inside_graphed_region():
+        if state is None or _unit._depth:  # _depth: inside_graphed_region(), read in place
             return super().__call__(*args, **kwargs)
-        if has_own_forward_hooks(self) and hooks_run_outside(self):
+        if (  # has_own_forward_hooks(self), read in place: every call asks
+            self._forward_hooks
+            or self._forward_pre_hooks
+            or nn_module._global_forward_hooks
+            or nn_module._global_forward_pre_hooks
+        ) and hooks_run_outside(self):
             return call_with_own_hooks(
                 self, lambda a, k: _manager.call(self, state, a, k), args, kwargs
             )
