@@ -511,7 +511,8 @@ def grads_for_autograd(
         kept = [None]
     grads = [*cap.static_grads, *kept]
     if not clone and packing.packed:  # rescued before the buffer may be overwritten
-        cap.ledger.hold_grads(state, cap.bwd_index, packing.rescue)
+        storage = packing.flat.untyped_storage()._cdata
+        cap.ledger.hold_grads(state, cap.bwd_index, packing.rescue, storage, packing.baseline)
     if active is not None and not all(active):
         for pos in cap.unused.none_positions(active):
             grads[pos] = None

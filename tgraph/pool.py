@@ -69,8 +69,9 @@ class PoolLedger:
         # id(token) -> (owner, low, weak reference to the token): the outputs keep their token
         # alive, the ledger must not (a token whose outputs are all freed leaves at once)
         self._held: dict[int, tuple[Any, int, weakref.ref]] = {}
-        # id(owner) -> (its rescue of the packed gradients, its backward's index)
-        self._grads: dict[int, tuple[Callable[[], None], float]] = {}
+        # id(owner) -> (its rescue of the packed gradients, its backward's index, the buffer's
+        # storage and the uses of it that are tgraph's own)
+        self._grads: dict[int, tuple[Callable[[], None], float, int, int]] = {}
 
     def stamp(self) -> int:
         """The capture index of the next capture."""
@@ -86,10 +87,14 @@ class PoolLedger:
         """``owner``'s returned outputs are alive while ``token`` is (:class:`LiveOutputs`)."""
         self._held[id(token)] = (owner, low, weakref.ref(token))
 
-    def hold_grads(self, owner: Any, low: float, rescue: Callable[[], None]) -> None:
+    def hold_grads(
+        self, owner: Any, low: float, rescue: Callable[[], None], storage: int, own: int
+    ) -> None:
         """``owner``'s backward (capture ``low``) handed autograd views of its packed gradient
-        buffer; ``rescue`` moves them out of it (:meth:`tgraph.grads.ParamGradPacking.rescue`)."""
-        self._grads[id(owner)] = (rescue, low)
+        buffer (``storage``, an ``UntypedStorage._cdata``, used ``own`` times by tgraph);
+        ``rescue`` moves them out of it (:meth:`tgraph.grads.ParamGradPacking.rescue`), called
+        only while something else still views it."""
+        self._grads[id(owner)] = (rescue, low, storage, own)
 
     def rescue_outputs(self, index: float, owner: Any) -> None:
         """Before ``owner`` replays a graph of capture ``index``: move what the caller holds
@@ -104,8 +109,10 @@ class PoolLedger:
                 if token is not None:  # a freed token has left the ledger (its __del__)
                     token.rescue()  # leaves the ledger
         if self._grads:
-            for key in [k for k, (_, low) in self._grads.items() if index <= low]:
-                self._grads.pop(key)[0]()
+            for key in [k for k, entry in self._grads.items() if index <= entry[1]]:
+                rescue, _, storage, own = self._grads.pop(key)
+                if _use_count(storage) > own:
+                    rescue()
 
     def leave(self, key: int) -> None:
         self._live.pop(key, None)
