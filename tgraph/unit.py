@@ -46,8 +46,8 @@ from tgraph import grads as grads_module
 from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
-from tgraph.bridge import autograd_params, output_cdata
 from tgraph.captured import Captured, ReplayState
+from tgraph.follow import autograd_params, output_cdata
 from tgraph.grads import (
     MainGradFlags,
     MainGradFusion,
