@@ -96,7 +96,8 @@ def stubbed_replays():
     """Make ``replay`` of every captured graph's class a no-op: the step's host path without
     the replays themselves (module docstring)."""
     units = tgraph_module._manager.units
-    classes = {type(g) for u in units for g in (u.fwd_graph, u.bwd_graph) if g is not None}
+    graphs = [g for u in units for g in (u.cap.fwd_graph, u.cap.bwd_graph)]
+    classes = {type(g) for g in graphs if g is not None}
     saved = {cls: cls.replay for cls in classes}
     for cls in classes:
         cls.replay = _no_replay
@@ -301,17 +302,22 @@ def time_key(sample: tuple) -> dict:
 def time_checks() -> dict:
     """Best-of-7 microseconds of the fail-closed checks (what the graphs baked in, held
     outputs) per graphed module, alone, on the captured units as they are after a step."""
+    from tgraph import bridge
+    from tgraph.pool import use_counts
+
     units = tgraph_module._manager.units
     layers = sum(len(u.members) for u in units) or 1
+    pairs = [(u.cap, u.state) for u in units]
 
-    def checks():
-        for u in units:
-            u.check_baked()
-            u._move_out_held_outputs()
+    def checks():  # as bridge.replay runs them
+        for cap, state in pairs:
+            bridge.check(cap, state)
+            if use_counts(state.output_cdata) != state.output_uses:
+                bridge.move_out_held_outputs(cap, state)
 
     n = 500
     per_step = min(timeit.repeat(checks, number=n, repeat=7)) / n * 1e6
-    baked = [u.baked for u in units if getattr(u, "baked", None) is not None]
+    baked = [c.baked for c, _ in pairs if c.baked is not None]
     return {
         "checks_us_per_module": per_step / layers,
         "attributes_checked": sum(len(s.keys) for b in baked for s in b.attrs),
@@ -326,15 +332,15 @@ def time_checks() -> dict:
 # reported as absent.
 TIMED_PARTS = {
     "call_key": ("tgraph.module", None, "call_key"),
-    "dispatch": ("tgraph.runner", "Runner", "call"),
-    "replay_path": ("tgraph.unit", "GraphedUnit", "replay"),
+    "dispatch": ("tgraph.module", None, "replay_call"),
+    "replay_path": ("tgraph.bridge", None, "replay"),
     "checks_replay_order": ("tgraph.pool", "PoolLedger", "unsafe_forward"),
-    "checks_baked": ("tgraph.unit", "GraphedUnit", "check_baked"),
-    "checks_held_outputs": ("tgraph.unit", "GraphedUnit", "_move_out_held_outputs"),
-    "input_copies": ("tgraph.unit", "GraphedUnit", "_copy_inputs"),
-    "autograd_function": ("tgraph.bridge", "GraphedCall", "apply"),
-    "merged_member_take": ("tgraph.segment", "Segment", "take"),
-    "outputs": ("tgraph.runner", "Runner", "outputs"),
+    "checks_baked": ("tgraph.bridge", None, "check"),
+    "checks_held_outputs": ("tgraph.bridge", None, "move_out_held_outputs"),
+    "input_copies": ("tgraph.bridge", None, "copy_inputs"),
+    "autograd_function": ("tgraph.bridge", None, "_apply"),
+    "merged_member_take": ("tgraph.bridge", None, "take"),
+    "outputs": ("tgraph.signature", "Template", "fill"),
     "backward": ("tgraph.bridge", "GraphedCall", "backward"),
 }
 
@@ -417,15 +423,15 @@ def breakdown(step, n: int, calls_per_step: float) -> dict:
 PARTS = {
     "call": ("module.py", "call"),
     "call_key": ("signature.py", "call_key"),
-    "dispatch": ("runner.py", "call"),
-    "segment_dispatch": ("segment.py", "call"),
-    "replay_path": ("unit.py", "replay"),
+    "dispatch": ("bridge.py", "call"),
+    "replay_path": ("bridge.py", "replay"),
+    "checks_baked": ("bridge.py", "check"),
     "checks_replay_order": ("pool.py", "unsafe_forward"),
-    "input_copies": ("unit.py", "_copy_inputs"),
-    "autograd_function": ("function.py", "apply"),
+    "input_copies": ("bridge.py", "copy_inputs"),
+    "autograd_function": ("bridge.py", "forward"),
     "graph_replay": ("profile_host.py", "_no_replay"),
-    "merged_member_take": ("segment.py", "take"),
-    "outputs": ("runner.py", "outputs"),
+    "merged_member_take": ("bridge.py", "take"),
+    "outputs": ("signature.py", "fill"),
     "live_outputs": ("pool.py", "__init__"),
     "backward": ("bridge.py", "backward"),
 }
@@ -505,7 +511,7 @@ def measure(a: argparse.Namespace, device: torch.device) -> dict:
         calls.update(time_key(timer.samples[0]))
         if len(timer.samples) > 1:
             calls["later_member"] = time_key(timer.samples[1])
-        if hasattr(tgraph_module._manager.units[0], "check_baked"):
+        if tgraph_module._manager.units[0].cap is not None:
             calls["fail_closed"] = time_checks()
             fc = calls["fail_closed"]
             print(

@@ -14,9 +14,8 @@ from test_layer_parity import check_gradient_accumulation
 from test_signature import Scaled
 
 import tgraph
-from tgraph import grads
+from tgraph import bridge, grads
 from tgraph.grads import ParamGradPacking, UnusedOutputs
-from tgraph.unit import GraphedUnit
 
 
 def check_parity(backend, device):
@@ -30,7 +29,7 @@ def check_parity(backend, device):
 def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
     check_parity(backend, device)
     tgraph.reset()
-    monkeypatch.setattr(GraphedUnit, "_copy_inputs", lambda self, tensors: True)  # no copy
+    monkeypatch.setattr(bridge, "copy_inputs", lambda cap, tensors: True)  # no copy
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         check_parity(backend, device)
 
@@ -75,7 +74,7 @@ def test_usual_step_hands_over_gradients_without_a_copy(backend, device, swaps):
     mod, eager, x = _scaled_pair(backend, device)
     mod(x).sum().backward()
     unit = next(iter(mod._tgraph.runners.values()))[0]
-    flat = unit.packing.flat.untyped_storage().data_ptr()
+    flat = unit.cap.packing.flat.untyped_storage().data_ptr()
     handed = mod.lin.weight.grad.untyped_storage().data_ptr() == flat
     assert handed == swaps, "handed over without a copy exactly when memory can be swapped"
     mod(2 * x).sum().backward()  # accumulate: the first gradient was moved out before replay
@@ -212,13 +211,12 @@ def test_planted_bug_unused_output_gives_zeros_is_caught(backend, device, monkey
 def test_planted_bug_stale_grad_output_buffer_is_caught(backend, device, monkeypatch):
     """The known-zero branch runs now: when b's gradient goes from used to unused, its buffer
     must be zeroed, or x.grad keeps b's old contribution."""
-    from tgraph.runner import Runner
 
-    def never_zero(self, grads):
-        for buf, i in zip(self.static_grad_outputs, self._out_rg):
+    def never_zero(cap, state, grads):
+        for buf, i in zip(cap.static_grad_outputs, cap.out_rg):
             if grads[i] is not None:
                 buf.copy_(grads[i])
 
-    monkeypatch.setattr(Runner, "copy_grad_outputs", never_zero)
+    monkeypatch.setattr(bridge, "copy_grad_outputs", never_zero)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         test_unused_output_gives_no_gradient(backend, device)

@@ -1,7 +1,7 @@
 """Activation recompute (torch.utils.checkpoint, non-reentrant) inside per-layer graphs.
 
 The forward graph keeps only the checkpoint's inputs; the backward graph recomputes the forward
-with the forward replay's random draws (tgraph.unit.GraphedUnit.replay_backward), so dropout
+with the forward replay's random draws (tgraph.bridge.replay_backward), so dropout
 masks and gradients equal eager checkpointing's.
 """
 
@@ -15,7 +15,7 @@ from layer_models import ATOL, RTOL, gpt_batches, tiny_gpt
 from torch.utils.checkpoint import checkpoint
 
 import tgraph
-from tgraph import unit as unit_module
+from tgraph import bridge
 
 
 def checkpointed(model, use_reentrant: bool = False):
@@ -74,10 +74,10 @@ def test_planted_bug_recompute_draws_other_numbers_is_caught(backend, device, mo
     """Without the rewind, the backward graph's recompute draws at the backward replay's
     generator offset, not the forward's: other dropout masks, wrong gradients."""
 
-    def no_rewind(self):
-        self.bwd_graph.replay()
+    def no_rewind(cap, state):
+        cap.bwd_graph.replay()
 
-    monkeypatch.setattr(unit_module.GraphedUnit, "replay_backward", no_rewind)
+    monkeypatch.setattr(bridge, "replay_backward", no_rewind)
     eager = train_grads(device, backend, graphed=False)
     graphed = train_grads(device, backend, graphed=True)
     with pytest.raises(AssertionError, match="step 1: Tensor-likes are not close"):
@@ -125,7 +125,7 @@ def test_unit_knows_it_recomputes(backend, device):
     model(x, y)[1].backward()
     tgraph.create_graphs()
     units = tgraph.module._manager.units
-    assert units and all(u.recomputes for u in units)
+    assert units and all(u.cap.recomputes for u in units)
 
 
 def test_reentrant_checkpoint_is_refused_with_a_clear_error(backend, device):

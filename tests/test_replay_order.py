@@ -96,8 +96,8 @@ def test_planted_bug_no_order_check_gives_wrong_gradients_on_cpu(monkeypatch):
     GPU does: 0.34 off on the H200), so the CPU suite sees the corruption."""
     models, eager = three_models("cpu")
     record_in_order(models, "emulated", "cpu")
-    monkeypatch.setattr(PoolLedger, "unsafe_forward", lambda self, unit: None)
-    monkeypatch.setattr(PoolLedger, "before_backward", lambda self, flight, unit: None)
+    monkeypatch.setattr(PoolLedger, "unsafe_forward", lambda self, owner, index: None)
+    monkeypatch.setattr(PoolLedger, "before_backward", lambda self, key, owner, name, index: None)
     xs = inputs("cpu")
     all_forwards_then_backwards(models, xs)
     all_forwards_then_backwards(eager, xs)
@@ -159,7 +159,7 @@ def test_backwards_in_nesting_order_replay_exactly(backend, device):
 
 def test_planted_bug_no_backward_check_gives_nan_on_cpu(monkeypatch):
     pair, _ = record_nested("emulated", "cpu")
-    monkeypatch.setattr(PoolLedger, "before_backward", lambda self, flight, unit: None)
+    monkeypatch.setattr(PoolLedger, "before_backward", lambda self, key, owner, name, index: None)
     x1, x2 = inputs("cpu", 2)
     ya, yb = pair.a(x1), pair.b(x2)
     ya.square().sum().backward()
@@ -233,7 +233,7 @@ def test_the_ledger_forgets_outputs_once_freed(backend, device):
     models, _ = three_models(device)
     record_in_order(models, backend, device, strict=True)
     xs = inputs(device)
-    ledger = tgraph.module._manager.units[0].ledger
+    ledger = tgraph.module._manager.units[0].cap.ledger
     for _ in range(20):
         for m, x in zip(models, xs):
             m(x).square().mean().backward()

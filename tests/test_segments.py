@@ -7,7 +7,7 @@ import torch
 from layer_models import ATOL, RTOL, MLPNet, mlp_batches, twin
 
 import tgraph
-from tgraph.segment import Segment
+from tgraph import bridge
 
 
 def _model(device):
@@ -83,13 +83,13 @@ def test_inplace_change_between_blocks_is_not_answered_by_the_merged_graph(backe
 
 
 def test_planted_bug_missing_version_check_is_caught(backend, device, monkeypatch):
-    real_take = Segment.take
+    real_take = bridge.take
 
-    def take_without_version_check(self, runner, tensors):
-        self._versions = [t._version for s in self.pending or [] for t in s] or self._versions
-        return real_take(self, runner, tensors)
+    def take_without_version_check(cap, state, j, tensors):
+        state.versions = [t._version for s in state.pending or [] for t in s] or state.versions
+        return real_take(cap, state, j, tensors)
 
-    monkeypatch.setattr(Segment, "take", take_without_version_check)
+    monkeypatch.setattr(bridge, "take", take_without_version_check)
     with pytest.raises(pytest.fail.Exception, match="DID NOT WARN"):  # answered from the graph
         check_inplace_change_between_blocks(backend, device)
 

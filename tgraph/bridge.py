@@ -1,54 +1,334 @@
-"""The autograd bridge: a replayed unit is one ``autograd.Function`` node.
+"""The replay of a captured unit, and the autograd bridge: one ``autograd.Function`` node.
 
-Forward replays the forward graph (the unit has copied the live inputs into its static buffers)
-and returns views of the static outputs. Backward copies the incoming gradients into the static
-grad-output buffers, replays the backward graph and returns the static input gradients and the
-parameter gradients (on PyTorch >= 2.13 views of the packed static buffer, which the pool's
-ledger moves out from under them before a replay may overwrite it; before 2.13 views of a fresh
-clone: :class:`tgraph.grads.ParamGradPacking`); the parameters are inputs of the node, so autograd
-accumulates their gradients and DDP / FSDP / Megatron hooks fire as in eager mode. ``unit`` is a
-:class:`tgraph.unit.GraphedUnit`.
+Everything here works on a frozen :class:`tgraph.captured.Captured` record and its unit's
+:class:`tgraph.captured.ReplayState`, never on the unit itself (:mod:`tgraph.unit` captures;
+``torch.cuda.make_graphed_callables``' ``Graphed`` function closes over its capture the same
+way). :func:`call` answers one graphed call: the head of a unit checks what the graphs baked
+in (:func:`check`), guards the pool's replay order, copies the live inputs into the static
+buffers and replays through :class:`GraphedCall`; a later member of a merged stack takes its
+outputs of that replay (:func:`take`).
+
+:class:`GraphedCall`'s forward replays the forward graph and returns views of the static
+outputs. Its backward copies the incoming gradients into the static grad-output buffers,
+replays the backward graph and returns the static input gradients and the parameter gradients
+(on PyTorch >= 2.13 views of the packed static buffer, which the pool's ledger moves out from
+under them before a replay may overwrite it; before 2.13 views of a fresh clone:
+:class:`tgraph.grads.ParamGradPacking`); the parameters are inputs of the node, so autograd
+accumulates their gradients and DDP / FSDP / Megatron hooks fire as in eager mode.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import weakref
+from operator import getitem
+from sys import modules as _sys_modules
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
+from tgraph import grads as grads_module
+from tgraph import rng
+from tgraph.baked import recording_outputs
+from tgraph.captured import Captured, ReplayState
 from tgraph.errors import StaleBackwardError
+from tgraph.follow import follow_moved, move_out_held_outputs, route
+from tgraph.pool import LiveOutputs, use_counts
+
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_data_ptr = torch.Tensor.data_ptr
+_grad_enabled = torch._C.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_OUTPUT_CAPTURING = "transformers.utils.output_capturing"
+
+BUSY = (
+    "every graph captured for this signature is awaiting its backward "
+    "(more calls in flight than in the recorded iteration)"
+)
+DIFFERENT_SHARED_INPUT = (
+    "an input captured as another graphed module's output buffer arrived as a different tensor"
+)
 
 
+class Rebind:
+    """:func:`check`'s answer when the modules hold new parameter objects on memory of their
+    own: the unit records them again (:meth:`tgraph.unit.GraphedUnit.rebind`), then retries."""
+
+
+REBIND = Rebind()
+
+
+class Flight:
+    """Marks a unit in flight (its :class:`ReplayState`) while this token is alive; an
+    autograd node holds it until its backward.
+
+    Args:
+        state: the unit's replay state.
+        cap: the unit's record once captured: a flight of a replay also enters the pool's
+            :class:`tgraph.pool.PoolLedger`, which checks that no replay overwrites memory
+            the unit still needs.
+        held: in flight because the outputs of a call without backward are alive, not because
+            a backward is awaited (guarded by :class:`tgraph.pool.LiveOutputs` instead).
+    """
+
+    __slots__ = ("state", "ledger", "__weakref__")
+
+    def __init__(self, state: ReplayState, cap: Captured | None = None, held: bool = False):
+        self.state = state
+        state.flight = id(self)
+        state.held = held
+        self.ledger = cap.ledger if cap is not None and not held else None
+        if self.ledger is not None:
+            self.ledger.enter(id(self), state, cap.name, cap.fwd_index, cap.bwd_index)
+
+    def land(self) -> None:
+        if self.state.flight == id(self):
+            self.state.flight = None
+            self.state.held = False
+        if self.ledger is not None:
+            self.ledger.leave(id(self))
+            self.ledger = None
+
+    def __del__(self) -> None:  # autograd graph freed without a backward
+        self.land()
+
+
+def hold_while_alive(state: ReplayState, outputs: list[torch.Tensor]) -> None:
+    """Keep the unit of ``state`` in flight while any of ``outputs`` is alive.
+
+    A call without backward (no_grad, frozen or parameter-free modules) has no backward to wait
+    for, yet its outputs are the static buffers the next replay overwrites: ``a = enc(x1);
+    b = enc(x2)`` must not make ``a`` equal ``b``. While an output lives, the next call gets
+    another unit (recording) or runs eagerly with a warning (after capture). Views taken
+    of an output and kept after the output itself is dropped are not tracked.
+    """
+    if outputs:
+        flight = Flight(state, held=True)
+        for o in outputs:
+            o._tgraph_flight = flight
+
+
+# ----------------------------------------------------------------------------- calls
+def call(cap: Captured | None, state: ReplayState, j: int, tensors: list[torch.Tensor]):
+    """The outputs of member ``j``'s call (the record's ``j``-th template fills them), or the
+    reason it must run eagerly, or :data:`REBIND`."""
+    if cap is None:
+        return BUSY
+    if j:
+        outs = take(cap, state, j, tensors)
+        if outs is not None:
+            return outs
+        if state.fell_back is not None:
+            return state.fell_back  # the stack runs eagerly for the same reason
+        return (
+            f"it was captured as module {j} of a merged stack ({cap.name}) but was not called "
+            "right after the previous module with that module's unmodified output and the "
+            "inputs shared with the first module (pass merge=False to tgraph.enable to graph "
+            "it alone)"
+        )
+    if state.flight is not None:
+        return BUSY
+    outs = replay(cap, state, tensors)
+    if len(cap.slices) == 1:
+        return outs
+    if outs.__class__ is not list:  # a reason, or REBIND
+        state.fell_back = outs if isinstance(outs, str) else None
+        return outs
+    state.fell_back = None
+    return start(cap, state, outs, tensors)
+
+
+def start(cap: Captured, state: ReplayState, outs: list, inputs: list) -> list[torch.Tensor]:
+    """After a merged stack's replay on the head's ``inputs``: keep every member's outputs (and
+    the inputs, which later members may share); return the head's outputs."""
+    state.pending = [outs[s] for s in cap.slices]
+    state.versions = [t._version for t in outs]
+    state.head_inputs = inputs  # the call's own fresh list
+    state.head_versions = [t._version for t in inputs]
+    state.next = 1
+    return state.pending[0]
+
+
+def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | None:
+    """Outputs of member ``j`` if this call continues the replayed stack as captured: each
+    input is the very tensor it was (the previous member's output, or the head's input),
+    unmodified."""
+    pending = state.pending
+    if pending is None or j != state.next:
+        return None
+    prev, base, versions = pending[j - 1], cap.slices[j - 1].start, state.versions
+    head, head_versions = state.head_inputs, state.head_versions
+    for t, (from_prev, k) in zip(tensors, cap.sources[j]):
+        if from_prev:
+            if t is prev[k] and t._version == versions[base + k]:
+                continue
+        elif t is head[k] and t._version == head_versions[k]:
+            continue
+        state.pending = None  # the stack was left: release its outputs
+        state.head_inputs = []
+        return None
+    state.next = j + 1
+    if j + 1 == len(pending):
+        state.pending, state.head_inputs = None, []
+    return pending[j]
+
+
+def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
+    """Replay the forward on live ``tensors``: the static outputs' views, or the reason the
+    call must run eagerly instead (or :data:`REBIND`)."""
+    why = check(cap, state)
+    if why is not None:
+        return why
+    if use_counts(state.output_cdata) != state.output_uses:
+        why = move_out_held_outputs(cap, state)
+        if why is not None:
+            return why
+    ledger = cap.ledger
+    why = ledger.unsafe_forward(state, cap.fwd_index)
+    if why is not None:
+        return why
+    if not copy_inputs(cap, tensors):
+        return DIFFERENT_SHARED_INPUT
+    if not cap.needs_backward:
+        cap.fwd_graph.replay()
+        outs = [o.detach() for o in cap.static_outputs]
+        for i in cap.aliasing_outputs:  # the static input buffer: the next call's copy
+            outs[i] = outs[i].clone()  # would overwrite it under the caller
+        hold_while_alive(state, outs)
+    else:
+        flight = Flight(state, cap)
+        if cap.recomputes:
+            state.rng_at_forward = rng.default_generator(cap.device).get_state()
+        if _functorch_active():
+            outs = list(GraphedCall.apply(cap, state, flight, *tensors, *state.autograd_params))
+        else:  # Function.apply without its Python wrapper's per-argument pass
+            outs = list(_apply(cap, state, flight, *tensors, *state.autograd_params))
+    if state.copy_in:
+        with torch.no_grad():  # a buffer the forward updates (running statistics)
+            b = cap.baked
+            for i in state.copy_in:
+                if b.is_buffer[i]:
+                    state.live[i].copy_(b.held[i])
+    token = LiveOutputs(ledger, state, cap.fwd_index, outs)  # no other graph overwrites them
+    state.last_outputs = weakref.ref(token)  # (tgraph.pool) nor this unit's next replay
+    return outs
+
+
+def copy_inputs(cap: Captured, tensors: list[torch.Tensor]) -> bool:
+    """Copy live inputs into the static buffers; False if a shared buffer (another unit's
+    static output) would be overwritten."""
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for buf, ptr, stride, shared, x in zip(
+        cap.static_inputs, cap.input_ptrs, cap.input_strides, cap.shared_inputs, tensors
+    ):
+        if x.data_ptr() == ptr and x.stride() == stride:
+            continue  # already the buffer: layer i's output is layer i+1's input
+        if shared:
+            return False  # the buffer is another runner's output; writing it would corrupt it
+        dst.append(buf)
+        src.append(x)
+    if dst:
+        was = _grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            torch._foreach_copy_(dst, src)
+        finally:
+            _set_grad_enabled(was)
+    return True
+
+
+# ------------------------------------------------------------ what the graphs baked in
+def check(cap: Captured, state: ReplayState):
+    """Before a replay: None when nothing the graphs baked in changed (a few C-level tuple
+    comparisons); otherwise follow what can be followed (re-pointed parameters, by a copy into
+    the memory the graph reads) or give the reason to run eagerly, or :data:`REBIND`."""
+    b = cap.baked
+    if b is None:
+        return None
+    epoch = RemovableHandle.next_id  # moves whenever a hook is registered anywhere
+    if epoch != state.hook_epoch or b.any_hooks:
+        why = b.changed_hooks(scan=True)
+        if why is not None:
+            return why
+        state.hook_epoch = epoch  # scanned: unchanged as of this epoch
+    try:
+        same = (
+            tuple(map(len, b.dicts)) == b.dict_sizes
+            and tuple(map(getitem, b.attr_tables, b.attr_keys)) == b.attr_values
+            and tuple(map(id, map(getitem, b.object_tables, b.object_keys))) == b.object_ids
+        )
+    except KeyError:
+        same = False
+    if not same:
+        why = b.changed_attrs()
+        if why is not None:
+            return why
+    if _sys_modules.get(_OUTPUT_CAPTURING) is not None:
+        recording = recording_outputs()
+        if recording is not None:
+            return (
+                f"transformers is recording {recording} through hooks inside the layer "
+                "(output_attentions / output_router_logits), which a graph does not run"
+            )
+    if cap.needs_backward and _saved_tensors_hooks(False) is not None:
+        return (
+            "torch.autograd.graph.saved_tensors_hooks are active, and a graph's backward "
+            "reads its saved activations without them"
+        )
+    try:
+        live = tuple(map(getitem, b.tensor_tables, b.tensor_keys))
+    except KeyError:
+        return b.replaced_tensors()  # names the removed parameter or buffer
+    if state.rerouted or tuple(map(id, live)) != b.tensor_ids:
+        route(cap, state, live)  # gradients go to the tensors the modules hold now
+        if b.replaced_tensors(live) is not None:
+            kept = [n for n, r, t in zip(b.names, b.refs, live) if r() is not None and r() is not t]
+            if kept:
+                return (
+                    f"{kept[0]} was replaced after capture while the captured tensor is still "
+                    "alive (torch.func.functional_call substitutes weights for one call; "
+                    "after load_state_dict(assign=True), the previous step's autograd graph "
+                    "holds the old parameters until it is freed)"
+                )
+            return REBIND
+    if state.copy_in or tuple(map(_data_ptr, live)) != b.ptrs:
+        return follow_moved(cap, state, live)
+    return None
+
+
+# ------------------------------------------------------------------- the autograd node
 class GraphedCall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, unit: Any, flight: Any, *tensors: torch.Tensor):
-        unit.fwd_graph.replay()
-        ctx.unit, ctx.flight = unit, flight
+    def forward(ctx, cap: Captured, state: ReplayState, flight: Flight, *tensors: torch.Tensor):
+        cap.fwd_graph.replay()
+        ctx.cap, ctx.state, ctx.flight = cap, state, flight
         # An output the loss did not use gets None, not zeros: then the parameters only it
         # reaches get no gradient, as in eager (tgraph.grads.UnusedOutputs).
         ctx.set_materialize_grads(False)
-        outs = tuple([o.detach() for o in unit.static_outputs])
+        outs = tuple([o.detach() for o in cap.static_outputs])
         # The backward graph may read the outputs as saved activations: saving them lets
         # autograd check their version counters (an in-place change raises, as in eager).
         # Keeping them on ctx instead would make a reference cycle through the autograd node.
         ctx.save_for_backward(*outs)
-        if unit._out_nodiff:  # marking none is the default
-            ctx.mark_non_differentiable(*[outs[i] for i in unit._out_nodiff])
+        if cap.out_nodiff:  # marking none is the default
+            ctx.mark_non_differentiable(*[outs[i] for i in cap.out_nodiff])
         return outs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        unit, flight = ctx.unit, ctx.flight
+        cap, state, flight = ctx.cap, ctx.state, ctx.flight
         if torch.is_grad_enabled():  # backward(create_graph=True), e.g. a gradient penalty
             raise RuntimeError(
-                f"tgraph: double backward through the graphed {unit} is not supported (its "
+                f"tgraph: double backward through the graphed {cap.name} is not supported (its "
                 "backward is a replayed graph, which autograd cannot differentiate). Run that "
                 "module eagerly for this loss: call it with a signature that was not recorded, "
                 "or tgraph.disable(model) for the gradient-penalty step."
             )
-        if unit.flight != id(flight):
+        if state.flight != id(flight):
             raise StaleBackwardError(
-                f"backward through {unit} ran after its graph buffers were reused by a newer "
+                f"backward through {cap.name} ran after its graph buffers were reused by a newer "
                 "forward (a second backward with retain_graph=True, or a backward of an old step). "
                 "Graphed modules support one backward per forward; use tgraph.reset() to go eager."
             )
@@ -56,18 +336,104 @@ class GraphedCall(torch.autograd.Function):
             ctx.saved_tensors  # noqa: B018 - unpacking checks the version counters
         except RuntimeError as exc:
             raise RuntimeError(
-                f"an output of {unit} was modified in place after its forward; its backward "
+                f"an output of {cap.name} was modified in place after its forward; its backward "
                 "graph reads the graph's static outputs, so the gradient would be wrong. Clone "
                 "the output before modifying it (y = block(x).clone())."
             ) from exc
-        unit.fusion.check()
-        active = tuple(grads[i] is not None for i in unit._out_rg)
+        cap.fusion.check()
+        active = tuple(grads[i] is not None for i in cap.out_rg)
         if not any(active):  # nothing reached this node's outputs: no gradient anywhere
             flight.land()
             return (None,) * len(ctx.needs_input_grad)
-        unit.ledger.before_backward(flight, unit)
-        unit.copy_grad_outputs(grads)
-        unit.replay_backward()  # tgraph.unit: the RNG offset a recompute needs
-        unit.after_backward()
+        cap.ledger.before_backward(id(flight), state, cap.name, cap.bwd_index)
+        copy_grad_outputs(cap, state, grads)
+        replay_backward(cap, state)  # the RNG offset a recompute needs
+        after_backward(cap, state)
         flight.land()
-        return (None, None, *unit.grads_for_autograd(active=active))
+        return (None, None, None, *grads_for_autograd(cap, state, active))
+
+
+_apply = super(torch.autograd.Function, GraphedCall).apply  # torch._C._FunctionBase.apply
+
+
+def copy_grad_outputs(cap: Captured, state: ReplayState, grads) -> None:
+    """Refresh the static grad-output buffers; a None gradient means zeros.
+
+    A buffer already known to hold zeros is not zeroed again (outputs whose gradient is
+    always None, e.g. the inner outputs of a merged stack, cost no kernel per step).
+    """
+    zero = state.grad_out_zero
+    for k, (buf, i) in enumerate(zip(cap.static_grad_outputs, cap.out_rg)):
+        g = grads[i]
+        if g is None:
+            if not zero[k]:
+                buf.zero_()
+                zero[k] = True
+        else:
+            if g.data_ptr() != buf.data_ptr():
+                buf.copy_(g)
+            zero[k] = False
+
+
+def replay_backward(cap: Captured, state: ReplayState) -> None:
+    """Replay the backward graph; a recomputing unit's replays from the generator offset its
+    forward replay started from.
+
+    ``torch.utils.checkpoint`` saves the RNG state before the checkpointed forward and restores
+    it before the recompute. Inside graphs that state is a position *within* the forward graph
+    (CUDA), and the recompute inside the backward graph positions that graph's draws relative
+    to the offset the backward graph replays from. Replaying the backward from the forward
+    replay's offset (then putting the generator back where it was) makes the recompute draw the
+    forward's numbers: the same dropout masks as eager checkpointing.
+    """
+    if not cap.recomputes or state.rng_at_forward is None:
+        cap.bwd_graph.replay()
+        return
+    gen = rng.default_generator(cap.device)
+    now = gen.get_state()
+    gen.set_state(state.rng_at_forward)
+    try:
+        cap.bwd_graph.replay()
+    finally:
+        gen.set_state(now)
+        state.rng_at_forward = None
+
+
+def after_backward(cap: Captured, state: ReplayState) -> None:
+    cap.flags.after_replay()
+    if cap.debug:  # stale reads show up as NaN instead of plausible numbers
+        for buf, shared in zip(cap.static_inputs, cap.shared_inputs):
+            if not shared:
+                _poison(buf.detach())
+        for buf in cap.static_grad_outputs:
+            _poison(buf)
+        state.grad_out_zero = [False] * len(cap.static_grad_outputs)
+
+
+def grads_for_autograd(
+    cap: Captured, state: ReplayState, active: tuple[bool, ...] | None = None
+) -> list[torch.Tensor | None]:
+    """Input gradients (static) + parameter gradients (views of the packed buffer, which the
+    pool's ledger protects, or of a copy of it; see ParamGradPacking).
+
+    ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
+    parameters that only inactive outputs reach get None (:class:`tgraph.grads.UnusedOutputs`).
+    """
+    clone = not grads_module.swaps_storage()  # see ParamGradPacking
+    packing = cap.packing
+    kept = cap.fusion.keep(packing.for_autograd(list(cap.param_grads), clone))
+    if not kept and state.autograd_params:  # the anchor leaf (see autograd_params)
+        kept = [None]
+    grads = [*cap.static_grads, *kept]
+    if not clone and packing.packed:  # rescued before the buffer may be overwritten
+        storage = packing.flat.untyped_storage()._cdata
+        cap.ledger.hold_grads(state, cap.bwd_index, packing.rescue, storage, packing.baseline)
+    if active is not None and not all(active):
+        for pos in cap.unused.none_positions(active):
+            grads[pos] = None
+    return grads
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(math.nan)

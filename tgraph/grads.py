@@ -193,6 +193,11 @@ class ParamGradPacking:
     def packed(self) -> bool:
         return bool(self._index)
 
+    @property
+    def baseline(self) -> int:
+        """Uses of the flat buffer's storage that are tgraph's own (:meth:`aliased`)."""
+        return self._baseline
+
     def _aliases(self) -> int:
         return storage_uses(self.flat)
 

@@ -152,11 +152,11 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], skip: Iterable[int] = (
     return total
 
 
-def memory_report(units: Iterable, grads_at_capture: int = 0) -> MemoryReport:
-    """Add up the :class:`UnitMemory` of ``units`` (captured :class:`tgraph.unit.GraphedUnit`)."""
+def memory_report(records: Iterable, grads_at_capture: int = 0) -> MemoryReport:
+    """Add up the :class:`UnitMemory` of ``records`` (:class:`tgraph.captured.Captured`)."""
     report = MemoryReport(grads_at_capture=grads_at_capture)
-    for u in units:
-        m = u.memory
+    for c in records:
+        m = c.memory
         report.units += 1
         for f in fields(UnitMemory):
             if f.name == "warmup_peak":

@@ -15,7 +15,8 @@ naming what changed; with ``strict=True`` it raises instead. A graph is never re
 it was not captured for.
 
 The mechanisms this life cycle drives live in their own files: the recorded iteration in
-record.py, a graphed unit (capture and replay) in unit.py, the shared memory pool in pool.py.
+record.py, a graphed unit's capture in unit.py (frozen into captured.py's record), its replay and
+autograd node in bridge.py, the shared memory pool in pool.py.
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as nn_module
 
 from tgraph import memory, step_capture
+from tgraph import unit as _unit
 from tgraph.backend import GraphFactory, check_backend_name, resolve_backend
 from tgraph.baked import (
     call_with_own_hooks,
     describe_hooks,
-    has_own_forward_hooks,
     hooks_run_outside,
 )
+from tgraph.bridge import REBIND, Flight, hold_while_alive
+from tgraph.bridge import call as replay_call
 from tgraph.errors import GraphFallbackError
 from tgraph.guards import CaptureError, explain_capture_failure
 from tgraph.memory import CaptureReport, MemoryReport
@@ -47,7 +51,7 @@ from tgraph.runner import Runner, compiled_call, module_call
 from tgraph.segment import Segment, mergeable_chains
 from tgraph.signature import MutableArgument, call_key, difference, split
 from tgraph.snapshot import Snapshot
-from tgraph.unit import Flight, graphed_region, hold_while_alive, inside_graphed_region
+from tgraph.unit import graphed_region
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +91,7 @@ class _Manager:
         self.eager_calls = 0  # fallbacks to eager since the last reset (create_graphs' message)
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
-        if torch.is_inference_mode_enabled():
+        if _inference_mode():
             return self._eager(
                 module,
                 state,
@@ -108,7 +112,7 @@ class _Manager:
             )
         runners = state.runners.get(key)
         if not self.captured:
-            runner = next((r for r in runners or () if r.flight is None), None)
+            runner = next((r for r in runners or () if r.state.flight is None), None)
             if runner is None:
                 links = [self.record.producer(t) for t in tensors]
                 runner = Runner(
@@ -125,16 +129,30 @@ class _Manager:
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
-            for r in runners:  # the first runner free to replay answers (tgraph.unit)
-                out = r.call(tensors)
-                if not isinstance(out, str):
-                    return out
+            for r in runners:  # the first runner free to replay answers (tgraph.bridge)
+                j = r.seg_index
+                out = replay_call(r.cap, r.state, j, tensors)
+                if out is REBIND:
+                    out = self._rebind(r, tensors)
+                if out.__class__ is list:
+                    template = r.cap.templates[j]
+                    return out[0] if template.bare else template.fill(out)
                 reason = out
         elif state.runners:
             reason = difference(next(iter(state.runners)), key, state.names)
         else:
             reason = "the module was not called during the recorded iteration"
         return self._eager(module, state, args, kwargs, reason)
+
+    def _rebind(self, runner: Runner, tensors: list):
+        """The modules of ``runner``'s unit hold new parameter objects: record them in a new
+        record (:meth:`tgraph.unit.GraphedUnit.rebind`) and key calls on them, then replay."""
+        unit = runner.segment or runner
+        unit.rebind()
+        for r in unit.members:  # the call key reads their requires_grad
+            r.module._tgraph.params = tuple(r.module.parameters())
+        out = replay_call(runner.cap, runner.state, runner.seg_index, tensors)
+        return "its parameters were replaced after capture" if out is REBIND else out
 
     def _record_call(self, runner: Runner, args: tuple, kwargs: dict, inputs: list):
         self.record.add(runner, "fwd")
@@ -143,12 +161,13 @@ class _Manager:
         outs, template = split(out)
         idx = [i for i, o in enumerate(outs) if o.requires_grad]
         if idx and torch.is_grad_enabled():
-            noted = NoteBackward.apply(self.record, Flight(runner), *(outs[i] for i in idx))
+            land = Flight(runner.state).land
+            noted = NoteBackward.apply(self.record, runner, land, *(outs[i] for i in idx))
             for i, t in zip(idx, noted):
                 outs[i] = t
             out = template.fill(outs)
         else:  # no backward: the runner stays busy while its outputs live
-            hold_while_alive(runner, [o for o in outs if all(o is not t for t in inputs)])
+            hold_while_alive(runner.state, [o for o in outs if all(o is not t for t in inputs)])
         self.record.note_outputs(runner, outs)
         return out
 
@@ -178,6 +197,7 @@ class _Manager:
 
 _manager = _Manager()
 _TRAINING = operator.attrgetter("training")
+_inference_mode = torch.is_inference_mode_enabled
 
 
 class GraphableModule(nn.Module):
@@ -201,9 +221,14 @@ class GraphableModule(nn.Module):
 
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get("_tgraph")
-        if state is None or inside_graphed_region():
+        if state is None or _unit._depth:  # _depth: inside_graphed_region(), read in place
             return super().__call__(*args, **kwargs)
-        if has_own_forward_hooks(self) and hooks_run_outside(self):
+        if (  # has_own_forward_hooks(self), read in place: every call asks
+            self._forward_hooks
+            or self._forward_pre_hooks
+            or nn_module._global_forward_hooks
+            or nn_module._global_forward_pre_hooks
+        ) and hooks_run_outside(self):
             return call_with_own_hooks(
                 self, lambda a, k: _manager.call(self, state, a, k), args, kwargs
             )
@@ -396,14 +421,14 @@ def create_graphs() -> CaptureReport:
             "and backward) eagerly, then call tgraph.create_graphs()"
         )
     runners = list(dict.fromkeys(r for r, _ in m.record.events))
-    waiting = [r for r in runners if r.flight is not None and not r.held]
+    waiting = [r for r in runners if r.state.flight is not None and not r.state.held]
     if waiting:
         raise RuntimeError(
             f"create_graphs() was called while a graphed forward ({waiting[0]}) still awaits its "
             "backward; call it between iterations, after every backward of the recorded one"
         )
     for r in runners:  # recorded no-grad outputs that are still alive are eager tensors:
-        r.flight, r.held = None, False  # capturing cannot touch them
+        r.state.flight, r.state.held = None, False  # capturing cannot touch them
     start = time.perf_counter()
     factories: dict[tuple[str, torch.device], GraphFactory] = {}
     factory_of_runner: dict[int, GraphFactory] = {}
@@ -475,15 +500,16 @@ def create_graphs() -> CaptureReport:
         for mod in m.modules
         if id(mod) not in called
     ]
+    records = [u.cap for u in units]
     m.report = CaptureReport(
-        graphs=sum((u.fwd_graph is not None) + (u.bwd_graph is not None) for u in units),
+        graphs=sum(1 + (c.bwd_graph is not None) for c in records),
         runners=len(runners),
         segments=len(m.segments),
         seconds=time.perf_counter() - start,
         pool_bytes=sum(f.memory_allocated() for f in factories.values()) - before,
         backends=sorted({f.backend for f in factories.values()}),
         eager_modules=eager,
-        memory=memory.memory_report(units, grads_at_capture=grads_alive),
+        memory=memory.memory_report(records, grads_at_capture=grads_alive),
     )
     logger.info("%s", m.report)
     return m.report
@@ -566,4 +592,4 @@ def is_enabled(module: nn.Module) -> bool:
 def packed_gradient_buffers() -> list[torch.Tensor]:
     """The packed parameter-gradient buffer of every captured per-layer unit
     (:class:`tgraph.grads.ParamGradPacking`): the memory their backward graphs write."""
-    return [u.packing.flat for u in _manager.units if u.packing.packed]
+    return [u.cap.packing.flat for u in _manager.units if u.cap.packing.packed]

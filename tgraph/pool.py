@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,71 +53,88 @@ NEVER = math.inf  # capture index of a backward that does not exist (no-grad cal
 class PoolLedger:
     """Live units of one pool and the capture-index window in which replays are safe for them.
 
-    A *flight* (see :class:`tgraph.unit.Flight`) enters the ledger when a captured unit's
+    A *flight* (:class:`tgraph.bridge.Flight`) enters the ledger when a captured unit's
     forward replays and leaves when its backward has replayed (or its autograd graph is freed);
-    the outputs a replay returns enter it as :class:`LiveOutputs` until they are freed.
+    the outputs a replay returns enter it as :class:`LiveOutputs` until they are freed. The
+    ledger knows a unit only as an ``owner`` (an object compared by identity: its replay
+    state), a name for messages and capture indices: it calls nothing of the unit's but the
+    ``rescue`` callable a backward hands it (:meth:`hold_grads`).
     """
 
     def __init__(self) -> None:
         self.clock = 0
-        # id(flight) -> (unit, lowest safe index, highest safe index)
-        self._live: dict[int, tuple[Any, int, float]] = {}
+        # id(flight) -> (owner, name, lowest safe index, highest safe index)
+        self._live: dict[int, tuple[Any, str, int, float]] = {}
         self._clobbered: dict[int, str] = {}  # id(flight) -> the graph that overwrote it
-        # id(token) -> (unit, low, weak reference to the token): the outputs keep their token
+        # id(token) -> (owner, low, weak reference to the token): the outputs keep their token
         # alive, the ledger must not (a token whose outputs are all freed leaves at once)
         self._held: dict[int, tuple[Any, int, weakref.ref]] = {}
-        self._grads: dict[int, tuple[Any, int]] = {}  # id(unit) -> (unit, its backward's index)
+        # id(owner) -> (its rescue of the packed gradients, its backward's index, the buffer's
+        # storage and the uses of it that are tgraph's own)
+        self._grads: dict[int, tuple[Callable[[], None], float, int, int]] = {}
 
     def stamp(self) -> int:
         """The capture index of the next capture."""
         self.clock += 1
         return self.clock
 
-    def enter(self, flight: Any, unit: Any) -> None:
-        self._live[id(flight)] = (unit, unit.fwd_graph.index, unit.bwd_graph.index)
+    def enter(self, key: int, owner: Any, name: str, low: int, high: float) -> None:
+        """Flight ``key`` of ``owner`` awaits its backward: replays of captures strictly
+        between ``low`` (its forward) and ``high`` (its backward) are safe for it."""
+        self._live[key] = (owner, name, low, high)
 
-    def hold_outputs(self, token: LiveOutputs, unit: Any) -> None:
-        """``unit``'s returned outputs are alive while ``token`` is (:class:`LiveOutputs`)."""
-        self._held[id(token)] = (unit, unit.fwd_graph.index, weakref.ref(token))
+    def hold_outputs(self, token: LiveOutputs, owner: Any, low: int) -> None:
+        """``owner``'s returned outputs are alive while ``token`` is (:class:`LiveOutputs`)."""
+        self._held[id(token)] = (owner, low, weakref.ref(token))
 
-    def hold_grads(self, unit: Any) -> None:
-        """``unit``'s backward handed autograd views of its packed gradient buffer."""
-        self._grads[id(unit)] = (unit, unit.bwd_graph.index)
+    def hold_grads(
+        self, owner: Any, low: float, rescue: Callable[[], None], storage: int, own: int
+    ) -> None:
+        """``owner``'s backward (capture ``low``) handed autograd views of its packed gradient
+        buffer (``storage``, an ``UntypedStorage._cdata``, used ``own`` times by tgraph);
+        ``rescue`` moves them out of it (:meth:`tgraph.grads.ParamGradPacking.rescue`), called
+        only while something else still views it."""
+        self._grads[id(owner)] = (rescue, low, storage, own)
 
-    def rescue_outputs(self, index: int, unit: Any) -> None:
-        """Before ``unit`` replays a graph of capture ``index``: move what the caller holds out
-        of the memory that graph may reuse: outputs of other units, and parameter gradients
-        (``.grad``) that are views of a backward's packed buffer (this unit's own too: its
+    def rescue_outputs(self, index: float, owner: Any) -> None:
+        """Before ``owner`` replays a graph of capture ``index``: move what the caller holds
+        out of the memory that graph may reuse: outputs of other units, and parameter gradients
+        (``.grad``) that are views of a backward's packed buffer (``owner``'s own too: its
         backward rewrites that buffer, its forward may reuse it)."""
         if self._held:
             for ref in [
-                r for other, low, r in self._held.values() if other is not unit and index <= low
+                r for other, low, r in self._held.values() if other is not owner and index <= low
             ]:
                 token = ref()
                 if token is not None:  # a freed token has left the ledger (its __del__)
                     token.rescue()  # leaves the ledger
         if self._grads:
-            for key in [k for k, (_, low) in self._grads.items() if index <= low]:
-                self._grads.pop(key)[0].packing.rescue()
+            for key in [k for k, entry in self._grads.items() if index <= entry[1]]:
+                rescue, _, storage, own = self._grads.pop(key)
+                if _use_count(storage) > own:
+                    rescue()
 
-    def leave(self, flight: Any) -> None:
-        self._live.pop(id(flight), None)
-        self._held.pop(id(flight), None)
-        self._clobbered.pop(id(flight), None)
+    def leave(self, key: int) -> None:
+        self._live.pop(key, None)
+        self._held.pop(key, None)
+        self._clobbered.pop(key, None)
 
-    def conflicts(self, index: int, skip: Any = None) -> list[tuple[int, Any]]:
-        """Live flights (``(id, unit)``) whose memory a replay of capture ``index`` may overwrite."""
+    def conflicts(self, index: float, skip: Any = None) -> list[tuple[int, str]]:
+        """Live flights (``(id, name)``) whose memory a replay of capture ``index`` may
+        overwrite."""
         return [
-            (fid, unit)
-            for fid, (unit, low, high) in self._live.items()
-            if unit is not skip and not (low < index < high)
+            (fid, name)
+            for fid, (owner, name, low, high) in self._live.items()
+            if owner is not skip and not (low < index < high)
         ]
 
-    def unsafe_forward(self, unit: Any) -> str | None:
-        """Why replaying ``unit``'s forward now could corrupt another unit; None when safe."""
-        found = self.conflicts(unit.fwd_graph.index, skip=unit)
+    def unsafe_forward(self, owner: Any, index: int) -> str | None:
+        """Why replaying ``owner``'s forward (capture ``index``) now could corrupt another
+        unit; None when safe."""
+        found = self.conflicts(index, skip=owner) if self._live else None
         if not found:
-            self.rescue_outputs(unit.fwd_graph.index, unit)
+            if self._held or self._grads:
+                self.rescue_outputs(index, owner)
             return None
         return (
             f"replay order differs from the recorded one: {found[0][1]} awaits its backward, "
@@ -124,21 +142,22 @@ class PoolLedger:
             "(tgraph.pool explains which orders are safe)"
         )
 
-    def before_backward(self, flight: Any, unit: Any) -> None:
-        """Check ``unit``'s saved activations are intact; mark those its backward overwrites."""
-        culprit = self._clobbered.get(id(flight))
+    def before_backward(self, key: int, owner: Any, name: str, index: float) -> None:
+        """Check that the saved activations of flight ``key`` are intact; mark those its
+        backward (capture ``index``) overwrites."""
+        culprit = self._clobbered.get(key)
         if culprit is not None:
             raise ReplayOrderError(
-                f"the saved activations of {unit} were overwritten by the backward graph of "
-                f"{culprit}, which ran while {unit} still awaited its backward. Graphs share one "
+                f"the saved activations of {name} were overwritten by the backward graph of "
+                f"{culprit}, which ran while {name} still awaited its backward. Graphs share one "
                 "memory pool and are safe only in the recorded order. Run the backwards in "
                 "reverse order of the forwards, as recorded (one backward of a loss over all "
                 "outputs does that), or record the order you run: tgraph.reset(), one eager "
                 "iteration, tgraph.create_graphs()."
             )
-        for fid, _ in self.conflicts(unit.bwd_graph.index, skip=unit):
-            self._clobbered[fid] = repr(unit)
-        self.rescue_outputs(unit.bwd_graph.index, unit)
+        for fid, _ in self.conflicts(index, skip=owner):
+            self._clobbered[fid] = name
+        self.rescue_outputs(index, owner)
 
 
 class LiveOutputs:
@@ -147,12 +166,14 @@ class LiveOutputs:
 
     __slots__ = ("ledger", "refs", "__weakref__")
 
-    def __init__(self, ledger: PoolLedger, unit: Any, outputs: list[torch.Tensor]) -> None:
+    def __init__(
+        self, ledger: PoolLedger, owner: Any, low: int, outputs: list[torch.Tensor]
+    ) -> None:
         self.ledger = ledger
         self.refs = [weakref.ref(o) for o in outputs]
         for o in outputs:
             o._tgraph_alive = self
-        ledger.hold_outputs(self, unit)
+        ledger.hold_outputs(self, owner, low)
 
     @torch.no_grad()
     def rescue(self) -> None:
@@ -162,10 +183,10 @@ class LiveOutputs:
             o = ref()
             if o is not None:
                 o.data = o.data.clone()
-        self.ledger.leave(self)
+        self.ledger.leave(id(self))
 
     def __del__(self) -> None:
-        self.ledger.leave(self)
+        self.ledger.leave(id(self))
 
 
 @torch.no_grad()
@@ -226,6 +247,15 @@ def _packed_tensors(saved: Any) -> list[torch.Tensor]:
 def storage_uses(t: torch.Tensor) -> int:
     """How many tensors (and storage objects) use ``t``'s memory."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_use_count = torch._C._storage_Use_Count
+
+
+def use_counts(storages: tuple[int, ...]) -> tuple[int, ...]:
+    """How many tensors use each of ``storages`` (``UntypedStorage._cdata`` of storages that
+    something else keeps alive): one C call each, no storage object made."""
+    return tuple(map(_use_count, storages))
 
 
 def move_memory_out(t: torch.Tensor, keep: list[torch.Tensor]) -> None:

@@ -8,13 +8,14 @@ makes one shared memory pool safe (a graph only reuses memory that, in the real 
 by the time it runs).
 
 A runner is *in flight* from its forward until its backward has run (or its autograd graph has
-been freed without one). :class:`tgraph.unit.Flight` tokens implement that; a call never reuses a runner in
-flight, because its buffers still hold the activations its backward needs.
+been freed without one). :class:`tgraph.bridge.Flight` tokens implement that; a call never reuses a
+runner in flight, because its buffers still hold the activations its backward needs.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -69,12 +70,12 @@ class Record:
 
 
 class NoteBackward(torch.autograd.Function):
-    """Identity on the outputs of a recorded call; its backward logs ``(runner, "bwd")``."""
+    """Identity on the outputs of a recorded call; its backward logs ``(runner, "bwd")``, then
+    calls ``land`` (the runner's flight ends: :meth:`tgraph.bridge.Flight.land`)."""
 
     @staticmethod
-    def forward(ctx, record: Record, flight: Any, *outputs: torch.Tensor):  # a unit.Flight
-        ctx.record = record
-        ctx.flight = flight
+    def forward(ctx, record: Record, runner: Runner, land: Callable[[], None], *outputs):
+        ctx.record, ctx.runner, ctx.land = record, runner, land
         # An unused output's gradient stays None, as without tgraph: the parameters only it
         # reaches keep .grad None (a zero gradient would still move them through AdamW).
         ctx.set_materialize_grads(False)
@@ -83,6 +84,6 @@ class NoteBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.record.add(ctx.flight.runner, "bwd")
-        ctx.flight.land()
-        return (None, None, *grads)
+        ctx.record.add(ctx.runner, "bwd")
+        ctx.land()
+        return (None, None, None, *grads)

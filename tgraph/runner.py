@@ -2,8 +2,9 @@
 
 What is the runner's own: the first call's arguments as a template, its static input buffers
 (or the producer's static output, shared), parameter aliases, and how its module's forward runs
-under the recorded grad mode, autocast and ``training`` flags. Capture, replay and the buffers'
-ownership are the unit's (:mod:`tgraph.unit`).
+under the recorded grad mode, autocast and ``training`` flags. Capture and the buffers' ownership
+are the unit's (:mod:`tgraph.unit`); a replay works on the unit's frozen record
+(:mod:`tgraph.bridge`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from tgraph.baked import hooks_run_outside
 from tgraph.signature import CallKey, Template, split
-from tgraph.unit import BUSY, GraphedUnit, graphed_region
+from tgraph.unit import GraphedUnit, graphed_region
 
 
 class Runner(GraphedUnit):
@@ -73,20 +74,6 @@ class Runner(GraphedUnit):
     def __repr__(self) -> str:
         shapes = [tuple(s.shape) for s in self.samples or self.static_inputs]
         return f"Runner({type(self.module).__name__}, inputs={shapes}, grad={self.grad_mode})"
-
-    # ------------------------------------------------------------------- calls
-    def call(self, tensors: list[torch.Tensor]) -> Any:
-        """This call's outputs through the graphs, or the reason it must run eagerly."""
-        if self.segment is not None:
-            return self.segment.call(self, tensors)
-        if self.flight is not None or not self.captured:
-            return BUSY
-        outs = self.replay(tensors)
-        return outs if isinstance(outs, str) else self.outputs(outs)
-
-    def outputs(self, tensors: list[torch.Tensor]) -> Any:
-        """The call's return value, in the structure the module returned."""
-        return self.out_template.fill(tensors)
 
     # ----------------------------------------------------------------- capture
     def _prepare_capture(self) -> None:

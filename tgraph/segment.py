@@ -20,7 +20,10 @@ do not modify a tensor that way between the calls of a merged stack. Every modul
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
 added in the backward graph.
 
-A segment is a :class:`tgraph.unit.GraphedUnit` like a runner; only its forward differs.
+A segment is a :class:`tgraph.unit.GraphedUnit` like a runner; only its forward differs. Its
+record's ``slices`` and ``sources`` say which outputs each member returns and where each later
+member's inputs come from; the calls themselves are answered by :func:`tgraph.bridge.call`
+(the head replays, :func:`tgraph.bridge.take` serves the later members).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from tgraph.runner import Runner
-from tgraph.unit import BUSY, GraphedUnit, run_warmup
+from tgraph.unit import GraphedUnit, run_warmup
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
@@ -93,17 +96,11 @@ class Segment(GraphedUnit):
         for j, r in enumerate(runners):
             r.segment, r.seg_index = self, j
         self.head, self.members = runners[0], runners
-        self.head_fell_back: str | None = None  # why the head's last call ran eagerly
         self.key = self.head.key
         self._sources = [[]] + [
             sources(self.head, prev, r) for prev, r in zip(runners, runners[1:])
         ]
         self._slices: list[slice] = []
-        self.pending: list[list[torch.Tensor]] | None = None
-        self._next = 0
-        self._versions: list[int] = []
-        self._head_inputs: list[torch.Tensor] = []
-        self._head_versions: list[int] = []
         self._init_unit(self.head.device, self.head.grad_mode, self.head.fusion.enabled)
 
     def __repr__(self) -> str:
@@ -149,66 +146,14 @@ class Segment(GraphedUnit):
         for r, sl in zip(self.runners, self._slices):
             r.static_outputs = self.static_outputs[sl]
 
+    def _member_slices(self) -> list[slice]:
+        return self._slices
+
+    def _member_sources(self) -> list[list[tuple[bool, int]]]:
+        return self._sources
+
     def drop_graphs(self) -> None:
         super().drop_graphs()
-        self.pending, self._head_inputs = None, []
         for r in self.runners:
             r.segment = None
             r.drop_graphs()
-
-    # ------------------------------------------------------------------- calls
-    def call(self, runner: Runner, tensors: list[torch.Tensor]):
-        """Outputs of a member's call, or the reason it must run eagerly: the head replays
-        the stack; each later member takes its outputs of that replay (:meth:`take`)."""
-        if runner.seg_index == 0:
-            if self.flight is not None or not self.captured:
-                return BUSY
-            outs = self.replay(tensors)
-            self.head_fell_back = outs if isinstance(outs, str) else None
-            if isinstance(outs, str):
-                return outs
-            return runner.outputs(self.start(outs, tensors))
-        if not self.captured:
-            return BUSY
-        outs = self.take(runner, tensors)
-        if outs is None and self.head_fell_back is not None:
-            return self.head_fell_back  # the stack runs eagerly for the same reason
-        if outs is None:
-            return (
-                f"it was captured as module {runner.seg_index} of a merged stack ({self}) but "
-                "was not called right after the previous module with that module's unmodified "
-                "output and the inputs shared with the first module (pass merge=False to "
-                "tgraph.enable to graph it alone)"
-            )
-        return runner.outputs(outs)
-
-    def start(self, outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """After the forward replay on the head's ``inputs``: keep every module's outputs
-        (and the inputs, which later modules may share); return the head's outputs."""
-        self.pending = [outs[s] for s in self._slices]
-        self._versions = [t._version for t in outs]
-        self._head_inputs = inputs  # the call's own fresh list
-        self._head_versions = [t._version for t in inputs]
-        self._next = 1
-        return self.pending[0]
-
-    def take(self, runner: Runner, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Outputs of ``runner`` if this call continues the replayed stack as captured."""
-        j = runner.seg_index
-        if self.pending is None or j != self._next:
-            return None
-        prev, base = self.pending[j - 1], self._slices[j - 1].start
-        for t, (from_prev, k) in zip(tensors, self._sources[j]):
-            if from_prev:
-                src, version = prev[k], self._versions[base + k]
-            else:
-                src, version = self._head_inputs[k], self._head_versions[k]
-            if t is not src or t._version != version:
-                self.pending = None  # the stack was left: release its outputs
-                self._head_inputs = []
-                return None
-        self._next += 1
-        out = self.pending[j]
-        if self._next == len(self.runners):
-            self.pending, self._head_inputs = None, []
-        return out

@@ -1,0 +1,125 @@
+"""What one capture made, frozen, and the little that a replay changes.
+
+A unit's capture (:mod:`tgraph.unit`: a runner or a merged stack) ends in a :class:`Captured`
+record: the two graphs, the static buffers, the outputs' templates, the gradient plumbing and
+what the graphs baked in (:class:`tgraph.baked.Baked`), with the flat tuples the per-call
+checks compare. The autograd bridge (:mod:`tgraph.bridge`) closes over the record, as
+``torch.cuda.make_graphed_callables``' ``Graphed`` function closes over its capture's tuples.
+The record is never changed; a re-bound parameter (``load_state_dict(assign=True)``) gets a new
+record over the same graphs (:meth:`tgraph.unit.GraphedUnit.rebind`).
+
+What a replay must change lives in one :class:`ReplayState` per unit: whether the unit is in
+flight, which grad-output buffers hold zeros, the generator state a recomputing backward starts
+from, the outputs the caller holds, the parameters gradients go to, and the stack a merged
+member takes its outputs from.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tgraph.baked import Baked
+from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking, UnusedOutputs
+from tgraph.memory import UnitMemory
+from tgraph.pool import PoolLedger
+from tgraph.signature import Template
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Captured:
+    """One unit's capture: its graphs, static buffers, templates and checks."""
+
+    name: str  # the unit, as messages name it
+    device: torch.device
+    ledger: PoolLedger  # the pool's replay-order guard (tgraph.pool)
+    fwd_graph: Any
+    bwd_graph: Any  # None when the forward needs no backward
+    fwd_index: int  # capture indices (tgraph.pool)
+    bwd_index: float
+    needs_backward: bool
+    recomputes: bool  # the forward checkpoints: the backward replays from the forward's RNG
+    debug: bool  # poison the static buffers after each backward (enable(debug=True))
+    # ---- inputs: the head's static buffers, what the replay copies into them
+    static_inputs: tuple[torch.Tensor, ...]
+    shared_inputs: tuple[bool, ...]  # the buffer is another unit's static output
+    input_ptrs: tuple[int, ...]
+    input_strides: tuple[tuple[int, ...], ...]
+    # ---- outputs
+    static_outputs: tuple[torch.Tensor, ...]
+    out_rg: tuple[int, ...]  # outputs that require grad (the backward's outputs)
+    out_nodiff: tuple[int, ...]
+    aliasing_outputs: tuple[int, ...]  # outputs that are (views of) static inputs
+    output_internal: tuple[tuple[torch.Tensor, ...], ...]  # tgraph's tensors on each output
+    templates: tuple[Template, ...]  # per member: the structure its call returns
+    slices: tuple[slice, ...]  # per member: its outputs among static_outputs
+    sources: tuple[tuple[tuple[bool, int], ...], ...]  # per later member: its inputs' sources
+    # ---- backward
+    static_grad_outputs: tuple[torch.Tensor, ...]
+    static_grads: tuple[torch.Tensor | None, ...]  # input gradients, per static input
+    param_grads: tuple[torch.Tensor | None, ...]  # per parameter, when not packed
+    params: tuple[torch.Tensor, ...]  # the parameters the backward differentiates
+    packing: ParamGradPacking
+    fusion: MainGradFusion
+    flags: MainGradFlags | None
+    unused: UnusedOutputs
+    # ---- what the graphs baked in (tgraph.baked), and what the checks need beside it
+    baked: Baked | None
+    slot: tuple[int | None, ...]  # per parameter of the backward: its baked index
+    others_use: tuple[int, ...]  # per baked tensor: uses of its memory by tgraph alone
+    memory: UnitMemory  # its buffers' bytes by kind
+
+    @property
+    def members(self) -> int:
+        return len(self.templates)
+
+
+class ReplayState:
+    """What replays of one unit change (the module docstring)."""
+
+    __slots__ = (
+        "flight",
+        "held",
+        "grad_out_zero",
+        "rng_at_forward",
+        "last_outputs",
+        "params",
+        "autograd_params",
+        "copy_in",
+        "live",
+        "rerouted",
+        "hook_epoch",
+        "output_cdata",
+        "output_uses",
+        "pending",
+        "versions",
+        "head_inputs",
+        "head_versions",
+        "next",
+        "fell_back",
+    )
+
+    def __init__(self) -> None:
+        self.flight: int | None = None  # id of the Flight token while in flight
+        self.held = False  # in flight only because a no-grad call's outputs are alive
+        self.grad_out_zero: list[bool] = []  # per grad-output buffer: known to hold zeros
+        self.rng_at_forward: torch.Tensor | None = None  # a recomputing forward's RNG state
+        self.last_outputs: weakref.ref | None = None  # LiveOutputs of the latest replay
+        self.params: list[torch.Tensor] = []  # where parameter gradients go (re-routed)
+        self.autograd_params: list[torch.Tensor] = []  # the autograd node's parameter inputs
+        self.copy_in: list[int] = []  # baked tensors followed by a copy into the graph's memory
+        self.live: tuple[torch.Tensor, ...] = ()  # ... and the tensors copied from
+        self.rerouted = False  # some gradient goes to a tensor other than the captured one
+        self.hook_epoch = -1  # torch's hook counter when the hooks were last found unchanged
+        self.output_cdata: tuple[int, ...] = ()  # each static output's storage (its _cdata)
+        self.output_uses: tuple[int, ...] = ()  # ... and its uses by tgraph alone
+        # a merged stack, between the head's replay and the last member's call:
+        self.pending: list[list[torch.Tensor]] | None = None  # every member's outputs
+        self.versions: list[int] = []  # ... their version counters
+        self.head_inputs: list[torch.Tensor] = []  # the head call's tensors
+        self.head_versions: list[int] = []
+        self.next = 0  # the member whose call comes next
+        self.fell_back: str | None = None  # why the head's last call ran eagerly

@@ -1,0 +1,104 @@
+"""What a replay follows instead of falling back: changes found by :func:`tgraph.bridge.check`.
+
+A parameter or buffer re-pointed after capture (``p.data = ...``) is copied into the memory the
+graph reads at each call (:func:`follow_moved`); gradients go to the tensors the modules hold now
+(:func:`route`); outputs of the last replay that the caller still holds get memory of their own
+before the graph overwrites them (:func:`move_out_held_outputs`). These run only when the
+record's checks found a difference, never on an unchanged replay.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tgraph import grads as grads_module
+from tgraph.captured import Captured, ReplayState
+from tgraph.pool import move_memory_out, storage_uses, use_counts
+
+logger = logging.getLogger(__name__)
+
+
+def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...]):
+    """Parameters or buffers re-pointed after capture (``p.data = ...``): copied into the
+    memory the graph reads at each call, unless that memory is in use elsewhere."""
+    b = cap.baked
+    moved = b.moved(live)
+    if moved != state.copy_in:
+        for i in moved:
+            if storage_uses(b.held[i]) > cap.others_use[i]:
+                return (
+                    f"{b.names[i]} lives in other memory than at capture (p.data = ...), "
+                    "and the memory the graph reads is in use elsewhere (swapped into another "
+                    "tensor, e.g. for an EMA evaluation)"
+                )
+        why = b.incompatible(live)
+        if why is not None:
+            return why
+        if moved:
+            logger.info(
+                "tgraph: %s: following %s, re-pointed after capture, by a copy into the "
+                "graph's memory at each call (tgraph.reset() and create_graphs() graph it "
+                "without the copy)",
+                cap.name,
+                ", ".join(b.names[i] for i in moved),
+            )
+        state.copy_in = moved
+    if state.copy_in:
+        with torch.no_grad():
+            for i in state.copy_in:
+                b.held[i].copy_(live[i])
+        state.live = live
+    return None
+
+
+def route(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...]) -> None:
+    """Hand the parameters' gradients to ``live`` (the modules' current tensors)."""
+    state.params = [p if k is None else live[k] for p, k in zip(cap.params, cap.slot)]
+    state.autograd_params = autograd_params(cap, state.params)
+    state.rerouted = any(r() is not t for r, t in zip(cap.baked.refs, live))
+
+
+def autograd_params(cap: Captured, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters the autograd node takes: all but those fused into ``main_grad``.
+
+    When fusion leaves the node no input that requires grad, a zero-dim anchor leaf takes
+    their place: without one, the node's outputs would not require grad and its backward
+    (which adds the fused gradients) would never run.
+    """
+    kept = cap.fusion.keep(params)
+    if params and not kept and not any(t.requires_grad for t in cap.static_inputs):
+        return [torch.zeros((), device=cap.device, requires_grad=True)]
+    return kept
+
+
+def move_out_held_outputs(cap: Captured, state: ReplayState) -> str | None:
+    """Before the forward replays again: outputs of its last replay that the caller still
+    holds (a ``.detach()`` or a view kept across steps) get their own memory."""
+    uses = list(state.output_uses)
+    for i, o in enumerate(cap.static_outputs):
+        if use_counts((state.output_cdata[i],))[0] > uses[i]:
+            token = state.last_outputs() if state.last_outputs is not None else None
+            if token is not None:  # the returned tensors themselves: re-pointed, one copy
+                token.rescue()
+                state.last_outputs = None
+            if use_counts((state.output_cdata[i],))[0] <= uses[i]:
+                continue
+            if not grads_module.swaps_storage():
+                return (
+                    "an output of its previous call (or a view or .detach() of it) is still "
+                    "held, and this PyTorch cannot move it out of the graph's memory "
+                    "(UntypedStorage._swap_data_ptr_, PyTorch >= 2.13); clone outputs you keep"
+                )
+            move_memory_out(o, list(cap.output_internal[i]))
+            state.output_cdata = output_cdata(cap.static_outputs)  # o has a new storage
+            uses[i] = use_counts((state.output_cdata[i],))[0]
+    state.output_uses = tuple(uses)
+    return None
+
+
+def output_cdata(outputs) -> tuple[int, ...]:
+    """Each output's storage, as :func:`tgraph.pool.use_counts` reads it (the outputs keep
+    them alive)."""
+    return tuple(o.untyped_storage()._cdata for o in outputs)
