@@ -22,7 +22,7 @@ per iteration. ``--graph`` picks how a step runs:
 (``OptimizerConfig.optimizer_cuda_graph``: its step count lives on the GPU) and skip, on the
 device, a step whose loss or gradient norm is not finite; the device counter is read at log
 steps only (``skipped_steps``). The scheduler's learning rate reaches their graphs through device
-tensors (tgraph.hyperparams), which the scheduler refills in place. The eager modes step the scheduler only after a successful ``mopt.step()``, as
+tensors (tgraph.step.hyperparams), which the scheduler refills in place. The eager modes step the scheduler only after a successful ``mopt.step()``, as
 megatron-LM's loop does; the graph modes step it at every iteration (knowing whether the device
 skipped the step would need a host sync). ``--optimizer-cuda-graph`` builds the capturable AdamW
 in the eager modes too, for like-for-like losses.

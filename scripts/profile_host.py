@@ -54,8 +54,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # tgraph, uninstalled; bench_llama
 
 import tgraph  # noqa: E402
-from tgraph import module as tgraph_module  # noqa: E402
-from tgraph import signature  # noqa: E402
+from tgraph.layers import manager as tgraph_module  # noqa: E402
+from tgraph.layers import signature  # noqa: E402
 from tgraph.toy.gpt import GPT, GPTConfig  # noqa: E402
 
 TGRAPH_DIR = os.path.dirname(os.path.abspath(tgraph.__file__))
@@ -217,7 +217,7 @@ def time_steps(step, n: int, device: torch.device) -> float:
 
 
 class CallTimer:
-    """Times every graphed call (``tgraph.module._Manager.call``, dispatch to return) and keeps
+    """Times every graphed call (``tgraph.layers.manager._Manager.call``, dispatch to return) and keeps
     the last step's arguments of the first two graphed modules (to time the key alone)."""
 
     def __init__(self) -> None:
@@ -302,7 +302,7 @@ def time_key(sample: tuple) -> dict:
 def time_checks() -> dict:
     """Best-of-7 microseconds of the fail-closed checks (what the graphs baked in, held
     outputs) per graphed module, alone, on the captured units as they are after a step."""
-    from tgraph import bridge
+    from tgraph.layers import replay as bridge
     from tgraph.pool import use_counts
 
     units = tgraph_module._manager.units
@@ -331,17 +331,17 @@ def time_checks() -> dict:
 # checks, copies and the autograd Function). A part missing from this version of tgraph is
 # reported as absent.
 TIMED_PARTS = {
-    "call_key": ("tgraph.module", None, "call_key"),
-    "dispatch": ("tgraph.module", None, "replay_call"),
-    "replay_path": ("tgraph.bridge", None, "replay"),
+    "call_key": ("tgraph.layers.manager", None, "call_key"),
+    "dispatch": ("tgraph.layers.manager", None, "replay_call"),
+    "replay_path": ("tgraph.layers.replay", None, "replay"),
     "checks_replay_order": ("tgraph.pool", "PoolLedger", "unsafe_forward"),
-    "checks_baked": ("tgraph.bridge", None, "check"),
-    "checks_held_outputs": ("tgraph.bridge", None, "move_out_held_outputs"),
-    "input_copies": ("tgraph.bridge", None, "copy_inputs"),
-    "autograd_function": ("tgraph.bridge", None, "_apply"),
-    "merged_member_take": ("tgraph.bridge", None, "take"),
-    "outputs": ("tgraph.signature", "Template", "fill"),
-    "backward": ("tgraph.bridge", "GraphedCall", "backward"),
+    "checks_baked": ("tgraph.layers.replay", None, "check"),
+    "checks_held_outputs": ("tgraph.layers.replay", None, "move_out_held_outputs"),
+    "input_copies": ("tgraph.layers.replay", None, "copy_inputs"),
+    "autograd_function": ("tgraph.layers.replay", None, "_apply"),
+    "merged_member_take": ("tgraph.layers.replay", None, "take"),
+    "outputs": ("tgraph.layers.signature", "Template", "fill"),
+    "backward": ("tgraph.layers.replay", "GraphedCall", "backward"),
 }
 
 
@@ -421,19 +421,19 @@ def breakdown(step, n: int, calls_per_step: float) -> dict:
 # Parts of a graphed call, by the functions cProfile sees (file suffix, function name); a
 # function missing from this version of tgraph is reported as absent.
 PARTS = {
-    "call": ("module.py", "call"),
+    "call": ("manager.py", "call"),
     "call_key": ("signature.py", "call_key"),
-    "dispatch": ("bridge.py", "call"),
-    "replay_path": ("bridge.py", "replay"),
-    "checks_baked": ("bridge.py", "check"),
+    "dispatch": ("replay.py", "call"),
+    "replay_path": ("replay.py", "replay"),
+    "checks_baked": ("replay.py", "check"),
     "checks_replay_order": ("pool.py", "unsafe_forward"),
-    "input_copies": ("bridge.py", "copy_inputs"),
-    "autograd_function": ("bridge.py", "forward"),
+    "input_copies": ("replay.py", "copy_inputs"),
+    "autograd_function": ("replay.py", "forward"),
     "graph_replay": ("profile_host.py", "_no_replay"),
-    "merged_member_take": ("bridge.py", "take"),
+    "merged_member_take": ("replay.py", "take"),
     "outputs": ("signature.py", "fill"),
     "live_outputs": ("pool.py", "__init__"),
-    "backward": ("bridge.py", "backward"),
+    "backward": ("replay.py", "backward"),
 }
 
 

@@ -19,7 +19,7 @@ import tgraph
 from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-WARMUP = tgraph.full_iteration.DDP_MIN_WARMUP
+WARMUP = tgraph.step.full_iteration.DDP_MIN_WARMUP
 STEPS = WARMUP + 4  # warmups, the capture call, three replays
 
 

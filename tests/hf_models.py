@@ -17,7 +17,7 @@ from transformers import logging as hf_logging
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from tgraph.module import GraphableModule
+from tgraph.layers.manager import GraphableModule
 
 hf_logging.set_verbosity_error()  # config notes about unused token ids etc. are noise here
 

@@ -10,10 +10,11 @@ import torch
 from test_full_iteration import make_batches, make_model, make_optimizer, make_step
 
 import tgraph
-from tgraph import errors, step_capture
+from tgraph import errors
 from tgraph.backend import GraphFactory
 from tgraph.emulated import EmulatedBackend
-from tgraph.optimizer_graph import OptimizerGraph
+from tgraph.step import capture as step_capture
+from tgraph.step.optimizer_graph import OptimizerGraph
 
 # -- exports -------------------------------------------------------------------------------------
 

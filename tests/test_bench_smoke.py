@@ -127,9 +127,9 @@ def test_train_parity_column_catches_stale_input_bug(
     """Planted bug: replays skip copying new inputs into the static buffers (stale batch)."""
     import bench_train
 
-    import tgraph.bridge
+    import tgraph.layers.replay
 
-    monkeypatch.setattr(tgraph.bridge, "copy_inputs", lambda cap, tensors: True)
+    monkeypatch.setattr(tgraph.layers.replay, "copy_inputs", lambda cap, tensors: True)
     rc = bench_train.main(["--smoke", "--out", str(tmp_path), "--modes", "eager,tgraph_layer"])
     payload = json.loads((tmp_path / "bench_train.json").read_text())
     layer = next(r for r in payload["results"] if r["mode"] == "tgraph_layer")

@@ -66,7 +66,7 @@ def test_capture_failure_is_clear_and_leaves_no_state(backend, device):
         tgraph.CaptureError, match=r"capturing Runner\(HostSync.*(\.item\(\)|host sync)"
     ):
         tgraph.create_graphs()
-    assert not tgraph.module._manager.captured
+    assert not tgraph.layers.manager._manager.captured
     assert torch.equal(torch.get_rng_state(), rng_before)
     if device.type == "cuda":
         assert not torch.cuda.is_current_stream_capturing()
@@ -123,7 +123,7 @@ def test_eval_graph_is_captured_in_eval_mode(backend, device):
 def test_planted_bug_capture_in_current_mode_is_caught_on_cpu(monkeypatch):
     """The emulated backend replays the capture's control flow (dropout on or off), as a CUDA
     graph does, so capturing in the model's current mode shows up on the CPU."""
-    from tgraph import runner
+    from tgraph.layers import runner
 
     monkeypatch.setattr(runner, "_training_flags", lambda module, flags: _nothing())
     torch.manual_seed(0)

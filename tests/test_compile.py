@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import tgraph
-from tgraph.runner import module_call
+from tgraph.layers.runner import module_call
 from tgraph.toy.gpt import GPT, GPTConfig
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tgraph
-from tgraph import full_iteration, hyperparams
+from tgraph.step import full_iteration, hyperparams
 from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -120,7 +120,7 @@ def test_ddp_needs_eleven_warmup_steps(backend, device, process_group):
 
 
 def test_ddp_world_size_one_matches_eager(backend, device, process_group):
-    warmup = tgraph.full_iteration.DDP_MIN_WARMUP
+    warmup = tgraph.step.full_iteration.DDP_MIN_WARMUP
     batches = _batches(device, warmup + 4)
     runs = []
     for graphed in (False, True):

@@ -14,8 +14,9 @@ from test_layer_parity import check_gradient_accumulation
 from test_signature import Scaled
 
 import tgraph
-from tgraph import bridge, grads
+from tgraph import grads
 from tgraph.grads import ParamGradPacking, UnusedOutputs
+from tgraph.layers import replay as bridge
 
 
 def check_parity(backend, device):

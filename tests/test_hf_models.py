@@ -231,7 +231,7 @@ def test_full_iteration_llama_with_lr_schedule(backend, device, use_cache):
     cache, whose host sync is skipped only when ``torch.cuda.is_current_stream_capturing()``
     (via transformers' ``is_tracing``) is true, so an emulated capture must answer as CUDA's
     does. AdamW: ``capturable=True`` on CUDA; on the CPU ``capturable`` is CUDA-only and
-    FullIterationGraph asks for ``fused=True`` instead (tgraph/full_iteration.py).
+    FullIterationGraph asks for ``fused=True`` instead (tgraph/step/full_iteration.py).
     """
     kw = {} if use_cache == "default" else {"use_cache": False}
     xs = token_batches(device, 8)

@@ -33,13 +33,15 @@ def test_ten_steps_match_eager(backend, device, which, merge):
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
     blocks = list(model.h if which == "gpt" else model.blocks)
-    units = {id(r.segment or r): r.segment or r for r in tgraph.module._manager.all_runners()}
+    units = {
+        id(r.segment or r): r.segment or r for r in tgraph.layers.manager._manager.all_runners()
+    }
     for u in units.values():  # every block parameter gets its gradient from the backward graph
         members = u.runners if merge else [u]
         assert [id(p) for p in u.cap.params] == [
             id(p) for r in members for p in r.module.parameters()
         ]
-    report = tgraph.module._manager.report
+    report = tgraph.layers.manager._manager.report
     assert report.graphs == (2 if merge else 2 * len(blocks))
     assert report.segments == (1 if merge else 0)
 

@@ -18,7 +18,7 @@ def test_memory_report_adds_up(backend, device):
     x, y = gpt_batches(device, 1)[0]
     model(x, y)[1].backward()  # recorded: each block's runner clones its input as a sample
     model.zero_grad(set_to_none=True)
-    samples = sum(s.nbytes for r in tgraph.module._manager.all_runners() for s in r.samples)
+    samples = sum(s.nbytes for r in tgraph.layers.manager._manager.all_runners() for s in r.samples)
     report = tgraph.create_graphs()  # frees the samples
     mem = tgraph.memory_report()
     assert report.memory == mem and mem.units == 1
@@ -43,7 +43,7 @@ def test_memory_report_is_empty_before_capture():
 def test_report_names_every_kind_it_holds(backend, device):
     model = tiny_gpt(device)
     train(model, gpt_batches(device, 2), graphed=True, backend=backend)
-    text = str(tgraph.module._manager.report)
+    text = str(tgraph.layers.manager._manager.report)
     for kind in ("static_outputs", "saved_activations", "param_grads", "held"):
         assert kind in text
     assert torch.cuda.is_available() or "pool 0.0 MiB" in text
@@ -74,13 +74,13 @@ def test_report_counts_the_recorded_steps_grads(backend, device):
 def test_capture_samples_are_dropped_before_the_backward_captures(backend, device, monkeypatch):
     """A runner's recorded inputs are copied into its static inputs when its forward is
     captured; held on, every later capture would hold them too (the capture's peak)."""
-    from tgraph.unit import GraphedUnit
+    from tgraph.layers.capture import GraphedUnit
 
     seen = []
     capture_backward = GraphedUnit.capture_backward
 
     def spy(self, factory):
-        seen.append(sum(len(r.samples) for r in tgraph.module._manager.all_runners()))
+        seen.append(sum(len(r.samples) for r in tgraph.layers.manager._manager.all_runners()))
         return capture_backward(self, factory)
 
     monkeypatch.setattr(GraphedUnit, "capture_backward", spy)

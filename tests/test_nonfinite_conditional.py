@@ -1,5 +1,5 @@
 """Skipping non-finite steps with a CUDA-graph IF node (``how="conditional"``, experimental:
-tgraph/if_node.py).
+tgraph/step/if_node.py).
 
 On the CPU: the protocol of the IF-node step (against a stand-in for the capturing graph: the
 node opens right before the step and closes right after it, before the skip counter; nothing is
@@ -27,9 +27,9 @@ from test_optimizer_graph import (
 )
 
 import tgraph
-from tgraph import if_node, nonfinite
 from tgraph.guards import CaptureError
-from tgraph.nonfinite import ConditionalNodesUnavailable, SkipNonfinite, _Step
+from tgraph.step import if_node, nonfinite
+from tgraph.step.nonfinite import ConditionalNodesUnavailable, SkipNonfinite, _Step
 
 # -- the protocol, against a stand-in for torch's capturing graph (CPU) -------------------------
 

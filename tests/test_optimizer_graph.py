@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tgraph
-from tgraph import hyperparams, nonfinite
 from tgraph.guards import RefuseHostSync
+from tgraph.step import hyperparams, nonfinite
 from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -1,7 +1,7 @@
 """Activation recompute (torch.utils.checkpoint, non-reentrant) inside per-layer graphs.
 
 The forward graph keeps only the checkpoint's inputs; the backward graph recomputes the forward
-with the forward replay's random draws (tgraph.bridge.replay_backward), so dropout
+with the forward replay's random draws (tgraph.layers.replay.replay_backward), so dropout
 masks and gradients equal eager checkpointing's.
 """
 
@@ -15,7 +15,7 @@ from layer_models import ATOL, RTOL, gpt_batches, tiny_gpt
 from torch.utils.checkpoint import checkpoint
 
 import tgraph
-from tgraph import bridge
+from tgraph.layers import replay as bridge
 
 
 def checkpointed(model, use_reentrant: bool = False):
@@ -124,7 +124,7 @@ def test_unit_knows_it_recomputes(backend, device):
     x, y = gpt_batches(device, 1)[0]
     model(x, y)[1].backward()
     tgraph.create_graphs()
-    units = tgraph.module._manager.units
+    units = tgraph.layers.manager._manager.units
     assert units and all(u.cap.recomputes for u in units)
 
 

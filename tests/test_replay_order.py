@@ -233,7 +233,7 @@ def test_the_ledger_forgets_outputs_once_freed(backend, device):
     models, _ = three_models(device)
     record_in_order(models, backend, device, strict=True)
     xs = inputs(device)
-    ledger = tgraph.module._manager.units[0].cap.ledger
+    ledger = tgraph.layers.manager._manager.units[0].cap.ledger
     for _ in range(20):
         for m, x in zip(models, xs):
             m(x).square().mean().backward()

@@ -1,4 +1,4 @@
-"""Merged neighbours (tgraph.segment): one forward and one backward graph for a stack."""
+"""Merged neighbours (tgraph.layers.segment): one forward and one backward graph for a stack."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from layer_models import ATOL, RTOL, MLPNet, mlp_batches, twin
 
 import tgraph
-from tgraph import bridge
+from tgraph.layers import replay as bridge
 
 
 def _model(device):

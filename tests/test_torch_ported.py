@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from layer_models import ATOL, RTOL
 
 import tgraph
-from tgraph.module import GraphableModule
+from tgraph.layers.manager import GraphableModule
 
 AMP_TOL = dict(rtol=2e-2, atol=2e-3)
 FULL_TOL = dict(rtol=1e-4, atol=1e-5)

@@ -18,10 +18,8 @@ from tgraph import decode
 from tgraph import rng as rng  # the submodule behind register_generator (not in __all__)
 from tgraph.backend import capture_stream
 from tgraph.errors import GraphFallbackError, ReplayOrderError, StaleBackwardError
-from tgraph.full_iteration import FullIterationGraph
 from tgraph.guards import CaptureError
-from tgraph.memory import CaptureReport, MemoryReport
-from tgraph.module import (
+from tgraph.layers.manager import (
     GraphableModule,
     GraphFallbackWarning,
     capture_report,
@@ -29,12 +27,14 @@ from tgraph.module import (
     disable,
     enable,
     memory_report,
-    reset,
     reset_layer_graphs,
 )
-from tgraph.nonfinite import ConditionalNodesUnavailable
-from tgraph.optimizer_graph import OptimizerGraph
+from tgraph.memory import CaptureReport, MemoryReport
 from tgraph.rng import register_generator, unregister_generator
+from tgraph.step import capture as _step_capture
+from tgraph.step.full_iteration import FullIterationGraph
+from tgraph.step.nonfinite import ConditionalNodesUnavailable
+from tgraph.step.optimizer_graph import OptimizerGraph
 
 __all__ = [
     "CaptureError",
@@ -61,6 +61,17 @@ __all__ = [
     "unregister_generator",
 ]
 __version__ = "0.1.0"
+
+
+def reset() -> None:
+    """Drop every graph tgraph holds: the per-layer graphs and the record
+    (:func:`reset_layer_graphs`), and the graphs of every :class:`tgraph.FullIterationGraph`
+    and :class:`tgraph.OptimizerGraph` alive (their ``reset()``: learning rates become floats
+    again, the next calls warm up and capture anew). Enabled modules run eagerly and record
+    again."""
+    reset_layer_graphs()
+    _step_capture.reset_all()
+
 
 _DEPRECATED = {"resolve_backend": ("tgraph.backend", "tgraph.backend.resolve_backend")}
 

@@ -3,7 +3,7 @@
 A graph runs no Python: it keeps the memory each parameter and buffer lived in at capture, the
 effect of every Python value its forward read and of every hook that ran. :class:`Baked` is the
 frozen record of those, taken right after the forward capture; before each replay
-:func:`tgraph.bridge.check` asks it what differs now (:meth:`Baked.changed_hooks`,
+:func:`tgraph.layers.replay.check` asks it what differs now (:meth:`Baked.changed_hooks`,
 :meth:`Baked.changed_attrs`, :meth:`Baked.moved`: a few microseconds, tuple comparisons of cached
 getters).
 

@@ -153,7 +153,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], skip: Iterable[int] = (
 
 
 def memory_report(records: Iterable, grads_at_capture: int = 0) -> MemoryReport:
-    """Add up the :class:`UnitMemory` of ``records`` (:class:`tgraph.captured.Captured`)."""
+    """Add up the :class:`UnitMemory` of ``records`` (:class:`tgraph.layers.captured.Captured`)."""
     report = MemoryReport(grads_at_capture=grads_at_capture)
     for c in records:
         m = c.memory

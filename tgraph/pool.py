@@ -53,7 +53,7 @@ NEVER = math.inf  # capture index of a backward that does not exist (no-grad cal
 class PoolLedger:
     """Live units of one pool and the capture-index window in which replays are safe for them.
 
-    A *flight* (:class:`tgraph.bridge.Flight`) enters the ledger when a captured unit's
+    A *flight* (:class:`tgraph.layers.replay.Flight`) enters the ledger when a captured unit's
     forward replays and leaves when its backward has replayed (or its autograd graph is freed);
     the outputs a replay returns enter it as :class:`LiveOutputs` until they are freed. The
     ledger knows a unit only as an ``owner`` (an object compared by identity: its replay

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 import tgraph
-from tgraph.module import GraphableModule
+from tgraph.layers.manager import GraphableModule
 
 logger = logging.getLogger(__name__)
 

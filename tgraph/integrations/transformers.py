@@ -54,8 +54,8 @@ import torch
 import torch.nn as nn
 
 import tgraph
-from tgraph.module import GraphableModule
-from tgraph.unit import inside_graphed_region
+from tgraph.layers.capture import inside_graphed_region
+from tgraph.layers.manager import GraphableModule
 
 logger = logging.getLogger(__name__)
 

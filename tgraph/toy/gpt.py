@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tgraph.module import GraphableModule
+from tgraph.layers.manager import GraphableModule
 
 
 @dataclass(kw_only=True)

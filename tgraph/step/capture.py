@@ -4,9 +4,9 @@
 A whole-step capture (a training step, or the optimizer step alone) does the same five things
 in the same order, whichever entry asks:
 
-1. refuse optimizers a graph cannot step (:func:`tgraph.hyperparams.check_graphable_optimizer`);
+1. refuse optimizers a graph cannot step (:func:`tgraph.step.hyperparams.check_graphable_optimizer`);
 2. move the learning rates of optimizers not covered yet into device tensors
-   (:class:`tgraph.hyperparams.HyperParams`);
+   (:class:`tgraph.step.hyperparams.HyperParams`);
 3. snapshot what the capture may change (:class:`tgraph.snapshot.Snapshot`: values too when the
    backend executes the captured function, references only on CUDA);
 4. capture on the backend's side stream, refusing a learning-rate tensor written inside the step
@@ -35,8 +35,8 @@ import torch
 
 from tgraph.backend import GraphFactory, stale_stream_override
 from tgraph.guards import RefuseLrWrites, check_lr_unwritten, explain_capture_failure
-from tgraph.hyperparams import HyperParams, check_graphable_optimizer
 from tgraph.snapshot import Snapshot
+from tgraph.step.hyperparams import HyperParams, check_graphable_optimizer
 
 
 def check_optimizers(

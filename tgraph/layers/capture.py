@@ -2,14 +2,14 @@
 
 Two kinds of unit exist, and they differ only in how their forward runs:
 
-* :class:`tgraph.runner.Runner`: one graphed module called with one signature;
-* :class:`tgraph.segment.Segment`: a stack of runners called back to back, as one graph pair.
+* :class:`tgraph.layers.runner.Runner`: one graphed module called with one signature;
+* :class:`tgraph.layers.segment.Segment`: a stack of runners called back to back, as one graph pair.
 
 Everything else of a capture lives here, once: warmup, the forward graph, leaf discovery, the
 backward graph, and :meth:`GraphedUnit.bake`, which freezes it all into a
-:class:`tgraph.captured.Captured` record once every graph of the pool is captured. A replay
-works on that record and the unit's :class:`tgraph.captured.ReplayState` alone
-(:mod:`tgraph.bridge`), never on the unit.
+:class:`tgraph.layers.captured.Captured` record once every graph of the pool is captured. A replay
+works on that record and the unit's :class:`tgraph.layers.captured.ReplayState` alone
+(:mod:`tgraph.layers.replay`), never on the unit.
 
 Ownership and aliasing (what a user of the outputs must know):
 
@@ -45,8 +45,6 @@ import torch
 from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
-from tgraph.captured import Captured, ReplayState
-from tgraph.follow import autograd_params, output_cdata
 from tgraph.grads import (
     MainGradFlags,
     MainGradFusion,
@@ -56,6 +54,8 @@ from tgraph.grads import (
     swaps_storage,
 )
 from tgraph.guards import RefuseHostSync
+from tgraph.layers.captured import Captured, ReplayState
+from tgraph.layers.follow import autograd_params, output_cdata
 from tgraph.memory import UnitMemory, tensor_bytes
 from tgraph.pool import NEVER, storage_uses, use_counts
 
@@ -117,7 +117,7 @@ class GraphedUnit:
         self.grad_mode = grad_mode
         self.debug = False
         self.fusion = MainGradFusion(fusion)
-        self.state = ReplayState()  # what replays change (tgraph.captured)
+        self.state = ReplayState()  # what replays change (tgraph.layers.captured)
         self._drop_capture()
 
     def _drop_capture(self) -> None:
@@ -361,7 +361,7 @@ class GraphedUnit:
     def rebind(self) -> None:
         """The modules hold new parameter objects (``load_state_dict(assign=True)``), the
         old ones are gone: a new record over the same graphs and memory, with the new objects
-        baked in (:func:`tgraph.bridge.check` asked for it)."""
+        baked in (:func:`tgraph.layers.replay.check` asked for it)."""
         cap = self.cap
         baked = Baked.of(self.labelled_modules(), self.roots(), graph_memory=cap.baked)
         self.cap = dataclasses.replace(cap, baked=baked)

@@ -1,10 +1,10 @@
-"""A runner: one graphed module called with one signature (a :class:`~tgraph.unit.GraphedUnit`).
+"""A runner: one graphed module called with one signature (a :class:`~tgraph.layers.capture.GraphedUnit`).
 
 What is the runner's own: the first call's arguments as a template, its static input buffers
 (or the producer's static output, shared), parameter aliases, and how its module's forward runs
 under the recorded grad mode, autocast and ``training`` flags. Capture and the buffers' ownership
-are the unit's (:mod:`tgraph.unit`); a replay works on the unit's frozen record
-(:mod:`tgraph.bridge`).
+are the unit's (:mod:`tgraph.layers.capture`); a replay works on the unit's frozen record
+(:mod:`tgraph.layers.replay`).
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ from typing import Any
 import torch
 
 from tgraph.baked import hooks_run_outside
-from tgraph.signature import CallKey, Template, split
-from tgraph.unit import GraphedUnit, graphed_region
+from tgraph.layers.capture import GraphedUnit, graphed_region
+from tgraph.layers.signature import CallKey, Template, split
 
 
 class Runner(GraphedUnit):
-    """Graphs of ``module`` for calls with key ``key`` (see :mod:`tgraph.signature`).
+    """Graphs of ``module`` for calls with key ``key`` (see :mod:`tgraph.layers.signature`).
 
     Args:
         module: the graphed module.
-        key: the call's :class:`~tgraph.signature.CallKey`.
+        key: the call's :class:`~tgraph.layers.signature.CallKey`.
         args, kwargs: the first call's arguments (their tensors are cloned as capture samples).
         tensors: the first call's tensors, in the order of ``key``.
         links: per tensor, ``(producer runner, output index)`` when that tensor was a recorded
             output of another graphed call (its static output becomes this static input).
-        merge: may be captured together with its neighbours (:mod:`tgraph.segment`).
+        merge: may be captured together with its neighbours (:mod:`tgraph.layers.segment`).
         fusion: add parameter gradients into ``main_grad`` (:class:`tgraph.grads.MainGradFusion`).
     """
 
@@ -51,7 +51,7 @@ class Runner(GraphedUnit):
         self.key = key
         self.links = links
         self.merge = merge
-        # per tensor, the earlier recorded calls that took the very same tensor (tgraph.segment)
+        # per tensor, the earlier recorded calls that took the very same tensor (tgraph.layers.segment)
         self.shared_with: list[list[tuple[Runner, int]]] = [[] for _ in tensors]
         self._in_template: Template = split((args, kwargs))[1]
         self.samples = [t.detach().clone() for t in tensors]

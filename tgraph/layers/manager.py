@@ -15,8 +15,8 @@ naming what changed; with ``strict=True`` it raises instead. A graph is never re
 it was not captured for.
 
 The mechanisms this life cycle drives live in their own files: the recorded iteration in
-record.py, a graphed unit's capture in unit.py (frozen into captured.py's record), its replay and
-autograd node in bridge.py, the shared memory pool in pool.py.
+record.py, a graphed unit's capture in capture.py (frozen into captured.py's record), its replay and
+autograd node in replay.py, the shared memory pool in tgraph/pool.py.
 """
 
 from __future__ import annotations
@@ -33,25 +33,25 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
-from tgraph import memory, step_capture
-from tgraph import unit as _unit
+from tgraph import memory
 from tgraph.backend import GraphFactory, check_backend_name, resolve_backend
 from tgraph.baked import (
     call_with_own_hooks,
     describe_hooks,
     hooks_run_outside,
 )
-from tgraph.bridge import REBIND, Flight, hold_while_alive
-from tgraph.bridge import call as replay_call
 from tgraph.errors import GraphFallbackError
 from tgraph.guards import CaptureError, explain_capture_failure
+from tgraph.layers import capture as _unit
+from tgraph.layers.capture import graphed_region
+from tgraph.layers.record import NoteBackward, Record
+from tgraph.layers.replay import REBIND, Flight, hold_while_alive
+from tgraph.layers.replay import call as replay_call
+from tgraph.layers.runner import Runner, compiled_call, module_call
+from tgraph.layers.segment import Segment, mergeable_chains
+from tgraph.layers.signature import MutableArgument, call_key, difference, split
 from tgraph.memory import CaptureReport, MemoryReport
-from tgraph.record import NoteBackward, Record
-from tgraph.runner import Runner, compiled_call, module_call
-from tgraph.segment import Segment, mergeable_chains
-from tgraph.signature import MutableArgument, call_key, difference, split
 from tgraph.snapshot import Snapshot
-from tgraph.unit import graphed_region
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class _Manager:
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
-            for r in runners:  # the first runner free to replay answers (tgraph.bridge)
+            for r in runners:  # the first runner free to replay answers (tgraph.layers.replay)
                 j = r.seg_index
                 out = replay_call(r.cap, r.state, j, tensors)
                 if out is REBIND:
@@ -146,7 +146,7 @@ class _Manager:
 
     def _rebind(self, runner: Runner, tensors: list):
         """The modules of ``runner``'s unit hold new parameter objects: record them in a new
-        record (:meth:`tgraph.unit.GraphedUnit.rebind`) and key calls on them, then replay."""
+        record (:meth:`tgraph.layers.capture.GraphedUnit.rebind`) and key calls on them, then replay."""
         unit = runner.segment or runner
         unit.rebind()
         for r in unit.members:  # the call key reads their requires_grad
@@ -260,7 +260,7 @@ def enable(
             up as NaN instead of plausible numbers.
         merge: capture a stack of graphed modules called back to back (each taking the previous
             one's output, backed through in reverse order) as one forward and one backward
-            graph (:mod:`tgraph.segment`); False graphs every call on its own.
+            graph (:mod:`tgraph.layers.segment`); False graphs every call on its own.
         main_grad_fusion: add parameter gradients into ``param.main_grad`` inside the backward
             graph instead of handing them to autograd (no AccumulateGrad, no gradient hooks
             for those parameters; ``.grad`` stays None). Only for gradients consumed through
@@ -530,16 +530,6 @@ def _refuse_hooks(units: list) -> None:
                 "whose effect belongs in the graph (e.g. old-style weight_norm), pass "
                 "capturable_hooks=True to tgraph.enable."
             )
-
-
-def reset() -> None:
-    """Drop every graph tgraph holds: the per-layer graphs and the record
-    (:func:`reset_layer_graphs`), and the graphs of every :class:`tgraph.FullIterationGraph`
-    and :class:`tgraph.OptimizerGraph` alive (their ``reset()``: learning rates become floats
-    again, the next calls warm up and capture anew). Enabled modules run eagerly and record
-    again."""
-    reset_layer_graphs()
-    step_capture.reset_all()
 
 
 def reset_layer_graphs() -> None:

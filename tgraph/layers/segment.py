@@ -20,18 +20,18 @@ do not modify a tensor that way between the calls of a merged stack. Every modul
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
 added in the backward graph.
 
-A segment is a :class:`tgraph.unit.GraphedUnit` like a runner; only its forward differs. Its
+A segment is a :class:`tgraph.layers.capture.GraphedUnit` like a runner; only its forward differs. Its
 record's ``slices`` and ``sources`` say which outputs each member returns and where each later
-member's inputs come from; the calls themselves are answered by :func:`tgraph.bridge.call`
-(the head replays, :func:`tgraph.bridge.take` serves the later members).
+member's inputs come from; the calls themselves are answered by :func:`tgraph.layers.replay.call`
+(the head replays, :func:`tgraph.layers.replay.take` serves the later members).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tgraph.runner import Runner
-from tgraph.unit import GraphedUnit, run_warmup
+from tgraph.layers.capture import GraphedUnit, run_warmup
+from tgraph.layers.runner import Runner
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:

@@ -13,9 +13,9 @@ three integer passes). A first step that created state and is skipped gets that 
 
 ``how="auto"`` (the default) and ``how="mask"`` are the mask way above. The experimental,
 opt-in ``how="conditional"`` puts a captured step into a CUDA-graph IF node on the flag instead
-(:mod:`tgraph.if_node`: nothing snapshotted, a skipped replay runs none of the step's kernels);
+(:mod:`tgraph.step.if_node`: nothing snapshotted, a skipped replay runs none of the step's kernels);
 outside a real CUDA capture it is the mask way too, and where torch builds no IF nodes it raises
-:class:`tgraph.if_node.ConditionalNodesUnavailable` at the first step on a CUDA device.
+:class:`tgraph.step.if_node.ConditionalNodesUnavailable` at the first step on a CUDA device.
 
 Used by :class:`tgraph.OptimizerGraph` and, through :class:`SkipNonfiniteStep`, by
 ``tgraph.FullIterationGraph(skip_nonfinite=True)`` (always the mask way: its flag is complete
@@ -32,9 +32,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from tgraph import if_node
 from tgraph.guards import CaptureError
-from tgraph.if_node import ConditionalNodesUnavailable, conditional_nodes_unavailable
+from tgraph.step import if_node
+from tgraph.step.if_node import ConditionalNodesUnavailable, conditional_nodes_unavailable
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -142,7 +142,7 @@ class SkipNonfinite:
             nothing is snapshotted); elsewhere (eager, CPU, emulated) the mask way, with the same
             bits. Needs ``ok`` before the step; raises :class:`ConditionalNodesUnavailable` at
             the first step on a CUDA device where torch cannot build IF nodes. ``"auto"``: the
-            mask way. ``"conditional"`` is experimental (:mod:`tgraph.if_node`).
+            mask way. ``"conditional"`` is experimental (:mod:`tgraph.step.if_node`).
     """
 
     def __init__(self, how: str = "auto") -> None:

@@ -6,7 +6,7 @@ here. Where torch can build CUDA-graph conditional nodes
 (``torch.cuda.CUDAGraph.begin_capture_to_if_node``, CUDA >= 12.4, not ROCm), the captured step
 goes into an IF node keyed on the 0/1 finiteness flag: a skipped replay runs none of the step's
 kernels, and nothing is snapshotted. Outside a real CUDA capture (eager warmup, CPU, the
-emulated backend) the same ``how`` skips by the mask way of :mod:`tgraph.nonfinite`, with the
+emulated backend) the same ``how`` skips by the mask way of :mod:`tgraph.step.nonfinite`, with the
 same bits.
 
 Why experimental: this path has not run on a GPU whose torch builds IF nodes (the GPU runs so

@@ -1,12 +1,12 @@
 """What one capture made, frozen, and the little that a replay changes.
 
-A unit's capture (:mod:`tgraph.unit`: a runner or a merged stack) ends in a :class:`Captured`
+A unit's capture (:mod:`tgraph.layers.capture`: a runner or a merged stack) ends in a :class:`Captured`
 record: the two graphs, the static buffers, the outputs' templates, the gradient plumbing and
 what the graphs baked in (:class:`tgraph.baked.Baked`), with the flat tuples the per-call
-checks compare. The autograd bridge (:mod:`tgraph.bridge`) closes over the record, as
+checks compare. The autograd bridge (:mod:`tgraph.layers.replay`) closes over the record, as
 ``torch.cuda.make_graphed_callables``' ``Graphed`` function closes over its capture's tuples.
 The record is never changed; a re-bound parameter (``load_state_dict(assign=True)``) gets a new
-record over the same graphs (:meth:`tgraph.unit.GraphedUnit.rebind`).
+record over the same graphs (:meth:`tgraph.layers.capture.GraphedUnit.rebind`).
 
 What a replay must change lives in one :class:`ReplayState` per unit: whether the unit is in
 flight, which grad-output buffers hold zeros, the generator state a recomputing backward starts
@@ -24,9 +24,9 @@ import torch
 
 from tgraph.baked import Baked
 from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking, UnusedOutputs
+from tgraph.layers.signature import Template
 from tgraph.memory import UnitMemory
 from tgraph.pool import PoolLedger
-from tgraph.signature import Template
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -8,7 +8,7 @@ makes one shared memory pool safe (a graph only reuses memory that, in the real 
 by the time it runs).
 
 A runner is *in flight* from its forward until its backward has run (or its autograd graph has
-been freed without one). :class:`tgraph.bridge.Flight` tokens implement that; a call never reuses a
+been freed without one). :class:`tgraph.layers.replay.Flight` tokens implement that; a call never reuses a
 runner in flight, because its buffers still hold the activations its backward needs.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-Runner = Any  # a tgraph.runner.Runner; not imported (no import cycle)
+Runner = Any  # a tgraph.layers.runner.Runner; not imported (no import cycle)
 
 Phase = Literal["fwd", "bwd"]
 
@@ -71,7 +71,7 @@ class Record:
 
 class NoteBackward(torch.autograd.Function):
     """Identity on the outputs of a recorded call; its backward logs ``(runner, "bwd")``, then
-    calls ``land`` (the runner's flight ends: :meth:`tgraph.bridge.Flight.land`)."""
+    calls ``land`` (the runner's flight ends: :meth:`tgraph.layers.replay.Flight.land`)."""
 
     @staticmethod
     def forward(ctx, record: Record, runner: Runner, land: Callable[[], None], *outputs):

@@ -1,4 +1,4 @@
-"""What a replay follows instead of falling back: changes found by :func:`tgraph.bridge.check`.
+"""What a replay follows instead of falling back: changes found by :func:`tgraph.layers.replay.check`.
 
 A parameter or buffer re-pointed after capture (``p.data = ...``) is copied into the memory the
 graph reads at each call (:func:`follow_moved`); gradients go to the tensors the modules hold now
@@ -14,7 +14,7 @@ import logging
 import torch
 
 from tgraph import grads as grads_module
-from tgraph.captured import Captured, ReplayState
+from tgraph.layers.captured import Captured, ReplayState
 from tgraph.pool import move_memory_out, storage_uses, use_counts
 
 logger = logging.getLogger(__name__)

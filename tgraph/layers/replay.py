@@ -1,7 +1,7 @@
 """The replay of a captured unit, and the autograd bridge: one ``autograd.Function`` node.
 
-Everything here works on a frozen :class:`tgraph.captured.Captured` record and its unit's
-:class:`tgraph.captured.ReplayState`, never on the unit itself (:mod:`tgraph.unit` captures;
+Everything here works on a frozen :class:`tgraph.layers.captured.Captured` record and its unit's
+:class:`tgraph.layers.captured.ReplayState`, never on the unit itself (:mod:`tgraph.layers.capture` captures;
 ``torch.cuda.make_graphed_callables``' ``Graphed`` function closes over its capture the same
 way). :func:`call` answers one graphed call: the head of a unit checks what the graphs baked
 in (:func:`check`), guards the pool's replay order, copies the live inputs into the static
@@ -30,9 +30,9 @@ from torch.utils.hooks import RemovableHandle
 from tgraph import grads as grads_module
 from tgraph import rng
 from tgraph.baked import recording_outputs
-from tgraph.captured import Captured, ReplayState
 from tgraph.errors import StaleBackwardError
-from tgraph.follow import follow_moved, move_out_held_outputs, route
+from tgraph.layers.captured import Captured, ReplayState
+from tgraph.layers.follow import follow_moved, move_out_held_outputs, route
 from tgraph.pool import LiveOutputs, use_counts
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -53,7 +53,7 @@ DIFFERENT_SHARED_INPUT = (
 
 class Rebind:
     """:func:`check`'s answer when the modules hold new parameter objects on memory of their
-    own: the unit records them again (:meth:`tgraph.unit.GraphedUnit.rebind`), then retries."""
+    own: the unit records them again (:meth:`tgraph.layers.capture.GraphedUnit.rebind`), then retries."""
 
 
 REBIND = Rebind()

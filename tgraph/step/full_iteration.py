@@ -17,7 +17,7 @@ Usage::
         sched.step()                # a changing learning rate reaches the graph (see below)
 
 Life cycle, per batch *signature* (shapes, dtypes, devices and structure of the batch, keyed like
-:func:`tgraph.signature.call_key`): the first ``warmup_steps`` calls run ``fn`` eagerly (on the
+:func:`tgraph.layers.signature.call_key`): the first ``warmup_steps`` calls run ``fn`` eagerly (on the
 capture side stream on CUDA, as PyTorch's whole-network capture recipe requires); they are real
 training steps and update the parameters. The next call copies the batch into *static* buffers,
 captures one call of ``fn`` on them; that call's training step is the first replay on CUDA (a
@@ -62,7 +62,7 @@ Full-iteration graphs and per-layer graphs (:func:`tgraph.enable`) do not nest: 
 enabled ``GraphableModule`` s inside ``fn`` raises; call ``tgraph.disable(model)`` first.
 
 The capture follows the step-capture protocol shared with :class:`tgraph.OptimizerGraph`
-(step_capture.py: optimizer checks, learning rates as tensors, the snapshot of what the capture
+(capture.py: optimizer checks, learning rates as tensors, the snapshot of what the capture
 changes, restore on failure); hyper-parameters, the capture guards and non-finite skipping live
 in hyperparams.py, guards.py and nonfinite.py.
 """
@@ -83,15 +83,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from tgraph import rng, step_capture
+from tgraph import rng
 from tgraph.backend import GraphFactory, check_backend_name
 from tgraph.baked import Baked
-from tgraph.hyperparams import HyperParams, baked_layout, layout_change
+from tgraph.layers.manager import GraphFallbackWarning, is_enabled, layer_graphs_enabled
+from tgraph.layers.signature import call_key, first_difference, split
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
-from tgraph.module import GraphFallbackWarning, is_enabled, layer_graphs_enabled
-from tgraph.nonfinite import SkipNonfiniteStep
-from tgraph.signature import call_key, first_difference, split
-from tgraph.step_capture import StepCapture
+from tgraph.step import capture as step_capture
+from tgraph.step.capture import StepCapture
+from tgraph.step.hyperparams import HyperParams, baked_layout, layout_change
+from tgraph.step.nonfinite import SkipNonfiniteStep
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class _Entry:
     static: list[torch.Tensor] = field(default_factory=list)
     out: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
-    template: Any = None  # the structure of fn's outputs (tgraph.signature.Template)
+    template: Any = None  # the structure of fn's outputs (tgraph.layers.signature.Template)
     layout: tuple = ()  # the optimizers' groups and state tensors at capture
     baked: Any = None  # what the step's modules baked in (tgraph.baked.Baked)
     grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
@@ -135,7 +136,7 @@ class FullIterationGraph:
         skip_nonfinite: skip the optimizer steps inside ``fn`` on the device, without a host
             sync, when ``fn``'s loss (its first tensor output) or the gradients at the
             optimizer's ``step()`` are not finite: parameters and optimizer state stay untouched
-            (:class:`tgraph.nonfinite.SkipNonfiniteStep`). :attr:`skipped_steps` counts them.
+            (:class:`tgraph.step.nonfinite.SkipNonfiniteStep`). :attr:`skipped_steps` counts them.
             Default False, as :class:`tgraph.OptimizerGraph`: the graph then computes exactly
             what the eager ``fn`` computes, ``fn`` may return anything tensor-valued, and no
             snapshot of parameters and optimizer state is taken at each step.
@@ -278,7 +279,7 @@ class FullIterationGraph:
         return out
 
     def _capture(self, entry: _Entry, batch: Any, tensors: list[torch.Tensor]) -> Any:
-        """The step-capture protocol (tgraph.step_capture) around one call of ``fn`` on static
+        """The step-capture protocol (tgraph.step.capture) around one call of ``fn`` on static
         copies of the batch; this call's training step is the capture (emulated) or the first
         replay (CUDA)."""
         f = entry.factory

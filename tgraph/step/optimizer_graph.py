@@ -10,7 +10,7 @@ Usage, next to :func:`tgraph.enable`::
         _, loss = model(x, y)
         loss.backward()
         opt_graph.step(loss)        # clip, skip if loss or grad norm is not finite, step, zero .grad
-        sched.step()                # reaches the graph through a device tensor (tgraph.hyperparams)
+        sched.step()                # reaches the graph through a device tensor (tgraph.step.hyperparams)
         if step == 0:
             tgraph.create_graphs()
         if step % 100 == 0:
@@ -27,7 +27,7 @@ value (one copy and three integer passes). A first step that created state and i
 that state deleted (one host read, eager warmup only). A device counter adds ``1 - ok`` at every
 step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync). With
 ``skip_nonfinite_how="conditional"`` the captured step sits in a CUDA-graph IF node on the flag
-instead, where torch builds them (experimental, opt-in: tgraph/if_node.py).
+instead, where torch builds them (experimental, opt-in: tgraph/step/if_node.py).
 
 Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors
 (per-layer graphs do at every backward). :class:`OptimizerGraph` owns one flat gradient buffer;
@@ -40,8 +40,8 @@ where the capture had none (call :meth:`OptimizerGraph.reset`). Capture happens 
 after ``warmup_steps`` eager ones; a captured step that would create optimizer state is undone and
 run eagerly, and the next step is captured.
 
-Skipping non-finite steps lives in tgraph/nonfinite.py; the capture protocol (optimizer checks,
-learning rates as tensors, snapshot, restore on failure) is tgraph/step_capture.py's, shared with
+Skipping non-finite steps lives in tgraph/step/nonfinite.py; the capture protocol (optimizer checks,
+learning rates as tensors, snapshot, restore on failure) is tgraph/step/capture.py's, shared with
 :class:`tgraph.FullIterationGraph`.
 
 Extension points: a subclass that steps another kind of optimizer (megatron-core's, in
@@ -57,14 +57,14 @@ from typing import Any
 
 import torch
 
-from tgraph import step_capture
 from tgraph.backend import GraphFactory, check_backend_name
 from tgraph.guards import CaptureError
-from tgraph.hyperparams import HyperParams, baked_layout, layout_change
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
-from tgraph.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
 from tgraph.pool import at_address
-from tgraph.step_capture import StepCapture
+from tgraph.step import capture as step_capture
+from tgraph.step.capture import StepCapture
+from tgraph.step.hyperparams import HyperParams, baked_layout, layout_change
+from tgraph.step.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ _RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
 
 def _packed_gradient_buffers() -> list[torch.Tensor]:
     """Every captured per-layer unit's packed parameter-gradient buffer (tgraph.grads)."""
-    from tgraph.module import packed_gradient_buffers  # imports this module's users: lazily
+    from tgraph.layers.manager import packed_gradient_buffers  # imports this module's users: lazily
 
     return packed_gradient_buffers()
 
@@ -125,7 +125,7 @@ class OptimizerGraph:
         optimizer: a torch optimizer whose step needs no host sync: ``fused=True`` or
             ``capturable=True`` (Adam/AdamW need ``capturable=True`` on CUDA, ``fused=True`` on
             the CPU). Its float learning rates move into device tensors at capture, so LR
-            schedulers keep working (:class:`tgraph.hyperparams.HyperParams`).
+            schedulers keep working (:class:`tgraph.step.hyperparams.HyperParams`).
         clip_grad_norm: clip the gradients to this total norm first, exactly as
             ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type)`` (on the device).
         norm_type: the norm of clipping and of the finiteness check.
@@ -138,7 +138,7 @@ class OptimizerGraph:
             since the default used to be True.
         skip_nonfinite_how: ``"auto"``, ``"mask"`` or ``"conditional"`` (experimental, opt-in:
             the captured step inside a CUDA-graph IF node on the flag, where torch builds them,
-            :mod:`tgraph.if_node`): see :class:`tgraph.nonfinite.SkipNonfinite`.
+            :mod:`tgraph.step.if_node`): see :class:`tgraph.step.nonfinite.SkipNonfinite`.
         zero_grad: zero the captured ``.grad`` tensors in place at the end of every step (see the
             module docstring on gradient ownership). With False, zero them yourself in place
             (``optimizer.zero_grad(set_to_none=False)``).
@@ -443,7 +443,7 @@ class OptimizerGraph:
         self._eager_calls += 1
 
     def _capture(self) -> None:
-        """The step-capture protocol (tgraph.step_capture) around :meth:`_run`; a captured step
+        """The step-capture protocol (tgraph.step.capture) around :meth:`_run`; a captured step
         that created optimizer state is undone and run eagerly (the next step captures)."""
         f = self._factory
         step = StepCapture(
