@@ -404,6 +404,60 @@ def create_graphs() -> CaptureReport:
             (RNG, ``main_grad``, buffers) is restored and the modules keep running eagerly.
     """
     m = _manager
+    runners = _recorded_runners(m)
+    start = time.perf_counter()
+    factory_of = _factories(runners)
+    factories = list(dict.fromkeys(factory_of.values()))
+    params = {id(p): p for root in m.roots for p in root.parameters()}
+    grads_alive = memory.tensor_bytes(p.grad for p in params.values())
+    buffers = {id(b): b for mod in m.modules for b in nn.Module.buffers(mod)}
+    snaps = [Snapshot(params.values(), buffers.values(), f.device) for f in factories]
+    before = sum(f.memory_allocated() for f in factories)
+    for f in factories:
+        f.synchronize()
+    m.segments = [Segment(chain) for chain in mergeable_chains(m.record.events)]
+    for seg in m.segments:
+        seg.debug = seg.head.debug
+    units = list(dict.fromkeys(r.segment or r for r in runners))
+    _refuse_hooks(units)
+    try:
+        _capture_in_recorded_order(m.record.events, units, factory_of)
+    except BaseException:
+        for f in factories:
+            f.synchronize()
+        reset_layer_graphs()  # modules run (and record) eagerly again; create_graphs() may be retried
+        raise
+    finally:
+        for s in snaps:
+            s.restore()
+    for f in factories:
+        f.synchronize()
+    _bake(units)
+    m.captured, m.units = True, units
+    m.record.clear()
+    called = {id(r.module) for r in runners}
+    records = [u.cap for u in units]
+    m.report = CaptureReport(
+        graphs=sum(1 + (c.bwd_graph is not None) for c in records),
+        runners=len(runners),
+        segments=len(m.segments),
+        seconds=time.perf_counter() - start,
+        pool_bytes=sum(f.memory_allocated() for f in factories) - before,
+        backends=sorted({f.backend for f in factories}),
+        eager_modules=[
+            f"{type(mod).__name__} (not called in the recorded iteration)"
+            for mod in m.modules
+            if id(mod) not in called
+        ],
+        memory=memory.memory_report(records, grads_at_capture=grads_alive),
+    )
+    logger.info("%s", m.report)
+    return m.report
+
+
+def _recorded_runners(m: _Manager) -> list[Runner]:
+    """The recorded iteration's runners, in first-call order, or the error that says why
+    there is nothing to capture yet."""
     if m.captured:
         raise RuntimeError("graphs already exist; call tgraph.reset() before create_graphs() again")
     if not m.record.events and m.eager_calls:
@@ -429,42 +483,33 @@ def create_graphs() -> CaptureReport:
         )
     for r in runners:  # recorded no-grad outputs that are still alive are eager tensors:
         r.state.flight, r.state.held = None, False  # capturing cannot touch them
-    start = time.perf_counter()
+    return runners
+
+
+def _factories(runners: list[Runner]) -> dict[Runner, GraphFactory]:
+    """One graph factory (backend and pool) per backend and device, by runner."""
     factories: dict[tuple[str, torch.device], GraphFactory] = {}
-    factory_of_runner: dict[int, GraphFactory] = {}
+    of: dict[Runner, GraphFactory] = {}
     for r in runners:
         st = r.module._tgraph
         k = (resolve_backend(st.backend, r.device), r.device)
         if k not in factories:
             factories[k] = GraphFactory(*k)
-        factory_of_runner[id(r)] = factories[k]
+        of[r] = factories[k]
         r.debug = st.debug
-    params = {id(p): p for root in m.roots for p in root.parameters()}
-    grads_alive = memory.tensor_bytes(p.grad for p in params.values())
-    buffers = {id(b): b for mod in m.modules for b in nn.Module.buffers(mod)}
-    snaps = [Snapshot(params.values(), buffers.values(), dev) for _, dev in factories]
-    before = sum(f.memory_allocated() for f in factories.values())
-    for f in factories.values():
-        f.synchronize()
-    m.segments = [Segment(chain) for chain in mergeable_chains(m.record.events)]
-    for seg in m.segments:
-        seg.debug = seg.head.debug
-    units = list(dict.fromkeys(r.segment or r for r in runners))
+    return of
 
-    def factory_of(r: Runner) -> GraphFactory:
-        return factory_of_runner[id(r)]
 
-    def warmup_of(r: Runner, f: GraphFactory) -> int:
-        return f.warmup_steps(r.module._tgraph.warmup)  # the backend's default and minimum
-
-    _refuse_hooks(units)
+def _capture_in_recorded_order(events, units: list, factory_of: dict) -> None:
+    """Each unit's forward graph at its first recorded forward, its backward graph at its
+    first recorded backward (then those whose backward never ran), all into one pool."""
     current = None
     try:
-        for r, phase in m.record.events:
+        for r, phase in events:
             current = r.segment or r
-            f = factory_of(r)
+            f = factory_of[r]
             if phase == "fwd" and current.fwd_graph is None and r.seg_index == 0:
-                current.capture_forward(f, warmup_of(r, f))
+                current.capture_forward(f, f.warmup_steps(r.module._tgraph.warmup))
             elif (
                 phase == "bwd"
                 and current.fwd_graph is not None
@@ -474,45 +519,20 @@ def create_graphs() -> CaptureReport:
                 current.capture_backward(f)
         for current in units:  # forwards whose backward never ran in the recorded iteration
             if current.needs_backward and current.bwd_graph is None:
-                current.capture_backward(factory_of(current.head))
+                current.capture_backward(factory_of[current.head])
     except BaseException as exc:
-        for f in factories.values():
-            f.synchronize()
-        reset_layer_graphs()  # modules run (and record) eagerly again; create_graphs() may be retried
         raise explain_capture_failure(f"{current}", exc) from exc
-    finally:
-        for s in snaps:
-            s.restore()
-    for f in factories.values():
-        f.synchronize()
-    internal: dict[int, list[torch.Tensor]] = {}  # tgraph's own tensors on each static buffer
+
+
+def _bake(units: list) -> None:
+    """Each unit's frozen record, once every graph of the pool exists; each learns which
+    tensors on its static buffers are tgraph's own (the others are held by the caller)."""
+    internal: dict[int, list[torch.Tensor]] = {}
     for u in units:
         for t in [*u.static_outputs, *(x for r in u.members for x in r.static_inputs)]:
             internal.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     for u in units:
         u.bake(internal)
-    m.captured = True
-    m.units = units
-    m.record.clear()
-    called = {id(r.module) for r in runners}
-    eager = [
-        f"{type(mod).__name__} (not called in the recorded iteration)"
-        for mod in m.modules
-        if id(mod) not in called
-    ]
-    records = [u.cap for u in units]
-    m.report = CaptureReport(
-        graphs=sum(1 + (c.bwd_graph is not None) for c in records),
-        runners=len(runners),
-        segments=len(m.segments),
-        seconds=time.perf_counter() - start,
-        pool_bytes=sum(f.memory_allocated() for f in factories.values()) - before,
-        backends=sorted({f.backend for f in factories.values()}),
-        eager_modules=eager,
-        memory=memory.memory_report(records, grads_at_capture=grads_alive),
-    )
-    logger.info("%s", m.report)
-    return m.report
 
 
 def _refuse_hooks(units: list) -> None:
