@@ -19,11 +19,11 @@ from tgraph import rng as rng  # the submodule behind register_generator (not in
 from tgraph.backend import capture_stream
 from tgraph.errors import GraphFallbackError, ReplayOrderError, StaleBackwardError
 from tgraph.guards import CaptureError
+from tgraph.layers.create import create_graphs
 from tgraph.layers.manager import (
     GraphableModule,
     GraphFallbackWarning,
     capture_report,
-    create_graphs,
     disable,
     enable,
     memory_report,
