@@ -12,7 +12,15 @@ import contextlib
 import time
 
 from bench_common import Skip, synchronize
-from bench_train_setup import LR, VOCAB, Setup, drive, make_optimizer, need_cuda
+from bench_train_setup import (
+    LR,
+    VOCAB,
+    Setup,
+    drive,
+    drive_whole_step,
+    make_optimizer,
+    need_cuda,
+)
 
 import tgraph
 
@@ -63,14 +71,7 @@ def mode_megatron(s: Setup, variant: str):
     try:
         if variant == "tgraph_full":
             graph = tgraph.FullIterationGraph(train_step, warmup_steps=s.warmup - 1)
-            for i in range(s.warmup - 1):
-                graph(s.batch(i))
-            synchronize(s.device)
-            t0 = time.perf_counter()
-            graph(s.batch(s.warmup - 1))
-            synchronize(s.device)
-            capture = time.perf_counter() - t0
-            times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
+            times, loss, capture = drive_whole_step(s, graph)
             return times, loss, capture, note
         if variant.startswith("tgraph_layer"):  # _hooks: gradients through DDP's hooks
             tm.enable_layer_graphs(model, main_grad_fusion=variant == "tgraph_layer")
@@ -130,14 +131,7 @@ def mode_megatron_optimizer(s: Setup, variant: str):
             graph = tgraph.FullIterationGraph(
                 full_step, warmup_steps=s.warmup - 1, skip_nonfinite=True
             )
-            for i in range(s.warmup - 1):
-                graph(s.batch(i))
-            synchronize(s.device)
-            t0 = time.perf_counter()
-            graph(s.batch(s.warmup - 1))
-            synchronize(s.device)
-            capture = time.perf_counter() - t0
-            times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
+            times, loss, capture = drive_whole_step(s, graph)
             return times, loss, capture, note + f"; skipped {graph.skipped_steps}"
         opt_graph = None
         if variant == "tgraph_layer_opt":

@@ -66,6 +66,7 @@ from bench_train_setup import (  # noqa: E402
     Setup,
     checkpoint_blocks,
     drive,
+    drive_whole_step,
     eager_step,
     make_setup,
     optimizer_description,
@@ -171,16 +172,7 @@ def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
     step_graph = FullIterationGraph(
         train_step, warmup_steps=s.warmup - 1, backend=s.backend, skip_nonfinite=skip
     )
-    synchronize(s.device)
-    t_warm = time.perf_counter()
-    for i in range(s.warmup - 1):
-        step_graph(s.batch(i))
-    synchronize(s.device)
-    t0 = time.perf_counter()
-    step_graph(s.batch(s.warmup - 1))
-    synchronize(s.device)
-    capture = time.perf_counter() - (t_warm if compiled else t0)
-    times, loss = drive(s, lambda x, y: step_graph((x, y)), start=s.warmup)
+    times, loss, capture = drive_whole_step(s, step_graph, with_warmup=compiled)
     note = "capture_s = the capturing call (capture + its step)"
     if compiled:
         note = "torch.compile(model) inside the step; capture_s = warmup (compile) + capture"

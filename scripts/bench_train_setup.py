@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -144,3 +145,20 @@ def checkpoint_blocks(model: GPT) -> GPT:
     for block in model.h:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return model
+
+
+def drive_whole_step(s: Setup, graph, *, with_warmup: bool = False):
+    """A ``FullIterationGraph``'s warmup calls, the call that captures, then the timed steps:
+    ``(times, loss, capture_s)``; capture_s is the capturing call, or with ``with_warmup`` the
+    warmups too (where a compiled step compiles)."""
+    synchronize(s.device)
+    t_warm = time.perf_counter()
+    for i in range(s.warmup - 1):
+        graph(s.batch(i))
+    synchronize(s.device)
+    t0 = time.perf_counter()
+    graph(s.batch(s.warmup - 1))
+    synchronize(s.device)
+    capture = time.perf_counter() - (t_warm if with_warmup else t0)
+    times, loss = drive(s, lambda x, y: graph((x, y)), start=s.warmup)
+    return times, loss, capture
