@@ -8,16 +8,21 @@ intervals, those without first-call overheads, a capture, validation or a checkp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .parallel import synchronize
+from tgraph.toy.corpus import corpus_stats
+
+from .config import TrainConfig
+from .parallel import DistEnv, synchronize
 
 logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
 
@@ -79,6 +84,25 @@ class StepTimes:
         """Median ms per step of the steady intervals (of all, when none was steady)."""
         steady = [ms for ms, d in self.intervals if not d] or [ms for ms, _ in self.intervals]
         return statistics.median(steady) if steady else float("nan")
+
+
+def write_config(cfg: TrainConfig, env: DistEnv, run: Path, resume_dir: Path | None) -> None:
+    """``<out>/config.json``: the config, and what it resolved to (rank 0)."""
+    run.mkdir(parents=True, exist_ok=True)
+    resolved = {
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "corpus": dataclasses.asdict(
+            corpus_stats(val_fraction=cfg.val_fraction, include_tests=cfg.include_tests)
+        ),
+        "resumed_from": str(resume_dir) if resume_dir else None,
+        "gpt": cfg.gpt_config().to_dict(),
+    }
+    (run / "config.json").write_text(
+        json.dumps({"train": dataclasses.asdict(cfg), "resolved": resolved}, indent=2) + "\n"
+    )
 
 
 def peak_memory_mb(device: torch.device) -> float:

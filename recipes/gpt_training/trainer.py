@@ -2,7 +2,11 @@
 
 Every rank runs :func:`train`. The step itself, in whichever graph mode, comes from
 ``step.make_step``; checkpoints and the run directory's rules from ``checkpointing``; the metrics
-lines from ``metrics``; processes, devices and Ctrl-C from ``parallel``.
+lines and ``config.json`` from ``metrics``; processes, devices and Ctrl-C from ``parallel``.
+
+:func:`_train` is the loop's outline: :func:`_setup` resumes or starts the run and builds a
+:class:`Run`; each step is :func:`_take_step`, then at its due steps :func:`_log_interval`,
+:func:`_validate`, :func:`_checkpoint` and on Ctrl-C :func:`_interrupt`; :func:`_summary` ends it.
 
 Non-finite losses are caught without a host sync per step: the loss sum is read at every logging
 step (the read that logging does anyway), and before every checkpoint the losses since the last
@@ -15,15 +19,14 @@ import dataclasses
 import json
 import logging
 import math
-import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import tgraph
-from tgraph.toy.corpus import BatchSampler, corpus_stats, fixed_batches, load_split
+from tgraph.toy.corpus import BatchSampler, fixed_batches, load_split
 from tgraph.toy.gpt import GPT
 
 from .checkpointing import (
@@ -37,10 +40,10 @@ from .checkpointing import (
     set_rng_state,
 )
 from .config import TrainConfig
-from .metrics import Metrics, StepTimes, describe_run, peak_memory_mb, plot_losses
+from .metrics import Metrics, StepTimes, describe_run, peak_memory_mb, plot_losses, write_config
 from .optim import lr_at, make_optimizer, set_lr, tensor_lrs
 from .parallel import DistEnv, StopOnSigint, all_finite, all_reduce_mean, setup, shutdown
-from .step import make_step
+from .step import TrainStep, make_step
 
 logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
 
@@ -109,6 +112,148 @@ def train(cfg: TrainConfig) -> dict:
         shutdown(env, agreed)
 
 
+def _train(cfg: TrainConfig, env: DistEnv) -> dict:
+    """Set up, run steps ``start + 1 .. cfg.steps`` (logging, validating, checkpointing when due),
+    stop at Ctrl-C after a checkpoint, and return the summary."""
+    run = _setup(cfg, env)
+    cfg = run.cfg
+    with StopOnSigint(hard_second=env.world_size == 1, announce=env.is_main) as stop:
+        for i in range(run.start, cfg.steps):
+            lr = _take_step(run, i)
+            done = i + 1
+            stopping = env.world_size == 1 and stop.requested  # one process: every step
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                stopping = _log_interval(run, done, lr, stop.requested) or stopping
+            if _every(cfg.eval_every, done) or done == cfg.steps:
+                _validate(run, done)
+            if _every(cfg.ckpt_every, done) or done == cfg.steps or stopping:
+                _checkpoint(run, done)
+            if run.bar is not None:
+                run.bar.update(1)
+            if stopping and done < cfg.steps:
+                _interrupt(run, done)
+            if done % cfg.log_every == 0:
+                run.times.start()  # the next interval starts after validation and checkpoint work
+            elif _every(cfg.eval_every, done) or _every(cfg.ckpt_every, done):
+                run.times.unsteady()  # validation or a checkpoint inside the interval
+    return _summary(run)
+
+
+@dataclasses.dataclass(eq=False)
+class Run:
+    """One run as the loop sees it: what :func:`_setup` built, and what the steps change."""
+
+    cfg: TrainConfig  # with the run's --steps (a resume without --steps keeps the checkpoint's)
+    env: DistEnv
+    start: int  # the first step to run: 0, or the resumed checkpoint's step
+    decay_steps: int  # the cosine horizon of the learning rate (see optim.lr_at)
+    last_ckpt: Path | None  # the newest checkpoint: the resumed one until a step writes one
+    model: GPT
+    opt: torch.optim.Optimizer
+    sampler: BatchSampler
+    val_batches: list
+    step: TrainStep
+    metrics: Metrics
+    bar: Any  # tqdm's bar (rank 0 with --progress), else None
+    capture_s: float = 0.0
+    n_sum: int = 0  # finished steps whose loss is in loss_sum (skipped steps are not)
+    last_train: float = math.nan
+    last_val: float = math.nan
+    skipped: int = 0
+    skipped_in_a_row: int = 0
+    loss_sum: torch.Tensor = dataclasses.field(init=False)  # on the device: no sync per step
+    times: StepTimes = dataclasses.field(init=False)
+    wall0: float = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loss_sum = torch.zeros((), device=self.env.device)
+        self.times = StepTimes(self.env.device)  # syncs the device, then starts the clock
+        self.wall0 = self.times.t0
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.block_size * self.env.world_size
+
+
+def _every(n: int, done: int) -> bool:
+    """Whether step ``done`` is a multiple of ``n`` (0: never)."""
+    return bool(n) and done % n == 0
+
+
+def _setup(cfg: TrainConfig, env: DistEnv) -> Run:
+    """Everything before the first step: resume, build, the step, ``config.json``, metrics."""
+    cfg, state, resume_dir = _resume(cfg, env)
+    start = state["step"] if state else 0
+    # The cosine horizon of the run's first start, kept by every resume (see optim.lr_at).
+    decay = state.get("lr_decay_steps", state["config"]["steps"]) if state else cfg.steps
+    model, opt, sampler, val_batches = _build(cfg, env, state, resume_dir)
+    out = Path(cfg.out)
+    if env.is_main:
+        logger.info(
+            "training a %.2fM-parameter GPT, steps %d to %d, --graph %s on %s; outputs in %s/",
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            start,
+            cfg.steps,
+            cfg.graph,
+            env.device,
+            out,
+        )
+    # Validation's graphs are recorded by a forward of the model itself (never DDP's wrapper).
+    step = make_step(cfg, model, opt, env, lambda: evaluate(model, val_batches[:1], env))
+    if env.is_main:
+        write_config(cfg, env, out, resume_dir)
+    metrics = Metrics(out / "metrics.jsonl", env.is_main, start if state else None)
+    bar = None
+    if env.is_main and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"train ({cfg.graph})", unit="step")
+    return Run(
+        cfg, env, start, decay, resume_dir, model, opt, sampler, val_batches, step, metrics, bar
+    )
+
+
+def _resume(cfg: TrainConfig, env: DistEnv) -> tuple[TrainConfig, dict | None, Path | None]:
+    """Resolve ``--resume`` and read its checkpoint, claim ``--out``; returns the config with the
+    run's ``--steps``, the checkpoint's state and its directory (None, None on a fresh start)."""
+    resume_dir = resolve_resume(cfg)
+    state = read_checkpoint(resume_dir, cfg, env.world_size) if resume_dir else None
+    claim_run_directory(cfg, resume_dir, env)
+    prepare_run_directory(Path(cfg.out))  # every rank: each raises the same error, none waits
+    cfg = cfg.with_steps(state["config"].get("steps") if state else None)
+    if state and state["step"] >= cfg.steps:
+        start = state["step"]
+        raise RunDirectoryError(
+            f"checkpoint {resume_dir} is at step {start} and --steps is {cfg.steps}: nothing to "
+            f"do. Pass --steps larger than {start} to train it longer (the learning rate stays "
+            "at --min-lr after the run's original end)"
+        )
+    return cfg, state, resume_dir
+
+
+def _build(
+    cfg: TrainConfig, env: DistEnv, state: dict | None, resume_dir: Path | None
+) -> tuple[GPT, torch.optim.Optimizer, BatchSampler, list]:
+    """The model, its optimizer, this rank's data; restored from ``state`` when resuming."""
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = GPT(cfg.gpt_config()).to(env.device)
+    if resume_dir:
+        load_model_weights(model, resume_dir)
+    torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout stream
+    sampler, val_batches = _load_data(cfg, env)
+    opt = make_optimizer(model, cfg, env.device)
+    if state:
+        opt.load_state_dict(state["optimizer"])
+        tensor_lrs(opt, env.device)
+        set_rng_state(state["rng"][env.rank], sampler, env.device)
+        logger.info("resumed from %s at step %d", resume_dir, state["step"])
+    return model, opt, sampler, val_batches
+
+
 def _load_data(cfg: TrainConfig, env: DistEnv) -> tuple[BatchSampler, list]:
     """This rank's training sampler and its fixed validation batches."""
     data_kw = dict(
@@ -129,214 +274,139 @@ def _load_data(cfg: TrainConfig, env: DistEnv) -> tuple[BatchSampler, list]:
     return sampler, val_batches
 
 
-def _write_config(cfg: TrainConfig, env: DistEnv, run: Path, resume_dir: Path | None) -> None:
-    """``<out>/config.json``: the config, and what it resolved to (rank 0)."""
-    run.mkdir(parents=True, exist_ok=True)
-    resolved = {
-        "world_size": env.world_size,
-        "device": str(env.device),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "corpus": dataclasses.asdict(
-            corpus_stats(val_fraction=cfg.val_fraction, include_tests=cfg.include_tests)
-        ),
-        "resumed_from": str(resume_dir) if resume_dir else None,
-        "gpt": cfg.gpt_config().to_dict(),
-    }
-    (run / "config.json").write_text(
-        json.dumps({"train": asdict(cfg), "resolved": resolved}, indent=2) + "\n"
+def _take_step(run: Run, i: int) -> float:
+    """Run step ``i`` (0-based), count its loss or its skipped update; returns its learning rate."""
+    env = run.env
+    lr = lr_at(i, run.cfg, run.decay_steps)
+    set_lr(run.opt, lr)
+    x, y = run.sampler.next()
+    x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+    loss, captured_s = run.step(x, y)
+    if captured_s is not None:
+        run.capture_s = captured_s
+        run.times.unsteady()
+    done = i + 1
+    if loss is None:  # --on-nonfinite skip skipped this step's update
+        run.skipped, run.skipped_in_a_row = run.skipped + 1, run.skipped_in_a_row + 1
+        if env.is_main:
+            logger.warning(
+                "step %d: non-finite loss or gradient, update skipped (%d so far)",
+                done,
+                run.skipped,
+            )
+        if run.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise _nonfinite(
+                done,
+                f"the loss or gradient of {run.skipped_in_a_row} steps in a row",
+                run.last_ckpt,
+                "Lower --lr, keep --grad-clip above 0, or resume from an earlier checkpoint",
+            )
+    else:
+        run.skipped_in_a_row = 0
+        run.loss_sum += loss
+        run.n_sum += 1
+    return lr
+
+
+def _log_interval(run: Run, done: int, lr: float, stop_requested: bool) -> bool:
+    """Close the logging interval that ends at step ``done``: its mean loss (checked finite), its
+    train line, the progress bar. Returns whether any rank saw Ctrl-C."""
+    env, cfg = run.env, run.cfg
+    # One all-reduce and one host read: the mean loss and whether a rank saw Ctrl-C.
+    mean = run.loss_sum / max(run.n_sum, 1)
+    packed = torch.stack([mean, torch.tensor(float(stop_requested), device=env.device)])
+    run.last_train, stop_votes = all_reduce_mean(packed, env).tolist()  # syncs the device
+    if run.n_sum and not math.isfinite(run.last_train):
+        raise _nonfinite(done, "the training loss", run.last_ckpt, NONFINITE_FIX)
+    seconds = run.times.close(run.n_sum)
+    if run.n_sum:
+        row = dict(
+            kind="train",
+            step=done,
+            loss=run.last_train,
+            lr=lr,
+            ms_per_step=1000 * seconds / run.n_sum,
+            tokens_per_s=run.tokens_per_step * run.n_sum / seconds,
+            peak_mem_mb=peak_memory_mb(env.device),
+            graph=cfg.graph,
+            capture_s=run.capture_s,
+        )
+        run.metrics.write(**row)
+        if run.bar is not None:
+            run.bar.set_postfix(loss=f"{run.last_train:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+    run.loss_sum, run.n_sum = torch.zeros((), device=env.device), 0
+    return stop_votes > 0
+
+
+def _validate(run: Run, done: int) -> None:
+    """The validation loss after step ``done`` (checked finite): a val line and a log line."""
+    run.last_val = evaluate(run.model, run.val_batches, run.env)
+    if not math.isfinite(run.last_val):
+        raise _nonfinite(done, "the validation loss", run.last_ckpt, NONFINITE_FIX)
+    run.metrics.write(kind="val", step=done, loss=run.last_val, graph=run.cfg.graph)
+    logger.info("step %d: val loss %.4f", done, run.last_val)
+
+
+def _checkpoint(run: Run, done: int) -> None:
+    """Step ``done``'s checkpoint, once the unread losses and the weights are finite on all ranks."""
+    if not all_finite([run.loss_sum, *run.model.parameters()], run.env):
+        raise _nonfinite(done, "the training loss or the weights", run.last_ckpt, NONFINITE_FIX)
+    run.last_ckpt = save_checkpoint(
+        run.out / "checkpoints",
+        done,
+        run.model,
+        run.opt,
+        run.sampler,
+        run.cfg,
+        run.env,
+        {"val_loss": run.last_val},
+        run.decay_steps,
     )
 
 
-def _train(cfg: TrainConfig, env: DistEnv) -> dict:
-    run = Path(cfg.out)
-    ckpt_root = run / "checkpoints"
-    resume_dir = resolve_resume(cfg)
-    state = read_checkpoint(resume_dir, cfg, env.world_size) if resume_dir else None
-    claim_run_directory(cfg, resume_dir, env)
-    prepare_run_directory(run)  # every rank: each raises the same error, none waits for another
-    cfg = cfg.with_steps(state["config"].get("steps") if state else None)
-    start = state["step"] if state else 0
-    if state and start >= cfg.steps:
-        raise RunDirectoryError(
-            f"checkpoint {resume_dir} is at step {start} and --steps is {cfg.steps}: nothing to "
-            f"do. Pass --steps larger than {start} to train it longer (the learning rate stays "
-            "at --min-lr after the run's original end)"
-        )
-    # The cosine horizon of the run's first start, kept by every resume (see optim.lr_at).
-    decay_steps = state.get("lr_decay_steps", state["config"]["steps"]) if state else cfg.steps
+def _interrupt(run: Run, done: int) -> None:
+    """Ctrl-C: step ``done``'s checkpoint is written; stop with how to continue."""
+    if run.bar is not None:
+        run.bar.close()
+    raise TrainingInterrupted(
+        f"interrupted (Ctrl-C) after step {done}: saved {run.last_ckpt}. Continue with "
+        f"--out {run.cfg.out} --resume latest --steps {run.cfg.steps}",
+        run.last_ckpt,
+    )
 
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GPT(cfg.gpt_config()).to(env.device)
-    if resume_dir:
-        load_model_weights(model, resume_dir)
-    torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout stream
-    sampler, val_batches = _load_data(cfg, env)
-    opt = make_optimizer(model, cfg, env.device)
-    if state:
-        opt.load_state_dict(state["optimizer"])
-        tensor_lrs(opt, env.device)
-        set_rng_state(state["rng"][env.rank], sampler, env.device)
-        logger.info("resumed from %s at step %d", resume_dir, start)
-    if env.is_main:
-        logger.info(
-            "training a %.2fM-parameter GPT, steps %d to %d, --graph %s on %s; outputs in %s/",
-            sum(p.numel() for p in model.parameters()) / 1e6,
-            start,
-            cfg.steps,
-            cfg.graph,
-            env.device,
-            run,
-        )
-    # Validation's graphs are recorded by a forward of the model itself (never DDP's wrapper).
-    step = make_step(cfg, model, opt, env, lambda: evaluate(model, val_batches[:1], env))
-    if env.is_main:
-        _write_config(cfg, env, run, resume_dir)
-    metrics = Metrics(run / "metrics.jsonl", env.is_main, start if state else None)
-    tokens_per_step = cfg.batch_size * cfg.block_size * env.world_size
-    bar = None
-    if env.is_main and cfg.progress:
-        from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc=f"train ({cfg.graph})", unit="step")
-
-    capture_s = 0.0
-    loss_sum, n_sum = torch.zeros((), device=env.device), 0
-    last_train = last_val = float("nan")
-    last_ckpt = resume_dir
-    skipped = skipped_in_a_row = 0
-    times = StepTimes(env.device)
-    wall0 = times.t0
-    with StopOnSigint(hard_second=env.world_size == 1, announce=env.is_main) as stop:
-        for i in range(start, cfg.steps):
-            lr = lr_at(i, cfg, decay_steps)
-            set_lr(opt, lr)
-            x, y = sampler.next()
-            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            loss, captured_s = step(x, y)
-            if captured_s is not None:
-                capture_s = captured_s
-                times.unsteady()
-            done = i + 1
-            if loss is None:  # --on-nonfinite skip skipped this step's update
-                skipped, skipped_in_a_row = skipped + 1, skipped_in_a_row + 1
-                if env.is_main:
-                    logger.warning(
-                        "step %d: non-finite loss or gradient, update skipped (%d so far)",
-                        done,
-                        skipped,
-                    )
-                if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                    raise _nonfinite(
-                        done,
-                        f"the loss or gradient of {skipped_in_a_row} steps in a row",
-                        last_ckpt,
-                        "Lower --lr, keep --grad-clip above 0, or resume from an earlier "
-                        "checkpoint",
-                    )
-            else:
-                skipped_in_a_row = 0
-                loss_sum += loss
-                n_sum += 1
-            stopping = env.world_size == 1 and stop.requested  # one process: every step
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                # One all-reduce and one host read: the mean loss and whether a rank saw Ctrl-C.
-                packed = torch.stack(
-                    [
-                        loss_sum / max(n_sum, 1),
-                        torch.tensor(float(stop.requested), device=env.device),
-                    ]
-                )
-                last_train, stop_votes = all_reduce_mean(packed, env).tolist()  # syncs the device
-                stopping = stopping or stop_votes > 0
-                if n_sum and not math.isfinite(last_train):
-                    raise _nonfinite(done, "the training loss", last_ckpt, NONFINITE_FIX)
-                seconds = times.close(n_sum)
-                if n_sum:
-                    row = dict(
-                        kind="train",
-                        step=done,
-                        loss=last_train,
-                        lr=lr,
-                        ms_per_step=1000 * seconds / n_sum,
-                        tokens_per_s=tokens_per_step * n_sum / seconds,
-                        peak_mem_mb=peak_memory_mb(env.device),
-                        graph=cfg.graph,
-                        capture_s=capture_s,
-                    )
-                    metrics.write(**row)
-                    if bar is not None:
-                        bar.set_postfix(
-                            loss=f"{last_train:.3f}", tok_s=f"{row['tokens_per_s']:.0f}"
-                        )
-                loss_sum, n_sum = torch.zeros((), device=env.device), 0
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-                last_val = evaluate(model, val_batches, env)
-                if not math.isfinite(last_val):
-                    raise _nonfinite(done, "the validation loss", last_ckpt, NONFINITE_FIX)
-                metrics.write(kind="val", step=done, loss=last_val, graph=cfg.graph)
-                logger.info("step %d: val loss %.4f", done, last_val)
-            if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps or stopping:
-                if not all_finite([loss_sum, *model.parameters()], env):
-                    raise _nonfinite(
-                        done, "the training loss or the weights", last_ckpt, NONFINITE_FIX
-                    )
-                last_ckpt = save_checkpoint(
-                    ckpt_root,
-                    done,
-                    model,
-                    opt,
-                    sampler,
-                    cfg,
-                    env,
-                    {"val_loss": last_val},
-                    decay_steps,
-                )
-            if bar is not None:
-                bar.update(1)
-            if stopping and done < cfg.steps:
-                if bar is not None:
-                    bar.close()
-                raise TrainingInterrupted(
-                    f"interrupted (Ctrl-C) after step {done}: saved {last_ckpt}. Continue with "
-                    f"--out {cfg.out} --resume latest --steps {cfg.steps}",
-                    last_ckpt,
-                )
-            if done % cfg.log_every == 0:
-                times.start()  # the next interval starts after validation and checkpoint work
-            elif (cfg.eval_every and done % cfg.eval_every == 0) or (
-                cfg.ckpt_every and done % cfg.ckpt_every == 0
-            ):
-                times.unsteady()  # validation or a checkpoint inside the interval
-    wall = time.perf_counter() - wall0
-    if bar is not None:
-        bar.close()
-    ms_med = times.median_ms()
+def _summary(run: Run) -> dict:
+    """The finished run's summary; rank 0 writes ``summary.json`` and the plot, and reports."""
+    cfg, env, out = run.cfg, run.env, run.out
+    wall = time.perf_counter() - run.wall0
+    if run.bar is not None:
+        run.bar.close()
+    ms_med = run.times.median_ms()
     summary = {
         "graph": cfg.graph,
         "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
         "world_size": env.world_size,
         "steps": cfg.steps,
-        "resumed_at": start,
-        "lr_decay_steps": decay_steps,
-        "skipped_steps": skipped,
-        "tokens_per_step": tokens_per_step,
+        "resumed_at": run.start,
+        "lr_decay_steps": run.decay_steps,
+        "skipped_steps": run.skipped,
+        "tokens_per_step": run.tokens_per_step,
         "median_ms_per_step": ms_med,
-        "tokens_per_s": 1000 * tokens_per_step / ms_med,
-        "final_train_loss": last_train,
-        "final_val_loss": last_val,
-        "capture_s": capture_s,
+        "tokens_per_s": 1000 * run.tokens_per_step / ms_med,
+        "final_train_loss": run.last_train,
+        "final_val_loss": run.last_val,
+        "capture_s": run.capture_s,
         "peak_mem_mb": peak_memory_mb(env.device),
         "wall_s": wall,
         "torch": torch.__version__,
     }
     if env.is_main:
-        (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_losses(
-            run / "metrics.jsonl",
-            run / "loss.png",
+            out / "metrics.jsonl",
+            out / "loss.png",
             f"toy GPT on stdlib bytes, --graph {cfg.graph} ({summary['device']})",
         )
-        logger.info("%s", describe_run(summary, run, step.backend))
-    step.close()
+        logger.info("%s", describe_run(summary, out, run.step.backend))
+    run.step.close()
     return summary
