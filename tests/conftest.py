@@ -51,8 +51,8 @@ def _one_cpu_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def _close_process_group():
-    """The megatron tests open a one-rank NCCL group; left open, the process outlives pytest's
-    summary by the NCCL teardown (seen on an H200: over 10 s after the last test)."""
+    """The megatron tests open a one-rank NCCL group; closed here, at the session's end, instead
+    of by torch's exit handler (which warns that destroy_process_group() was not called)."""
     yield
     import torch.distributed as dist
 
