@@ -156,19 +156,21 @@ def _generate(args: argparse.Namespace, parser: OneLineErrorParser) -> list[str]
     except FileNotFoundError as e:
         parser.error(f"--ckpt {e}")
     if hf_serving.is_transformers_checkpoint(path):  # save_pretrained's layout
-        return hf_serving.generate(args, parser, path)
-    try:
-        model = checkpoint.load(path, device=args.device)
-        _, extra = checkpoint.read_config(path)
-    except (CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    max_seq_len = check_against_model(args, parser, model)
-    step = f"step {extra['step']}" if isinstance(extra, dict) and "step" in extra else "no step"
+        model, max_seq_len, eos_token_id, label = hf_serving.prepare(args, parser, path)
+    else:
+        try:
+            model = checkpoint.load(path, device=args.device)
+            _, extra = checkpoint.read_config(path)
+        except (CheckpointError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+        max_seq_len = check_against_model(args, parser, model)
+        step = f"step {extra['step']}" if isinstance(extra, dict) and "step" in extra else "no step"
+        eos_token_id, label = args.eos_token_id, f"checkpoint {path} ({step})"
     how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     how += f", top-k {args.top_k}" if args.top_k and args.temperature else ""
     how += f", top-p {args.top_p}" if args.top_p < 1 and args.temperature else ""
-    print(f"checkpoint {path} ({step}); {how}, seed {args.seed}", flush=True)
+    print(f"{label}; {how}, seed {args.seed}", flush=True)
     try:
         engine = DecodeEngine(
             model,
@@ -182,7 +184,7 @@ def _generate(args: argparse.Namespace, parser: OneLineErrorParser) -> list[str]
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
-            eos_token_id=args.eos_token_id,
+            eos_token_id=eos_token_id,
             seed=args.seed,
         )
     except ValueError as e:  # the engine's own argument checks, should one above miss a case

@@ -21,8 +21,6 @@ import logging
 import sys
 from pathlib import Path
 
-from tgraph.decode import DecodeEngine
-
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -72,8 +70,9 @@ def _eos(decoder, args: argparse.Namespace) -> int | None:
     return eos[0] if isinstance(eos, list) and eos else eos
 
 
-def generate(args: argparse.Namespace, parser, path: Path) -> list[str]:
-    """Serve ``args.prompt`` from the transformers checkpoint ``path``; print as generate.py does.
+def prepare(args: argparse.Namespace, parser, path: Path):
+    """The transformers checkpoint ``path`` ready for generate.py's engine: ``(decoder,
+    max_seq_len, eos_token_id, label)``.
 
     Raises:
         SystemExit: code 2 for arguments the model cannot serve, 1 for an unloadable checkpoint.
@@ -98,29 +97,5 @@ def generate(args: argparse.Namespace, parser, path: Path) -> list[str]:
                 f"--prompt {i} is {len(p)} tokens; with --max-new-tokens {args.max_new_tokens} it "
                 f"needs {len(p) + args.max_new_tokens} positions but there are {max_seq_len}"
             )
-    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-    how += f", top-k {args.top_k}" if args.top_k and args.temperature else ""
-    how += f", top-p {args.top_p}" if getattr(args, "top_p", 1.0) < 1 and args.temperature else ""
-    print(f"transformers checkpoint {path} ({decoder.architecture}); {how}, seed {args.seed}")
-    engine = DecodeEngine(
-        decoder,
-        max_batch_size=args.max_batch_size or len(args.prompt),
-        max_seq_len=max_seq_len,
-        use_graphs=not args.no_graphs,
-    )
-    completions = engine.generate(
-        args.prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=getattr(args, "top_p", 1.0),
-        eos_token_id=_eos(decoder, args),
-        seed=args.seed,
-    )
-    n = len(args.prompt)
-    for i, (prompt, completion) in enumerate(zip(args.prompt, completions), 1):
-        print(f"----- sample {i} of {n} " + "-" * 40)
-        print(prompt + completion)
-    print("-" * 60)
-    print(engine.stats.summary())
-    return completions
+    label = f"transformers checkpoint {path} ({decoder.architecture})"
+    return decoder, max_seq_len, _eos(decoder, args), label
