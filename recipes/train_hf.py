@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpt_training.optim import lr_at, set_lr, tensor_lrs
+from gpt_training.optim import adamw, lr_at, set_lr, tensor_lrs
 from gpt_training.parallel import all_reduce_mean, setup, shutdown, synchronize
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -174,16 +174,7 @@ def build_model(a: argparse.Namespace, device: torch.device, resume: Path | None
 
 def make_optimizer(model: torch.nn.Module, a: argparse.Namespace, device: torch.device):
     """AdamW in every mode (graphs need capturable on CUDA, fused on the CPU), device lrs."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": a.weight_decay},
-        {"params": rest, "weight_decay": 0},
-    ]
-    kind = {"capturable": True} if device.type == "cuda" else {"fused": True}
-    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), **kind)
-    tensor_lrs(opt, device)
-    return opt
+    return adamw(model, device, a.lr, a.weight_decay, (0.9, 0.95))
 
 
 # ------------------------------------------------------------------------------ the step

@@ -40,14 +40,25 @@ def make_optimizer(
     (``capturable`` is CUDA-only). The learning rate lives in a float32 device tensor per group
     that :func:`set_lr` refills in place, so a captured step reads each step's value.
     """
+    return adamw(model, device, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+
+
+def adamw(
+    model: torch.nn.Module,
+    device: torch.device,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+) -> torch.optim.AdamW:
+    """:func:`make_optimizer` from plain values (also the transformers recipe's optimizer)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     kind = {"capturable": True} if device.type == "cuda" else {"fused": True}
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kind)
+    opt = torch.optim.AdamW(groups, lr=lr, betas=betas, **kind)
     tensor_lrs(opt, device)
     return opt
 
