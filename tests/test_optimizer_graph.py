@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tgraph
+from tgraph import grads
 from tgraph.guards import RefuseHostSync
 from tgraph.step import hyperparams, nonfinite
 from tgraph.toy.gpt import GPT, GPTConfig
@@ -804,7 +805,7 @@ def test_per_layer_gradients_are_read_in_place(backend, device, microbatches):
         # gradients live outside the packed buffers, so the graph holds its own copy of all
         # (torch < 2.13 cannot move a kept gradient off a graph's memory, so the backward
         # graphs hand out copies and the optimizer graph copies every gradient, as before)
-        in_place = microbatches != 2 and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        in_place = microbatches != 2 and grads.swaps_storage()
         want = total - blocks if in_place else total
         assert graph.own_grad_bytes == want, (graph.own_grad_bytes, total, blocks)
         assert_same_training_state(model, opt, ref, ref_opt, exact=False)

@@ -139,7 +139,7 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
         ValueError: no decoder layer found, or MoE experts that run the eager expert loop.
     """
     layers = decoder_layers(model)
-    _refuse_eager_experts(model)
+    _refuse_ungraphable_experts(model)
     base = _checkpointing_layer_class()
     for layer in layers:
         if not isinstance(layer, GraphableModule):
@@ -197,7 +197,7 @@ def _no_cache_by_default(position: int, module: nn.Module, args: tuple, kwargs: 
     return args, kwargs
 
 
-def _refuse_eager_experts(model: nn.Module) -> None:
+def _refuse_ungraphable_experts(model: nn.Module) -> None:
     for name, m in model.named_modules():
         impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
         # experts stacked in one (num_experts, ...) parameter: a use_experts_implementation class
