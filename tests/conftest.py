@@ -68,3 +68,16 @@ def _clean_tgraph_state():
     tgraph.reset()
     for g in tgraph.rng.extra_generators():
         tgraph.unregister_generator(g)
+
+
+@pytest.fixture(params=[True, False], ids=["swap", "older_torch"])
+def swaps(request, monkeypatch):
+    """PyTorch >= 2.13 (storage memory can be swapped) and older (a copy per backward, into a
+    landing buffer)."""
+    from tgraph import grads
+
+    if request.param and not grads.swaps_storage():
+        pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")
+    if not request.param:  # as on PyTorch < 2.13, which has no storage swap
+        monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", None, raising=False)
+    return request.param

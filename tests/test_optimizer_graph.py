@@ -774,13 +774,14 @@ def test_megatron_host_syncing_settings_are_refused():
 
 
 @pytest.mark.parametrize("microbatches", [1, 2, "1 then 2"])
-def test_per_layer_gradients_are_read_in_place(backend, device, microbatches):
+def test_per_layer_gradients_are_read_in_place(backend, device, microbatches, swaps):
     """Beside per-layer graphs, the optimizer graph reads the gradients the layers' backward
-    graphs wrote into their packed buffers where they are: it keeps buffers of its own only for
-    the other parameters (embeddings, head), and training equals eager. With two microbatches
-    the first one's gradients are moved out of the packed buffer before the second backward
-    (the accumulated .grad lives elsewhere), so the graph copies them into buffers of its own,
-    as before."""
+    graphs hand over where they leave them: it keeps buffers of its own only for the other
+    parameters (embeddings, head), and training equals eager. With the storage swap and two
+    microbatches the first one's gradients are moved out of the packed buffer before the second
+    backward (the accumulated .grad lives elsewhere), so the graph copies them into buffers of
+    its own. Without it (PyTorch < 2.13) the first backward lands its gradients in the landing
+    buffer and the second one's are added there, so they are read in place either way."""
     model = make_model(device)
     opt = make_optimizer(model, device)
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
@@ -801,11 +802,10 @@ def test_per_layer_gradients_are_read_in_place(backend, device, microbatches):
         assert graph.captured
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         blocks = sum(p.numel() * p.element_size() for b in model.h for p in b.parameters())
-        # one microbatch: the blocks' gradients are read in place; two: the accumulated
-        # gradients live outside the packed buffers, so the graph holds its own copy of all
-        # (torch < 2.13 cannot move a kept gradient off a graph's memory, so the backward
-        # graphs hand out copies and the optimizer graph copies every gradient, as before)
-        in_place = microbatches != 2 and grads.swaps_storage()
+        # one microbatch: the blocks' gradients are read in place; two, with the storage
+        # swap: the accumulated gradients live outside the packed buffers, so the graph holds
+        # its own copy of all; without the swap they accumulate in the landing buffers
+        in_place = microbatches != 2 or not swaps
         want = total - blocks if in_place else total
         assert graph.own_grad_bytes == want, (graph.own_grad_bytes, total, blocks)
         assert_same_training_state(model, opt, ref, ref_opt, exact=False)

@@ -155,9 +155,14 @@ class ParamGradPacking:
     accumulation stays exact, unlike ``make_graphed_callables``, whose aliases are overwritten
     (pytorch issue 181723). Aliases are counted on the buffer's storage, so a gradient kept
     anywhere (``.grad``, a hook's list, a loop variable) is protected alike. Moving memory from
-    under a storage needs PyTorch >= 2.13 (``UntypedStorage._swap_data_ptr_``); with an older
-    PyTorch each backward hands autograd views of a fresh copy of the buffer instead (one copy
-    and one parameter-gradient set of memory more per step).
+    under a storage needs PyTorch >= 2.13 (``UntypedStorage._swap_data_ptr_``). With an older
+    PyTorch each backward copies the buffer (one copy kernel) into a landing buffer of the
+    unit's own, outside every graph's pool, and hands autograd views of it; when something
+    still views the landing buffer from before (a ``.grad`` being accumulated, a kept
+    gradient) it hands views of a fresh copy instead. The landing buffer stays at one address,
+    so :class:`tgraph.OptimizerGraph` reads it in place as it reads the static buffer on
+    PyTorch >= 2.13 (:meth:`reader_buffer`): the gradients are copied once per backward, never
+    again for the optimizer step.
     """
 
     def __init__(self) -> None:
@@ -168,6 +173,8 @@ class ParamGradPacking:
         self._reshape: list[tuple[int, tuple]] = []  # (k, view args): packed gradients not 1-D
         self._empty: list[tuple[int, tuple]] = []  # (k, shape): packed gradients of no element
         self._baseline = 0
+        self.landing: torch.Tensor | None = None  # PyTorch < 2.13: the hand-off's buffer
+        self._landing_own = 0  # uses of the landing buffer's storage that are tgraph's own
 
     def pack(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Inside the captured function: gradients -> [flat] (or unchanged if not packable)."""
@@ -210,7 +217,7 @@ class ParamGradPacking:
         (``clone``: of a fresh copy of it)."""
         if not self.packed:
             return unpacked  # held references make AccumulateGrad clone them
-        flat = self.flat.clone() if clone else self.flat
+        flat = self._land() if clone else self.flat
         # Every backward, one view per parameter: what unflatten_dense_tensors(flat, shapes)
         # gives (contiguous views of ``flat`` at the same offsets; a fresh tensor where empty),
         # in a third less host time: the 1-D views in one C++ call, then a view with its shape
@@ -226,6 +233,24 @@ class ParamGradPacking:
         for i, view in zip(self._index, views):
             out[i] = view
         return out
+
+    def _land(self) -> torch.Tensor:
+        """PyTorch < 2.13: the flat buffer's values in the landing buffer when nothing views it
+        from before, else in a fresh copy (class docstring)."""
+        if self.landing is None:
+            self.landing = torch.empty_like(self.flat)
+            self._landing_own = storage_uses(self.landing)
+        elif storage_uses(self.landing) != self._landing_own:
+            return self.flat.clone()
+        return self.landing.copy_(self.flat)
+
+    def reader_buffer(self) -> torch.Tensor | None:
+        """Where the last backward's parameter gradients are, at an address that stays: the
+        static buffer where storage memory can be swapped (:meth:`rescue` moves held views off
+        it), else the landing buffer (None before the first backward replay)."""
+        if not self.packed:
+            return None
+        return self.flat if swaps_storage() else self.landing
 
     @torch.no_grad()
     def rescue(self) -> None:

@@ -27,7 +27,8 @@ Ownership and aliasing (what a user of the outputs must know):
   AccumulateGrad adopts as ``.grad`` without a copy: they *are* static memory, so the pool's
   ledger (:meth:`tgraph.pool.PoolLedger.hold_grads`) moves it out from under every tensor still
   viewing it before a replay may overwrite it (this unit's next backward or forward, or a graph
-  captured before it). On older PyTorch each backward hands autograd views of a fresh clone.
+  captured before it). On older PyTorch each backward copies it into a landing buffer (a fresh
+  clone while something still views that one) and hands autograd views of the copy.
   ``torch.cuda.make_graphed_callables`` hands autograd ``detach()``-ed aliases of its static
   buffers too, but never moves them, so the next replay overwrites accumulated gradients
   (pytorch issue 181723). Gradient accumulation through a unit is exact either way.

@@ -435,6 +435,7 @@ def is_enabled(module: nn.Module) -> bool:
 
 
 def packed_gradient_buffers() -> list[torch.Tensor]:
-    """The packed parameter-gradient buffer of every captured per-layer unit
-    (:class:`tgraph.grads.ParamGradPacking`): the memory their backward graphs write."""
-    return [u.cap.packing.flat for u in _manager.units if u.cap.packing.packed]
+    """Where every captured per-layer unit's backward leaves its packed parameter gradients, at
+    an address that stays (:meth:`tgraph.grads.ParamGradPacking.reader_buffer`)."""
+    found = (u.cap.packing.reader_buffer() for u in _manager.units)
+    return [b for b in found if b is not None]

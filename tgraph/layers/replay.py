@@ -12,7 +12,7 @@ outputs of that replay (:func:`take`).
 outputs. Its backward copies the incoming gradients into the static grad-output buffers,
 replays the backward graph and returns the static input gradients and the parameter gradients
 (on PyTorch >= 2.13 views of the packed static buffer, which the pool's ledger moves out from
-under them before a replay may overwrite it; before 2.13 views of a fresh clone:
+under them before a replay may overwrite it; before 2.13 views of a copy in a landing buffer:
 :class:`tgraph.grads.ParamGradPacking`); the parameters are inputs of the node, so autograd
 accumulates their gradients and DDP / FSDP / Megatron hooks fire as in eager mode.
 """

@@ -29,10 +29,12 @@ step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync). With
 ``skip_nonfinite_how="conditional"`` the captured step sits in a CUDA-graph IF node on the flag
 instead, where torch builds them (experimental, opt-in: tgraph/step/if_node.py).
 
-Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors
-(per-layer graphs do at every backward). :class:`OptimizerGraph` owns one flat gradient buffer;
-before each replay the step's ``.grad`` tensors are copied into it with one multi-tensor copy,
-and with ``zero_grad=True`` (default) ``.grad`` is set to None after every step, as
+Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors.
+Gradients that per-layer graphs hand over are read where those graphs leave them, at an address
+that stays (:meth:`tgraph.grads.ParamGradPacking.reader_buffer`): no copy and no buffer of its
+own. For every other gradient :class:`OptimizerGraph` owns one flat buffer; before each replay
+the step's ``.grad`` tensors not already there are copied into it with one multi-tensor copy, and
+with ``zero_grad=True`` (default) ``.grad`` is set to None after every step, as
 ``optimizer.zero_grad()`` does, so the next backward's AccumulateGrad adopts autograd's tensors
 without an add kernel per parameter. Every parameter that had a gradient at capture is stepped at
 every replay: a ``.grad`` that is None where the capture had one raises, and so does one present
@@ -75,7 +77,8 @@ _RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
 
 
 def _packed_gradient_buffers() -> list[torch.Tensor]:
-    """Every captured per-layer unit's packed parameter-gradient buffer (tgraph.grads)."""
+    """Where every captured per-layer unit's backward leaves its parameter gradients
+    (tgraph.grads.ParamGradPacking.reader_buffer)."""
     from tgraph.layers.manager import packed_gradient_buffers  # imports this module's users: lazily
 
     return packed_gradient_buffers()
@@ -139,9 +142,9 @@ class OptimizerGraph:
         skip_nonfinite_how: ``"auto"``, ``"mask"`` or ``"conditional"`` (experimental, opt-in:
             the captured step inside a CUDA-graph IF node on the flag, where torch builds them,
             :mod:`tgraph.step.if_node`): see :class:`tgraph.step.nonfinite.SkipNonfinite`.
-        zero_grad: zero the captured ``.grad`` tensors in place at the end of every step (see the
-            module docstring on gradient ownership). With False, zero them yourself in place
-            (``optimizer.zero_grad(set_to_none=False)``).
+        zero_grad: set every ``.grad`` to None at the end of every step, as
+            ``optimizer.zero_grad()`` does (see the module docstring on gradients). With False
+            the step leaves ``.grad`` alone and you zero it yourself.
         warmup_steps: eager steps before capture (more if a step created optimizer state).
         backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (from the parameters' device).
 
