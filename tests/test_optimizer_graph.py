@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import tgraph
-from tgraph import grads
 from tgraph.guards import RefuseHostSync
 from tgraph.step import hyperparams, nonfinite
 from tgraph.toy.gpt import GPT, GPTConfig
