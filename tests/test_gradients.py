@@ -82,9 +82,10 @@ def test_usual_step_hands_over_gradients_without_a_copy(backend, device, swaps):
 
 
 def test_packed_gradients_are_the_views_unflatten_gives():
-    """ParamGradPacking hands autograd, per parameter, a contiguous view of the flat buffer at
-    its offset (a fresh tensor where empty), exactly what torch's unflatten_dense_tensors
-    gives, for 0-d, 1-d, n-d and empty gradients."""
+    """ParamGradPacking hands autograd, per parameter, a contiguous alias of the flat buffer at
+    its offset (a fresh tensor where empty): the layout torch's unflatten_dense_tensors gives,
+    for 0-d, 1-d, n-d and empty gradients; detached, so not autograd views of the buffer, and
+    fresh tensors at every backward, which AccumulateGrad can adopt."""
     shapes = [(3, 4), (5,), (), (2, 0, 3), (0,), (1,), (2, 3, 2)]
     gs = [torch.randn(s) for s in shapes]
     packing = ParamGradPacking()
@@ -100,11 +101,13 @@ def test_packed_gradients_are_the_views_unflatten_gives():
             b.stride(),
             b.storage_offset(),
         )
-        assert (a._base is flat) == (b._base is flat) == (g.numel() > 0)
+        assert a._base is not flat and (b._base is flat) == (g.numel() > 0)
         assert (a.untyped_storage().data_ptr() == ptr) == (b.untyped_storage().data_ptr() == ptr)
         assert a._version == b._version and a.requires_grad == b.requires_grad
         assert (a.dtype, a.device) == (b.dtype, b.device)
         torch.testing.assert_close(a, g, rtol=0, atol=0)
+    again = packing.for_autograd([])
+    assert all(x is not y for x, y in zip(got, again) if x is not None)
 
 
 def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device, swaps):

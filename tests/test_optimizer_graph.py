@@ -405,6 +405,28 @@ def test_capture_that_creates_state_runs_eagerly(backend, device):
     assert_same_training_state(model, opt, ref_model, ref_opt)
 
 
+@pytest.mark.parametrize("at_replay", [1, 3])
+def test_a_gradient_the_graph_never_steps_is_refused_at_any_replay(backend, device, at_replay):
+    """A parameter had no gradient at capture, so the graph never steps it. When it gets one,
+    at the first replay or a later one, the step raises instead of dropping that gradient
+    (zero_grad would clear it, and the parameter would silently stop training)."""
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend, warmup_steps=1)
+    head = model.lm_head.weight if hasattr(model, "lm_head") else None
+    unstepped = [p for p in model.parameters() if p is not head][-1]
+    for i, (x, y) in enumerate(make_batches(device)):
+        model(x, y)[1].backward()
+        if i < 1 + at_replay:  # the eager step, the capture, replays without it
+            unstepped.grad = None
+            graph.step()
+            continue
+        with pytest.raises(ValueError, match="without .grad at capture has one now"):
+            graph.step()
+        return
+    raise AssertionError("too few batches")
+
+
 def test_loss_given_at_some_calls_only_is_refused(backend, device):
     model = make_model(device)
     graph = tgraph.OptimizerGraph(

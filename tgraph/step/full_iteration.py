@@ -91,7 +91,7 @@ from tgraph.layers.signature import call_key, first_difference, split
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
-from tgraph.step.hyperparams import HyperParams, baked_layout, layout_change
+from tgraph.step.hyperparams import BakedLayout, HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class _Entry:
     out: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
     template: Any = None  # the structure of fn's outputs (tgraph.layers.signature.Template)
-    layout: tuple = ()  # the optimizers' groups and state tensors at capture
+    layout: BakedLayout | None = None  # the optimizers' groups and state tensors at capture
     baked: Any = None  # what the step's modules baked in (tgraph.baked.Baked)
     grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
     capture_seconds: float = 0.0
@@ -212,7 +212,7 @@ class FullIterationGraph:
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.graph is not None:
-            why = layout_change(entry.layout, self.optimizers) or entry.baked.changed()
+            why = entry.layout.change() or entry.baked.changed()
             if why is None:
                 return self._replay(entry, tensors)
             if why not in self._recaptured:
@@ -321,7 +321,7 @@ class FullIterationGraph:
         """After a capture: the graph, its outputs and what it baked in."""
         entry.capture_seconds, entry.pool_bytes = step.seconds, step.pool_bytes
         entry.graph, entry.out = step.graph, out
-        entry.layout = baked_layout(self.optimizers)
+        entry.layout = BakedLayout(self.optimizers)
         # what the step's modules baked in (the modules that ran in it: tgraph.baked)
         entry.baked = Baked.of([(type(m).__name__, m) for m in self._modules.values()], [])
         entry.outputs, entry.template = split(out)

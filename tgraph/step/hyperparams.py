@@ -9,6 +9,7 @@ and :class:`tgraph.OptimizerGraph`.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import torch
@@ -146,6 +147,20 @@ def baked_layout(optimizers: list[torch.optim.Optimizer]) -> tuple:
     )
 
 
+def layout_key(optimizers: list[torch.optim.Optimizer]) -> tuple:
+    """Everything :func:`baked_layout` holds, and the ids of state values that are not tensors,
+    in one flat tuple built by C-level passes (no Python step per parameter)."""
+    key: list = []
+    for opt in optimizers:
+        groups, state = opt.param_groups, opt.state
+        key += (len(groups), *map(id, groups))
+        for g in groups:
+            key += (len(g["params"]), *map(id, g["params"]))
+        key += (len(state), *map(id, state), *map(len, state.values()))
+        key += map(id, chain.from_iterable(map(dict.values, state.values())))
+    return tuple(key)
+
+
 def layout_change(before: tuple, optimizers: list[torch.optim.Optimizer]) -> str | None:
     """Why the optimizers' layout differs from ``before`` (:func:`baked_layout`), or None."""
     now = baked_layout(optimizers)
@@ -160,3 +175,30 @@ def layout_change(before: tuple, optimizers: list[torch.optim.Optimizer]) -> str
         if states != states0:
             return f"{name}'s state tensors were replaced after capture (optimizer.load_state_dict)"
     return "the optimizers changed after capture"
+
+
+class BakedLayout:
+    """The layout a captured step baked in (:func:`baked_layout`), checked before every replay.
+
+    The check compares one flat tuple of ids (:func:`layout_key`, a few microseconds for
+    hundreds of parameters); only when that differs (a value that is not a tensor, such as a
+    Python step count, moves at every step; or a real change) does the structured comparison
+    run, which names what changed.
+    """
+
+    __slots__ = ("optimizers", "before", "key")
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        self.before = baked_layout(self.optimizers)
+        self.key = layout_key(self.optimizers)
+
+    def change(self) -> str | None:
+        """Why the optimizers' layout differs from the captured one, or None."""
+        key = layout_key(self.optimizers)
+        if key == self.key:
+            return None
+        why = layout_change(self.before, self.optimizers)
+        if why is None:
+            self.key = key  # only values that are not tensors moved
+        return why

@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not, ne, or_
 from typing import Any
 
 import torch
@@ -65,7 +67,7 @@ from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.pool import at_address
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
-from tgraph.step.hyperparams import HyperParams, baked_layout, layout_change
+from tgraph.step.hyperparams import BakedLayout, HyperParams
 from tgraph.step.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ logger = logging.getLogger(__name__)
 # A tensor on a raw address (below) needs this private constructor; without it every gradient
 # gets a buffer of the graph's own, as before.
 _RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
+_GRAD = attrgetter("grad")
+_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
 
 
 def _packed_gradient_buffers() -> list[torch.Tensor]:
@@ -238,11 +242,12 @@ class OptimizerGraph:
         self._failed = self._warned = False
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, graph's buffer)
         self._gradless: list[torch.Tensor] = []
-        self._checked = False
         self._static_loss: torch.Tensor | None = None
         self._with_loss: bool | None = None
         self._norm: torch.Tensor | None = None
-        self._layout: tuple = ()
+        self._layout: BakedLayout | None = None
+        self._fast: tuple = ()  # (parameters, buffers, addresses, strides) a replay reads
+        self._every: tuple = ()  # every parameter of the step, as at capture
         self._read_in_place: list[torch.Tensor] = []  # per-layer gradient buffers it reads
         self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)
 
@@ -283,7 +288,7 @@ class OptimizerGraph:
         """After a step (eager, captured or replayed): ``.grad = None``, as
         ``optimizer.zero_grad()``; the next backward hands autograd's tensors over unchanged."""
         if self.zero_grad:
-            for p in self.params():
+            for p in self._every or self.params():
                 p.grad = None
 
     def bind_grads(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
@@ -330,12 +335,37 @@ class OptimizerGraph:
 
     def refresh_grads(self) -> None:
         """Before a replay (no grad mode): copy the step's gradients into the graph's buffers
-        (one multi-tensor copy; module docstring).
+        (one multi-tensor copy; module docstring). When every ``.grad`` already is where the
+        graph reads it (the usual replay beside per-layer graphs), that is three C-level
+        passes over the parameters and no copy.
 
         Raises:
             ValueError: a gradient the graph reads is missing, or a parameter it never steps
                 has one now (call :meth:`reset`).
         """
+        if any(map(is_not, map(_GRAD, self._gradless), repeat(None))):
+            raise ValueError(
+                "OptimizerGraph: a parameter without .grad at capture has one now; the "
+                "graph would not step it. Call reset() to capture anew with it."
+            )
+        if self._fast:
+            params, bufs, ptrs, strides = self._fast
+            lives = list(map(_GRAD, params))
+            if not any(map(is_, lives, repeat(None))):
+                # the gradients not where the graph reads them (autograd's own tensors)
+                moved = list(
+                    compress(
+                        range(len(lives)),
+                        map(
+                            or_,
+                            map(ne, map(_data_ptr, lives), ptrs),
+                            map(ne, map(_stride, lives), strides),
+                        ),
+                    )
+                )
+                if moved:
+                    torch._foreach_copy_([bufs[i] for i in moved], [lives[i] for i in moved])
+                return
         dst, src = [], []
         for p, b in self._grads:
             live = p.grad
@@ -350,14 +380,6 @@ class OptimizerGraph:
                 src.append(live)
         if dst:
             torch._foreach_copy_(dst, src)
-        if not self._checked:  # the set of gradient-less parameters is checked once per capture
-            self._checked = True
-            for p in self._gradless:
-                if p.grad is not None:
-                    raise ValueError(
-                        "OptimizerGraph: a parameter without .grad at capture has one now; the "
-                        "graph would not step it. Call reset() to capture anew with it."
-                    )
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -391,7 +413,7 @@ class OptimizerGraph:
         """
         self._take_loss(loss)
         if self._graph is not None:
-            why = layout_change(self._layout, self.optimizers)
+            why = self._layout.change()
             if why is None:
                 return self._replay()
             logger.warning("OptimizerGraph: %s; capturing the step again after warmup", why)
@@ -494,7 +516,15 @@ class OptimizerGraph:
             return self._eager()
         self.capture_seconds, self.pool_bytes = step.seconds, step.pool_bytes
         self._graph, self._hparams = step.graph, step.fresh
-        self._layout = baked_layout(self.optimizers)
+        self._layout = BakedLayout(self.optimizers)
+        self._every = tuple(self.params())
+        bufs = [b for _, b in self._grads]
+        self._fast = (
+            tuple(p for p, _ in self._grads),
+            bufs,
+            tuple(map(_data_ptr, bufs)),
+            tuple(map(_stride, bufs)),
+        )
         logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
         if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
             step.graph.replay()
