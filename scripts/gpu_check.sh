@@ -18,6 +18,9 @@
 #                                        # host time per call (at most 8 files come back: one)
 #   bash scripts/gpu_check.sh versions OLD   # `pytest -m cuda`; the toy benchmark of the tree in
 #                                        # OLD and of this one; HF Llama batch 8 and d1024
+#   bash scripts/gpu_check.sh perf      # `pytest -m cuda`; HF Llama b1/b8/d1024 without compile,
+#                                        # the toy at batch 8 and 1, host time per call
+#   bash scripts/gpu_check.sh compiled  # torch.compile modes beside tgraph on the HF Llama cells
 #   bash scripts/gpu_check.sh verify     # `pytest -m cuda`, then the CPU cases on this machine
 #                                        # (the emulated backend where CUDA is present), then
 #                                        # host time per call on the GPU (toy and HF Llama)
@@ -45,19 +48,8 @@ MEGATRON_OPT_MODES=megatron_opt_none,megatron_opt_none_capturable,megatron_opt_l
 case "$CHECK" in
 default) ;;
 final)
-  R="$OUT"
-  W=/tmp/final && rm -rf "$W" && mkdir -p "$W"
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-  {
-    date -u; git log --oneline -1 2>/dev/null
-    python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-    python -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -1
-  } >"$W/env.txt" 2>&1
-  bounded() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-    timeout --kill-after=5 "$limit" "$@" >"$W/$name.log" 2>&1; local rc=$?
-    echo "$name rc=$rc $((SECONDS - t0))s" >>"$W/stages.txt"; }
-  bounded pytest_cuda 270 python -m pytest -m cuda -q -p no:cacheprovider -rf \
-    --ignore=tests/test_train_recipe.py --junitxml="$W/pytest_cuda.xml"
+  archive_begin final
+  pytest_cuda 270
   bounded bench_hf 110 python scripts/bench_train.py --configs llama_b1 --dtypes fp32 --steps 10 \
     --warmup 2 --modes eager,graphed_callables,tgraph_layer,tgraph_layer_opt,tgraph_full,compile \
     --out "$W/hf"
@@ -65,28 +57,17 @@ final)
     --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt --out "$W/toy"
   bounded profile_host 35 python scripts/profile_host.py --device cuda --backend cuda --model both \
     --steps 100 --reps 3 --out "$W/profile"
-  { cat "$W/env.txt" "$W/stages.txt"; tail -n 15 "$W/pytest_cuda.log"
-    for f in "$W"/hf/*.md "$W"/toy/*.md; do [ -f "$f" ] && cat "$f"; done
-    grep -E "^===|per graphed call|step wall|checks alone" "$W/profile_host.log"; } >"$R/summary.txt" 2>&1
-  tar czf "$R/final.tgz" -C /tmp final
-  cat "$R/summary.txt"
+  archive_end
   exit 0
   ;;
 versions)
-  # Issue-style before/after in one call: `pytest -m cuda` on this tree, then the toy training
-  # benchmark of an older tree ($2, a directory holding `tgraph/`, e.g. from
-  # `git archive REV tgraph | tar -x -C .old`, carried) and of this tree with the same harness,
-  # then the HF Llama cells at batch 8 (fp32) and d1024 (bf16) without compile. One archive back.
+  # Before/after in one call: `pytest -m cuda` on this tree, then the toy training benchmark of
+  # an older tree ($2, a directory holding `tgraph/`, e.g. from `git archive REV tgraph | tar -x
+  # -C .old`, carried) and of this tree with the same harness, then the HF Llama cells at
+  # batch 8 (fp32) and d1024 (bf16) without compile.
   OLD="${2:?versions needs the directory of the older tree}"
-  R="$OUT"; W=/tmp/versions && rm -rf "$W" && mkdir -p "$W"
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-  bounded() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-    timeout --kill-after=5 "$limit" "$@" >"$W/$name.log" 2>&1; local rc=$?
-    echo "$name rc=$rc $((SECONDS - t0))s" >>"$W/stages.txt"; }
-  { date -u; python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-    python -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -1; } >"$W/env.txt" 2>&1
-  bounded pytest_cuda 280 python -m pytest -m cuda -q -p no:cacheprovider -rf \
-    --ignore=tests/test_train_recipe.py --junitxml="$W/pytest_cuda.xml"
+  archive_begin versions
+  pytest_cuda 280
   BENCH_ARGS="--configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_full" \
     bounded bench_versions 130 bash scripts/bench_versions.sh "$W" old="$OLD" new="$PWD"
   HF_MODES=eager,graphed_callables,tgraph_layer,tgraph_layer_opt,tgraph_full
@@ -94,11 +75,40 @@ versions)
     --warmup 2 --modes "$HF_MODES" --out "$W/hf_b8"
   bounded bench_hf_d1024 80 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
     --steps 10 --warmup 2 --modes "$HF_MODES" --out "$W/hf_d1024"
-  { cat "$W/env.txt" "$W/stages.txt"; tail -n 15 "$W/pytest_cuda.log"
-    for f in "$W"/bench_*.md "$W"/hf_*/*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
-  } >"$R/summary.txt" 2>&1
-  tar czf "$R/versions.tgz" -C /tmp versions
-  cat "$R/summary.txt"
+  archive_end
+  exit 0
+  ;;
+perf)
+  # `pytest -m cuda`; the three HF Llama cells without compile (batch 1 and 8 fp32, d1024 bf16),
+  # the toy at batch 8 and 1 against the hand-written whole step, host time per graphed call.
+  archive_begin perf
+  pytest_cuda 270
+  HF_MODES=eager,graphed_callables,tgraph_layer,tgraph_layer_opt,tgraph_full
+  bounded bench_hf_fp32 80 python scripts/bench_train.py --configs llama_b1,llama_b8 --dtypes fp32 \
+    --steps 10 --warmup 2 --modes "$HF_MODES" --out "$W/hf_fp32"
+  bounded bench_hf_d1024 70 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
+    --steps 10 --warmup 2 --modes "$HF_MODES" --out "$W/hf_d1024"
+  bounded bench_toy 60 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 \
+    --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt --out "$W/toy"
+  bounded profile_host 40 python scripts/profile_host.py --device cuda --backend cuda --model both \
+    --steps 100 --reps 3 --out "$W/profile"
+  archive_end
+  exit 0
+  ;;
+compiled)
+  # torch.compile beside tgraph on the three HF Llama cells: compile reduce-overhead (the peer),
+  # compile default, per-layer graphs over compiled layers, full iteration around a compiled
+  # model. Each mode compiles afresh (a bare machine has no inductor cache); JSON is written
+  # after every mode, so a stage cut by its limit keeps what it measured.
+  archive_begin compiled
+  C_MODES=compile,tgraph_full_compiled,tgraph_layer_compiled,compile_default,tgraph_layer_opt_compiled
+  bounded compiled_b1 170 python scripts/bench_train.py --configs llama_b1 --dtypes fp32 \
+    --steps 10 --warmup 2 --modes "$C_MODES" --out "$W/c_b1"
+  bounded compiled_b8 150 python scripts/bench_train.py --configs llama_b8 --dtypes fp32 \
+    --steps 10 --warmup 2 --modes "$C_MODES" --out "$W/c_b8"
+  bounded compiled_d1024 180 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
+    --steps 10 --warmup 2 --modes "$C_MODES" --out "$W/c_d1024"
+  archive_end
   exit 0
   ;;
 verify)
@@ -160,7 +170,7 @@ hf)
   stage bench-hf 300 python scripts/bench_train.py --hf --out "$OUT/hf"
   ;;
 *)
-  echo "unknown check '$CHECK'; expected one of: default final versions verify decode memory optimizer megatron host hf" >&2
+  echo "unknown check '$CHECK'; expected one of: default final versions perf compiled verify decode memory optimizer megatron host hf" >&2
   exit 2
   ;;
 esac

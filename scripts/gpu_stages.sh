@@ -21,3 +21,31 @@ stage() {
   STAGES+=("$name rc=$rc ($((SECONDS - t0))s)")
   echo "=== [$name] exit $rc after $((SECONDS - t0))s ===" | tee -a "$LOG"
 }
+
+# The one-archive checks (final, versions, perf, compiled): every stage writes $W/NAME.log and a
+# line "NAME rc=N Ts" in $W/stages.txt; `archive_end` puts a summary in $OUT/summary.txt and
+# the whole of $W in $OUT/NAME.tgz (at most 8 files come back from the machine: these two).
+archive_begin() {
+  W=/tmp/$1 && rm -rf "$W" && mkdir -p "$W"
+  { date -u; git log --oneline -1 2>/dev/null
+    python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+    python -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -1
+  } >"$W/env.txt" 2>&1
+}
+bounded() {
+  local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" >"$W/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" >>"$W/stages.txt"
+}
+archive_end() {
+  { cat "$W/env.txt" "$W/stages.txt"; [ -f "$W/pytest_cuda.log" ] && tail -n 15 "$W/pytest_cuda.log"
+    for f in "$W"/*.md "$W"/*/*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+    [ -f "$W/profile_host.log" ] && grep -E "^===|per graphed call|step wall|checks alone" "$W/profile_host.log"
+  } >"$OUT/summary.txt" 2>&1
+  tar czf "$OUT/$(basename "$W").tgz" -C /tmp "$(basename "$W")"
+  cat "$OUT/summary.txt"
+}
+pytest_cuda() {  # `pytest -m cuda`, the recipes' kill-and-resume tests apart (time)
+  bounded pytest_cuda "$1" python -m pytest -m cuda -q -p no:cacheprovider -rf \
+    --ignore=tests/test_train_recipe.py --junitxml="$W/pytest_cuda.xml"
+}

@@ -156,9 +156,12 @@ class ParamGradPacking:
     accumulation stays exact, unlike ``make_graphed_callables``, whose aliases are overwritten
     (pytorch issue 181723). Aliases are counted on the buffer's storage, so a gradient kept
     anywhere (``.grad``, a hook's list, a loop variable) is protected alike. Moving memory from
-    under a storage needs PyTorch >= 2.13 (``UntypedStorage._swap_data_ptr_``). With an older
-    PyTorch each backward copies the buffer (one copy kernel) into a landing buffer of the
-    unit's own, outside every graph's pool, and hands autograd views of it; when something
+    under a storage needs PyTorch >= 2.13 (``UntypedStorage._swap_data_ptr_``).
+
+    With an older PyTorch the graph does not pack (``in_graph`` False): it leaves every
+    gradient in its own static tensor, and each backward copies them (one multi-tensor copy,
+    the one copy ``make_graphed_callables``' AccumulateGrad makes too) into a landing buffer of
+    the unit's own, outside every graph's pool, and hands autograd views of it; when something
     still views the landing buffer from before (a ``.grad`` being accumulated, a kept
     gradient) it hands views of a fresh copy instead. The landing buffer stays at one address,
     so :class:`tgraph.OptimizerGraph` reads it in place as it reads the static buffer on
@@ -178,6 +181,11 @@ class ParamGradPacking:
         self._landing_own = 0  # uses of the landing buffer's storage that are tgraph's own
         self._flat_views: list[torch.Tensor] = []  # per packed gradient, its view (_views)
         self._landing_views: list[torch.Tensor] = []
+        self.in_graph = True  # the graph packs (the storage swap exists); else: _static
+        self._static: list[torch.Tensor] = []  # not in_graph: the graph's per-gradient outputs
+        self._copied: list[int] = []  # not in_graph: the gradients the copy moves (not empty)
+        self._static_copied: list[torch.Tensor] = []
+        self._landing_copied: list[torch.Tensor] = []
 
     def pack(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Inside the captured function: gradients -> [flat] (or unchanged if not packable)."""
@@ -192,7 +200,24 @@ class ParamGradPacking:
             (k, g.shape or ((),)) for k, (_, g) in enumerate(present) if g.dim() != 1 and g.numel()
         ]
         self._empty = [(k, tuple(g.shape)) for k, (_, g) in enumerate(present) if not g.numel()]
+        self.in_graph = swaps_storage()
+        if not self.in_graph:  # each backward copies them out (class docstring)
+            return list(grads)
         return [torch.cat([g.reshape(-1) for _, g in present])]
+
+    def set_outputs(self, outputs: list[torch.Tensor | None]) -> None:
+        """After capture: the backward graph's parameter-gradient outputs (what :meth:`pack`
+        returned, as static tensors)."""
+        if self.in_graph:
+            self.set_flat(outputs[0])
+        else:
+            self._static = [outputs[i] for i in self._index]
+            self._copied = [k for k, n in enumerate(self._numels) if n]  # the copy skips empties
+            self._static_copied = [self._static[k] for k in self._copied]
+
+    def held(self) -> list[torch.Tensor]:
+        """The static memory the gradients leave the graph in."""
+        return [self.flat] if self.in_graph else list(self._static)
 
     def set_flat(self, flat: torch.Tensor) -> None:
         """After capture: the static flat buffer; nothing but its own views aliases it yet."""
@@ -231,16 +256,15 @@ class ParamGradPacking:
         (``clone``: of a copy of it, in the landing buffer or a fresh one)."""
         if not self.packed:
             return unpacked  # held references make AccumulateGrad clone them
-        if not clone:
+        if not clone and self.in_graph:
             views = self._flat_views
         else:
-            buf = self._land()
-            views = self._landing_views if buf is self.landing else self._views(buf)
+            views = self._land()
         # Every backward, one tensor per parameter: a detached alias of its view made once per
         # buffer (one C-level pass; a view per parameter would cost three times as much).
         handed = list(map(_detach, views))
         for k, shape in self._empty:  # a fresh tensor where empty, as unflatten gives
-            handed[k] = self.flat.new_empty(0).view(shape)
+            handed[k] = views[k].new_empty(0).view(shape)
         if len(handed) == self._n:
             return handed
         out: list[torch.Tensor | None] = [None] * self._n
@@ -248,16 +272,32 @@ class ParamGradPacking:
             out[i] = t
         return out
 
-    def _land(self) -> torch.Tensor:
-        """PyTorch < 2.13: the flat buffer's values in the landing buffer when nothing views it
-        from before, else in a fresh copy (class docstring)."""
+    def _land(self) -> list[torch.Tensor]:
+        """Copy the graph's gradients into the landing buffer when nothing views it from
+        before, else into a fresh buffer (class docstring); the views of the copy."""
         if self.landing is None:
-            self.landing = torch.empty_like(self.flat)
+            self.landing = self._new_buffer()
             self._landing_views = self._views(self.landing)
+            self._landing_copied = self._copied_views(self._landing_views)
             self._landing_own = storage_uses(self.landing)
-        elif storage_uses(self.landing) != self._landing_own:
-            return self.flat.clone()
-        return self.landing.copy_(self.flat)
+        if storage_uses(self.landing) == self._landing_own:
+            buf, views, copied = self.landing, self._landing_views, self._landing_copied
+        else:
+            buf = self._new_buffer()
+            views = self._views(buf)
+            copied = self._copied_views(views)
+        if self.in_graph:
+            buf.copy_(self.flat)
+        else:
+            torch._foreach_copy_(copied, self._static_copied)
+        return views
+
+    def _copied_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [] if self.in_graph else [views[k] for k in self._copied]
+
+    def _new_buffer(self) -> torch.Tensor:
+        like = self.flat if self.in_graph else self._static[0]
+        return like.new_empty(sum(self._numels))
 
     def reader_buffer(self) -> torch.Tensor | None:
         """Where the last backward's parameter gradients are, at an address that stays: the
@@ -265,7 +305,7 @@ class ParamGradPacking:
         it), else the landing buffer (None before the first backward replay)."""
         if not self.packed:
             return None
-        return self.flat if swaps_storage() else self.landing
+        return self.flat if self.in_graph and swaps_storage() else self.landing
 
     @torch.no_grad()
     def rescue(self) -> None:
@@ -274,7 +314,7 @@ class ParamGradPacking:
         under them: their storage gets a copy of the values, the buffer keeps the original
         memory, which the graph writes. One copy, only when something is still held.
         """
-        if not self.aliased():
+        if not self.in_graph or not self.aliased():
             return
         move_memory_out(self.flat, [self.flat])  # every alias views a copy, the buffer does not
         self._flat_views = self._views(self.flat)  # the old ones view the copy now

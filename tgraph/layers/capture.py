@@ -258,7 +258,7 @@ class GraphedUnit:
         for k, i in enumerate(head.in_rg):
             self.static_grads[i] = grads[k]
         if self.packing.packed:
-            self.packing.set_flat(grads[n_rg])
+            self.packing.set_outputs(list(grads[n_rg:]))
         else:
             self._param_grads = list(grads[n_rg:])
         kept = self.fusion.keep(list(range(len(self.params))))
@@ -267,9 +267,9 @@ class GraphedUnit:
         m = self.memory
         m.grad_outputs = tensor_bytes(self.static_grad_outputs)
         m.input_grads = tensor_bytes(self.static_grads)
-        held = [self.packing.flat] if self.packing.packed else self._param_grads
+        held = self.packing.held() if self.packing.packed else self._param_grads
         m.param_grads = tensor_bytes(held)
-        copied = not (self.packing.packed and swaps_storage())  # see ParamGradPacking
+        copied = not (self.packing.packed and self.packing.in_graph and swaps_storage())
         to_autograd = self.params and (self.fusion.keep(self.params) or not head.in_rg)
         m.param_grad_copy = m.param_grads if copied and to_autograd else 0
 

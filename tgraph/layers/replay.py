@@ -419,8 +419,8 @@ def grads_for_autograd(
     ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
     parameters that only inactive outputs reach get None (:class:`tgraph.grads.UnusedOutputs`).
     """
-    clone = not grads_module.swaps_storage()  # see ParamGradPacking
     packing = cap.packing
+    clone = not (packing.in_graph and grads_module.swaps_storage())  # see ParamGradPacking
     kept = cap.fusion.keep(packing.for_autograd(list(cap.param_grads), clone))
     if not kept and state.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
