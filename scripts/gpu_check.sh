@@ -110,9 +110,11 @@ compiled)
     --steps 10 --warmup 2 --modes "$C_MODES" --out "$W/c_d1024"
   # the optimizer hand-off: per-layer alone against per-layer + OptimizerGraph without and with
   # the non-finite skip (whose gradient norm is one more pass over every gradient), one process
-  bounded handoff 60 python scripts/bench_train.py --configs llama_b8,llama_d1024 --dtypes bf16 \
-    --steps 10 --warmup 2 --modes tgraph_layer,tgraph_layer_opt_noskip,tgraph_layer_opt \
-    --out "$W/handoff"
+  H_MODES=tgraph_layer,tgraph_layer_opt_noskip,tgraph_layer_opt
+  bounded handoff_d1024 40 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
+    --steps 10 --warmup 2 --modes "$H_MODES" --out "$W/handoff_d1024"
+  bounded handoff_b8 30 python scripts/bench_train.py --configs llama_b8 --dtypes fp32 \
+    --steps 10 --warmup 2 --modes "$H_MODES" --out "$W/handoff_b8"
   archive_end
   exit 0
   ;;
