@@ -76,6 +76,36 @@ def test_compiled_code_survives_the_warmup_host_sync_check(backend, device):
     assert counters["frames"]["ok"] <= 2  # the recorded calls, the aliases (see above)
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_warmup_runs_the_compiled_code_before_the_capture(backend, device, merge):
+    """Dynamo compiles once more for the graphs' parameter aliases. That must happen in the
+    warmup: a CUDA capture calls the compiled code too, and inductor compiling inside a capture
+    fails (cudaErrorStreamCaptureUnsupported: seen on the H200 with Hugging Face Llama layers
+    in a merged stack, whose warmup ran every pass under its host-sync check, where dynamo does
+    not run). So every graphed module's compiled call runs in the warmup, outside any dispatch
+    mode, merged stacks too; the emulated capture, under its dispatch mode, calls it never."""
+    model = _toy(device)
+    tgraph.enable(model, backend=backend, compile=True, merge=merge)
+    x = torch.randint(0, 64, (2, 8), device=device)
+    _train(model, x, x, 1, graphs=False)  # the recorded step compiles
+    calls = {}
+    for i, block in enumerate(model.h):
+        state = block._tgraph
+        compiled = state.compiled
+
+        def counted(*args, _i=i, _compiled=compiled, **kwargs):
+            if not torch._C._len_torch_dispatch_stack():
+                calls[_i] = calls.get(_i, 0) + 1
+            return _compiled(*args, **kwargs)
+
+        state.compiled = counted
+    tgraph.create_graphs()
+    assert sorted(calls) == list(range(len(model.h))), calls
+    frames = counters["frames"]["ok"]
+    _train(model, x, x, 2, graphs=False)  # replays compile nothing
+    assert counters["frames"]["ok"] == frames
+
+
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_compile_modes_with_their_own_cuda_graphs_are_refused(mode):
     with pytest.raises(ValueError, match="max-autotune-no-cudagraphs"):

@@ -78,19 +78,33 @@ def inside_graphed_region() -> bool:
     return _depth > 0
 
 
+def warmup_passes(warmup: int, compiled: bool) -> int:
+    """How many warmup passes a unit runs: ``warmup``, and at least two when it runs compiled
+    code. The first pass runs under the host-sync check, a dispatch mode, where dynamo does not
+    run (the module runs eagerly); dynamo compiles once more for the graphs' parameter aliases,
+    which must happen in a later pass: a CUDA capture calls the compiled code too, and inductor
+    compiling inside a capture fails (cudaErrorStreamCaptureUnsupported)."""
+    return max(warmup, 2) if compiled else warmup
+
+
 def run_warmup(
-    fn, input_leaves: list[torch.Tensor], warmup: int, device: torch.device
+    fn,
+    input_leaves: list[torch.Tensor],
+    warmup: int,
+    device: torch.device,
+    check_first: bool = True,
 ) -> list[torch.Tensor]:
     """Eager passes of ``fn`` (forward, plus backward where outputs need grad) before capture.
 
-    The first pass refuses host syncs on ``device``'s tensors, so they fail here with a clear
-    error instead of invalidating a CUDA capture. Returns the last pass's outputs, detached
-    (leaves that require grad where the outputs did).
+    The first pass (``check_first``) refuses host syncs on ``device``'s tensors, so they fail
+    here with a clear error instead of invalidating a CUDA capture. Returns the last pass's
+    outputs, detached (leaves that require grad where the outputs did).
     """
     last: list[torch.Tensor] = []
     gens = [*rng.graph_generators(device), rng.default_generator(device)]
     for i in range(warmup):
-        with RefuseHostSync(device.type, gens) if i == 0 else contextlib.nullcontext():
+        checked = i == 0 and check_first
+        with RefuseHostSync(device.type, gens) if checked else contextlib.nullcontext():
             outs = fn()
         rg = [o for o in outs if o.requires_grad]
         if rg:
@@ -184,9 +198,16 @@ class GraphedUnit:
             self._find_params(inputs)
             self.recomputes = rng.recomputes([self.static_outputs[i] for i in self._out_rg])
 
+    @property
+    def compiled(self) -> bool:
+        """Whether a member runs compiled code (``enable(compile=...)``)."""
+        states = (r.module.__dict__.get("_tgraph") for r in self.members)
+        return any(getattr(st, "compiled", None) is not None for st in states)
+
     def _warmup(self, inputs: list[torch.Tensor], warmup: int) -> None:
         """Eager passes before capture (:func:`run_warmup`); a merged stack overrides this."""
-        run_warmup(self._run_forward, inputs, warmup, self.device)
+        passes = warmup_passes(warmup, self.compiled)
+        run_warmup(self._run_forward, inputs, passes, self.device)
 
     def _account_forward(self, captured: int, warmup_peak: int) -> None:
         """Bytes of the forward's buffers (tgraph.memory); ``captured``: allocated by the

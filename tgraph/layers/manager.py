@@ -270,10 +270,10 @@ def enable(
             kernels, then one graph replay per layer stack): True for the default options, or
             a dict of ``torch.compile`` keyword arguments. The recorded iteration compiles
             (once per layer class: identical layers share the compiled code), capture graphs
-            the compiled kernels, eager fallbacks run them too. The warmup's first pass runs
-            eagerly (dynamo does not run under its host-sync check, a dispatch mode), the
-            second compiles once more for the graphs' parameter aliases: keep ``warmup_steps``
-            at 2 or more on CUDA (the default), or that compilation falls inside the capture. Modes
+            the compiled kernels, eager fallbacks run them too. The warmup runs at least two
+            passes: the first eagerly (dynamo does not run under its host-sync check, a
+            dispatch mode), the next compiled, where dynamo compiles once more for the graphs'
+            parameter aliases, so that nothing compiles inside the capture. Modes
             that put inductor's own CUDA graphs inside ours (``"reduce-overhead"``,
             ``"max-autotune"``) are refused: use ``"max-autotune-no-cudagraphs"``.
         warmup: deprecated spelling of ``warmup_steps`` (warns ``DeprecationWarning``; it goes

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from tgraph.layers.capture import GraphedUnit, run_warmup
+from tgraph.layers.capture import GraphedUnit, run_warmup, warmup_passes
 from tgraph.layers.runner import Runner
 
 
@@ -131,13 +131,14 @@ class Segment(GraphedUnit):
         holds one block's activations instead of the whole stack's (H200, 12 blocks d256: the
         warmup's rise 278 -> 101 MiB; docs/BENCHMARKS.md)."""
         head_in = self.head.static_inputs
-        for _ in range(warmup):
+        for n in range(warmup_passes(warmup, self.compiled)):
             prev: list[torch.Tensor] = []
             for r, src in zip(self.runners, self._sources):
                 if r is not self.head:  # the previous block's output of this pass, or shared
                     r.static_inputs = [prev[k] if p else head_in[k] for p, k in src]
                 leaves = [t for t in r.static_inputs if t.requires_grad]
-                prev = run_warmup(r._run_forward, leaves, 1, self.device)
+                # the host-sync check in the first pass only (warmup_passes says why)
+                prev = run_warmup(r._run_forward, leaves, 1, self.device, check_first=n == 0)
         for r in self.runners[1:]:
             r.static_inputs = []
 
