@@ -405,6 +405,48 @@ def test_capture_that_creates_state_runs_eagerly(backend, device):
     assert_same_training_state(model, opt, ref_model, ref_opt)
 
 
+def _layers_and_optimizer_graph(backend, device):
+    """A model with per-layer graphs enabled and an OptimizerGraph of its optimizer, and an
+    eager twin with its own optimizer."""
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
+    tgraph.enable(model, backend=backend, strict=True)
+    ref = make_model(device)
+    return model, opt, graph, ref, make_optimizer(ref, device)
+
+
+@pytest.mark.parametrize("keep_from", [0, 3], ids=["from_the_start", "after_capture"])
+def test_kept_gradients_beside_the_optimizer_graph_are_never_overwritten(
+    backend, device, swaps, keep_from
+):
+    """A hook keeps every step's gradient of a block's weight. Beside per-layer graphs the
+    optimizer graph reads the blocks' gradients where their backward graphs leave them; a kept
+    gradient is that memory, so the next steps must not overwrite it: with the storage swap it
+    is moved out first, without it (PyTorch < 2.13) the next backward hands a fresh copy and the
+    step that would write the kept memory runs eagerly. Training equals eager throughout."""
+    model, opt, graph, ref, ref_opt = _layers_and_optimizer_graph(backend, device)
+    kept, copies = [], []
+    weight = model.h[0].mlp.c_fc.weight
+    try:
+        for i, (x, y) in enumerate(make_batches(device)):
+            if i == keep_from:
+                weight.register_hook(lambda g: kept.append(g) or copies.append(g.detach().clone()))
+            for m, o, step in ((model, opt, graph.step), (ref, ref_opt, ref_opt.step)):
+                m(x, y)[1].backward()
+                step()
+                o.zero_grad(set_to_none=True)
+            if i == 0:
+                tgraph.create_graphs()
+        assert graph.captured and len(kept) == len(copies) > 2
+        for k, (g, c) in enumerate(zip(kept, copies)):
+            torch.testing.assert_close(g, c, rtol=0, atol=0, msg=f"kept gradient {k} changed")
+        assert_same_training_state(model, opt, ref, ref_opt, exact=False)
+    finally:
+        tgraph.reset()
+        tgraph.disable(model)
+
+
 @pytest.mark.parametrize("at_replay", [1, 3])
 def test_a_gradient_the_graph_never_steps_is_refused_at_any_replay(backend, device, at_replay):
     """A parameter had no gradient at capture, so the graph never steps it. When it gets one,
@@ -803,12 +845,7 @@ def test_per_layer_gradients_are_read_in_place(backend, device, microbatches, sw
     backward (the accumulated .grad lives elsewhere), so the graph copies them into buffers of
     its own. Without it (PyTorch < 2.13) the first backward lands its gradients in the landing
     buffer and the second one's are added there, so they are read in place either way."""
-    model = make_model(device)
-    opt = make_optimizer(model, device)
-    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
-    tgraph.enable(model, backend=backend, strict=True)
-    ref = make_model(device)
-    ref_opt = make_optimizer(ref, device)
+    model, opt, graph, ref, ref_opt = _layers_and_optimizer_graph(backend, device)
     try:
         for i, (x, y) in enumerate(make_batches(device)):
             n = (1 if i < 4 else 2) if microbatches == "1 then 2" else microbatches

@@ -307,6 +307,12 @@ class ParamGradPacking:
             return None
         return self.flat if self.in_graph and swaps_storage() else self.landing
 
+    def held_elsewhere(self, on_it: int) -> bool:
+        """Not in_graph: whether something besides tgraph and ``on_it`` gradients handed to
+        autograd views the landing buffer (a gradient a hook kept, say), which writing into it
+        would overwrite."""
+        return self.landing is not None and storage_uses(self.landing) > self._landing_own + on_it
+
     @torch.no_grad()
     def rescue(self) -> None:
         """Before the flat buffer may be overwritten: if anything still views it (a ``.grad``,

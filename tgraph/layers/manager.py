@@ -39,6 +39,7 @@ from tgraph.baked import (
     hooks_run_outside,
 )
 from tgraph.errors import GraphFallbackError
+from tgraph.grads import ParamGradPacking
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.record import NoteBackward, Record
@@ -434,8 +435,7 @@ def is_enabled(module: nn.Module) -> bool:
     return "_tgraph" in module.__dict__
 
 
-def packed_gradient_buffers() -> list[torch.Tensor]:
-    """Where every captured per-layer unit's backward leaves its packed parameter gradients, at
-    an address that stays (:meth:`tgraph.grads.ParamGradPacking.reader_buffer`)."""
-    found = (u.cap.packing.reader_buffer() for u in _manager.units)
-    return [b for b in found if b is not None]
+def gradient_packings() -> list[ParamGradPacking]:
+    """The packed parameter gradients of every captured per-layer unit: where their backward
+    graphs leave them (:meth:`tgraph.grads.ParamGradPacking.reader_buffer`)."""
+    return [u.cap.packing for u in _manager.units if u.cap.packing.packed]

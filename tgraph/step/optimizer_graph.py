@@ -32,7 +32,8 @@ instead, where torch builds them (experimental, opt-in: tgraph/step/if_node.py).
 Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors.
 Gradients that per-layer graphs hand over are read where those graphs leave them, at an address
 that stays (:meth:`tgraph.grads.ParamGradPacking.reader_buffer`): no copy and no buffer of its
-own. For every other gradient :class:`OptimizerGraph` owns one flat buffer; before each replay
+own. (On PyTorch < 2.13 that memory is a landing buffer; a step that would copy a gradient into
+it while a gradient kept from an earlier step still views it runs eagerly instead.) For every other gradient :class:`OptimizerGraph` owns one flat buffer; before each replay
 the step's ``.grad`` tensors not already there are copied into it with one multi-tensor copy, and
 with ``zero_grad=True`` (default) ``.grad`` is set to None after every step, as
 ``optimizer.zero_grad()`` does, so the next backward's AccumulateGrad adopts autograd's tensors
@@ -80,18 +81,18 @@ _GRAD = attrgetter("grad")
 _data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
 
 
-def _packed_gradient_buffers() -> list[torch.Tensor]:
-    """Where every captured per-layer unit's backward leaves its parameter gradients
-    (tgraph.grads.ParamGradPacking.reader_buffer)."""
-    from tgraph.layers.manager import packed_gradient_buffers  # imports this module's users: lazily
+def _gradient_packings() -> list:
+    """Every captured per-layer unit's packed parameter gradients (tgraph.grads)."""
+    from tgraph.layers.manager import gradient_packings  # imports this module's users: lazily
 
-    return packed_gradient_buffers()
+    return gradient_packings()
 
 
-def _inside(t: torch.Tensor, regions: list[tuple[int, int]]) -> bool:
+def _region(t: torch.Tensor, regions: list[tuple[int, int]]) -> int:
+    """Index of the region (start, bytes) holding all of ``t``, or -1."""
     lo = t.data_ptr()
     hi = lo + t.numel() * t.element_size()
-    return any(start <= lo and hi <= start + n for start, n in regions)
+    return next((k for k, (start, n) in enumerate(regions) if start <= lo and hi <= start + n), -1)
 
 
 def _flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -248,6 +249,8 @@ class OptimizerGraph:
         self._layout: BakedLayout | None = None
         self._fast: tuple = ()  # (parameters, buffers, addresses, strides) a replay reads
         self._every: tuple = ()  # every parameter of the step, as at capture
+        self._landing_of: list = []  # per pair of _grads: the landing buffer it reads, or None
+        self._eager_once = self._warned_held = False  # _held: this step runs eagerly
         self._read_in_place: list[torch.Tensor] = []  # per-layer gradient buffers it reads
         self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)
 
@@ -314,22 +317,31 @@ class OptimizerGraph:
             )
         # Gradients that per-layer graphs wrote into their packed buffers are read where they
         # are (the hand-off without a copy); the graph gets buffers of its own for the rest.
-        flats = _packed_gradient_buffers() if _RAW_STORAGE else []
+        readers = [(k, k.reader_buffer()) for k in (_gradient_packings() if _RAW_STORAGE else [])]
+        readers = [(k, b) for k, b in readers if b is not None]
+        flats = [b for _, b in readers]
         packed = [(f.data_ptr(), f.numel() * f.element_size()) for f in flats]
         self._read_in_place = flats  # their memory must outlive this graph (tgraph.reset())
-        own = [g for _, g in live if not _inside(g, packed)]
+        where = [_region(g, packed) for _, g in live]
+        own = [g for (_, g), r in zip(live, where) if r < 0]
         buffers = iter(_flat_like(own))
         pairs = []
-        for p, g in live:
-            if _inside(g, packed):  # the memory the layer's backward graph writes, forever: read
+        # PyTorch < 2.13: a landing buffer (not the graph's static one) may be held by a
+        # gradient kept from an earlier step, which a copy into it would overwrite (_held)
+        landings = [None if b is k.flat else k for k, b in readers]
+        self._landing_of = []
+        for (p, g), r in zip(live, where):
+            if r >= 0:  # the memory the layer's backward graph writes, forever: read
                 # at its address, which the storage swaps that move .grad views out leave alone
                 pairs.append((p, at_address(g)))
+                self._landing_of.append(landings[r])
             else:
                 b = next(buffers)
                 with torch.no_grad():
                     b.copy_(g)
                 pairs.append((p, b))
                 p.grad = b
+                self._landing_of.append(None)
         self.own_grad_bytes = sum(g.numel() * g.element_size() for g in own)
         return pairs, gradless
 
@@ -363,6 +375,8 @@ class OptimizerGraph:
                         ),
                     )
                 )
+                if moved and self._held(moved):
+                    return
                 if moved:
                     torch._foreach_copy_([bufs[i] for i in moved], [lives[i] for i in moved])
                 return
@@ -380,6 +394,21 @@ class OptimizerGraph:
                 src.append(live)
         if dst:
             torch._foreach_copy_(dst, src)
+
+    def _held(self, moved: list[int]) -> bool:
+        """Whether a landing buffer that ``moved`` gradients would be copied into is held
+        elsewhere (tgraph.grads.ParamGradPacking.held_elsewhere); then this step runs eagerly
+        (:meth:`_replay`), reading ``.grad`` where it is."""
+        targets = {id(k): k for k in map(self._landing_of.__getitem__, moved) if k is not None}
+        if not targets:
+            return False
+        moved_set = set(moved)
+        on = dict.fromkeys(targets, 0)  # per landing, the gradients handed out that are on it
+        for i, k in enumerate(self._landing_of):
+            if k is not None and id(k) in on and i not in moved_set:
+                on[id(k)] += 1
+        self._eager_once = any(k.held_elsewhere(on[key]) for key, k in targets.items())
+        return self._eager_once
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -545,7 +574,19 @@ class OptimizerGraph:
         live = None if self.zero_grad else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
             self.refresh_grads()
-        self._graph.replay()
+        if self._eager_once:  # the graph's gradient memory is held elsewhere (_held)
+            self._eager_once = False
+            if not self._warned_held:
+                self._warned_held = True
+                logger.warning(
+                    "OptimizerGraph: a gradient kept from an earlier step (e.g. by a hook) "
+                    "views memory the graph reads on this PyTorch (< 2.13, no storage swap); "
+                    "such steps run eagerly instead of overwriting it"
+                )
+            with self._factory.side_stream():
+                self._run()
+        else:
+            self._graph.replay()
         if live is not None:
             self._after_step(live)
         else:
