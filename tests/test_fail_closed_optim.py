@@ -72,12 +72,28 @@ class Rewind:
             opt.load_state_dict(self.saved[1])
 
 
+class ResetMoments:
+    """Reset Adam's first moments at step 4 by assigning new tensors into the optimizer's state
+    (the same dicts, the same keys: only the tensors inside them are new)."""
+
+    at = 4
+
+    def start(self, model, device):
+        return make_adamw(model.parameters(), device)
+
+    def __call__(self, i, model, opt):
+        if i == self.at:
+            for st in opt.state.values():
+                st["exp_avg"] = torch.zeros_like(st["exp_avg"])
+
+
 CHANGES = {
     "add_param_group": (Unfreeze, r"add_param_group|param group"),
     "load_state_dict": (
         Rewind,
         r"load_state_dict|optimizer state|state tensor",
     ),
+    "state_tensor_assigned": (ResetMoments, r"load_state_dict|optimizer state|state tensor"),
 }
 
 
