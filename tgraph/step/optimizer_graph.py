@@ -29,15 +29,13 @@ step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync). With
 ``skip_nonfinite_how="conditional"`` the captured step sits in a CUDA-graph IF node on the flag
 instead, where torch builds them (experimental, opt-in: tgraph/step/if_node.py).
 
-Gradients: a CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors.
-Gradients that per-layer graphs hand over are read where those graphs leave them, at an address
-that stays (:meth:`tgraph.grads.ParamGradPacking.reader_buffer`): no copy and no buffer of its
-own. (On PyTorch < 2.13 that memory is a landing buffer; a step that would copy a gradient into
-it while a gradient kept from an earlier step still views it runs eagerly instead.) For every other gradient :class:`OptimizerGraph` owns one flat buffer; before each replay
-the step's ``.grad`` tensors not already there are copied into it with one multi-tensor copy, and
-with ``zero_grad=True`` (default) ``.grad`` is set to None after every step, as
-``optimizer.zero_grad()`` does, so the next backward's AccumulateGrad adopts autograd's tensors
-without an add kernel per parameter. Every parameter that had a gradient at capture is stepped at
+Gradients (tgraph/step/grad_buffers.py): a CUDA graph reads fixed addresses, while autograd
+hands over new ``.grad`` tensors. Gradients that per-layer graphs hand over are read where those
+graphs leave them, with no copy and no buffer of the graph's own; for every other gradient the
+graph owns one flat buffer, and before each replay the ``.grad`` tensors not already there are
+copied into it with one multi-tensor copy. With ``zero_grad=True`` (default) ``.grad`` is set to
+None after every step, as ``optimizer.zero_grad()`` does, so the next backward's AccumulateGrad
+adopts autograd's tensors without an add kernel per parameter. Every parameter that had a gradient at capture is stepped at
 every replay: a ``.grad`` that is None where the capture had one raises, and so does one present
 where the capture had none (call :meth:`OptimizerGraph.reset`). Capture happens at the first step
 after ``warmup_steps`` eager ones; a captured step that would create optimizer state is undone and
@@ -56,8 +54,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from itertools import compress, repeat
-from operator import attrgetter, is_, is_not, ne, or_
 from typing import Any
 
 import torch
@@ -65,50 +61,13 @@ import torch
 from tgraph.backend import GraphFactory, check_backend_name
 from tgraph.guards import CaptureError
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
-from tgraph.pool import at_address
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
+from tgraph.step.grad_buffers import GradBuffers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
 from tgraph.step.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
 
 logger = logging.getLogger(__name__)
-
-
-# A tensor on a raw address (below) needs this private constructor; without it every gradient
-# gets a buffer of the graph's own, as before.
-_RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
-_GRAD = attrgetter("grad")
-_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
-
-
-def _gradient_packings() -> list:
-    """Every captured per-layer unit's packed parameter gradients (tgraph.grads)."""
-    from tgraph.layers.manager import gradient_packings  # imports this module's users: lazily
-
-    return gradient_packings()
-
-
-def _region(t: torch.Tensor, regions: list[tuple[int, int]]) -> int:
-    """Index of the region (start, bytes) holding all of ``t``, or -1."""
-    lo = t.data_ptr()
-    hi = lo + t.numel() * t.element_size()
-    return next((k for k, (start, n) in enumerate(regions) if start <= lo and hi <= start + n), -1)
-
-
-def _flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Buffers shaped like ``tensors``: views of one allocation per (device, dtype)."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for (device, dtype), idx in groups.items():
-        flat = torch.empty(sum(tensors[i].numel() for i in idx), device=device, dtype=dtype)
-        offset = 0
-        for i in idx:
-            n = tensors[i].numel()
-            out[i] = flat[offset : offset + n].view(tensors[i].shape)
-            offset += n
-    return out
 
 
 # -- the optimizer-step graph ------------------------------------------------------------------
@@ -243,15 +202,13 @@ class OptimizerGraph:
         self._failed = self._warned = False
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, graph's buffer)
         self._gradless: list[torch.Tensor] = []
+        self._buffers: GradBuffers | None = None  # the default bind_grads' buffers
         self._static_loss: torch.Tensor | None = None
         self._with_loss: bool | None = None
         self._norm: torch.Tensor | None = None
         self._layout: BakedLayout | None = None
-        self._fast: tuple = ()  # (parameters, buffers, addresses, strides) a replay reads
         self._every: tuple = ()  # every parameter of the step, as at capture
-        self._landing_of: list = []  # per pair of _grads: the landing buffer it reads, or None
-        self._eager_once = self._warned_held = False  # _held: this step runs eagerly
-        self._read_in_place: list[torch.Tensor] = []  # per-layer gradient buffers it reads
+        self._eager_once = self._warned_held = False  # refresh_grads: this step runs eagerly
         self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)
 
     # -- extension points (the class docstring) -----------------------------------------------
@@ -300,115 +257,29 @@ class OptimizerGraph:
         Returns:
             ``(pairs, gradless)``: ``(parameter, buffer)`` for every gradient the graph reads
             (at a fixed address), and the parameters it never steps (they must keep
-            ``.grad`` None; checked at the first replay). The default reads the packed
-            buffers of per-layer graphs in place and gives every other gradient a buffer of
-            the graph's own (one flat allocation), filled with this step's gradients and made
-            the parameters' ``.grad``.
+            ``.grad`` None; checked at every replay). The default
+            (:class:`tgraph.step.grad_buffers.GradBuffers`) reads the gradients per-layer
+            graphs hand over where they leave them and gives every other gradient a buffer
+            of the graph's own (one flat allocation), filled with this step's gradients and
+            made the parameters' ``.grad``.
 
         Raises:
             ValueError: no gradient to step.
         """
-        live = [(p, p.grad) for p in self.params() if p.grad is not None]
-        gradless = [p for p in self.params() if p.grad is None]
-        if not live:
-            raise ValueError(
-                "OptimizerGraph: no parameter has a .grad at capture; call step() after "
-                "backward(), as optimizer.step()"
-            )
-        # Gradients that per-layer graphs wrote into their packed buffers are read where they
-        # are (the hand-off without a copy); the graph gets buffers of its own for the rest.
-        readers = [(k, k.reader_buffer()) for k in (_gradient_packings() if _RAW_STORAGE else [])]
-        readers = [(k, b) for k, b in readers if b is not None]
-        flats = [b for _, b in readers]
-        packed = [(f.data_ptr(), f.numel() * f.element_size()) for f in flats]
-        self._read_in_place = flats  # their memory must outlive this graph (tgraph.reset())
-        where = [_region(g, packed) for _, g in live]
-        own = [g for (_, g), r in zip(live, where) if r < 0]
-        buffers = iter(_flat_like(own))
-        pairs = []
-        # PyTorch < 2.13: a landing buffer (not the graph's static one) may be held by a
-        # gradient kept from an earlier step, which a copy into it would overwrite (_held)
-        landings = [None if b is k.flat else k for k, b in readers]
-        self._landing_of = []
-        for (p, g), r in zip(live, where):
-            if r >= 0:  # the memory the layer's backward graph writes, forever: read
-                # at its address, which the storage swaps that move .grad views out leave alone
-                pairs.append((p, at_address(g)))
-                self._landing_of.append(landings[r])
-            else:
-                b = next(buffers)
-                with torch.no_grad():
-                    b.copy_(g)
-                pairs.append((p, b))
-                p.grad = b
-                self._landing_of.append(None)
-        self.own_grad_bytes = sum(g.numel() * g.element_size() for g in own)
-        return pairs, gradless
+        self._buffers = GradBuffers(self.params())
+        self.own_grad_bytes = self._buffers.own_bytes
+        return self._buffers.pairs, self._buffers.gradless
 
     def refresh_grads(self) -> None:
         """Before a replay (no grad mode): copy the step's gradients into the graph's buffers
-        (one multi-tensor copy; module docstring). When every ``.grad`` already is where the
-        graph reads it (the usual replay beside per-layer graphs), that is three C-level
-        passes over the parameters and no copy.
+        where they are not there already (:meth:`tgraph.step.grad_buffers.GradBuffers.refresh`;
+        a copy that would overwrite a gradient kept elsewhere makes this step run eagerly).
 
         Raises:
             ValueError: a gradient the graph reads is missing, or a parameter it never steps
                 has one now (call :meth:`reset`).
         """
-        if any(map(is_not, map(_GRAD, self._gradless), repeat(None))):
-            raise ValueError(
-                "OptimizerGraph: a parameter without .grad at capture has one now; the "
-                "graph would not step it. Call reset() to capture anew with it."
-            )
-        if self._fast:
-            params, bufs, ptrs, strides = self._fast
-            lives = list(map(_GRAD, params))
-            if not any(map(is_, lives, repeat(None))):
-                # the gradients not where the graph reads them (autograd's own tensors)
-                moved = list(
-                    compress(
-                        range(len(lives)),
-                        map(
-                            or_,
-                            map(ne, map(_data_ptr, lives), ptrs),
-                            map(ne, map(_stride, lives), strides),
-                        ),
-                    )
-                )
-                if moved and self._held(moved):
-                    return
-                if moved:
-                    torch._foreach_copy_([bufs[i] for i in moved], [lives[i] for i in moved])
-                return
-        dst, src = [], []
-        for p, b in self._grads:
-            live = p.grad
-            if live is None:
-                raise ValueError(
-                    "OptimizerGraph: a parameter's .grad is None, but the graph was captured with "
-                    "a gradient for it and would step it (eager code would skip it). Call reset() "
-                    "to capture anew when the set of parameters with gradients changes."
-                )
-            if live is not b and (live.data_ptr() != b.data_ptr() or live.stride() != b.stride()):
-                dst.append(b)
-                src.append(live)
-        if dst:
-            torch._foreach_copy_(dst, src)
-
-    def _held(self, moved: list[int]) -> bool:
-        """Whether a landing buffer that ``moved`` gradients would be copied into is held
-        elsewhere (tgraph.grads.ParamGradPacking.held_elsewhere); then this step runs eagerly
-        (:meth:`_replay`), reading ``.grad`` where it is."""
-        targets = {id(k): k for k in map(self._landing_of.__getitem__, moved) if k is not None}
-        if not targets:
-            return False
-        moved_set = set(moved)
-        on = dict.fromkeys(targets, 0)  # per landing, the gradients handed out that are on it
-        for i, k in enumerate(self._landing_of):
-            if k is not None and id(k) in on and i not in moved_set:
-                on[id(k)] += 1
-        self._eager_once = any(k.held_elsewhere(on[key]) for key, k in targets.items())
-        return self._eager_once
+        self._eager_once = self._buffers.refresh()
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -547,13 +418,6 @@ class OptimizerGraph:
         self._graph, self._hparams = step.graph, step.fresh
         self._layout = BakedLayout(self.optimizers)
         self._every = tuple(self.params())
-        bufs = [b for _, b in self._grads]
-        self._fast = (
-            tuple(p for p, _ in self._grads),
-            bufs,
-            tuple(map(_data_ptr, bufs)),
-            tuple(map(_stride, bufs)),
-        )
         logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
         if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
             step.graph.replay()
@@ -574,7 +438,7 @@ class OptimizerGraph:
         live = None if self.zero_grad else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
             self.refresh_grads()
-        if self._eager_once:  # the graph's gradient memory is held elsewhere (_held)
+        if self._eager_once:  # the graph's gradient memory is held elsewhere (refresh_grads)
             self._eager_once = False
             if not self._warned_held:
                 self._warned_held = True

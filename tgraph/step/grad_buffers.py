@@ -1,0 +1,168 @@
+"""Where a captured optimizer step reads the gradients, and how each replay gets them there.
+
+A CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors. Gradients
+that per-layer graphs hand over are read where those graphs leave them, at an address that stays
+(:meth:`tgraph.grads.ParamGradPacking.reader_buffer`): no copy and no buffer of the step's own.
+Every other gradient gets a buffer of the step's own (one flat allocation per device and dtype),
+into which each replay copies the ``.grad`` tensors not already there, with one multi-tensor
+copy. On PyTorch < 2.13 the memory per-layer graphs leave gradients in is a landing buffer
+that a gradient kept from an earlier step may still view; a replay that would copy into it then
+says so (:meth:`GradBuffers.refresh`), and the step runs eagerly instead of overwriting it.
+Used by :class:`tgraph.OptimizerGraph`'s default ``bind_grads`` and ``refresh_grads``.
+"""
+
+from __future__ import annotations
+
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not, ne, or_
+
+import torch
+
+from tgraph.pool import at_address
+
+# A tensor on a raw address (below) needs this private constructor; without it every gradient
+# gets a buffer of the step's own.
+_RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
+_GRAD = attrgetter("grad")
+_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
+
+
+def _gradient_packings() -> list:
+    """Every captured per-layer unit's packed parameter gradients (tgraph.grads)."""
+    from tgraph.layers.manager import gradient_packings  # imports this module's users: lazily
+
+    return gradient_packings()
+
+
+def _region(t: torch.Tensor, regions: list[tuple[int, int]]) -> int:
+    """Index of the region (start, bytes) holding all of ``t``, or -1."""
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    return next((k for k, (start, n) in enumerate(regions) if start <= lo and hi <= start + n), -1)
+
+
+def flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Buffers shaped like ``tensors``: views of one allocation per (device, dtype)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    for (device, dtype), idx in groups.items():
+        flat = torch.empty(sum(tensors[i].numel() for i in idx), device=device, dtype=dtype)
+        offset = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = flat[offset : offset + n].view(tensors[i].shape)
+            offset += n
+    return out
+
+
+class GradBuffers:
+    """The gradient buffers of one captured step (module docstring).
+
+    Attributes:
+        pairs: ``(parameter, buffer)`` for every gradient the step reads, at a fixed address.
+        gradless: the parameters the step never steps (they must keep ``.grad`` None).
+        read_in_place: the per-layer gradient buffers it reads; their memory must outlive
+            the graph (until ``tgraph.reset()``).
+        own_bytes: the bytes of the buffers of its own.
+    """
+
+    def __init__(self, params: list[torch.Tensor], name: str = "OptimizerGraph") -> None:
+        """Bind at capture, before the step is captured: this step's gradients are copied into
+        the buffers of its own, which become the parameters' ``.grad``.
+
+        Raises:
+            ValueError: no gradient to step.
+        """
+        live = [(p, p.grad) for p in params if p.grad is not None]
+        self.gradless = [p for p in params if p.grad is None]
+        if not live:
+            raise ValueError(
+                f"{name}: no parameter has a .grad at capture; call step() after "
+                "backward(), as optimizer.step()"
+            )
+        readers = [(k, k.reader_buffer()) for k in (_gradient_packings() if _RAW_STORAGE else [])]
+        readers = [(k, b) for k, b in readers if b is not None]
+        self.read_in_place = [b for _, b in readers]
+        regions = [(b.data_ptr(), b.numel() * b.element_size()) for b in self.read_in_place]
+        where = [_region(g, regions) for _, g in live]
+        own = [g for (_, g), r in zip(live, where) if r < 0]
+        buffers = iter(flat_like(own))
+        # PyTorch < 2.13: a landing buffer (not the graph's static one) may be held by a
+        # gradient kept from an earlier step, which a copy into it would overwrite
+        landings = [None if b is k.flat else k for k, b in readers]
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._landing_of: list = []  # per pair: the packing whose landing buffer it reads
+        for (p, g), r in zip(live, where):
+            if r >= 0:  # the memory the layer's backward graph writes, forever: read at its
+                # address, which the storage swaps that move .grad views out leave alone
+                self.pairs.append((p, at_address(g)))
+                self._landing_of.append(landings[r])
+            else:
+                b = next(buffers)
+                with torch.no_grad():
+                    b.copy_(g)
+                self.pairs.append((p, b))
+                p.grad = b
+                self._landing_of.append(None)
+        self.own_bytes = sum(g.numel() * g.element_size() for g in own)
+        bufs = [b for _, b in self.pairs]
+        self._params = tuple(p for p, _ in self.pairs)
+        self._bufs = bufs
+        self._ptrs = tuple(map(_data_ptr, bufs))
+        self._strides = tuple(map(_stride, bufs))
+
+    def refresh(self) -> bool:
+        """Before a replay (no grad mode): copy the step's gradients that are not where the
+        graph reads them into its buffers (autograd's own tensors: one multi-tensor copy). In
+        the usual replay beside per-layer graphs that is a few C-level passes and no copy.
+        Returns True, copying nothing, when a landing buffer it would copy into is held
+        elsewhere: run this step eagerly.
+
+        Raises:
+            ValueError: a gradient the graph reads is missing, or a parameter it never steps
+                has one now (call ``reset()``).
+        """
+        if any(map(is_not, map(_GRAD, self.gradless), repeat(None))):
+            raise ValueError(
+                "OptimizerGraph: a parameter without .grad at capture has one now; the "
+                "graph would not step it. Call reset() to capture anew with it."
+            )
+        lives = list(map(_GRAD, self._params))
+        if any(map(is_, lives, repeat(None))):
+            raise ValueError(
+                "OptimizerGraph: a parameter's .grad is None, but the graph was captured with "
+                "a gradient for it and would step it (eager code would skip it). Call reset() "
+                "to capture anew when the set of parameters with gradients changes."
+            )
+        moved = list(
+            compress(
+                range(len(lives)),
+                map(
+                    or_,
+                    map(ne, map(_data_ptr, lives), self._ptrs),
+                    map(ne, map(_stride, lives), self._strides),
+                ),
+            )
+        )
+        if not moved:
+            return False
+        if self._held(moved):
+            return True
+        torch._foreach_copy_([self._bufs[i] for i in moved], [lives[i] for i in moved])
+        return False
+
+    def _held(self, moved: list[int]) -> bool:
+        """Whether a landing buffer that ``moved`` gradients would be copied into is viewed by
+        something besides tgraph and the gradients handed out on it
+        (:meth:`tgraph.grads.ParamGradPacking.held_elsewhere`)."""
+        targets = {id(k): k for k in map(self._landing_of.__getitem__, moved) if k is not None}
+        if not targets:
+            return False
+        moved_set = set(moved)
+        on = dict.fromkeys(targets, 0)  # per landing buffer, the .grad tensors still on it
+        for i, k in enumerate(self._landing_of):
+            if k is not None and id(k) in on and i not in moved_set:
+                on[id(k)] += 1
+        return any(k.held_elsewhere(on[key]) for key, k in targets.items())
