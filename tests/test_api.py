@@ -115,6 +115,45 @@ def test_old_private_hook_names_still_work_with_a_deprecation_warning():
                 self.optimizer.step()
 
 
+@pytest.mark.parametrize("extend", [False, True], ids=["own_pairs", "super_plus_one"])
+def test_bind_grads_overridden_alone_keeps_the_default_refresh(extend):
+    """bind_grads and refresh_grads are separate extension points: a subclass that binds its
+    own gradient buffers (or adds one to the default's) and keeps the default refresh_grads
+    gets its gradients copied in at every replay, the added one too, and trains as eager."""
+    from tgraph.step.grad_buffers import flat_like
+
+    torch.manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    ref = [w.detach().clone().requires_grad_() for w in ws]
+
+    class Own(OptimizerGraph):
+        def bind_grads(self):
+            if extend:  # the default's pairs for the first, a buffer of its own for the second
+                pairs, gradless = super().bind_grads()
+                (b,) = flat_like([ws[1].grad])
+                b.copy_(ws[1].grad)
+                ws[1].grad = b
+                return [pr for pr in pairs if pr[0] is not ws[1]] + [(ws[1], b)], gradless
+            bufs = flat_like([w.grad for w in ws])
+            for w, b in zip(ws, bufs):
+                b.copy_(w.grad)
+                w.grad = b
+            return list(zip(ws, bufs)), []
+
+    graph = Own(torch.optim.SGD(ws, lr=0.1, fused=True), skip_nonfinite=False, backend="emulated")
+    ref_opt = torch.optim.SGD(ref, lr=0.1)
+    for i in range(5):  # eager, capture, replays
+        x = torch.full((3,), float(i + 1))
+        for params, step in ((ws, graph.step), (ref, ref_opt.step)):
+            (params[0] * x + params[1] * x * x).sum().backward()
+            step()
+            for p in params:
+                p.grad = None
+    assert graph.captured
+    for w, r in zip(ws, ref):
+        torch.testing.assert_close(w.detach(), r.detach(), rtol=0, atol=0)
+
+
 # -- one report shape -------------------------------------------------------------------------------
 
 

@@ -221,3 +221,35 @@ def test_planted_bug_stale_grad_output_buffer_is_caught(backend, device, monkeyp
     monkeypatch.setattr(bridge, "copy_grad_outputs", never_zero)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         test_unused_output_gives_no_gradient(backend, device)
+
+
+class _PosBlock(tgraph.GraphableModule):
+    """``lin(x) + pos``, ``pos`` of the output's shape: autograd's gradient of ``pos`` is the
+    incoming gradient itself, i.e. the backward graph's grad-output buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.pos = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return self.lin(x) + self.pos
+
+
+def test_a_gradient_that_is_the_grad_output_buffer_survives_debug_poisoning(backend, device, swaps):
+    """debug=True fills the grad-output buffers with NaN after each backward replay. A parameter
+    gradient that autograd returned as that very buffer must reach .grad first (in a buffer
+    of its own), so training with debug on equals eager, with the storage swap and without."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_PosBlock(), _PosBlock()).to(device)
+    ref = copy.deepcopy(model)
+    tgraph.enable(model, backend=backend, strict=True, debug=True)
+    x = torch.randn(4, 8, device=device)
+    for i in range(3):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            (m(x) ** 2).sum().backward()
+        if i == 0:
+            tgraph.create_graphs()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)

@@ -187,8 +187,15 @@ class ParamGradPacking:
         self._static_copied: list[torch.Tensor] = []
         self._landing_copied: list[torch.Tensor] = []
 
-    def pack(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Inside the captured function: gradients -> [flat] (or unchanged if not packable)."""
+    def pack(
+        self, grads: list[torch.Tensor | None], avoid: list[torch.Tensor] = ()
+    ) -> list[torch.Tensor | None]:
+        """Inside the captured function: gradients -> [flat] (or unchanged if not packable).
+
+        Not ``in_graph``, the gradients stay where autograd left them, except those on the
+        memory of a tensor in ``avoid`` (the grad-output and input buffers, which debug mode
+        poisons and the next replay overwrites before the copy out, e.g. the gradient of a
+        parameter added to the output *is* the incoming gradient): those get a copy."""
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
         self._n = len(grads)
         if not present or len({(g.dtype, g.device) for _, g in present}) != 1:
@@ -202,7 +209,12 @@ class ParamGradPacking:
         self._empty = [(k, tuple(g.shape)) for k, (_, g) in enumerate(present) if not g.numel()]
         self.in_graph = swaps_storage()
         if not self.in_graph:  # each backward copies them out (class docstring)
-            return list(grads)
+            taken = {t.untyped_storage().data_ptr() for t in avoid if t is not None}
+            out = list(grads)
+            for i, g in present:
+                if g.untyped_storage().data_ptr() in taken:
+                    out[i] = g.clone()
+            return out
         return [torch.cat([g.reshape(-1) for _, g in present])]
 
     def set_outputs(self, outputs: list[torch.Tensor | None]) -> None:

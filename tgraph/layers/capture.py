@@ -256,7 +256,8 @@ class GraphedUnit:
         )
         n = len(head.in_rg)
         rest = self.fusion.apply(self._leaves, self.params, list(grads[n:]))
-        return (*grads[:n], *self.packing.pack(rest))
+        avoid = [*self.static_grad_outputs, *head.static_inputs]
+        return (*grads[:n], *self.packing.pack(rest, avoid))
 
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph; its

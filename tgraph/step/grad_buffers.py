@@ -68,13 +68,28 @@ class GradBuffers:
         own_bytes: the bytes of the buffers of its own.
     """
 
-    def __init__(self, params: list[torch.Tensor], name: str = "OptimizerGraph") -> None:
-        """Bind at capture, before the step is captured: this step's gradients are copied into
-        the buffers of its own, which become the parameters' ``.grad``.
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.gradless: list[torch.Tensor] = []
+        self.read_in_place: list[torch.Tensor] = []
+        self.own_bytes = 0
+        self._landing: dict[int, object] = {}  # id(param) -> the packing whose landing it reads
+        self._params: tuple = ()
+        self._bufs: list[torch.Tensor] = []
+        self._ptrs: tuple = ()
+        self._strides: tuple = ()
+        self._landing_of: list = []  # per frozen pair: that packing, or None
+
+    @classmethod
+    def bind(cls, params: list[torch.Tensor], name: str = "OptimizerGraph") -> GradBuffers:
+        """At capture, before the step is captured: the buffers for ``params``' gradients;
+        this step's gradients are copied into the buffers of its own, which become the
+        parameters' ``.grad``.
 
         Raises:
             ValueError: no gradient to step.
         """
+        self = cls()
         live = [(p, p.grad) for p in params if p.grad is not None]
         self.gradless = [p for p in params if p.grad is None]
         if not live:
@@ -92,26 +107,33 @@ class GradBuffers:
         # PyTorch < 2.13: a landing buffer (not the graph's static one) may be held by a
         # gradient kept from an earlier step, which a copy into it would overwrite
         landings = [None if b is k.flat else k for k, b in readers]
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._landing_of: list = []  # per pair: the packing whose landing buffer it reads
         for (p, g), r in zip(live, where):
             if r >= 0:  # the memory the layer's backward graph writes, forever: read at its
                 # address, which the storage swaps that move .grad views out leave alone
                 self.pairs.append((p, at_address(g)))
-                self._landing_of.append(landings[r])
+                if landings[r] is not None:
+                    self._landing[id(p)] = landings[r]
             else:
                 b = next(buffers)
                 with torch.no_grad():
                     b.copy_(g)
                 self.pairs.append((p, b))
                 p.grad = b
-                self._landing_of.append(None)
         self.own_bytes = sum(g.numel() * g.element_size() for g in own)
-        bufs = [b for _, b in self.pairs]
-        self._params = tuple(p for p, _ in self.pairs)
-        self._bufs = bufs
-        self._ptrs = tuple(map(_data_ptr, bufs))
-        self._strides = tuple(map(_stride, bufs))
+        return self
+
+    def freeze(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], gradless: list[torch.Tensor]
+    ) -> None:
+        """After binding, with the pairs and gradient-less parameters the graph reads (those of
+        :meth:`bind`, or of a subclass's ``bind_grads``, which may add to them or replace
+        them): what :meth:`refresh` compares at every replay."""
+        self.pairs, self.gradless = pairs, gradless
+        self._params = tuple(p for p, _ in pairs)
+        self._bufs = [b for _, b in pairs]
+        self._ptrs = tuple(map(_data_ptr, self._bufs))
+        self._strides = tuple(map(_stride, self._bufs))
+        self._landing_of = [self._landing.get(id(p)) for p in self._params]
 
     def refresh(self) -> bool:
         """Before a replay (no grad mode): copy the step's gradients that are not where the

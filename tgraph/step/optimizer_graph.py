@@ -266,9 +266,9 @@ class OptimizerGraph:
         Raises:
             ValueError: no gradient to step.
         """
-        self._buffers = GradBuffers(self.params())
+        self._buffers = GradBuffers.bind(self.params())
         self.own_grad_bytes = self._buffers.own_bytes
-        return self._buffers.pairs, self._buffers.gradless
+        return list(self._buffers.pairs), list(self._buffers.gradless)
 
     def refresh_grads(self) -> None:
         """Before a replay (no grad mode): copy the step's gradients into the graph's buffers
@@ -384,7 +384,12 @@ class OptimizerGraph:
         ]
         step.save(self.params(), extra)
         try:
+            self._buffers = None  # the default bind_grads sets it
             self._grads, self._gradless = self.bind_grads()
+            if self._buffers is None:  # a subclass's bind_grads bound its own pairs
+                self._buffers = GradBuffers()
+            # what the default refresh_grads compares, over the pairs whoever bound them
+            self._buffers.freeze(self._grads, self._gradless)
         except BaseException:
             step.undo()
             raise
