@@ -107,6 +107,7 @@ HF_MODES = [
     "eager",
     "graphed_callables",
     "tgraph_layer",
+    "tgraph_layer_opt_noskip",
     "tgraph_layer_opt",
     "tgraph_full",
     "compile",

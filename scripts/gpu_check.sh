@@ -83,7 +83,7 @@ perf)
   # the toy at batch 8 and 1 against the hand-written whole step, host time per graphed call.
   archive_begin perf
   pytest_cuda 270
-  HF_MODES=eager,graphed_callables,tgraph_layer,tgraph_layer_opt,tgraph_full
+  HF_MODES=eager,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_layer_opt,tgraph_full
   bounded bench_hf_fp32 80 python scripts/bench_train.py --configs llama_b1,llama_b8 --dtypes fp32 \
     --steps 10 --warmup 2 --modes "$HF_MODES" --out "$W/hf_fp32"
   bounded bench_hf_d1024 70 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
