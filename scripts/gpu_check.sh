@@ -11,15 +11,13 @@
 #   bash scripts/gpu_check.sh host       # compile and signature tests; host time per call
 #                                        # (toy and HF Llama, 12 layers, B1; also host-bound)
 #   bash scripts/gpu_check.sh hf         # bench_train.py --hf (the three Llama cells)
-#   bash scripts/gpu_check.sh final      # the closing check of a tree, < 8 min, in one archive
-#                                        # ($OUT/final.tgz, $OUT/summary.txt): `pytest -m cuda`
-#                                        # (the recipes' kill-and-resume tests apart), the HF
-#                                        # Llama cell at batch 1, the toy at batch 8 and 1, and
-#                                        # host time per call (at most 8 files come back: one)
+#   bash scripts/gpu_check.sh perf       # the closing check of a tree (also `final`), < 8 min,
+#                                        # one archive ($OUT/perf.tgz, $OUT/summary.txt):
+#                                        # `pytest -m cuda` (the recipes' kill-and-resume tests
+#                                        # apart), HF Llama b1/b8/d1024 without compile, the toy
+#                                        # at batch 8 and 1, host time per call
 #   bash scripts/gpu_check.sh versions OLD   # `pytest -m cuda`; the toy benchmark of the tree in
-#                                        # OLD and of this one; HF Llama batch 8 and d1024
-#   bash scripts/gpu_check.sh perf      # `pytest -m cuda`; HF Llama b1/b8/d1024 without compile,
-#                                        # the toy at batch 8 and 1, host time per call
+#                                        # OLD and of this one; the HF Llama cells
 #   bash scripts/gpu_check.sh compiled  # torch.compile modes beside tgraph on the HF Llama cells
 #   bash scripts/gpu_check.sh verify     # `pytest -m cuda`, then the CPU cases on this machine
 #                                        # (the emulated backend where CUDA is present), then
@@ -43,51 +41,39 @@ env_stage() {
     git log --oneline -1 2>/dev/null || true'
 }
 
+# The HF Llama cells without compile, each in its own dtype, in one process per dtype.
+hf_cells() {
+  local modes=eager,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_layer_opt,tgraph_full
+  bounded bench_hf_fp32 80 python scripts/bench_train.py --configs llama_b1,llama_b8 --dtypes fp32 \
+    --steps 10 --warmup 2 --modes "$modes" --out "$W/hf_fp32"
+  bounded bench_hf_d1024 70 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
+    --steps 10 --warmup 2 --modes "$modes" --out "$W/hf_d1024"
+}
+
 MEGATRON_OPT_MODES=megatron_opt_none,megatron_opt_none_capturable,megatron_opt_local,megatron_opt_tgraph_layer_opt,megatron_opt_tgraph_full
 
 case "$CHECK" in
 default) ;;
-final)
-  archive_begin final
-  pytest_cuda 270
-  bounded bench_hf 110 python scripts/bench_train.py --configs llama_b1 --dtypes fp32 --steps 10 \
-    --warmup 2 --modes eager,graphed_callables,tgraph_layer,tgraph_layer_opt,tgraph_full,compile \
-    --out "$W/hf"
-  bounded bench_toy 55 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 \
-    --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt --out "$W/toy"
-  bounded profile_host 35 python scripts/profile_host.py --device cuda --backend cuda --model both \
-    --steps 100 --reps 3 --out "$W/profile"
-  archive_end
-  exit 0
-  ;;
 versions)
   # Before/after in one call: `pytest -m cuda` on this tree, then the toy training benchmark of
   # an older tree ($2, a directory holding `tgraph/`, e.g. from `git archive REV tgraph | tar -x
-  # -C .old`, carried) and of this tree with the same harness, then the HF Llama cells at
-  # batch 8 (fp32) and d1024 (bf16) without compile.
+  # -C .old`, carried) and of this tree with the same harness, then the HF Llama cells.
   OLD="${2:?versions needs the directory of the older tree}"
   archive_begin versions
   pytest_cuda 280
   BENCH_ARGS="--configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_full" \
     bounded bench_versions 130 bash scripts/bench_versions.sh "$W" old="$OLD" new="$PWD"
-  HF_MODES=eager,graphed_callables,tgraph_layer,tgraph_layer_opt,tgraph_full
-  bounded bench_hf_b8 70 python scripts/bench_train.py --configs llama_b8 --dtypes fp32 --steps 10 \
-    --warmup 2 --modes "$HF_MODES" --out "$W/hf_b8"
-  bounded bench_hf_d1024 80 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
-    --steps 10 --warmup 2 --modes "$HF_MODES" --out "$W/hf_d1024"
+  hf_cells
   archive_end
   exit 0
   ;;
-perf)
+perf | final)
   # `pytest -m cuda`; the three HF Llama cells without compile (batch 1 and 8 fp32, d1024 bf16),
   # the toy at batch 8 and 1 against the hand-written whole step, host time per graphed call.
+  # (`final`, the closing check of a tree, is the same check.)
   archive_begin perf
   pytest_cuda 270
-  HF_MODES=eager,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_layer_opt,tgraph_full
-  bounded bench_hf_fp32 80 python scripts/bench_train.py --configs llama_b1,llama_b8 --dtypes fp32 \
-    --steps 10 --warmup 2 --modes "$HF_MODES" --out "$W/hf_fp32"
-  bounded bench_hf_d1024 70 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
-    --steps 10 --warmup 2 --modes "$HF_MODES" --out "$W/hf_d1024"
+  hf_cells
   bounded bench_toy 60 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 \
     --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt --out "$W/toy"
   bounded profile_host 40 python scripts/profile_host.py --device cuda --backend cuda --model both \

@@ -174,7 +174,7 @@ class ParamGradPacking:
         self._n = 0
         self._index: list[int] = []
         self._numels: list[int] = []  # per packed gradient, its length in the flat buffer
-        self._reshape: list[tuple[int, tuple]] = []  # (k, view args): packed gradients not 1-D
+        self._reshape: list[tuple[int, tuple]] = []  # (k, view args): gradients not 1-D
         self._empty: list[tuple[int, tuple]] = []  # (k, shape): packed gradients of no element
         self._baseline = 0
         self.landing: torch.Tensor | None = None  # PyTorch < 2.13: the hand-off's buffer
@@ -183,12 +183,9 @@ class ParamGradPacking:
         self._landing_views: list[torch.Tensor] = []
         self.in_graph = True  # the graph packs (the storage swap exists); else: _static
         self._static: list[torch.Tensor] = []  # not in_graph: the graph's per-gradient outputs
-        self._copied: list[int] = []  # not in_graph: the gradients the copy moves (not empty)
-        self._static_copied: list[torch.Tensor] = []
-        self._landing_copied: list[torch.Tensor] = []
 
     def pack(
-        self, grads: list[torch.Tensor | None], avoid: list[torch.Tensor] = ()
+        self, grads: list[torch.Tensor | None], avoid: Iterable[torch.Tensor] = ()
     ) -> list[torch.Tensor | None]:
         """Inside the captured function: gradients -> [flat] (or unchanged if not packable).
 
@@ -203,9 +200,7 @@ class ParamGradPacking:
             return list(grads)
         self._index = [i for i, _ in present]
         self._numels = [g.numel() for _, g in present]
-        self._reshape = [
-            (k, g.shape or ((),)) for k, (_, g) in enumerate(present) if g.dim() != 1 and g.numel()
-        ]
+        self._reshape = [(k, g.shape or ((),)) for k, (_, g) in enumerate(present) if g.dim() != 1]
         self._empty = [(k, tuple(g.shape)) for k, (_, g) in enumerate(present) if not g.numel()]
         self.in_graph = swaps_storage()
         if not self.in_graph:  # each backward copies them out (class docstring)
@@ -224,8 +219,6 @@ class ParamGradPacking:
             self.set_flat(outputs[0])
         else:
             self._static = [outputs[i] for i in self._index]
-            self._copied = [k for k, n in enumerate(self._numels) if n]  # the copy skips empties
-            self._static_copied = [self._static[k] for k in self._copied]
 
     def held(self) -> list[torch.Tensor]:
         """The static memory the gradients leave the graph in."""
@@ -290,22 +283,17 @@ class ParamGradPacking:
         if self.landing is None:
             self.landing = self._new_buffer()
             self._landing_views = self._views(self.landing)
-            self._landing_copied = self._copied_views(self._landing_views)
             self._landing_own = storage_uses(self.landing)
         if storage_uses(self.landing) == self._landing_own:
-            buf, views, copied = self.landing, self._landing_views, self._landing_copied
+            buf, views = self.landing, self._landing_views
         else:
             buf = self._new_buffer()
             views = self._views(buf)
-            copied = self._copied_views(views)
         if self.in_graph:
             buf.copy_(self.flat)
         else:
-            torch._foreach_copy_(copied, self._static_copied)
+            torch._foreach_copy_(views, self._static)
         return views
-
-    def _copied_views(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [] if self.in_graph else [views[k] for k in self._copied]
 
     def _new_buffer(self) -> torch.Tensor:
         like = self.flat if self.in_graph else self._static[0]
