@@ -13,6 +13,7 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +177,48 @@ def write_outputs(
 def environment_markdown(env: dict[str, Any]) -> str:
     keys = ("date", "gpu", "driver", "torch", "cuda", "python", "git_commit")
     return ", ".join(f"{k}: {env.get(k)}" for k in keys)
+
+
+def gpu_timeline(step: Callable[[int], Any], n: int, device: torch.device) -> dict[str, float]:
+    """Run ``step(i)`` for i < n under torch.profiler (CPU and CUDA activity): where a step's
+    time goes on the GPU. ``kernel_ms``: the kernels' own time per step (those inside graph
+    replays included); ``busy_ms``: time per step during which some kernel or copy ran (the
+    union of their intervals); ``window_ms``: from the first device activity to the last, per
+    step; ``idle_pct``: the window's share with nothing running, which a host that cannot
+    keep the GPU fed leaves; ``kernels``: kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            step(i)
+        synchronize(device)
+    spans, kernels, own = [], 0, 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        if end <= start:
+            continue
+        spans.append((start, end))
+        own += end - start
+        kernels += 1
+    if not spans:
+        return {}
+    spans.sort()
+    busy, (cur_s, cur_e) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy, cur_s, cur_e = busy + cur_e - cur_s, s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    window = max(e for _, e in spans) - spans[0][0]
+    return {
+        "kernel_ms": own / n / 1e3,
+        "busy_ms": busy / n / 1e3,
+        "window_ms": window / n / 1e3,
+        "idle_pct": 100.0 * (1 - busy / window) if window else 0.0,
+        "kernels": kernels / n,
+        "steps": n,
+    }

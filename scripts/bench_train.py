@@ -246,7 +246,7 @@ MODE_FUNCS: dict[str, Callable] = {
 def run_mode(mode: str, s: Setup) -> dict:
     row: dict = {"config": s.name, "dtype": s.dtype, "mode": mode, "status": "ok", "reason": ""}
     base = fresh_memory(s.device)
-    s.setup_peak = 0
+    s.setup_peak, s.trace = 0, {}
     try:
         times, loss, capture, note = MODE_FUNCS[mode](s)
         synchronize(s.device)
@@ -262,6 +262,8 @@ def run_mode(mode: str, s: Setup) -> dict:
             baseline_mib=base / 2**20,
             steps_trained=s.total,
         )
+        if s.trace:
+            row["gpu_timeline"] = s.trace
     except Skip as exc:
         row.update(status="skipped", reason=str(exc))
     except Exception as exc:  # noqa: BLE001 - one failing mode must not hide the others
@@ -363,6 +365,37 @@ def markdown(payload: dict) -> str:
             for r in rows
         ]
         parts.append(markdown_table(headers, table))
+    traced = [r for r in payload["results"] if r.get("gpu_timeline")]
+    if traced:
+        parts += [
+            "",
+            "## GPU timeline (torch.profiler over extra steps after the timed ones, per step)",
+            "",
+            markdown_table(
+                [
+                    "config",
+                    "dtype",
+                    "mode",
+                    "kernel ms",
+                    "busy ms",
+                    "window ms",
+                    "idle %",
+                    "kernels",
+                ],
+                [
+                    [
+                        r["config"],
+                        r["dtype"],
+                        r["mode"],
+                        *(
+                            r["gpu_timeline"][k]
+                            for k in ("kernel_ms", "busy_ms", "window_ms", "idle_pct", "kernels")
+                        ),
+                    ]
+                    for r in traced
+                ],
+            ),
+        ]
     mism = [r for r in payload["results"] if r.get("parity") == "MISMATCH"]
     if mism:
         parts += [
@@ -383,6 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--backend", default="auto", help="tgraph backend: auto, cuda, emulated")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--trace",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CUDA: after each mode's timed steps, N more under torch.profiler; reports the "
+        "GPU's kernel time, busy time and idle share per step (bench_common.gpu_timeline)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="default: $OUT")
     p.add_argument(
         "--smoke",
@@ -432,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     for cfg, dt in cells:
         print(f"[{cfg} {dt}]", flush=True)
         s = make_setup(cfg, dt, device, a.backend, a.steps, a.warmup, a.seed)
+        s.trace_steps = a.trace
         rows: list[dict] = []
         for m in modes:
             rows.append(run_mode(m, s))

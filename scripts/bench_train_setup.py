@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from bench_common import Skip, StepTimer, synchronize
+from bench_common import Skip, StepTimer, gpu_timeline, synchronize
 from bench_llama import LLAMA_CONFIGS, LlamaLM
 
 from tgraph.toy.gpt import GPT, GPTConfig
@@ -43,6 +43,8 @@ class Setup:
     base: GPT | LlamaLM
     batches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     setup_peak: int = 0  # bytes: peak allocated before the first timed step (warmup, capture)
+    trace_steps: int = 0  # after the timed steps, this many more under torch.profiler (--trace)
+    trace: dict = field(default_factory=dict)  # ... the mode's GPU timeline (gpu_timeline)
 
     @property
     def total(self) -> int:
@@ -129,7 +131,14 @@ def drive(s: Setup, step: Callable, start: int = 0) -> tuple[list[float], torch.
         loss = step(x, y)
         if i >= s.warmup:
             timer.stop()
-    return timer.times_ms(), loss
+    times = timer.times_ms()
+    if s.trace_steps and s.device.type == "cuda":  # the timed loss, before replays overwrite it
+        loss = loss.detach().clone()
+        try:
+            s.trace = gpu_timeline(lambda i: step(*s.batch(s.total + i)), s.trace_steps, s.device)
+        except Exception as exc:  # noqa: BLE001 - a failed trace must not lose the timed steps
+            print(f"  trace failed: {type(exc).__name__}: {exc}", flush=True)
+    return times, loss
 
 
 def need_cuda(s: Setup) -> None:

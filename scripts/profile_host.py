@@ -159,16 +159,22 @@ def layer_setup(a: argparse.Namespace, device: torch.device):
     )
 
     def step() -> torch.Tensor:
+        t0 = clock()
         if opt is not None and graph is None:
             opt.zero_grad(set_to_none=True)
         _, loss = model(x, y)
+        t1 = clock()
         loss.backward()
+        t2 = clock()
         if graph is not None:
             graph.step(loss)  # zeroes .grad in place
         elif opt is not None:
             opt.step()
         else:
             model.zero_grad(set_to_none=True)
+        if PHASES is not None:
+            for k, v in zip(("forward", "backward", "optimizer"), (t1 - t0, t2 - t1, clock() - t2)):
+                PHASES[k] += v
         return loss
 
     tgraph.enable(model, backend=a.backend, merge=not a.no_merge)
@@ -297,6 +303,50 @@ def time_key(sample: tuple) -> dict:
     best["tensors"] = sum(isinstance(d, tuple) and len(d) == 4 for d in key.leaves)
     best["leaves"] = len(key.leaves)
     return best
+
+
+PHASES: dict[str, float] | None = None  # step_phases() sets it: the step's phases, in seconds
+
+
+def step_phases(step, n: int) -> dict:
+    """Microseconds per step of each phase of the step (replays stubbed): the forward (the
+    graphed calls, and the model's own code around them: embeddings, masks, head, loss), the
+    backward (the graphed backward, and autograd's engine: its nodes, the eager ops' backward,
+    one AccumulateGrad per parameter) and the optimizer step."""
+    global PHASES
+    PHASES = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)
+    totals: dict[str, list] = {}
+    import tgraph.layers.replay as bridge
+
+    calls = tgraph_module._Manager.call
+    back = bridge.GraphedCall.__dict__["backward"]
+    tgraph_module._Manager.call = _timing(calls, totals.setdefault("calls", [0.0, 0]))
+    bridge.GraphedCall.backward = staticmethod(
+        _timing(back.__func__, totals.setdefault("bwd", [0.0, 0]))
+    )
+    try:
+        for _ in range(n):
+            step()
+    finally:
+        tgraph_module._Manager.call = calls
+        bridge.GraphedCall.backward = back
+    phases, PHASES = PHASES, None
+    us = {k: v / n * 1e6 for k, v in phases.items()}
+    us["forward_graphed_calls"] = totals["calls"][0] / n * 1e6
+    us["backward_graphed"] = totals["bwd"][0] / n * 1e6
+    us["forward_model_own"] = us["forward"] - us["forward_graphed_calls"]
+    us["backward_engine_and_eager"] = us["backward"] - us["backward_graphed"]
+    total = us["forward"] + us["backward"] + us["optimizer"]
+    print("\n  where a step's host time goes (replays stubbed, us per step):")
+    for label, key in (
+        ("forward, graphed calls", "forward_graphed_calls"),
+        ("forward, the model's own code", "forward_model_own"),
+        ("backward, graphed (GraphedCall.backward)", "backward_graphed"),
+        ("backward, engine + eager ops + AccumulateGrad", "backward_engine_and_eager"),
+        ("optimizer step", "optimizer"),
+    ):
+        print(f"  {label:>47}: {us[key]:8.1f}  ({100 * us[key] / total:4.1f}%)")
+    return us
 
 
 def time_checks() -> dict:
@@ -528,6 +578,7 @@ def measure(a: argparse.Namespace, device: torch.device) -> dict:
             f"{calls['lookup_us']:.2f} us"
         )
         result["parts"] = breakdown(step, a.steps, calls["calls_per_step"])
+        result["phases"] = step_phases(step, a.steps)
         if a.profile:
             result["parts_cprofile"] = profile(step, a, calls["calls_per_step"])
     if not emulated:

@@ -46,12 +46,12 @@ def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypa
         check_gradient_accumulation(backend, device)
 
 
-def _scaled_pair(backend, device):
+def _scaled_pair(backend, device, strict=True):
     """A graphed Scaled and its eager twin, graphs created after one recorded step."""
     torch.manual_seed(0)
     mod = Scaled().to(device)
     eager = copy.deepcopy(mod)
-    tgraph.enable(mod, backend=backend, strict=True)
+    tgraph.enable(mod, backend=backend, strict=strict)
     x = torch.randn(4, 8, device=device)
     mod(x).sum().backward()
     mod.zero_grad(set_to_none=True)
@@ -253,3 +253,35 @@ def test_a_gradient_that_is_the_grad_output_buffer_survives_debug_poisoning(back
             tgraph.create_graphs()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def _accumulator(p: torch.Tensor):
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def test_the_parameters_gradient_accumulators_live_as_long_as_the_graphs(backend, device):
+    """Autograd holds a leaf's AccumulateGrad node only through the graph's edges: tgraph holds
+    the graphed parameters' nodes, so replays do not build them anew each step. Seen through
+    the node's metadata, which lives and dies with the node; also after the gradients are
+    re-routed to parameters replaced after capture (load_state_dict(assign=True): the first
+    call after it runs eagerly, test_fail_closed says why)."""
+    mod, eager, x = _scaled_pair(backend, device, strict=False)
+    loose = nn.Parameter(torch.ones(()))  # no holder: a new node at each call
+    _accumulator(loose).metadata["mark"] = 1
+    assert "mark" not in _accumulator(loose).metadata
+    _accumulator(mod.lin.weight).metadata["mark"] = 1
+    for _ in range(2):
+        mod(x).sum().backward()
+        mod.zero_grad(set_to_none=True)
+    assert _accumulator(mod.lin.weight).metadata.get("mark") == 1
+    mod.load_state_dict({k: v.clone() for k, v in eager.state_dict().items()}, assign=True)
+    with pytest.warns(tgraph.GraphFallbackWarning, match="replaced after capture"):
+        mod(x).sum().backward()
+    eager(x).sum().backward()
+    _accumulator(mod.lin.weight).metadata["mark"] = 2
+    for _ in range(2):  # graphed on the new parameters
+        mod(x).sum().backward()
+        eager(x).sum().backward()
+    assert _accumulator(mod.lin.weight).metadata.get("mark") == 2
+    for p, q in zip(mod.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)

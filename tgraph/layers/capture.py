@@ -56,7 +56,7 @@ from tgraph.grads import (
 )
 from tgraph.guards import RefuseHostSync
 from tgraph.layers.captured import Captured, ReplayState
-from tgraph.layers.follow import autograd_params, output_cdata
+from tgraph.layers.follow import output_cdata, set_params
 from tgraph.memory import UnitMemory, tensor_bytes
 from tgraph.pool import NEVER, storage_uses, use_counts
 
@@ -365,8 +365,7 @@ class GraphedUnit:
         )
         st = self.state
         st.hook_epoch = baked.hook_epoch
-        st.params = list(cap.params)
-        st.autograd_params = autograd_params(cap, st.params)
+        set_params(cap, st, list(cap.params))
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         st.output_cdata = output_cdata(outs)
         st.output_uses = use_counts(st.output_cdata)

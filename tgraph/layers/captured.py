@@ -88,6 +88,7 @@ class ReplayState:
         "last_outputs",
         "params",
         "autograd_params",
+        "accumulators",
         "copy_in",
         "live",
         "rerouted",
@@ -110,6 +111,7 @@ class ReplayState:
         self.last_outputs: weakref.ref | None = None  # LiveOutputs of the latest replay
         self.params: list[torch.Tensor] = []  # where parameter gradients go (re-routed)
         self.autograd_params: list[torch.Tensor] = []  # the autograd node's parameter inputs
+        self.accumulators: list = []  # ... their AccumulateGrad nodes, held (follow.set_params)
         self.copy_in: list[int] = []  # baked tensors followed by a copy into the graph's memory
         self.live: tuple[torch.Tensor, ...] = ()  # ... and the tensors copied from
         self.rerouted = False  # some gradient goes to a tensor other than the captured one

@@ -55,9 +55,24 @@ def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ..
 
 def route(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...]) -> None:
     """Hand the parameters' gradients to ``live`` (the modules' current tensors)."""
-    state.params = [p if k is None else live[k] for p, k in zip(cap.params, cap.slot)]
-    state.autograd_params = autograd_params(cap, state.params)
+    set_params(cap, state, [p if k is None else live[k] for p, k in zip(cap.params, cap.slot)])
     state.rerouted = any(r() is not t for r, t in zip(cap.baked.refs, live))
+
+
+def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) -> None:
+    """Where the gradients go: ``params``, the autograd node's inputs among them, and those
+    leaves' gradient accumulators, held. Autograd holds a leaf's AccumulateGrad node only
+    weakly (through the graph's edges), so without a holder every step's ``Function.apply``
+    builds each one anew and its backward frees them: about 0.2 us a parameter on the head's
+    host path (DDP holds them the same way, for its hooks)."""
+    state.params = params
+    state.autograd_params = autograd_params(cap, params)
+    with torch.enable_grad():
+        state.accumulators = [
+            p.view_as(p).grad_fn.next_functions[0][0]
+            for p in state.autograd_params
+            if p.requires_grad and p.is_leaf
+        ]
 
 
 def autograd_params(cap: Captured, params: list[torch.Tensor]) -> list[torch.Tensor]:
