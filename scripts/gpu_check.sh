@@ -15,7 +15,8 @@
 #                                        # one archive ($OUT/perf.tgz, $OUT/summary.txt):
 #                                        # `pytest -m cuda` (the recipes' kill-and-resume tests
 #                                        # apart), HF Llama b1/b8/d1024 without compile, the toy
-#                                        # at batch 8 and 1, host time per call
+#                                        # at batch 8 and 1, host time per call, the GPU's
+#                                        # timeline at HF batch 1 and 8 (bench_train --trace)
 #   bash scripts/gpu_check.sh versions OLD   # `pytest -m cuda`; the toy benchmark of the tree in
 #                                        # OLD and of this one; the HF Llama cells
 #   bash scripts/gpu_check.sh compiled  # torch.compile modes beside tgraph on the HF Llama cells
@@ -78,6 +79,9 @@ perf | final)
     --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt --out "$W/toy"
   bounded profile_host 40 python scripts/profile_host.py --device cuda --backend cuda --model both \
     --steps 100 --reps 3 --out "$W/profile"
+  # the GPU's timeline per step (kernel, busy and idle time) beside mgc, at batch 1 and 8
+  bounded trace_hf 70 python scripts/bench_train.py --configs llama_b1,llama_b8 --dtypes fp32 \
+    --steps 5 --warmup 2 --trace 5 --modes graphed_callables,tgraph_layer,tgraph_full --out "$W/trace"
   archive_end
   exit 0
   ;;
