@@ -100,8 +100,19 @@ MODES = [
     "tgraph_layer_compiled",
     "tgraph_layer_opt_compiled",
     "tgraph_full_compiled",
+    "tgraph_layer_direct",
+    "tgraph_layer_opt_noskip_direct",
+    "tgraph_layer_opt_compiled_direct",
 ]
-CPU_MODES = ["eager", "tgraph_layer", "tgraph_full", "tgraph_layer_opt", "tgraph_full_skip"]
+CPU_MODES = [
+    "eager",
+    "tgraph_layer",
+    "tgraph_full",
+    "tgraph_layer_opt",
+    "tgraph_full_skip",
+    "tgraph_layer_direct",
+    "tgraph_layer_opt_noskip_direct",
+]
 # --hf: the Llama cells of bench_llama.LLAMA_DTYPES, these modes, few steps (an H200 in < 5 min)
 HF_MODES = [
     "eager",
@@ -128,13 +139,13 @@ PARITY_RTOL = {"fp32": 2e-3, "bf16": 3e-2}
 # Each returns (per-step ms, final loss tensor, capture seconds or None, note).
 
 
-def mode_tgraph_layer(s: Setup, ckpt: bool = False, compile: bool = False):  # noqa: A002
+def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False):  # noqa: A002
     """``compile``: enable(compile=True); capture_s then includes the recorded iteration,
-    where inductor compiles the layers."""
+    where inductor compiles the layers. ``direct``: enable(direct_grads=True)."""
     model, opt = s.fresh()
     if ckpt:
         checkpoint_blocks(model)
-    tgraph.enable(model, backend=s.backend, compile=compile)
+    tgraph.enable(model, backend=s.backend, compile=compile, direct_grads=direct)
     try:
         synchronize(s.device)
         t_record = time.perf_counter()
@@ -180,10 +191,11 @@ def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
     return times, loss, capture, note + ("; skip_nonfinite=True" if skip else "")
 
 
-def mode_tgraph_layer_opt(s: Setup, skip: bool = True, compile: bool = False):  # noqa: A002
+def mode_tgraph_layer_opt(s: Setup, skip=True, compile=False, direct=False):  # noqa: A002
     """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step;
     ``skip``: non-finite steps skipped on the device (the default); ``compile``:
-    enable(compile=True), capture_s then includes the recorded (compiling) iteration."""
+    enable(compile=True), capture_s then includes the recorded (compiling) iteration;
+    ``direct``: enable(direct_grads=True)."""
     model, opt = s.fresh()
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=skip, backend=s.backend)
 
@@ -194,7 +206,7 @@ def mode_tgraph_layer_opt(s: Setup, skip: bool = True, compile: bool = False):  
         graph.step(loss)  # zeroes .grad in place (the graph owns the gradient buffers)
         return loss
 
-    tgraph.enable(model, backend=s.backend, compile=compile)
+    tgraph.enable(model, backend=s.backend, compile=compile, direct_grads=direct)
     try:
         synchronize(s.device)
         t_record = time.perf_counter()
@@ -240,6 +252,12 @@ MODE_FUNCS: dict[str, Callable] = {
     "tgraph_layer_compiled": lambda s: mode_tgraph_layer(s, compile=True),
     "tgraph_layer_opt_compiled": lambda s: mode_tgraph_layer_opt(s, compile=True),
     "tgraph_full_compiled": lambda s: mode_tgraph_full(s, compiled=True),
+    # enable(direct_grads=True): the node writes .grad, no AccumulateGrad per parameter
+    "tgraph_layer_direct": lambda s: mode_tgraph_layer(s, direct=True),
+    "tgraph_layer_opt_noskip_direct": lambda s: mode_tgraph_layer_opt(s, skip=False, direct=True),
+    "tgraph_layer_opt_compiled_direct": lambda s: mode_tgraph_layer_opt(
+        s, compile=True, direct=True
+    ),
 }
 
 

@@ -78,8 +78,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--optimizer", default="graph", choices=["graph", "eager", "none"])
     p.add_argument("--no-merge", action="store_true", help="tgraph.enable(merge=False)")
+    p.add_argument("--direct", action="store_true", help="tgraph.enable(direct_grads=True)")
     p.add_argument("--profile", action="store_true", help="cProfile tgraph's functions")
     p.add_argument("--top", type=int, default=30, help="functions listed by --profile")
+    p.add_argument(
+        "--ops",
+        action="store_true",
+        help="torch.profiler (CPU activity) over 20 stubbed steps: torch's ops and autograd "
+        "nodes by self CPU time, in the step and in the backward phase",
+    )
     p.add_argument("--full", action="store_true", help="also time a FullIterationGraph step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="default: $OUT or ./out")
@@ -177,7 +184,7 @@ def layer_setup(a: argparse.Namespace, device: torch.device):
                 PHASES[k] += v
         return loss
 
-    tgraph.enable(model, backend=a.backend, merge=not a.no_merge)
+    tgraph.enable(model, backend=a.backend, merge=not a.no_merge, direct_grads=a.direct)
     step()  # the recorded iteration
     if opt is not None and graph is None:
         opt.zero_grad(set_to_none=True)
@@ -347,6 +354,20 @@ def step_phases(step, n: int) -> dict:
     ):
         print(f"  {label:>47}: {us[key]:8.1f}  ({100 * us[key] / total:4.1f}%)")
     return us
+
+
+def op_table(step, top: int) -> str:
+    """torch.profiler's table of 20 stubbed steps by self CPU time (every thread: autograd's
+    device thread runs the backward), printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    print("\n  torch.profiler, 20 steps with replays stubbed (self CPU time; inflated per op):")
+    print(table)
+    return table
 
 
 def time_checks() -> dict:
@@ -579,6 +600,8 @@ def measure(a: argparse.Namespace, device: torch.device) -> dict:
         )
         result["parts"] = breakdown(step, a.steps, calls["calls_per_step"])
         result["phases"] = step_phases(step, a.steps)
+        if a.ops:
+            result["ops"] = op_table(step, a.top)
         if a.profile:
             result["parts_cprofile"] = profile(step, a, calls["calls_per_step"])
     if not emulated:
@@ -615,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n=== {model}: {a.layers} layers, d{a.n_embd}, T{a.seq}, B{a.batch}, vocab "
             f"{a.vocab}, device {device}, backend {a.backend}, optimizer {a.optimizer}, "
-            f"merge {not a.no_merge}, torch {torch.__version__}"
+            f"merge {not a.no_merge}, direct_grads {a.direct}, torch {torch.__version__}"
         )
         payload["models"][model] = measure(a, device)
     os.makedirs(a.out, exist_ok=True)

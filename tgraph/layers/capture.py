@@ -47,6 +47,7 @@ from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
 from tgraph.grads import (
+    DirectGrads,
     MainGradFlags,
     MainGradFusion,
     ParamGradPacking,
@@ -127,11 +128,14 @@ class GraphedUnit:
     head: Any
     members: list
 
-    def _init_unit(self, device: torch.device, grad_mode: bool, fusion: bool) -> None:
+    def _init_unit(
+        self, device: torch.device, grad_mode: bool, fusion: bool, direct: bool = False
+    ) -> None:
         self.device = device
         self.grad_mode = grad_mode
         self.debug = False
         self.fusion = MainGradFusion(fusion)
+        self.direct = DirectGrads(direct)
         self.state = ReplayState()  # what replays change (tgraph.layers.captured)
         self._drop_capture()
 
@@ -356,6 +360,7 @@ class GraphedUnit:
             params=tuple(self.params),
             packing=self.packing,
             fusion=self.fusion,
+            direct=self.direct,
             flags=self._flags,
             unused=self.unused,
             baked=baked,

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from tgraph.baked import Baked
-from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking, UnusedOutputs
+from tgraph.grads import (
+    DirectGrads,
+    DirectRoute,
+    MainGradFlags,
+    MainGradFusion,
+    ParamGradPacking,
+    UnusedOutputs,
+)
 from tgraph.layers.signature import Template
 from tgraph.memory import UnitMemory
 from tgraph.pool import PoolLedger
@@ -64,6 +71,7 @@ class Captured:
     params: tuple[torch.Tensor, ...]  # the parameters the backward differentiates
     packing: ParamGradPacking
     fusion: MainGradFusion
+    direct: DirectGrads  # opt-in: the node writes parameter gradients to .grad itself
     flags: MainGradFlags | None
     unused: UnusedOutputs
     # ---- what the graphs baked in (tgraph.baked), and what the checks need beside it
@@ -89,6 +97,7 @@ class ReplayState:
         "params",
         "autograd_params",
         "accumulators",
+        "direct",
         "copy_in",
         "live",
         "rerouted",
@@ -112,6 +121,7 @@ class ReplayState:
         self.params: list[torch.Tensor] = []  # where parameter gradients go (re-routed)
         self.autograd_params: list[torch.Tensor] = []  # the autograd node's parameter inputs
         self.accumulators: list = []  # ... their AccumulateGrad nodes, held (follow.set_params)
+        self.direct: DirectRoute | None = None  # direct_grads: the parameters the node writes
         self.copy_in: list[int] = []  # baked tensors followed by a copy into the graph's memory
         self.live: tuple[torch.Tensor, ...] = ()  # ... and the tensors copied from
         self.rerouted = False  # some gradient goes to a tensor other than the captured one

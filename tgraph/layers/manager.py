@@ -39,7 +39,7 @@ from tgraph.baked import (
     hooks_run_outside,
 )
 from tgraph.errors import GraphFallbackError
-from tgraph.grads import ParamGradPacking
+from tgraph.grads import DirectGrads, ParamGradPacking
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.record import NoteBackward, Record
@@ -66,6 +66,7 @@ class _ModuleState:
     merge: bool = True
     main_grad_fusion: bool = False
     capturable_hooks: bool = False
+    direct_grads: bool = False
     params: tuple = ()  # the module's parameters (their requires_grad is part of every key)
     submodules: tuple = ()  # module.modules(): their training flags are part of every key
     names: list[str] = field(default_factory=list)  # the submodules' names, for messages
@@ -121,6 +122,7 @@ class _Manager:
                     links,
                     merge=state.merge,
                     fusion=state.main_grad_fusion,
+                    direct=state.direct_grads,
                 )
                 runner.shared_with = [self.record.consumers(t) for t in tensors]
                 state.runners.setdefault(key, []).append(runner)
@@ -243,6 +245,7 @@ def enable(
     main_grad_fusion: bool = False,
     capturable_hooks: bool = False,
     compile: bool | dict[str, Any] = False,  # noqa: A002 - the option's name, as torch.compile
+    direct_grads: bool = False,
     warmup: int | None = None,
 ) -> nn.Module:
     """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
@@ -277,6 +280,14 @@ def enable(
             parameter aliases, so that nothing compiles inside the capture. Modes
             that put inductor's own CUDA graphs inside ours (``"reduce-overhead"``,
             ``"max-autotune"``) are refused: use ``"max-autotune-no-cudagraphs"``.
+        direct_grads: the graphed node writes parameter gradients to ``.grad`` itself (set
+            where None, added in place otherwise), instead of handing them to autograd, whose
+            engine runs one AccumulateGrad node per parameter: the largest host cost of a
+            host-bound step's backward. Exact for ``loss.backward()`` in one process;
+            ``backward(inputs=...)``, ``torch.autograd.grad`` through graphed layers,
+            torch.func transforms and torch.distributed (DDP, FSDP) are refused with an
+            error. Parameters with tensor hooks keep autograd's path. Hooks registered on a
+            parameter's AccumulateGrad node itself do not run (:class:`tgraph.grads.DirectGrads`).
         warmup: deprecated spelling of ``warmup_steps`` (warns ``DeprecationWarning``; it goes
             in the next release).
 
@@ -285,7 +296,8 @@ def enable(
 
     Raises:
         ValueError: no ``GraphableModule`` in ``model``, an unknown backend, a compile mode
-            with CUDA graphs of its own, or both ``warmup`` and ``warmup_steps``.
+            with CUDA graphs of its own, both ``warmup`` and ``warmup_steps``, or
+            ``direct_grads`` with torch.distributed initialized.
         RuntimeError: graphs already exist (call :func:`reset` first).
     """
     if warmup is not None:
@@ -297,6 +309,8 @@ def enable(
         warmup_steps = warmup
     compile_options = _compile_options(compile)
     check_backend_name(backend)
+    if direct_grads:
+        DirectGrads.refuse_distributed()
     if _manager.captured:
         raise RuntimeError(
             "tgraph.enable() after tgraph.create_graphs(); call tgraph.reset() first"
@@ -320,6 +334,7 @@ def enable(
             merge,
             main_grad_fusion,
             capturable_hooks,
+            direct_grads,
             tuple(m.parameters()),
             tuple(sub for _, sub in named),
             [name or type(m).__name__ for name, _ in named],
@@ -329,6 +344,7 @@ def enable(
             m._tgraph.runners = old.runners
             for r in (r for rs in old.runners.values() for r in rs):
                 r.merge, r.fusion.enabled = merge, main_grad_fusion
+                r.direct.enabled = direct_grads
         _manager.modules.add(m)
     _manager.roots.add(model)
     return model

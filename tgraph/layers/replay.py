@@ -32,7 +32,7 @@ from tgraph import rng
 from tgraph.baked import recording_outputs
 from tgraph.errors import StaleBackwardError
 from tgraph.layers.captured import Captured, ReplayState
-from tgraph.layers.follow import follow_moved, move_out_held_outputs, route
+from tgraph.layers.follow import follow_moved, move_out_held_outputs, route, set_params
 from tgraph.pool import LiveOutputs, use_counts
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -201,6 +201,12 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
         if cap.recomputes:
             state.rng_at_forward = rng.default_generator(cap.device).get_state()
         if _functorch_active():
+            if state.direct is not None:
+                raise RuntimeError(
+                    f"tgraph: {cap.name} was enabled with direct_grads=True, whose node writes "
+                    ".grad itself, under a torch.func transform (which takes gradients through "
+                    "autograd). Enable without direct_grads to graph it under torch.func."
+                )
             outs = list(GraphedCall.apply(cap, state, flight, *tensors, *state.autograd_params))
         else:  # Function.apply without its Python wrapper's per-argument pass
             outs = list(_apply(cap, state, flight, *tensors, *state.autograd_params))
@@ -252,6 +258,8 @@ def check(cap: Captured, state: ReplayState):
         why = b.changed_hooks(scan=True)
         if why is not None:
             return why
+        if state.direct is not None:  # a tensor hook on a parameter: autograd's path for it
+            set_params(cap, state, state.params)
         state.hook_epoch = epoch  # scanned: unchanged as of this epoch
     try:
         same = (
@@ -341,6 +349,8 @@ class GraphedCall(torch.autograd.Function):
                 "the output before modifying it (y = block(x).clone())."
             ) from exc
         cap.fusion.check()
+        if state.direct is not None:
+            state.direct.check_backward(cap.name)
         active = tuple(grads[i] is not None for i in cap.out_rg)
         if not any(active):  # nothing reached this node's outputs: no gradient anywhere
             flight.land()
@@ -431,6 +441,9 @@ def grads_for_autograd(
     if active is not None and not all(active):
         for pos in cap.unused.none_positions(active):
             grads[pos] = None
+    if state.direct is not None:  # direct_grads: written to .grad here, not by autograd
+        n = len(cap.static_grads)
+        grads[n:] = state.direct.deliver(grads[n:])
     return grads
 
 

@@ -33,6 +33,7 @@ class Runner(GraphedUnit):
             output of another graphed call (its static output becomes this static input).
         merge: may be captured together with its neighbours (:mod:`tgraph.layers.segment`).
         fusion: add parameter gradients into ``main_grad`` (:class:`tgraph.grads.MainGradFusion`).
+        direct: write parameter gradients to ``.grad`` from the node (:class:`tgraph.grads.DirectGrads`).
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class Runner(GraphedUnit):
         *,
         merge: bool = True,
         fusion: bool = False,
+        direct: bool = False,
     ) -> None:
         self.module = module
         self.key = key
@@ -60,7 +62,7 @@ class Runner(GraphedUnit):
         self.seg_index = 0
         self.head, self.members = self, [self]
         device = tensors[0].device if tensors else next(module.parameters()).device
-        self._init_unit(device, key.grad, fusion)
+        self._init_unit(device, key.grad, fusion, direct)
         self.drop_capture_state()
 
     def drop_capture_state(self) -> None:

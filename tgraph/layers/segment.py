@@ -52,6 +52,8 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
             return False
         if nxt.fusion.enabled != prev.fusion.enabled:  # one segment, one main_grad treatment
             return False
+        if nxt.direct.enabled != prev.direct.enabled:  # ... and one way to .grad
+            return False
         if first[(id(nxt), "fwd")] != first[(id(prev), "fwd")] + 1:
             return False
         if sources(head, prev, nxt) is None:
@@ -101,7 +103,8 @@ class Segment(GraphedUnit):
             sources(self.head, prev, r) for prev, r in zip(runners, runners[1:])
         ]
         self._slices: list[slice] = []
-        self._init_unit(self.head.device, self.head.grad_mode, self.head.fusion.enabled)
+        head = self.head
+        self._init_unit(head.device, head.grad_mode, head.fusion.enabled, head.direct.enabled)
 
     def __repr__(self) -> str:
         return f"Segment({len(self.runners)} x {type(self.head.module).__name__})"

@@ -1,0 +1,259 @@
+"""``tgraph.enable(model, direct_grads=True)``: the graphed node writes parameter gradients to
+``.grad`` itself (tgraph.grads.DirectGrads), so autograd's engine runs no AccumulateGrad node
+per parameter. Every gradient must end as eager leaves it: set, accumulated, None where no used
+output reaches it, hooks run; whatever it cannot do exactly is refused with an error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from layer_models import ATOL, RTOL, MLPBlock, gpt_batches, tiny_gpt, twin
+from test_gradients import TwoOut, two_out_steps
+
+import tgraph
+from tgraph.grads import DirectRoute
+
+
+def _train(model, batches, backend=None, *, accumulate=1, lr=0.1, before=None, **enable):
+    """SGD with momentum (layer_models.train says why not Adam); ``accumulate`` microbatches a
+    step; with ``backend``, graphed with ``direct_grads=True`` after the first step;
+    ``before(i)`` before step i. Returns the losses and the last step's gradients by name."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if backend is not None:
+        tgraph.enable(model, backend=backend, strict=True, direct_grads=True, **enable)
+    losses, grads = [], {}
+    for i in range(0, len(batches), accumulate):
+        if before is not None:
+            before(i)
+        for x, y in batches[i : i + accumulate]:
+            _, loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if backend is not None and i == 0:
+            tgraph.create_graphs()
+    return losses, grads
+
+
+def _assert_same(got, want):
+    assert got[1].keys() == want[1].keys()
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), rtol=RTOL, atol=ATOL)
+    for n in want[1]:
+        torch.testing.assert_close(got[1][n], want[1][n], rtol=RTOL, atol=ATOL, msg=n)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per_module"])
+@pytest.mark.parametrize("accumulate", [1, 3], ids=["step", "accumulate3"])
+def test_direct_grads_train_as_eager(backend, device, merge, accumulate):
+    """Losses and gradients equal eager's: one backward a step, and three microbatches
+    accumulated into .grad (set by the first backward, added by the next two)."""
+    model = tiny_gpt(device)
+    batches = gpt_batches(device, 9)
+    got = _train(twin(model), batches, backend, accumulate=accumulate, merge=merge)
+    want = _train(model, batches, accumulate=accumulate)
+    _assert_same(got, want)
+
+
+def test_planted_bug_direct_grads_overwrite_instead_of_accumulate(backend, device, monkeypatch):
+    """A second microbatch's gradient assigned over the first (not added) must be caught."""
+
+    def assign(self, grads):
+        out = [None]
+        params = iter(self.params)
+        for g, m in zip(grads, self.mask):
+            if not m:
+                out.append(g)
+            elif (p := next(params)) is not None and g is not None:
+                p.grad = g
+        return out
+
+    monkeypatch.setattr(DirectRoute, "deliver", assign)
+    model = tiny_gpt(device)
+    batches = gpt_batches(device, 6)
+    got = _train(twin(model), batches, backend, accumulate=3)
+    want = _train(model, batches, accumulate=3)
+    with pytest.raises(AssertionError):
+        _assert_same(got, want)
+
+
+def _graphed_node(model, x):
+    """The autograd node of a graphed block's call, and the model's parameters."""
+    out = model.blocks[0](x)
+    node = out.grad_fn
+    assert node is not None and "GraphedCall" in node.name()
+    return node, {id(p) for p in model.parameters()}
+
+
+def _param_edges(node, params) -> int:
+    return sum(
+        1
+        for nxt, _ in node.next_functions
+        if nxt is not None and id(getattr(nxt, "variable", None)) in params
+    )
+
+
+def test_the_node_takes_no_parameter_written_directly(backend, device):
+    """The point of the mode: the node's edges go to the anchor, not to every parameter; with
+    it off, every parameter is an edge (what the engine's AccumulateGrad nodes cost)."""
+    for direct in (True, False):
+        torch.manual_seed(0)
+        model = MLPNetLike(device)
+        tgraph.enable(model, backend=backend, strict=True, direct_grads=direct, merge=False)
+        x = torch.randn(4, 16, device=device, requires_grad=True)
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        tgraph.create_graphs()
+        node, params = _graphed_node(model, x)
+        edges = _param_edges(node, params)
+        assert edges == (0 if direct else len(list(model.blocks[0].parameters()))), direct
+        tgraph.reset()
+        tgraph.disable(model)
+
+
+class MLPNetLike(nn.Module):
+    def __init__(self, device, n: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(16) for _ in range(n)).to(device)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Twice(nn.Module):
+    """One block called twice back to back: a merged stack that differentiates the same
+    parameters twice (their gradient is the sum of both, added by one destination twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.block = MLPBlock(16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        pred = self.out(self.block(self.block(self.inp(x))))
+        return pred, F.mse_loss(pred, y)
+
+
+def test_a_parameter_differentiated_twice_gets_the_sum(backend, device):
+    torch.manual_seed(0)
+    model = Twice().to(device)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 8, generator=g), torch.randn(5, 1, generator=g)) for _ in range(6)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    got = _train(copy.deepcopy(model), batches, backend, accumulate=2)
+    want = _train(model, batches, accumulate=2)
+    _assert_same(got, want)
+
+
+def test_unused_output_leaves_its_parameters_without_gradient(backend, device):
+    """b is reached only through the output the loss ignores at steps 2 and 3: its .grad stays
+    None, as eager leaves it (not zeros, which AdamW would turn into drift)."""
+    torch.manual_seed(0)
+    mod = TwoOut().to(device)
+    eager = copy.deepcopy(mod)
+    tgraph.enable(mod, backend=backend, strict=True, direct_grads=True)
+    x = torch.randn(8, 4, device=device, requires_grad=True)
+    got = two_out_steps(mod, x, True, backend)
+    want = two_out_steps(eager, x, False, backend)
+    torch.testing.assert_close(got[1][0], want[1][0], rtol=RTOL, atol=ATOL)
+    for (gb, gx), (wb, wx) in zip(got[2:], want[2:]):
+        assert wb is None and gb is None
+        torch.testing.assert_close(gx, wx, rtol=RTOL, atol=ATOL)
+    for p, q in zip(mod.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("when", ["before_capture", "after_capture"])
+@pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
+def test_a_parameter_with_a_hook_keeps_autograd_path(backend, device, when, kind):
+    """A tensor hook (one that scales the gradient, or a post-accumulate hook that records it)
+    runs as eagerly, registered before capture or after it (the next forward moves that
+    parameter back to autograd's path)."""
+    model = tiny_gpt(device)
+    eager = twin(model)
+    seen = {"graphed": 0, "eager": 0}
+
+    def hook_on(m, tag):
+        w = m.h[1].mlp.c_fc.weight
+        if kind == "register_hook":
+
+            def scale(g):
+                seen[tag] += 1
+                return 3 * g
+
+            w.register_hook(scale)
+        else:
+            w.register_post_accumulate_grad_hook(lambda p: seen.__setitem__(tag, seen[tag] + 1))
+
+    batches = gpt_batches(device, 5)
+    at = 0 if when == "before_capture" else 2  # graphs are created after step 0
+    want = _train(eager, batches, before=lambda i: i == at and hook_on(eager, "eager"))
+    got = _train(model, batches, backend, before=lambda i: i == at and hook_on(model, "graphed"))
+    _assert_same(got, want)
+    assert seen["graphed"] == seen["eager"] > 0
+
+
+def test_autograd_grad_and_backward_inputs_are_refused(backend, device):
+    torch.manual_seed(0)
+    model = MLPNetLike(device)
+    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    w = model.blocks[1].fc1.weight
+    with pytest.raises(RuntimeError, match="direct_grads=True.*plain loss.backward"):
+        torch.autograd.grad(model(x).sum(), [x])
+    with pytest.raises(RuntimeError, match="direct_grads=True.*plain loss.backward"):
+        model(x).sum().backward(inputs=[x])
+    assert w.grad is None
+    model(x).sum().backward()  # a plain backward still works after the refusals
+    assert w.grad is not None
+
+
+def test_torch_distributed_is_refused(backend, device):
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    model = MLPNetLike(device)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="direct_grads=True with torch.distributed"):
+            tgraph.enable(model, backend=backend, direct_grads=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_direct_grads_beside_the_optimizer_graph(backend, device):
+    """AdamW as an OptimizerGraph reads the .grad tensors the node wrote: parameters equal
+    eager's after a few steps (Adam: compared loosely, see layer_models.train)."""
+    results = []
+    for graphed in (True, False):
+        model = tiny_gpt(device)
+        extra = dict(fused=True, capturable=True) if device.type == "cuda" else dict(fused=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **extra)
+        graph = tgraph.OptimizerGraph(opt, backend=backend) if graphed else None
+        if graphed:
+            tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
+        for i, (x, y) in enumerate(gpt_batches(device, 5)):
+            _, loss = model(x, y)
+            loss.backward()
+            if graph is not None:
+                graph.step(loss)
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if graphed and i == 0:
+                tgraph.create_graphs()
+        results.append([p.detach().clone() for p in model.parameters()])
+        tgraph.reset()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
