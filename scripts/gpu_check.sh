@@ -15,8 +15,10 @@
 #                                        # one archive ($OUT/perf.tgz, $OUT/summary.txt):
 #                                        # `pytest -m cuda` (the recipes' kill-and-resume tests
 #                                        # apart), HF Llama b1/b8/d1024 without compile, the toy
-#                                        # at batch 8 and 1, host time per call, the GPU's
-#                                        # timeline at HF batch 1 and 8 (bench_train --trace)
+#                                        # at batch 8 and 1 (each with direct_grads too),
+#                                        # host time per call with direct_grads
+#   bash scripts/gpu_check.sh trace      # the GPU's timeline at HF batch 1 and 8 (bench_train
+#                                        # --trace): kernel, busy and idle time per step
 #   bash scripts/gpu_check.sh versions OLD   # `pytest -m cuda`; the toy benchmark of the tree in
 #                                        # OLD and of this one; the HF Llama cells
 #   bash scripts/gpu_check.sh compiled  # torch.compile modes beside tgraph on the HF Llama cells
@@ -44,10 +46,11 @@ env_stage() {
 
 # The HF Llama cells without compile, each in its own dtype, in one process per dtype.
 hf_cells() {
-  local modes=eager,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_layer_opt,tgraph_full
+  local modes=eager,graphed_callables,tgraph_layer,tgraph_layer_direct,tgraph_layer_opt_noskip
+  modes=$modes,tgraph_layer_opt_noskip_direct,tgraph_full
   bounded bench_hf_fp32 80 python scripts/bench_train.py --configs llama_b1,llama_b8 --dtypes fp32 \
     --steps 10 --warmup 2 --modes "$modes" --out "$W/hf_fp32"
-  bounded bench_hf_d1024 70 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
+  bounded bench_hf_d1024 65 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
     --steps 10 --warmup 2 --modes "$modes" --out "$W/hf_d1024"
 }
 
@@ -73,13 +76,19 @@ perf | final)
   # the toy at batch 8 and 1 against the hand-written whole step, host time per graphed call.
   # (`final`, the closing check of a tree, is the same check.)
   archive_begin perf
-  pytest_cuda 270
+  pytest_cuda 320
   hf_cells
-  bounded bench_toy 60 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 \
-    --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt --out "$W/toy"
-  bounded profile_host 40 python scripts/profile_host.py --device cuda --backend cuda --model both \
-    --steps 100 --reps 3 --out "$W/profile"
+  TOY_MODES=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_direct,tgraph_layer_opt
+  bounded bench_toy 50 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 \
+    --warmup 3 --modes "$TOY_MODES,tgraph_layer_opt_noskip_direct" --out "$W/toy"
+  bounded profile_host 35 python scripts/profile_host.py --device cuda --backend cuda --model both \
+    --direct --steps 100 --reps 3 --out "$W/profile"
+  archive_end
+  exit 0
+  ;;
+trace)
   # the GPU's timeline per step (kernel, busy and idle time) beside mgc, at batch 1 and 8
+  archive_begin trace
   bounded trace_hf 70 python scripts/bench_train.py --configs llama_b1,llama_b8 --dtypes fp32 \
     --steps 5 --warmup 2 --trace 5 --modes graphed_callables,tgraph_layer,tgraph_full --out "$W/trace"
   archive_end
@@ -92,6 +101,7 @@ compiled)
   # after every mode, so a stage cut by its limit keeps what it measured.
   archive_begin compiled
   C_MODES=compile,tgraph_full_compiled,tgraph_layer_compiled,compile_default,tgraph_layer_opt_compiled
+  C_MODES=$C_MODES,tgraph_layer_opt_compiled_direct
   bounded compiled_b1 145 python scripts/bench_train.py --configs llama_b1 --dtypes fp32 \
     --steps 10 --warmup 2 --modes "$C_MODES" --out "$W/c_b1"
   bounded compiled_b8 130 python scripts/bench_train.py --configs llama_b8 --dtypes fp32 \

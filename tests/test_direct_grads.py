@@ -233,27 +233,50 @@ def test_torch_distributed_is_refused(backend, device):
 
 
 def test_direct_grads_beside_the_optimizer_graph(backend, device):
-    """AdamW as an OptimizerGraph reads the .grad tensors the node wrote: parameters equal
-    eager's after a few steps (Adam: compared loosely, see layer_models.train)."""
+    """AdamW as an OptimizerGraph reads the .grad tensors the node wrote, and zeroes them in
+    place (so every backward adds): parameters equal those of the same run with autograd's
+    path, bitwise (0 + g is g either way), which other tests compare with eager."""
     results = []
-    for graphed in (True, False):
+    for direct in (True, False):
         model = tiny_gpt(device)
         extra = dict(fused=True, capturable=True) if device.type == "cuda" else dict(fused=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **extra)
-        graph = tgraph.OptimizerGraph(opt, backend=backend) if graphed else None
-        if graphed:
-            tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
+        graph = tgraph.OptimizerGraph(opt, backend=backend)
+        tgraph.enable(model, backend=backend, strict=True, direct_grads=direct)
         for i, (x, y) in enumerate(gpt_batches(device, 5)):
             _, loss = model(x, y)
             loss.backward()
-            if graph is not None:
-                graph.step(loss)
-            else:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if graphed and i == 0:
+            graph.step(loss)
+            if i == 0:
                 tgraph.create_graphs()
+        assert graph.captured
         results.append([p.detach().clone() for p in model.parameters()])
         tgraph.reset()
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_hook_registered_between_forward_and_backward_is_refused(backend, device):
+    """That forward left the parameter's gradient to the node: its hook could not run, so
+    the backward raises (no silent skip); the next forward gives it autograd's path."""
+    torch.manual_seed(0)
+    model = MLPNetLike(device)
+    eager = copy.deepcopy(model)
+    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
+    x = torch.randn(4, 16, device=device)
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    out = model(x).sum()
+    calls = []
+    model.blocks[1].fc1.weight.register_hook(lambda g: calls.append(1))
+    with pytest.raises(RuntimeError, match="between its forward and its backward"):
+        out.backward()
+    assert not calls
+    del out  # its autograd graph (and the unit's flight) goes with it
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    eager(x).sum().backward()
+    assert calls == [1]
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)

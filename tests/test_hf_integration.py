@@ -273,6 +273,21 @@ def test_a_cache_asked_for_runs_eagerly_and_is_filled(backend, device):
 # ---------------------------------------------------------------------- PEFT LoRA
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3_moe/grouped_mm"])
+def test_family_training_with_direct_grads_matches_eager(backend, device, arch):
+    """enable(direct_grads=True): the graphed node writes every decoder layer's .grad itself
+    (tgraph.grads.DirectGrads); the gradients and losses stay eager's, exactly on the emulated
+    backend."""
+    model, eager = graphed_and_twin(arch, device, backend, direct_grads=True)
+    xs = batches(device)
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    assert_same_training(
+        train(model, xs, graphed=True),
+        train(eager, xs, graphed=False),
+        {} if bf16 else tol(backend),
+    )
+
+
 def lora_model(device):
     peft = pytest.importorskip("peft", reason="needs peft (pip install 'tgraph[dev]')")
     base = family_model("llama", device)
@@ -285,10 +300,13 @@ def lora_model(device):
     return model
 
 
-def test_lora_training_matches_eager(backend, device):
+@pytest.mark.parametrize("direct", [False, True], ids=["autograd", "direct_grads"])
+def test_lora_training_matches_eager(backend, device, direct):
+    """Frozen base weights, trained adapters; also with direct_grads (only the adapters get
+    .grad, written by the node)."""
     model = lora_model(device)
     eager = copy.deepcopy(model)
-    tg_hf.graph_layers(model, backend=backend, strict=True)
+    tg_hf.graph_layers(model, backend=backend, strict=True, direct_grads=direct)
     xs = batches(device)
     got = train(model, xs, graphed=True, lr=1e-2)
     assert all("lora_" in n for n in got[1][0])

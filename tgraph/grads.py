@@ -216,9 +216,20 @@ class DirectRoute:
         """The node's parameter inputs: the anchor, then those that keep autograd's path."""
         return [self.anchor, *(p for p, m in zip(kept, self.mask) if not m)]
 
-    def check_backward(self, name: str) -> None:
+    def check_backward(self, name: str, hooks_moved: bool) -> None:
         """Before the backward replay: this is a plain ``backward()``, which runs every node
-        (the anchor's too); not ``backward(inputs=...)`` or ``torch.autograd.grad``."""
+        (the anchor's too), not ``backward(inputs=...)`` or ``torch.autograd.grad``; and no
+        parameter written directly got a tensor hook since its forward (``hooks_moved``: a
+        hook was registered somewhere since)."""
+        if hooks_moved:
+            hooked = [p for p in self.params if not _direct(p)]
+            if hooked:
+                raise RuntimeError(
+                    f"tgraph: a tensor hook was registered on a parameter of {name} between its "
+                    "forward and its backward; with direct_grads=True that forward left the "
+                    "parameter's gradient to the node, so the hook would not run. Register it "
+                    "before the forward (the next forward gives the parameter autograd's path)."
+                )
         try:
             plain = torch._C._will_engine_execute_node(self.anchor_node)
         except RuntimeError:  # torch.autograd.grad

@@ -128,7 +128,7 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
     Args:
         model: a transformers ``PreTrainedModel``, or a wrapper around one (PEFT, DDP).
         **enable_options: passed to :func:`tgraph.enable` (``backend``, ``strict``,
-            ``warmup_steps``, ``debug``, ``merge``).
+            ``warmup_steps``, ``debug``, ``merge``, ``direct_grads``).
 
     Returns:
         ``model``; its transformers models now default to ``use_cache=False``

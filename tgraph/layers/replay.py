@@ -350,7 +350,7 @@ class GraphedCall(torch.autograd.Function):
             ) from exc
         cap.fusion.check()
         if state.direct is not None:
-            state.direct.check_backward(cap.name)
+            state.direct.check_backward(cap.name, RemovableHandle.next_id != state.hook_epoch)
         active = tuple(grads[i] is not None for i in cap.out_rg)
         if not any(active):  # nothing reached this node's outputs: no gradient anywhere
             flight.land()
