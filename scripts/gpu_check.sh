@@ -17,6 +17,8 @@
 #                                        # apart), HF Llama b1/b8/d1024 without compile, the toy
 #                                        # at batch 8 and 1 (each with direct_grads too),
 #                                        # host time per call with direct_grads
+#   bash scripts/gpu_check.sh direct     # direct_grads beside autograd's path: its CUDA tests,
+#                                        # the toy, host per call and per phase, each both ways
 #   bash scripts/gpu_check.sh trace      # the GPU's timeline at HF batch 1 and 8 (bench_train
 #                                        # --trace): kernel, busy and idle time per step
 #   bash scripts/gpu_check.sh versions OLD   # `pytest -m cuda`; the toy benchmark of the tree in
@@ -83,6 +85,22 @@ perf | final)
     --warmup 3 --modes "$TOY_MODES,tgraph_layer_opt_noskip_direct" --out "$W/toy"
   bounded profile_host 35 python scripts/profile_host.py --device cuda --backend cuda --model both \
     --direct --steps 100 --reps 3 --out "$W/profile"
+  archive_end
+  exit 0
+  ;;
+direct)
+  # direct_grads beside autograd's path, one process each: its CUDA tests, the toy at batch 1
+  # and 8, host time per call and the step's host phases with and without it
+  archive_begin direct
+  bounded pytest_cuda 60 python -m pytest -m cuda -q -p no:cacheprovider -rf \
+    tests/test_direct_grads.py tests/test_gradients.py tests/test_hf_integration.py -k "direct or accumulators or lora_training"
+  D_MODES=floor,graphed_callables,tgraph_layer,tgraph_layer_direct,tgraph_layer_opt_noskip
+  bounded bench_toy 45 python scripts/bench_train.py --configs tiny_b1,tiny --dtypes fp32 --steps 50 \
+    --warmup 3 --modes "$D_MODES,tgraph_layer_opt_noskip_direct" --out "$W/toy"
+  bounded profile_host 30 python scripts/profile_host.py --device cuda --backend cuda --model both \
+    --steps 100 --reps 3 --out "$W/profile"
+  bounded profile_host_direct 30 python scripts/profile_host.py --device cuda --backend cuda \
+    --model both --direct --steps 100 --reps 3 --out "$W/profile_direct"
   archive_end
   exit 0
   ;;

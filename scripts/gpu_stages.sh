@@ -40,7 +40,7 @@ bounded() {
 archive_end() {
   { cat "$W/env.txt" "$W/stages.txt"; [ -f "$W/pytest_cuda.log" ] && tail -n 15 "$W/pytest_cuda.log"
     for f in "$W"/*.md "$W"/*/*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
-    [ -f "$W/profile_host.log" ] && grep -E "^===|per graphed call|step wall|checks alone|forward,|backward,|optimizer step" "$W/profile_host.log"
+    for f in "$W"/profile_host*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "^===|per graphed call|step wall|checks alone|forward,|backward,|optimizer step" "$f"; }; done
   } >"$OUT/summary.txt" 2>&1
   tar czf "$OUT/$(basename "$W").tgz" -C /tmp "$(basename "$W")"
   cat "$OUT/summary.txt"
