@@ -273,3 +273,106 @@ def test_a_hook_registered_between_forward_and_backward_is_refused(backend, devi
     assert calls == [1]
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+class MixedBlock(tgraph.GraphableModule):
+    """Parameters of two dtypes: the unit's gradients are not packed, so its backward hands
+    its static buffers (which AccumulateGrad clones): it keeps autograd's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 16).double()
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x).double()).float()
+
+
+class MixedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(MixedBlock() for _ in range(2))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        pred = self.out(h)
+        return pred, F.mse_loss(pred, y)
+
+
+def _regression_batches(device, n):
+    g = torch.Generator().manual_seed(1)
+    xs = [(torch.randn(5, 8, generator=g), torch.randn(5, 1, generator=g)) for _ in range(n)]
+    return [(x.to(device), y.to(device)) for x, y in xs]
+
+
+def test_a_unit_of_mixed_dtypes_accumulates_exactly(backend, device):
+    """Found in review: .grad was the graph's static buffer itself, so the next microbatch's
+    replay overwrote it (2 x the last gradient instead of the sum)."""
+    torch.manual_seed(0)
+    model = MixedNet().to(device)
+    batches = _regression_batches(device, 6)
+    got = _train(copy.deepcopy(model), batches, backend, accumulate=2)
+    want = _train(model, batches, accumulate=2)
+    _assert_same(got, want)
+
+
+def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(backend, device):
+    """As AccumulateGrad: a parameter whose requires_grad was turned off after the forward
+    gets no .grad from that backward."""
+    torch.manual_seed(0)
+    model = MLPNetLike(device)
+    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
+    x = torch.randn(4, 16, device=device)
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    w = model.blocks[1].fc1.weight
+    out = model(x).sum()
+    w.requires_grad_(False)
+    out.backward()
+    assert w.grad is None
+    assert model.blocks[1].fc2.weight.grad is not None
+
+
+def test_a_parameter_laid_out_anew_gets_gradients_in_its_layout(backend, device):
+    """p.data re-pointed to a transposed layout after capture: followed by a copy into the
+    graph's memory, and .grad has the parameter's strides, as AccumulateGrad gives it."""
+    torch.manual_seed(0)
+    model = MLPNetLike(device)
+    eager = copy.deepcopy(model)
+    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
+    x = torch.randn(4, 16, device=device)
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    for m in (model, eager):
+        w = m.blocks[0].fc1.weight
+        w.data = w.data.t().contiguous().t()
+    for m in (model, eager):
+        m(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert p.grad.stride() == q.grad.stride()
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_torch_distributed_initialized_after_capture_is_refused(backend, device):
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    torch.manual_seed(0)
+    model = MLPNetLike(device)
+    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
+    x = torch.randn(4, 16, device=device)
+    model(x).sum().backward()
+    tgraph.create_graphs()
+    out = model(x).sum()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="direct_grads=True with torch.distributed"):
+            out.backward()
+    finally:
+        dist.destroy_process_group()

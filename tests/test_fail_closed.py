@@ -93,6 +93,36 @@ def test_repointed_parameters_train_graphed_on_live_weights(backend, device, rep
     assert_same_params(model, ref)
 
 
+class _SquareBlock(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+def _transpose_in_place(i, model, opt):
+    """The same memory laid out anew: a square weight transposed by p.data = p.data.t()."""
+    if i == 2:
+        for b in model.blocks:
+            b.lin.weight.data = b.lin.weight.data.t()
+
+
+def test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device):
+    """Found in review: the address is the captured one, so only the strides tell; the graph
+    would read the old layout (a silently untransposed weight). Each call runs eagerly,
+    saying why, and trains as eager."""
+    model, ref = make_pair(device, lambda: Net(block=_SquareBlock))
+    data = batches(device, STEPS + 1)
+    want = train(ref, data, before=_transpose_in_place)
+    with fallbacks() as msgs:
+        got = train(model, data, backend, before=_transpose_in_place)
+    assert msgs and all("laid out anew" in m for m in msgs), msgs
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+
+
 def test_repointed_parameters_do_not_fall_back_under_strict(backend, device):
     """Following a re-pointed parameter is not a fallback: strict mode does not raise."""
     model, ref = make_pair(device)

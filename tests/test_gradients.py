@@ -285,3 +285,22 @@ def test_the_parameters_gradient_accumulators_live_as_long_as_the_graphs(backend
     assert _accumulator(mod.lin.weight).metadata.get("mark") == 2
     for p, q in zip(mod.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_the_held_accumulators_follow_a_dtype_round_trip(backend, device):
+    """model.double().float() (an offload round trip) gives each parameter a new
+    AccumulateGrad node; the held ones follow (found in review: the stale ones stayed held and
+    every step built the nodes anew again)."""
+    mod, eager, x = _scaled_pair(backend, device)
+    mod(x).sum().backward()
+    for m in (mod, eager):
+        m.double().float()
+    for m in (mod, eager):
+        m.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+    _accumulator(mod.lin.weight).metadata["mark"] = 3
+    mod.zero_grad(set_to_none=True)
+    mod(x).sum().backward()
+    assert _accumulator(mod.lin.weight).metadata.get("mark") == 3
+    for p, q in zip(mod.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)

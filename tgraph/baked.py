@@ -34,6 +34,8 @@ from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
 _data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+_size = torch.Tensor.size
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 # Module attributes that are not state a forward reads: torch's own bookkeeping, the training
@@ -95,6 +97,7 @@ class Baked:
     refs: tuple[weakref.ref, ...]  # the same parameters and buffers, in order (weakly)
     held: tuple[torch.Tensor, ...]  # ... aliases of the memory the graph reads (kept alive)
     ptrs: tuple[int, ...]  # ... and its addresses
+    layout: tuple[tuple, tuple]  # ... and how the graph reads it: strides, sizes
     names: tuple[str, ...]  # ... and their qualified names
     is_buffer: tuple[bool, ...]
     hooks: tuple[tuple[str, dict], ...]
@@ -161,6 +164,7 @@ class Baked:
             refs=tuple(weakref.ref(t) for t in memory),
             held=held,
             ptrs=tuple(t.data_ptr() for t in held),
+            layout=(tuple(map(_stride, held)), tuple(map(_size, held))),
             names=tuple(names),
             is_buffer=tuple(is_buffer),
             hooks=tuple(hooks),
@@ -265,7 +269,10 @@ class Baked:
             return self.replaced_tensors() or "a parameter or buffer was removed after capture"
         moved = self.moved(live)
         if moved:
-            return f"{self.names[moved[0]]} lives in other memory than at capture (p.data = ...)"
+            return (
+                f"{self.names[moved[0]]} lives in other memory than at capture, or is laid out "
+                "otherwise (p.data = ...)"
+            )
         return self.changed_hooks() or self.changed_attrs()
 
     def live(self) -> tuple[torch.Tensor, ...] | None:
@@ -287,11 +294,31 @@ class Baked:
         return None
 
     def moved(self, live: tuple[torch.Tensor, ...]) -> list[int]:
-        """Indices of the ``live`` tensors that live in other memory than at capture."""
+        """Indices of the ``live`` tensors that are not the memory the graph reads as it reads
+        it: other memory (``p.data = ...``), or the same memory with other strides or sizes
+        (``p.data = p.data.t()``)."""
         ptrs = tuple(map(_data_ptr, live))
-        if ptrs == self.ptrs:
+        layout = (tuple(map(_stride, live)), tuple(map(_size, live)))
+        if ptrs == self.ptrs and layout == self.layout:
             return []
-        return [i for i, (a, b) in enumerate(zip(ptrs, self.ptrs)) if a != b]
+        return [
+            i
+            for i, (a, b, s, n, t) in enumerate(zip(ptrs, self.ptrs, *self.layout, live))
+            if a != b or t.stride() != s or t.shape != n
+        ]
+
+    def relaid(self, live: tuple[torch.Tensor, ...], moved: list[int]) -> str | None:
+        """Why a ``moved`` tensor cannot be followed by a copy: it is the graph's memory itself,
+        laid out otherwise (a copy would overlap itself)."""
+        for i in moved:
+            if live[i].data_ptr() == self.ptrs[i]:
+                return (
+                    f"{self.names[i]} was laid out anew in the memory the graph reads (same "
+                    f"address, now strides {live[i].stride()} and sizes {tuple(live[i].shape)}, "
+                    f"captured as {self.layout[0][i]} and {tuple(self.layout[1][i])}: "
+                    "p.data = p.data.t() or a view); the graph would read the old layout"
+                )
+        return None
 
 
 def describe_hooks(modules: list[tuple[str, nn.Module]], roots: list[nn.Module]) -> list[str]:

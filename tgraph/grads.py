@@ -176,10 +176,15 @@ class DirectGrads:
                 "gradients skip. Enable without direct_grads (the default)."
             )
 
-    def route(self, kept: list[torch.Tensor], device: torch.device) -> DirectRoute | None:
+    def route(
+        self, kept: list[torch.Tensor], device: torch.device, packed: bool
+    ) -> DirectRoute | None:
         """The route of one unit's parameters ``kept`` (those autograd would get), or None
-        when off."""
-        if not self.enabled:
+        when off. Only for a unit whose gradients are packed (ParamGradPacking): its backward
+        hands fresh tensors each time, which AccumulateGrad would adopt as they are. An
+        unpacked unit (parameters of mixed dtypes) hands its static buffers, which
+        AccumulateGrad clones; it keeps autograd's path."""
+        if not (self.enabled and packed):
             return None
         self.refuse_distributed()
         return DirectRoute(kept, device)
@@ -221,6 +226,7 @@ class DirectRoute:
         (the anchor's too), not ``backward(inputs=...)`` or ``torch.autograd.grad``; and no
         parameter written directly got a tensor hook since its forward (``hooks_moved``: a
         hook was registered somewhere since)."""
+        DirectGrads.refuse_distributed()  # initialized after capture
         if hooks_moved:
             hooked = [p for p in self.params if not _direct(p)]
             if hooked:
@@ -254,7 +260,7 @@ class DirectRoute:
                 out.append(g)
                 continue
             p = next(params)
-            if g is None:
+            if g is None or not p.requires_grad:  # frozen since the forward: as AccumulateGrad
                 continue
             if p.grad is None:
                 p.grad = g

@@ -26,6 +26,9 @@ def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ..
     b = cap.baked
     moved = b.moved(live)
     if moved != state.copy_in:
+        why = b.relaid(live, moved)
+        if why is not None:
+            return why
         for i in moved:
             if storage_uses(b.held[i]) > cap.others_use[i]:
                 return (
@@ -45,6 +48,10 @@ def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ..
                 ", ".join(b.names[i] for i in moved),
             )
         state.copy_in = moved
+        # The held AccumulateGrad nodes (torch renews a leaf's node when its dtype changes, as
+        # in model.double().float()) and direct_grads' route (a parameter laid out otherwise
+        # gets autograd's path, whose AccumulateGrad gives .grad the parameter's strides).
+        set_params(cap, state, state.params)
     if state.copy_in:
         with torch.no_grad():
             for i in state.copy_in:
@@ -68,7 +75,7 @@ def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) ->
     host path (DDP holds them the same way, for its hooks)."""
     state.params = params
     kept = cap.fusion.keep(params)
-    state.direct = cap.direct.route(kept, cap.device) if kept else None
+    state.direct = cap.direct.route(kept, cap.device, cap.packing.packed) if kept else None
     if state.direct is not None:  # direct_grads: the anchor stands in for the direct ones
         state.autograd_params = state.direct.inputs(kept)
     else:

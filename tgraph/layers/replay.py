@@ -37,6 +37,8 @@ from tgraph.pool import LiveOutputs, use_counts
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+_size = torch.Tensor.size
 _grad_enabled = torch._C.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -258,8 +260,8 @@ def check(cap: Captured, state: ReplayState):
         why = b.changed_hooks(scan=True)
         if why is not None:
             return why
-        if state.direct is not None:  # a tensor hook on a parameter: autograd's path for it
-            set_params(cap, state, state.params)
+        if state.direct is not None and epoch != state.hook_epoch:  # a hook on a parameter:
+            set_params(cap, state, state.params)  # autograd's path for it
         state.hook_epoch = epoch  # scanned: unchanged as of this epoch
     try:
         same = (
@@ -301,7 +303,11 @@ def check(cap: Captured, state: ReplayState):
                     "holds the old parameters until it is freed)"
                 )
             return REBIND
-    if state.copy_in or tuple(map(_data_ptr, live)) != b.ptrs:
+    if (
+        state.copy_in
+        or tuple(map(_data_ptr, live)) != b.ptrs
+        or (tuple(map(_stride, live)), tuple(map(_size, live))) != b.layout
+    ):
         return follow_moved(cap, state, live)
     return None
 
