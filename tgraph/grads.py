@@ -156,9 +156,10 @@ class DirectGrads:
     accumulators, which would not run); ``backward(inputs=...)`` or ``torch.autograd.grad``
     through a graphed layer (they would not accumulate into every ``.grad``); torch.func
     transforms. Parameters with tensor hooks (``register_hook``,
-    ``register_post_accumulate_grad_hook``), non-contiguous or non-leaf ones keep autograd's
-    path; a hook registered after capture moves its parameter back to it before the next
-    forward. Not seen: hooks registered on a parameter's AccumulateGrad node itself
+    ``register_post_accumulate_grad_hook``), non-contiguous or non-leaf ones, and every
+    parameter of a unit whose gradients are not packed (mixed dtypes) keep autograd's path; a
+    hook registered after capture, or a parameter laid out anew, moves it back to that path
+    before the next forward. Not seen: hooks registered on a parameter's AccumulateGrad node itself
     (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``) in one process; they do not
     run for the parameters written directly.
     """
