@@ -339,8 +339,9 @@ def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(backen
 
 
 def test_a_parameter_laid_out_anew_gets_gradients_in_its_layout(backend, device):
-    """p.data re-pointed to a transposed layout after capture: followed by a copy into the
-    graph's memory, and .grad has the parameter's strides, as AccumulateGrad gives it."""
+    """p.data re-pointed to a transposed layout after capture (also after a first re-point,
+    found in review): followed by a copy into the graph's memory, and .grad has the
+    parameter's strides, as AccumulateGrad gives it."""
     torch.manual_seed(0)
     model = MLPNetLike(device)
     eager = copy.deepcopy(model)
@@ -349,14 +350,16 @@ def test_a_parameter_laid_out_anew_gets_gradients_in_its_layout(backend, device)
     model(x).sum().backward()
     model.zero_grad(set_to_none=True)
     tgraph.create_graphs()
-    for m in (model, eager):
-        w = m.blocks[0].fc1.weight
-        w.data = w.data.t().contiguous().t()
-    for m in (model, eager):
-        m(x).sum().backward()
-    for p, q in zip(model.parameters(), eager.parameters()):
-        assert p.grad.stride() == q.grad.stride()
-        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    for again in (False, True):  # laid out anew at once, or after being followed already
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+            w = m.blocks[0].fc1.weight
+            w.data = w.data.t().contiguous().t() if again else w.data.clone()
+        for m in (model, eager):
+            m(x).sum().backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert p.grad.stride() == q.grad.stride(), again
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
 
 
 def test_torch_distributed_initialized_after_capture_is_refused(backend, device):

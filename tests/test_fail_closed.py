@@ -123,6 +123,35 @@ def test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device):
     assert_same_params(model, ref)
 
 
+class _ScaledBlock(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D).reshape(1, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) * self.scale
+
+
+def _reviewed_in_place(i, model, opt):
+    """The same memory re-viewed with another stride on a dimension of size 1: no element
+    moves (a channels_last depthwise weight re-viewed gives such strides)."""
+    if i == 2:
+        for b in model.blocks:
+            b.scale.data = b.scale.data.as_strided(b.scale.shape, (1, 1))
+
+
+def test_an_equivalent_layout_in_the_same_memory_keeps_replaying(backend, device):
+    """Found in review of the stride check: only strides of dimensions of size > 1 count."""
+    model, ref = make_pair(device, lambda: Net(block=_ScaledBlock))
+    data = batches(device, STEPS + 1)
+    want = train(ref, data, before=_reviewed_in_place)
+    got = train(model, data, backend, before=_reviewed_in_place, strict=True)
+    assert model.blocks[0].scale.stride() == (1, 1)
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+
+
 def test_repointed_parameters_do_not_fall_back_under_strict(backend, device):
     """Following a re-pointed parameter is not a fallback: strict mode does not raise."""
     model, ref = make_pair(device)

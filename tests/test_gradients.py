@@ -293,14 +293,15 @@ def test_the_held_accumulators_follow_a_dtype_round_trip(backend, device):
     every step built the nodes anew again)."""
     mod, eager, x = _scaled_pair(backend, device)
     mod(x).sum().backward()
-    for m in (mod, eager):
-        m.double().float()
-    for m in (mod, eager):
-        m.zero_grad(set_to_none=True)
-        m(x).sum().backward()
-    _accumulator(mod.lin.weight).metadata["mark"] = 3
-    mod.zero_grad(set_to_none=True)
-    mod(x).sum().backward()
-    assert _accumulator(mod.lin.weight).metadata.get("mark") == 3
+    for trip in range(2):  # the second while the first is followed (found in review)
+        for m in (mod, eager):
+            m.double().float()
+        for m in (mod, eager):
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+        _accumulator(mod.lin.weight).metadata["mark"] = trip
+        mod.zero_grad(set_to_none=True)
+        mod(x).sum().backward()
+        assert _accumulator(mod.lin.weight).metadata.get("mark") == trip
     for p, q in zip(mod.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)

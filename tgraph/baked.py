@@ -267,7 +267,7 @@ class Baked:
         live = self.live()
         if live is None or self.replaced_tensors(live) is not None:
             return self.replaced_tensors() or "a parameter or buffer was removed after capture"
-        moved = self.moved(live)
+        moved = self.moved(where(live))
         if moved:
             return (
                 f"{self.names[moved[0]]} lives in other memory than at capture, or is laid out "
@@ -293,18 +293,22 @@ class Baked:
                 )
         return None
 
-    def moved(self, live: tuple[torch.Tensor, ...]) -> list[int]:
-        """Indices of the ``live`` tensors that are not the memory the graph reads as it reads
-        it: other memory (``p.data = ...``), or the same memory with other strides or sizes
-        (``p.data = p.data.t()``)."""
-        ptrs = tuple(map(_data_ptr, live))
-        layout = (tuple(map(_stride, live)), tuple(map(_size, live)))
-        if ptrs == self.ptrs and layout == self.layout:
+    def key(self) -> tuple:
+        """Where and how the graph reads its tensors: what :func:`where` gives at capture."""
+        return (self.ptrs, *self.layout)
+
+    def moved(self, now: tuple) -> list[int]:
+        """Indices of the tensors that are not the memory the graph reads as it reads it, by
+        ``now`` (:func:`where` of the live tensors): other memory (``p.data = ...``), or the
+        same memory with other sizes or strides (``p.data = p.data.t()``). Strides of
+        dimensions of size 1, and of empty tensors, do not count (no element moves)."""
+        if now == self.key():
             return []
+        ptrs, strides, sizes = now
         return [
             i
-            for i, (a, b, s, n, t) in enumerate(zip(ptrs, self.ptrs, *self.layout, live))
-            if a != b or t.stride() != s or t.shape != n
+            for i, (p, s, n, p0, s0, n0) in enumerate(zip(ptrs, strides, sizes, *self.key()))
+            if p != p0 or n != n0 or (s != s0 and not _same_layout(s, s0, n))
         ]
 
     def relaid(self, live: tuple[torch.Tensor, ...], moved: list[int]) -> str | None:
@@ -319,6 +323,16 @@ class Baked:
                     "p.data = p.data.t() or a view); the graph would read the old layout"
                 )
         return None
+
+
+def where(live: tuple[torch.Tensor, ...]) -> tuple:
+    """The addresses, strides and sizes of ``live``: three C-level passes."""
+    return (tuple(map(_data_ptr, live)), tuple(map(_stride, live)), tuple(map(_size, live)))
+
+
+def _same_layout(a: tuple, b: tuple, sizes: torch.Size) -> bool:
+    """Strides ``a`` and ``b`` address the same elements for ``sizes``."""
+    return 0 in sizes or all(x == y for x, y, n in zip(a, b, sizes) if n > 1)
 
 
 def describe_hooks(modules: list[tuple[str, nn.Module]], roots: list[nn.Module]) -> list[str]:

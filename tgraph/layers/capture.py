@@ -392,6 +392,6 @@ class GraphedUnit:
         cap = self.cap
         baked = Baked.of(self.labelled_modules(), self.roots(), graph_memory=cap.baked)
         self.cap = dataclasses.replace(cap, baked=baked)
-        self.state.copy_in, self.state.rerouted = [], False
+        self.state.copy_in, self.state.rerouted, self.state.followed = [], False, None
         for r in self.members:
             r.cap = self.cap

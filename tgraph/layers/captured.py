@@ -99,6 +99,7 @@ class ReplayState:
         "accumulators",
         "direct",
         "copy_in",
+        "followed",
         "live",
         "rerouted",
         "hook_epoch",
@@ -123,6 +124,7 @@ class ReplayState:
         self.accumulators: list = []  # ... their AccumulateGrad nodes, held (follow.set_params)
         self.direct: DirectRoute | None = None  # direct_grads: the parameters the node writes
         self.copy_in: list[int] = []  # baked tensors followed by a copy into the graph's memory
+        self.followed: tuple | None = None  # ... decided for these addresses and layouts
         self.live: tuple[torch.Tensor, ...] = ()  # ... and the tensors copied from
         self.rerouted = False  # some gradient goes to a tensor other than the captured one
         self.hook_epoch = -1  # torch's hook counter when the hooks were last found unchanged

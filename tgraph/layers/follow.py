@@ -20,12 +20,14 @@ from tgraph.pool import move_memory_out, storage_uses, use_counts
 logger = logging.getLogger(__name__)
 
 
-def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...]):
+def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...], now: tuple):
     """Parameters or buffers re-pointed after capture (``p.data = ...``): copied into the
-    memory the graph reads at each call, unless that memory is in use elsewhere."""
+    memory the graph reads at each call, unless that memory is in use elsewhere. ``now``:
+    :func:`tgraph.baked.where` of ``live``; decided again whenever it changes (a parameter
+    followed already may be re-pointed again, to another dtype or layout)."""
     b = cap.baked
-    moved = b.moved(live)
-    if moved != state.copy_in:
+    if now != state.followed:
+        moved = b.moved(now)
         why = b.relaid(live, moved)
         if why is not None:
             return why
@@ -47,7 +49,7 @@ def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ..
                 cap.name,
                 ", ".join(b.names[i] for i in moved),
             )
-        state.copy_in = moved
+        state.copy_in, state.followed = moved, now
         # The held AccumulateGrad nodes (torch renews a leaf's node when its dtype changes, as
         # in model.double().float()) and direct_grads' route (a parameter laid out otherwise
         # gets autograd's path, whose AccumulateGrad gives .grad the parameter's strides).

@@ -303,12 +303,9 @@ def check(cap: Captured, state: ReplayState):
                     "holds the old parameters until it is freed)"
                 )
             return REBIND
-    if (
-        state.copy_in
-        or tuple(map(_data_ptr, live)) != b.ptrs
-        or (tuple(map(_stride, live)), tuple(map(_size, live))) != b.layout
-    ):
-        return follow_moved(cap, state, live)
+    now = (tuple(map(_data_ptr, live)), tuple(map(_stride, live)), tuple(map(_size, live)))
+    if state.copy_in or now != (b.ptrs, *b.layout):
+        return follow_moved(cap, state, live, now)
     return None
 
 
