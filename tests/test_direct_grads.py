@@ -87,14 +87,7 @@ def test_the_engine_runs_no_accumulate_grad_for_parameters_written_directly(back
     parameter the node writes, so a hook on that node (not on the tensor) does not run either.
     With the mode off, every parameter's node runs. The gradients are eager's both ways."""
     for direct in (True, False):
-        torch.manual_seed(0)
-        model = MLPNetLike(device)
-        eager = copy.deepcopy(model)
-        tgraph.enable(model, backend=backend, strict=True, direct_grads=direct, merge=False)
-        x = torch.randn(4, 16, device=device)
-        model(x).sum().backward()
-        model.zero_grad(set_to_none=True)
-        tgraph.create_graphs()
+        model, eager, x = _captured(backend, device, direct_grads=direct, merge=False)
         ran = []
         params = list(model.blocks[0].parameters())
         for p in params:
@@ -118,6 +111,20 @@ class MLPNetLike(nn.Module):
         for b in self.blocks:
             x = b(x)
         return x
+
+
+def _captured(backend, device, x_grad=False, **enable):
+    """A graphed MLPNetLike (direct_grads on unless ``enable`` says otherwise), its eager twin
+    and an input: one recorded step, then the graphs created."""
+    torch.manual_seed(0)
+    model = MLPNetLike(device)
+    eager = copy.deepcopy(model)
+    tgraph.enable(model, backend=backend, strict=True, **{"direct_grads": True, **enable})
+    x = torch.randn(4, 16, device=device, requires_grad=x_grad)
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    return model, eager, x
 
 
 class Twice(nn.Module):
@@ -195,13 +202,7 @@ def test_a_parameter_with_a_hook_keeps_autograd_path(backend, device, when, kind
 
 
 def test_autograd_grad_and_backward_inputs_are_refused(backend, device):
-    torch.manual_seed(0)
-    model = MLPNetLike(device)
-    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
-    x = torch.randn(4, 16, device=device, requires_grad=True)
-    model(x).sum().backward()
-    model.zero_grad(set_to_none=True)
-    tgraph.create_graphs()
+    model, _, x = _captured(backend, device, x_grad=True)
     w = model.blocks[1].fc1.weight
     with pytest.raises(RuntimeError, match="direct_grads=True.*plain loss.backward"):
         torch.autograd.grad(model(x).sum(), [x])
@@ -252,14 +253,7 @@ def test_direct_grads_beside_the_optimizer_graph(backend, device):
 def test_a_hook_registered_between_forward_and_backward_is_refused(backend, device):
     """That forward left the parameter's gradient to the node: its hook could not run, so
     the backward raises (no silent skip); the next forward gives it autograd's path."""
-    torch.manual_seed(0)
-    model = MLPNetLike(device)
-    eager = copy.deepcopy(model)
-    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
-    x = torch.randn(4, 16, device=device)
-    model(x).sum().backward()
-    model.zero_grad(set_to_none=True)
-    tgraph.create_graphs()
+    model, eager, x = _captured(backend, device)
     out = model(x).sum()
     calls = []
     model.blocks[1].fc1.weight.register_hook(lambda g: calls.append(1))
@@ -323,13 +317,7 @@ def test_a_unit_of_mixed_dtypes_accumulates_exactly(backend, device):
 def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(backend, device):
     """As AccumulateGrad: a parameter whose requires_grad was turned off after the forward
     gets no .grad from that backward."""
-    torch.manual_seed(0)
-    model = MLPNetLike(device)
-    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
-    x = torch.randn(4, 16, device=device)
-    model(x).sum().backward()
-    model.zero_grad(set_to_none=True)
-    tgraph.create_graphs()
+    model, _, x = _captured(backend, device)
     w = model.blocks[1].fc1.weight
     out = model(x).sum()
     w.requires_grad_(False)
@@ -342,14 +330,7 @@ def test_a_parameter_laid_out_anew_gets_gradients_in_its_layout(backend, device)
     """p.data re-pointed to a transposed layout after capture (also after a first re-point,
     found in review): followed by a copy into the graph's memory, and .grad has the
     parameter's strides, as AccumulateGrad gives it."""
-    torch.manual_seed(0)
-    model = MLPNetLike(device)
-    eager = copy.deepcopy(model)
-    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
-    x = torch.randn(4, 16, device=device)
-    model(x).sum().backward()
-    model.zero_grad(set_to_none=True)
-    tgraph.create_graphs()
+    model, eager, x = _captured(backend, device)
     for again in (False, True):  # laid out anew at once, or after being followed already
         for m in (model, eager):
             m.zero_grad(set_to_none=True)
@@ -366,12 +347,7 @@ def test_torch_distributed_initialized_after_capture_is_refused(backend, device)
     dist = torch.distributed
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    torch.manual_seed(0)
-    model = MLPNetLike(device)
-    tgraph.enable(model, backend=backend, strict=True, direct_grads=True)
-    x = torch.randn(4, 16, device=device)
-    model(x).sum().backward()
-    tgraph.create_graphs()
+    model, _, x = _captured(backend, device)
     out = model(x).sum()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -93,13 +93,16 @@ def test_repointed_parameters_train_graphed_on_live_weights(backend, device, rep
     assert_same_params(model, ref)
 
 
-class _SquareBlock(tgraph.GraphableModule):
+class _ScaledBlock(tgraph.GraphableModule):
+    """A square weight (transposed in place below) and a (1, D) scale (re-viewed below)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(D, D)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D).reshape(1, D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.lin(x))
+        return x + torch.tanh(self.lin(x)) * self.scale
 
 
 def _transpose_in_place(i, model, opt):
@@ -113,7 +116,7 @@ def test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device):
     """Found in review: the address is the captured one, so only the strides tell; the graph
     would read the old layout (a silently untransposed weight). Each call runs eagerly,
     saying why, and trains as eager."""
-    model, ref = make_pair(device, lambda: Net(block=_SquareBlock))
+    model, ref = make_pair(device, lambda: Net(block=_ScaledBlock))
     data = batches(device, STEPS + 1)
     want = train(ref, data, before=_transpose_in_place)
     with fallbacks() as msgs:
@@ -121,16 +124,6 @@ def test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device):
     assert msgs and all("laid out anew" in m for m in msgs), msgs
     torch.testing.assert_close(got, want, **TOL)
     assert_same_params(model, ref)
-
-
-class _ScaledBlock(tgraph.GraphableModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D).reshape(1, D))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.lin(x)) * self.scale
 
 
 def _reviewed_in_place(i, model, opt):

@@ -107,7 +107,11 @@ def graphed_and_twin(arch, device, backend, **enable):
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_training_matches_eager(backend, device, arch):
     """Default calls (``model(input_ids, labels)``, ``use_cache`` left alone) replay graphs."""
-    model, eager = graphed_and_twin(arch, device, backend)
+    check_family_training(arch, device, backend)
+
+
+def check_family_training(arch, device, backend, **enable):
+    model, eager = graphed_and_twin(arch, device, backend, **enable)
     xs = batches(device)
     # bfloat16 (grouped_mm on CUDA): the same kernels graphed and eager; torch's bf16 tolerance
     bf16 = next(model.parameters()).dtype == torch.bfloat16
@@ -278,14 +282,7 @@ def test_family_training_with_direct_grads_matches_eager(backend, device, arch):
     """enable(direct_grads=True): the graphed node writes every decoder layer's .grad itself
     (tgraph.grads.DirectGrads); the gradients and losses stay eager's, exactly on the emulated
     backend."""
-    model, eager = graphed_and_twin(arch, device, backend, direct_grads=True)
-    xs = batches(device)
-    bf16 = next(model.parameters()).dtype == torch.bfloat16
-    assert_same_training(
-        train(model, xs, graphed=True),
-        train(eager, xs, graphed=False),
-        {} if bf16 else tol(backend),
-    )
+    check_family_training(arch, device, backend, direct_grads=True)
 
 
 def lora_model(device):

@@ -96,8 +96,7 @@ class Baked:
     tensors: tuple[_Slots, ...]  # parameters and buffers, by identity
     refs: tuple[weakref.ref, ...]  # the same parameters and buffers, in order (weakly)
     held: tuple[torch.Tensor, ...]  # ... aliases of the memory the graph reads (kept alive)
-    ptrs: tuple[int, ...]  # ... and its addresses
-    layout: tuple[tuple, tuple]  # ... and how the graph reads it: strides, sizes
+    place: tuple[tuple, tuple, tuple]  # ... where and how the graph reads it (:func:`where`)
     names: tuple[str, ...]  # ... and their qualified names
     is_buffer: tuple[bool, ...]
     hooks: tuple[tuple[str, dict], ...]
@@ -163,8 +162,7 @@ class Baked:
             tensors=tuple(tensors),
             refs=tuple(weakref.ref(t) for t in memory),
             held=held,
-            ptrs=tuple(t.data_ptr() for t in held),
-            layout=(tuple(map(_stride, held)), tuple(map(_size, held))),
+            place=where(held),
             names=tuple(names),
             is_buffer=tuple(is_buffer),
             hooks=tuple(hooks),
@@ -293,33 +291,29 @@ class Baked:
                 )
         return None
 
-    def key(self) -> tuple:
-        """Where and how the graph reads its tensors: what :func:`where` gives at capture."""
-        return (self.ptrs, *self.layout)
-
     def moved(self, now: tuple) -> list[int]:
         """Indices of the tensors that are not the memory the graph reads as it reads it, by
         ``now`` (:func:`where` of the live tensors): other memory (``p.data = ...``), or the
         same memory with other sizes or strides (``p.data = p.data.t()``). Strides of
         dimensions of size 1, and of empty tensors, do not count (no element moves)."""
-        if now == self.key():
+        if now == self.place:
             return []
-        ptrs, strides, sizes = now
         return [
             i
-            for i, (p, s, n, p0, s0, n0) in enumerate(zip(ptrs, strides, sizes, *self.key()))
+            for i, (p, s, n, p0, s0, n0) in enumerate(zip(*now, *self.place))
             if p != p0 or n != n0 or (s != s0 and not _same_layout(s, s0, n))
         ]
 
     def relaid(self, live: tuple[torch.Tensor, ...], moved: list[int]) -> str | None:
         """Why a ``moved`` tensor cannot be followed by a copy: it is the graph's memory itself,
         laid out otherwise (a copy would overlap itself)."""
+        ptrs, strides, sizes = self.place
         for i in moved:
-            if live[i].data_ptr() == self.ptrs[i]:
+            if live[i].data_ptr() == ptrs[i]:
                 return (
                     f"{self.names[i]} was laid out anew in the memory the graph reads (same "
                     f"address, now strides {live[i].stride()} and sizes {tuple(live[i].shape)}, "
-                    f"captured as {self.layout[0][i]} and {tuple(self.layout[1][i])}: "
+                    f"captured as {strides[i]} and {tuple(sizes[i])}: "
                     "p.data = p.data.t() or a view); the graph would read the old layout"
                 )
         return None

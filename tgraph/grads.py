@@ -159,9 +159,9 @@ class DirectGrads:
     ``register_post_accumulate_grad_hook``), non-contiguous or non-leaf ones, and every
     parameter of a unit whose gradients are not packed (mixed dtypes) keep autograd's path; a
     hook registered after capture, or a parameter laid out anew, moves it back to that path
-    before the next forward. Not seen: hooks registered on a parameter's AccumulateGrad node itself
-    (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``) in one process; they do not
-    run for the parameters written directly.
+    before the next forward. Not seen: hooks registered on a parameter's AccumulateGrad node
+    itself (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``) in one process; they
+    do not run for the parameters written directly.
     """
 
     def __init__(self, enabled: bool = False) -> None:

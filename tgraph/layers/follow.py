@@ -70,11 +70,13 @@ def route(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...]) -> 
 
 def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) -> None:
     """Where the gradients go: ``params``, the autograd node's inputs among them (with
-    ``direct_grads``, the anchor and those that keep autograd's path: :class:`tgraph.grads.
-    DirectRoute`), and those leaves' gradient accumulators, held. Autograd holds a leaf's AccumulateGrad node only
-    weakly (through the graph's edges), so without a holder every step's ``Function.apply``
-    builds each one anew and its backward frees them: about 0.2 us a parameter on the head's
-    host path (DDP holds them the same way, for its hooks)."""
+    ``direct_grads``, the anchor and those that keep autograd's path:
+    :class:`tgraph.grads.DirectRoute`), and those leaves' gradient accumulators, held.
+
+    Autograd holds a leaf's AccumulateGrad node only weakly (through the graph's edges), so
+    without a holder every step's ``Function.apply`` builds each one anew and its backward
+    frees them: about 0.2 us a parameter on the head's host path (DDP holds them the same
+    way, for its hooks)."""
     state.params = params
     kept = cap.fusion.keep(params)
     state.direct = cap.direct.route(kept, cap.device, cap.packing.packed) if kept else None

@@ -287,8 +287,8 @@ def enable(
             ``backward(inputs=...)``, ``torch.autograd.grad`` through graphed layers,
             torch.func transforms and torch.distributed (DDP, FSDP) are refused with an
             error. Parameters with tensor hooks, and units of mixed-dtype parameters, keep
-            autograd's path. Hooks registered on a
-            parameter's AccumulateGrad node itself do not run (:class:`tgraph.grads.DirectGrads`).
+            autograd's path. Hooks registered on a parameter's AccumulateGrad node itself do
+            not run (:class:`tgraph.grads.DirectGrads`).
         warmup: deprecated spelling of ``warmup_steps`` (warns ``DeprecationWarning``; it goes
             in the next release).
 

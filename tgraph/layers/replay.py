@@ -29,16 +29,13 @@ from torch.utils.hooks import RemovableHandle
 
 from tgraph import grads as grads_module
 from tgraph import rng
-from tgraph.baked import recording_outputs
+from tgraph.baked import recording_outputs, where
 from tgraph.errors import StaleBackwardError
 from tgraph.layers.captured import Captured, ReplayState
 from tgraph.layers.follow import follow_moved, move_out_held_outputs, route, set_params
 from tgraph.pool import LiveOutputs, use_counts
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_data_ptr = torch.Tensor.data_ptr
-_stride = torch.Tensor.stride
-_size = torch.Tensor.size
 _grad_enabled = torch._C.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -303,8 +300,8 @@ def check(cap: Captured, state: ReplayState):
                     "holds the old parameters until it is freed)"
                 )
             return REBIND
-    now = (tuple(map(_data_ptr, live)), tuple(map(_stride, live)), tuple(map(_size, live)))
-    if state.copy_in or now != (b.ptrs, *b.layout):
+    now = where(live)
+    if state.copy_in or now != b.place:
         return follow_moved(cap, state, live, now)
     return None
 

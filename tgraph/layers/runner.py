@@ -33,7 +33,8 @@ class Runner(GraphedUnit):
             output of another graphed call (its static output becomes this static input).
         merge: may be captured together with its neighbours (:mod:`tgraph.layers.segment`).
         fusion: add parameter gradients into ``main_grad`` (:class:`tgraph.grads.MainGradFusion`).
-        direct: write parameter gradients to ``.grad`` from the node (:class:`tgraph.grads.DirectGrads`).
+        direct: write parameter gradients to ``.grad`` from the node
+            (:class:`tgraph.grads.DirectGrads`).
     """
 
     def __init__(
