@@ -1,4 +1,4 @@
-"""Shared test set-up: backends, the `cuda` and `megatron` markers, clean tgraph state."""
+"""Shared test set-up: backends, the `cuda`, `megatron` and `te` markers, clean tgraph state."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
+HAS_TE = HAS_CUDA and importlib.util.find_spec("transformer_engine") is not None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,6 +28,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "megatron" in item.keywords and not HAS_MEGATRON:
             item.add_marker(skip_megatron)
+        if "te" in item.keywords and not HAS_TE:
+            item.add_marker(pytest.mark.skip(reason="needs TransformerEngine and a CUDA GPU"))
 
 
 @pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -46,6 +46,7 @@ import torch
 from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
+from tgraph.fp8 import FP8Region, FP8Replay
 from tgraph.grads import (
     DirectGrads,
     MainGradFlags,
@@ -367,6 +368,7 @@ class GraphedUnit:
             slot=tuple(where.get(id(p)) for p in self.params),  # None: a foreign leaf
             others_use=tuple(storage_uses(t) - 1 for t in baked.held),
             memory=self.memory,
+            fp8=self._fp8_replay(),
         )
         st = self.state
         st.hook_epoch = baked.hook_epoch
@@ -378,6 +380,11 @@ class GraphedUnit:
         self.cap = cap
         for r in self.members:
             r.cap, r.state = cap, st
+
+    def _fp8_replay(self) -> FP8Replay | None:
+        """What a replay redoes of TransformerEngine's Python, when captured in its FP8 region."""
+        region = next((a for a in self.head.key.autocast if isinstance(a, FP8Region)), None)
+        return None if region is None else FP8Replay(region, [r.module for r in self.members])
 
     def _member_slices(self) -> list[slice]:
         return [slice(0, len(self.static_outputs))]

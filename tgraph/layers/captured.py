@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tgraph.baked import Baked
+from tgraph.fp8 import FP8Replay
 from tgraph.grads import (
     DirectGrads,
     DirectRoute,
@@ -79,6 +80,7 @@ class Captured:
     slot: tuple[int | None, ...]  # per parameter of the backward: its baked index
     others_use: tuple[int, ...]  # per baked tensor: uses of its memory by tgraph alone
     memory: UnitMemory  # its buffers' bytes by kind
+    fp8: FP8Replay | None = None  # captured in a te.autocast region: TE's Python it redoes
 
     @property
     def members(self) -> int:

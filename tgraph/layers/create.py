@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn as nn
 
-from tgraph import memory
+from tgraph import fp8, memory
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import describe_hooks
 from tgraph.guards import CaptureError, explain_capture_failure
@@ -52,7 +52,8 @@ def create_graphs() -> CaptureReport:
     units = list(dict.fromkeys(r.segment or r for r in runners))
     _refuse_hooks(units)
     try:
-        _capture_in_recorded_order(m.record.events, units, factory_of)
+        with fp8.capture_scope(list(m.roots) + list(m.modules)):
+            _capture_in_recorded_order(m.record.events, units, factory_of)
     except BaseException:
         for f in factories:
             f.synchronize()

@@ -71,10 +71,11 @@ class Flight:
             a backward is awaited (guarded by :class:`tgraph.pool.LiveOutputs` instead).
     """
 
-    __slots__ = ("state", "ledger", "__weakref__")
+    __slots__ = ("state", "ledger", "fp8_first", "__weakref__")
 
     def __init__(self, state: ReplayState, cap: Captured | None = None, held: bool = False):
         self.state = state
+        self.fp8_first = False  # holds the first FP8 module of its te.autocast region
         state.flight = id(self)
         state.held = held
         self.ledger = cap.ledger if cap is not None and not held else None
@@ -189,6 +190,7 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
         return why
     if not copy_inputs(cap, tensors):
         return DIFFERENT_SHARED_INPUT
+    fp8_first = cap.fp8 is not None and cap.fp8.before_forward()
     if not cap.needs_backward:
         cap.fwd_graph.replay()
         outs = [o.detach() for o in cap.static_outputs]
@@ -197,6 +199,7 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
         hold_while_alive(state, outs)
     else:
         flight = Flight(state, cap)
+        flight.fp8_first = fp8_first
         if cap.recomputes:
             state.rng_at_forward = rng.default_generator(cap.device).get_state()
         if _functorch_active():
@@ -359,6 +362,8 @@ class GraphedCall(torch.autograd.Function):
         copy_grad_outputs(cap, state, grads)
         replay_backward(cap, state)  # the RNG offset a recompute needs
         after_backward(cap, state)
+        if flight.fp8_first:  # the backward amax reduction the first FP8 module runs in eager
+            cap.fp8.after_backward()
         flight.land()
         return (None, None, None, *grads_for_autograd(cap, state, active))
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tgraph.baked import hooks_run_outside
+from tgraph.fp8 import FP8Region, first_microbatch, set_weight_caching
 from tgraph.layers.capture import GraphedUnit, graphed_region
 from tgraph.layers.signature import CallKey, Template, split
 
@@ -139,8 +140,15 @@ class Runner(GraphedUnit):
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad_mode))
             stack.enter_context(_training_flags(self.module, self.key.training))
-            for device_type, dtype in self.key.autocast:  # capture under the recorded autocast
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+            for region in self.key.autocast:  # capture under the recorded autocast regions
+                if isinstance(region, FP8Region):  # TransformerEngine's te.autocast
+                    stack.enter_context(region.capture_context())
+                    set_weight_caching(first_microbatch(kwargs))
+                else:
+                    device_type, dtype = region
+                    stack.enter_context(
+                        torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+                    )
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
             out = module_call(self.module)(*args, **kwargs)

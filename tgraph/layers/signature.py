@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import enum
 import operator
+from sys import modules as _sys_modules
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
+
+from tgraph.fp8 import _QUANT as FP8_MODULE
+from tgraph.fp8 import region as fp8_region
 
 
 class Template(NamedTuple):
@@ -187,6 +191,10 @@ def call_key(
     frozen = tuple(map(_REQUIRES_GRAD, params))
     grad = torch.is_grad_enabled()
     autocast = autocast_state() if _any_autocast() else ()
+    if FP8_MODULE in _sys_modules:  # TransformerEngine imported: its te.autocast keys calls too
+        fp8 = fp8_region()
+        if fp8 is not None:
+            autocast = (*autocast, fp8)
     n = len(tensors)
     descs: list = []
     shape: list = [len(args), *kwargs]
