@@ -148,3 +148,48 @@ def test_full_iteration_graph_around_a_compiled_model(backend, device):
     # the last warmup ran as the capture runs (no discovery hook): nothing recompiles later
     assert counters["frames"]["ok"] == compiled
     torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=1e-4, atol=1e-5)
+
+
+@torch.compile
+def _bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x + b, approximate="tanh") * 1.1
+
+
+class _InnerCompiled(tgraph.GraphableModule):
+    """A forward that calls a torch.compile'd fusion, as TransformerEngine's bias-GELU does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
+        self.b = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return _bias_gelu(self.lin(x), self.b)
+
+
+@pytest.mark.cuda
+def test_inner_compiled_function_stays_compiled_in_the_graph():
+    """The warmup's host-sync check (a dispatch mode) must not turn a compiled function into
+    eager code for the capture: the graph would then hold unfused kernels, and bf16 results
+    differ from eager's from the first replay (the emulated backend runs a compiled function's
+    eager code at capture by construction, so this is a CUDA test)."""
+    torch.manual_seed(0)
+    graphed = torch.nn.Sequential(_InnerCompiled(), _InnerCompiled()).cuda()
+    eager = copy.deepcopy(graphed)
+    tgraph.enable(graphed, strict=True)
+    losses = []
+    for model, record in ((eager, False), (graphed, True)):
+        torch.manual_seed(1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = []
+        for step in range(4):
+            x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.detach())
+            if record and step == 0:
+                tgraph.create_graphs()
+        losses.append(torch.stack(run))
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)

@@ -12,6 +12,8 @@ that names it, on both backends.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,6 +87,27 @@ class RefuseHostSync(TorchDispatchMode):
         super().__init__()
         self._device_type = device_type
         self._generators = generators  # None: do not check the generators drawn from
+
+    # A function compiled with torch.compile that is called under a dispatch mode runs its
+    # Python eagerly, and dynamo may then never run it compiled again (TransformerEngine's
+    # fused bias-GELU and bias-dropout-add: graphs of eager kernels, bf16 results off eager's
+    # from the first replay). The checked pass asks for plain eager code instead, leaving
+    # dynamo's caches alone.
+    def __enter__(self):
+        stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+        self._stance = stance("force_eager") if stance is not None else contextlib.nullcontext()
+        self._stance.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._stance.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stance.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
