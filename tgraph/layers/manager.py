@@ -222,7 +222,7 @@ class GraphableModule(nn.Module):
         state = self.__dict__.get("_tgraph")
         if state is None or _unit._depth:  # _depth: inside_graphed_region(), read in place
             return super().__call__(*args, **kwargs)
-        if (  # has_own_forward_hooks(self), read in place: every call asks
+        if (  # the module's or the global forward hooks, read in place: every call asks
             self._forward_hooks
             or self._forward_pre_hooks
             or nn_module._global_forward_hooks
