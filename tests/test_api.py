@@ -23,7 +23,6 @@ def test_exports_are_exactly_the_user_facing_names():
     assert set(tgraph.__all__) == {
         "CaptureError",
         "CaptureReport",
-        "ConditionalNodesUnavailable",
         "FullIterationGraph",
         "GraphFallbackError",
         "GraphFallbackWarning",

@@ -33,7 +33,6 @@ from tgraph.memory import CaptureReport, MemoryReport
 from tgraph.rng import register_generator, unregister_generator
 from tgraph.step import capture as _step_capture
 from tgraph.step.full_iteration import FullIterationGraph
-from tgraph.step.nonfinite import ConditionalNodesUnavailable
 from tgraph.step.optimizer_graph import OptimizerGraph
 
 __all__ = [
@@ -41,7 +40,6 @@ __all__ = [
     "CaptureReport",
     "capture_report",
     "capture_stream",
-    "ConditionalNodesUnavailable",
     "decode",
     "FullIterationGraph",
     "GraphFallbackError",
