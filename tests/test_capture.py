@@ -225,10 +225,3 @@ def test_enable_warmup_steps_sets_the_eager_passes_before_capture():
     assert forwards_during_capture(warmup_steps=3) == 3 + 1
     tgraph.reset()
     assert forwards_during_capture() == 1 + 1  # the emulated default
-
-
-def test_enable_warmup_is_a_deprecated_alias_of_warmup_steps():
-    with pytest.warns(DeprecationWarning, match="use warmup_steps="):
-        assert forwards_during_capture(warmup=3) == 3 + 1
-    with pytest.raises(ValueError, match="warmup_steps= only"):
-        tgraph.enable(Counted(), warmup=2, warmup_steps=2)
