@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from test_full_iteration import make_batches, make_model, make_optimizer, make_step
+from step_models import make_batches, make_model, make_optimizer, make_step
 
 import tgraph
 from tgraph import errors
@@ -176,12 +176,9 @@ def test_every_entry_reports_in_one_shape(backend, device):
 
 
 def test_layer_report_is_what_create_graphs_returned(backend, device):
-    from test_optimizer_graph import make_batches as gpt_batches
-    from test_optimizer_graph import make_model as gpt_model
-
-    model = gpt_model(device)
+    model = make_model(device)
     tgraph.enable(model, backend=backend)
-    x, y = gpt_batches(device, 1)[0]
+    x, y = make_batches(device, 1)[0]
     model(x, y)[1].backward()
     report = tgraph.create_graphs()
     assert tgraph.capture_report() is report and report.entry == "layers"

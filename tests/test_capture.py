@@ -8,8 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from layer_models import ATOL, RTOL
-from test_signature import CachedBlock, DropBlock
+from layer_models import ATOL, RTOL, Cache, CachedBlock, DropBlock
 
 import tgraph
 from tgraph.snapshot import Snapshot
@@ -23,8 +22,6 @@ def test_create_graphs_without_record_is_a_clear_error():
 def test_create_graphs_after_only_eager_fallbacks_says_so(backend, device):
     """Every graphed call fell back to eager (a cache argument, as with Hugging Face's default
     use_cache=True): the message names that, not "run one iteration", which the user did."""
-    from test_signature import Cache
-
     block = CachedBlock().to(device)
     tgraph.enable(block, backend=backend)
     with pytest.warns(tgraph.GraphFallbackWarning):
