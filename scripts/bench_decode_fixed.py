@@ -60,7 +60,7 @@ def fixed_engine(
     lookahead: bool = True,
     sampling: dict | None = None,
 ) -> dict:
-    engine, setup_s = make_engine(b, batch, use_graphs, lookahead)
+    engine = make_engine(b, batch, use_graphs, lookahead)
     prompts = b.prompts(batch)
     n = b.steps
     kw = sampling or {}
@@ -68,21 +68,16 @@ def fixed_engine(
     per_call = []
     for _ in range(repeats):
         engine.generate(prompts, n, **kw)
-        per_call.append(engine_stats(engine) or {})
+        per_call.append(engine_stats(engine))
     stats = per_call[-1]
-    if all("ms_per_step" in st for st in per_call):
-        ms, method = statistics.median(st["ms_per_step"] for st in per_call), "engine stats"
-    else:
-        run = lambda k: engine.generate(prompts, k, **kw)  # noqa: E731
-        ms, method = per_step_ms(run, n, b.device, repeats), "(T(n)-T(1))/(n-1) of generate"
     return {
-        "ms_median": ms,
-        "capture_s": stats.get("capture_seconds", setup_s),
+        "ms_median": statistics.median(st["ms_per_step"] for st in per_call),
+        "capture_s": stats["capture_seconds"],
         # sampled tokens are not comparable with greedy hand_eager: no agreement column
         **({} if sampling else {"tokens": [list(t)[-n:] for t in tokens]}),
         "engine_stats": stats,
-        "engine_ms_per_step": stats.get("ms_per_step"),
-        "method": f"{method}: decode steps of generate(), wall incl. the per-step host read "
+        "engine_ms_per_step": stats["ms_per_step"],
+        "method": "engine stats: decode steps of generate(), wall incl. the per-step host read "
         "of sampled tokens, median of repeats; capture_s = engine stats (warmup + capture of "
         "every bucket)",
     }
@@ -123,7 +118,7 @@ def ttft(b: Bench, mode: str, repeats: int) -> dict:
     else:
         graphs = mode != "ttft_engine_eager"
         extra = {} if mode == "ttft_prefill_graphs" else {"prefill_sizes": []}
-        engine, _ = make_engine(b, 1, graphs, **extra)
+        engine = make_engine(b, 1, graphs, **extra)
 
         def first() -> None:
             engine.generate(prompt, 1)
@@ -132,7 +127,7 @@ def ttft(b: Bench, mode: str, repeats: int) -> dict:
     first()  # warmup
     ms = 1e3 * statistics.median(timed(first, b.device, 1) for _ in range(repeats))
     if stats is None:
-        stats = engine_stats(engine) or {}
+        stats = engine_stats(engine)
     return {
         "ms_median": ms,
         "ttft_ms": ms,

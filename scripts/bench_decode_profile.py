@@ -44,7 +44,7 @@ def _profile_batch(b: Bench, batch: int, steps: int) -> list[str]:
             kv.advance(step())
         synchronize(b.device)
     parts += [f"== hand_graph, batch {batch}, {steps} steps ==", _table(prof, sort)]
-    engine, _ = make_engine(b, batch, True)
+    engine = make_engine(b, batch, True)
     prompts = b.prompts(batch)
     engine.generate(prompts, steps)
     synchronize(b.device)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from bench_common import Skip, synchronize
 
+from tgraph.decode import DecodeEngine
 from tgraph.toy.gpt import GPT
 
 VOCAB = 1024
@@ -57,37 +58,26 @@ def per_step_ms(run, n: int, device: torch.device, repeats: int) -> float | None
     )  # noise larger than the decode steps: no number rather than a wrong one
 
 
-def make_engine(b: Bench, max_batch: int, use_graphs: bool, lookahead: bool = True, **extra):
-    try:
-        from tgraph.decode import DecodeEngine
-    except ImportError as exc:
-        raise Skip(f"tgraph.decode.DecodeEngine is not importable yet ({exc})") from exc
-    synchronize(b.device)
-    t0 = time.perf_counter()
-    kwargs = dict(max_batch_size=max_batch, max_seq_len=b.max_seq, use_graphs=use_graphs, **extra)
-    if not lookahead:
-        kwargs["lookahead"] = False
-    try:
-        engine = DecodeEngine(b.model, **kwargs, progress=False)
-    except TypeError:  # an engine without the progress option
-        engine = DecodeEngine(b.model, **kwargs)
-    synchronize(b.device)
-    return engine, time.perf_counter() - t0
+def make_engine(
+    b: Bench, max_batch: int, use_graphs: bool, lookahead: bool = True, **extra
+) -> DecodeEngine:
+    """A DecodeEngine over the run's model (its graphs captured here, when on)."""
+    return DecodeEngine(
+        b.model,
+        max_batch_size=max_batch,
+        max_seq_len=b.max_seq,
+        use_graphs=use_graphs,
+        lookahead=lookahead,
+        progress=False,
+        **extra,
+    )
 
 
-def engine_stats(engine) -> dict | None:
-    stats = getattr(engine, "stats", None)
-    if callable(stats):
-        stats = stats()
-    if stats is None:
-        return None
-    if hasattr(stats, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        props = ("ms_per_step", "tokens_per_s", "padding_waste")
-        extra = {k: getattr(stats, k) for k in props if hasattr(stats, k)}
-        stats = {**asdict(stats), **extra}
-    return dict(stats) if isinstance(stats, dict) else {"repr": repr(stats)}
+def engine_stats(engine: DecodeEngine) -> dict:
+    """The engine's :class:`tgraph.decode.stats.DecodeStats` as a dict, its derived figures too."""
+    st = engine.stats
+    derived = {k: getattr(st, k) for k in ("ms_per_step", "tokens_per_s", "padding_waste")}
+    return {**asdict(st), **derived}
 
 
 def hf_model(b: Bench):
