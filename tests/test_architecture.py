@@ -53,6 +53,14 @@ def test_doc_import_graph_is_the_generated_one(import_graph):
     )
 
 
+def test_doc_names_what_the_package_init_imports(import_graph):
+    text = DOC.read_text()
+    start = text.index("`tgraph/__init__.py` imports the public names from")
+    sentence = text[start : text.index("and defines `reset()`", start)]
+    named = set(re.findall(r"`([\w/]+)`", sentence)) - {"tgraph/__init__.py", "reset"}
+    assert named == import_graph.import_graph()[""].top
+
+
 def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
     """One import cycle of ``edges`` (as a path that ends where it starts), or None."""
     done: set[str] = set()
