@@ -1,7 +1,7 @@
 """Shared plumbing of the benchmark scripts: environment facts, step timing, output files.
 
-Imported by ``bench_train.py`` and ``bench_decode.py`` (both put ``scripts/`` on ``sys.path``
-when run as ``python scripts/bench_*.py``).
+Imported by ``bench_train*.py`` and ``bench_decode*.py`` (both entries put ``scripts/`` on
+``sys.path`` when run as ``python scripts/bench_*.py``).
 """
 
 from __future__ import annotations

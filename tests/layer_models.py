@@ -110,3 +110,93 @@ def train(
 
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+class Scaled(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * scale
+
+
+class DropBlock(tgraph.GraphableModule):
+    def __init__(self, d: int = 32, p: float = 0.5) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.lin(x)))
+
+
+class Cache:
+    """A key/value cache like Hugging Face's DynamicCache: a new object per model call."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class CachedBlock(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, cache=None):
+        y = self.lin(x)
+        if cache is not None:
+            cache.keys.append(y)
+        return y
+
+
+class TwoOut(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def two_out_steps(mod, x, graphed: bool, backend: str):
+    opt = torch.optim.AdamW(mod.parameters(), lr=0.1)
+    grads = []
+    for step in range(4):  # b used at steps 0 (recorded) and 1, unused at steps 2 and 3
+        a, b = mod(x)
+        (a.sum() + b.sum() if step < 2 else a.sum()).backward()
+        grads.append((mod.b.weight.grad, None if x.grad is None else x.grad.clone()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        if graphed and step == 0:
+            tgraph.create_graphs()
+    return grads
+
+
+def param_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A clone of every parameter gradient, by name."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def accumulate(model: nn.Module, batches) -> dict[str, torch.Tensor]:
+    """Backward of every batch's loss, without a step between; the accumulated gradients."""
+    for x, y in batches:
+        model(x, y)[1].backward()
+    return param_grads(model)
+
+
+def check_gradient_accumulation(backend, device):
+    """3 microbatches accumulated into .grad equal eager's accumulated gradients."""
+    model = tiny_gpt(device)
+    eager = twin(model)
+    tgraph.enable(model, backend=backend, strict=True)
+    batches = gpt_batches(device, 3)
+    accumulate(model, batches[:1])  # recorded iteration
+    model.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    got = accumulate(model, batches)
+    want = accumulate(eager, batches)
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=ATOL, msg=n)

@@ -1,4 +1,4 @@
-"""The public API agrees with itself: exports, defaults, deprecated spellings, one report shape
+"""The public API agrees with itself: exports, defaults, one report shape
 for every entry, what ``tgraph.reset()`` drops, and the backend decided by the backend."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from test_full_iteration import make_batches, make_model, make_optimizer, make_step
+from step_models import make_batches, make_model, make_optimizer, make_step
 
 import tgraph
 from tgraph import errors
@@ -23,7 +23,6 @@ def test_exports_are_exactly_the_user_facing_names():
     assert set(tgraph.__all__) == {
         "CaptureError",
         "CaptureReport",
-        "ConditionalNodesUnavailable",
         "FullIterationGraph",
         "GraphFallbackError",
         "GraphFallbackWarning",
@@ -56,16 +55,6 @@ def test_error_classes_are_distinct_runtime_errors():
         assert not any(issubclass(a, b) for b in kinds[:i] + kinds[i + 1 :])
 
 
-def test_resolve_backend_at_the_top_level_is_a_deprecated_alias():
-    from tgraph.backend import resolve_backend
-
-    with pytest.warns(DeprecationWarning, match=r"tgraph\.backend\.resolve_backend"):
-        alias = tgraph.resolve_backend
-    assert alias is resolve_backend
-    with pytest.raises(AttributeError):
-        tgraph.no_such_name  # noqa: B018
-
-
 # -- skip_nonfinite: one default ------------------------------------------------------------------
 
 
@@ -74,45 +63,32 @@ def _sgd():
 
 
 def test_skip_nonfinite_defaults_agree():
-    with pytest.warns(FutureWarning, match="default of skip_nonfinite is now False"):
-        graph = OptimizerGraph(_sgd())
-    assert graph.guard is None  # False, as FullIterationGraph's default
-    assert tgraph.FullIterationGraph(lambda b: b)._skip is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert OptimizerGraph(_sgd(), skip_nonfinite=False).guard is None
+        assert OptimizerGraph(_sgd()).guard is None  # False, as FullIterationGraph's default
+        assert tgraph.FullIterationGraph(lambda b: b)._skip is None
         assert OptimizerGraph(_sgd(), skip_nonfinite=True).guard is not None
 
 
 # -- the optimizer graph's extension points --------------------------------------------------------
 
 
-def test_old_private_hook_names_still_work_with_a_deprecation_warning():
+def test_an_overridden_inner_step_runs_at_the_eager_step_and_the_capture_only():
     calls = []
-    with pytest.warns(DeprecationWarning, match=r"_inner_step .*override inner_step\(\)"):
 
-        class Old(OptimizerGraph):
-            def _inner_step(self):
-                calls.append("old")
-                self.optimizer.step()
+    class Counted(OptimizerGraph):
+        def inner_step(self):
+            calls.append("step")
+            self.optimizer.step()
 
-    assert Old.inner_step is Old.__dict__["_inner_step"]
     p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=0.1, fused=True)
-    graph = Old(opt, skip_nonfinite=False, backend="emulated")
+    graph = Counted(torch.optim.SGD([p], lr=0.1, fused=True), backend="emulated")
     for _ in range(3):  # eager, capture, replay
         p.grad = torch.ones(2)
         graph.step()
     assert graph.captured
-    assert calls == ["old", "old"]  # the eager step and the capture; the replay runs no Python
+    assert calls == ["step", "step"]  # the replay runs no Python
     torch.testing.assert_close(p.detach(), torch.full((2,), 0.7))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-
-        class New(OptimizerGraph):
-            def inner_step(self):
-                self.optimizer.step()
 
 
 @pytest.mark.parametrize("extend", [False, True], ids=["own_pairs", "super_plus_one"])
@@ -200,12 +176,9 @@ def test_every_entry_reports_in_one_shape(backend, device):
 
 
 def test_layer_report_is_what_create_graphs_returned(backend, device):
-    from test_optimizer_graph import make_batches as gpt_batches
-    from test_optimizer_graph import make_model as gpt_model
-
-    model = gpt_model(device)
+    model = make_model(device)
     tgraph.enable(model, backend=backend)
-    x, y = gpt_batches(device, 1)[0]
+    x, y = make_batches(device, 1)[0]
     model(x, y)[1].backward()
     report = tgraph.create_graphs()
     assert tgraph.capture_report() is report and report.entry == "layers"

@@ -143,10 +143,11 @@ def test_decode_token_agreement_catches_stale_output_bug(
 ) -> None:
     """Planted bug: the hand graph returns its static logits without replaying (stale output)."""
     import bench_decode
+    import bench_decode_hand
 
     if bug == "no_replay":
         monkeypatch.setattr(
-            bench_decode.HandStep,
+            bench_decode_hand.HandStep,
             "__call__",
             lambda self: self.kv.step() if self.graph is None else self.logits,
         )

@@ -8,8 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from layer_models import ATOL, RTOL
-from test_signature import CachedBlock, DropBlock
+from layer_models import ATOL, RTOL, Cache, CachedBlock, DropBlock
 
 import tgraph
 from tgraph.snapshot import Snapshot
@@ -23,8 +22,6 @@ def test_create_graphs_without_record_is_a_clear_error():
 def test_create_graphs_after_only_eager_fallbacks_says_so(backend, device):
     """Every graphed call fell back to eager (a cache argument, as with Hugging Face's default
     use_cache=True): the message names that, not "run one iteration", which the user did."""
-    from test_signature import Cache
-
     block = CachedBlock().to(device)
     tgraph.enable(block, backend=backend)
     with pytest.warns(tgraph.GraphFallbackWarning):
@@ -225,10 +222,3 @@ def test_enable_warmup_steps_sets_the_eager_passes_before_capture():
     assert forwards_during_capture(warmup_steps=3) == 3 + 1
     tgraph.reset()
     assert forwards_during_capture() == 1 + 1  # the emulated default
-
-
-def test_enable_warmup_is_a_deprecated_alias_of_warmup_steps():
-    with pytest.warns(DeprecationWarning, match="use warmup_steps="):
-        assert forwards_during_capture(warmup=3) == 3 + 1
-    with pytest.raises(ValueError, match="warmup_steps= only"):
-        tgraph.enable(Counted(), warmup=2, warmup_steps=2)

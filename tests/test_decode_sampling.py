@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode import prompts, tiny_gpt
+from decode_models import prompts, tiny_gpt
 
 from tgraph.decode import DecodeEngine
 from tgraph.decode.sampling import Sampler, SamplingRows, seed_key

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from layer_models import ATOL, RTOL, MLPBlock, gpt_batches, tiny_gpt, twin
-from test_gradients import TwoOut, two_out_steps
+from layer_models import ATOL, RTOL, MLPBlock, TwoOut, gpt_batches, tiny_gpt, twin, two_out_steps
 
 import tgraph
 from tgraph.grads import DirectRoute

@@ -9,9 +9,18 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from layer_models import ATOL, RTOL, gpt_batches, tiny_gpt, train, twin
-from test_layer_parity import check_gradient_accumulation
-from test_signature import Scaled
+from layer_models import (
+    ATOL,
+    RTOL,
+    Scaled,
+    TwoOut,
+    check_gradient_accumulation,
+    gpt_batches,
+    tiny_gpt,
+    train,
+    twin,
+    two_out_steps,
+)
 
 import tgraph
 from tgraph import grads
@@ -157,30 +166,6 @@ def test_second_backward_through_a_replay_is_a_stale_backward_error(backend, dev
     with pytest.raises(tgraph.StaleBackwardError, match="after its graph buffers were reused"):
         loss.backward()
     assert issubclass(tgraph.StaleBackwardError, RuntimeError)
-
-
-class TwoOut(tgraph.GraphableModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.a(x), self.b(x)
-
-
-def two_out_steps(mod, x, graphed: bool, backend: str):
-    opt = torch.optim.AdamW(mod.parameters(), lr=0.1)
-    grads = []
-    for step in range(4):  # b used at steps 0 (recorded) and 1, unused at steps 2 and 3
-        a, b = mod(x)
-        (a.sum() + b.sum() if step < 2 else a.sum()).backward()
-        grads.append((mod.b.weight.grad, None if x.grad is None else x.grad.clone()))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        x.grad = None
-        if graphed and step == 0:
-            tgraph.create_graphs()
-    return grads
 
 
 def test_unused_output_gives_no_gradient(backend, device):

@@ -8,8 +8,10 @@ from layer_models import (
     ATOL,
     RTOL,
     MLPNet,
+    check_gradient_accumulation,
     gpt_batches,
     mlp_batches,
+    param_grads,
     tiny_gpt,
     train,
     twin,
@@ -46,32 +48,6 @@ def test_ten_steps_match_eager(backend, device, which, merge):
     assert report.segments == (1 if merge else 0)
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _accumulate(model, batches):
-    for x, y in batches:
-        model(x, y)[1].backward()
-    return _grads(model)
-
-
-def check_gradient_accumulation(backend, device):
-    """3 microbatches accumulated into .grad equal eager's accumulated gradients."""
-    model = tiny_gpt(device)
-    eager = twin(model)
-    tgraph.enable(model, backend=backend, strict=True)
-    batches = gpt_batches(device, 3)
-    _accumulate(model, batches[:1])  # recorded iteration
-    model.zero_grad(set_to_none=True)
-    tgraph.create_graphs()
-    got = _accumulate(model, batches)
-    want = _accumulate(eager, batches)
-    assert got.keys() == want.keys()
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=ATOL, msg=n)
-
-
 def test_gradient_accumulation_three_microbatches(backend, device):
     check_gradient_accumulation(backend, device)
 
@@ -98,7 +74,7 @@ def test_interleaved_microbatches(backend, device):
         got_losses = interleaved(model)
         want_losses = interleaved(eager)
         torch.testing.assert_close(got_losses, want_losses, rtol=RTOL, atol=ATOL)
-        got, want = _grads(model), _grads(eager)
+        got, want = param_grads(model), param_grads(eager)
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=ATOL, msg=n)
         model.zero_grad(set_to_none=True)

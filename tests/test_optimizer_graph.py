@@ -130,7 +130,7 @@ def test_bitwise_equal_to_eager(backend, device, clip, opt_kind):
     ref_model, ref_opt = train_eager(device, clip=clip, opt_kind=opt_kind)
     assert_same_training_state(model, opt, ref_model, ref_opt)
     assert graph.skipped_steps == 0
-    assert graph.guard.last_way == expected_way("auto", device, opt_kind)  # auto: the mask way
+    assert graph.guard.last_way == expected_way(device, opt_kind)
 
 
 def test_grad_norm_is_the_eager_clip_grad_norm(backend, device):
@@ -150,39 +150,20 @@ def test_grad_norm_is_the_eager_clip_grad_norm(backend, device):
         assert torch.equal(graph.grad_norm, norm)
 
 
-def conditional_missing(how: str, device: torch.device) -> str | None:
-    """Why ``how`` cannot run on ``device`` (``"conditional"`` on a CUDA device without
-    CUDA-graph IF nodes: the test then expects the error naming the fix); None where it can."""
-    if how == "conditional" and device.type == "cuda":
-        return nonfinite.conditional_nodes_unavailable(device)
-    return None
-
-
-def expected_way(how: str, device: torch.device, opt_kind: str = "adamw") -> str:
+def expected_way(device: torch.device, opt_kind: str = "adamw") -> str:
     """How the captured step skips (``SkipNonfinite.last_way``)."""
-    if how == "conditional" and device.type == "cuda":
-        return "if_node"
     fused = opt_kind == "sgd" or device.type == "cpu"  # make_optimizer: fused on the CPU
     return "found_inf" if fused else "snapshot"
 
 
-HOW = pytest.mark.parametrize("how", ["mask", "conditional"])
-
-
-@HOW
 @pytest.mark.parametrize("kind", ["loss", "grad_nan", "grad_inf"])
 @pytest.mark.parametrize("k", [0, 5], ids=["first_eager_step", "replay"])
-def test_nonfinite_step_is_skipped_bitwise(backend, device, kind, k, how):
-    kw = dict(clip=0.05, bad={k}, kind=kind, skip_nonfinite_how=how)
-    if conditional_missing(how, device):
-        with pytest.raises(nonfinite.ConditionalNodesUnavailable, match="how='mask'"):
-            train_graphed(backend, device, **kw)
-        return
-    model, opt, graph = train_graphed(backend, device, **kw)
+def test_nonfinite_step_is_skipped_bitwise(backend, device, kind, k):
+    model, opt, graph = train_graphed(backend, device, clip=0.05, bad={k}, kind=kind)
     ref_model, ref_opt = train_eager(device, clip=0.05, bad={k}, kind=kind)
     assert_same_training_state(model, opt, ref_model, ref_opt)
     assert graph.skipped_steps == 1
-    assert graph.guard.last_way == expected_way(how, device)
+    assert graph.guard.last_way == expected_way(device)
 
 
 def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
@@ -196,17 +177,13 @@ def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
         assert_same_training_state(model, opt, ref_model, ref_opt)
 
 
-@HOW
-def test_skip_counter_and_no_host_sync_in_replays(backend, device, how):
-    if conditional_missing(how, device):
-        pytest.skip("covered by test_nonfinite_step_is_skipped_bitwise (the error)")
+def test_skip_counter_and_no_host_sync_in_replays(backend, device):
     model = make_model(device)
     graph = tgraph.OptimizerGraph(
         make_optimizer(model, device),
         clip_grad_norm=1.0,
         skip_nonfinite=True,
         backend=backend,
-        skip_nonfinite_how=how,
     )
     bad = {3, 4, 6}
     for i, (x, y) in enumerate(make_batches(device)):
@@ -522,8 +499,6 @@ def test_bad_arguments():
         tgraph.OptimizerGraph(opt, warmup_steps=0)
     with pytest.raises(ValueError, match="backend"):
         tgraph.OptimizerGraph(opt, backend="tpu")
-    with pytest.raises(ValueError, match="skip_nonfinite_how"):
-        tgraph.OptimizerGraph(opt, skip_nonfinite_how="if")
 
 
 # -- FullIterationGraph(skip_nonfinite=True) ---------------------------------------------------

@@ -9,18 +9,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from layer_models import Cache, CachedBlock, DropBlock, Scaled
 
 import tgraph
-
-
-class Scaled(tgraph.GraphableModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
-        return torch.relu(self.lin(x)) * scale
-
 
 CHANGES = {
     "shape": (lambda x: ((x[:2],), {}), "argument 0 changed from (4, 8) float32"),
@@ -109,16 +100,6 @@ def test_autocast_is_part_of_the_signature(backend, device):
     assert plain.dtype == torch.float32
 
 
-class DropBlock(tgraph.GraphableModule):
-    def __init__(self, d: int = 32, p: float = 0.5) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(torch.tanh(self.lin(x)))
-
-
 def test_submodule_switched_to_eval_gets_its_own_graph(backend, device):
     """The training flags of submodules key the graph too (only module.training did)."""
     torch.manual_seed(0)
@@ -153,25 +134,6 @@ def test_changed_requires_grad_inside_a_dict_is_named(backend, device):
         match=r"argument 0\['scale'\] changed from .*requires_grad=False to .*requires_grad=True",
     ):
         block({"x": x, "scale": s.clone().requires_grad_()})
-
-
-class Cache:
-    """A key/value cache like Hugging Face's DynamicCache: a new object per model call."""
-
-    def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []
-
-
-class CachedBlock(tgraph.GraphableModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x, cache=None):
-        y = self.lin(x)
-        if cache is not None:
-            cache.keys.append(y)
-        return y
 
 
 def test_mutable_object_argument_names_the_cause(backend, device):

@@ -6,13 +6,9 @@ Per-layer graphs (:class:`GraphableModule`, :func:`enable`, :func:`create_graphs
 every graph of the first two. Every capture reports in one shape (:class:`CaptureReport`,
 :class:`MemoryReport`). Importing tgraph has no side effects.
 
-``__all__`` lists what a user calls or catches. ``tgraph.resolve_backend`` (internal: backends
-are chosen by the ``backend=`` arguments) still works for one release, with a
-``DeprecationWarning``; use ``tgraph.backend.resolve_backend``. ``tgraph.rng`` is the submodule
-behind :func:`register_generator` and :func:`unregister_generator`.
+``__all__`` lists what a user calls or catches. ``tgraph.rng`` is the submodule behind
+:func:`register_generator` and :func:`unregister_generator`.
 """
-
-import warnings as _warnings
 
 from tgraph import decode
 from tgraph import rng as rng  # the submodule behind register_generator (not in __all__)
@@ -33,7 +29,6 @@ from tgraph.memory import CaptureReport, MemoryReport
 from tgraph.rng import register_generator, unregister_generator
 from tgraph.step import capture as _step_capture
 from tgraph.step.full_iteration import FullIterationGraph
-from tgraph.step.nonfinite import ConditionalNodesUnavailable
 from tgraph.step.optimizer_graph import OptimizerGraph
 
 __all__ = [
@@ -41,7 +36,6 @@ __all__ = [
     "CaptureReport",
     "capture_report",
     "capture_stream",
-    "ConditionalNodesUnavailable",
     "decode",
     "FullIterationGraph",
     "GraphFallbackError",
@@ -71,20 +65,3 @@ def reset() -> None:
     again."""
     reset_layer_graphs()
     _step_capture.reset_all()
-
-
-_DEPRECATED = {"resolve_backend": ("tgraph.backend", "tgraph.backend.resolve_backend")}
-
-
-def __getattr__(name: str):
-    if name in _DEPRECATED:
-        module, new = _DEPRECATED[name]
-        _warnings.warn(
-            f"tgraph.{name} is deprecated (not part of the public API); use {new}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        import importlib
-
-        return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module 'tgraph' has no attribute {name!r}")

@@ -366,15 +366,6 @@ def hooks_run_outside(m: nn.Module) -> bool:
     )
 
 
-def has_own_forward_hooks(m: nn.Module) -> bool:
-    return bool(
-        m._forward_hooks
-        or m._forward_pre_hooks
-        or nn_module._global_forward_hooks
-        or nn_module._global_forward_pre_hooks
-    )
-
-
 def call_with_own_hooks(m: nn.Module, call, args: tuple, kwargs: dict):
     """``call(args, kwargs)`` between ``m``'s forward pre-hooks and forward hooks, run eagerly
     as ``nn.Module.__call__`` runs them: they see each call's real inputs and outputs."""

@@ -129,9 +129,6 @@ class BucketGraphs:
             free_memory(device),
         )
 
-    def captured(self, key: Hashable) -> bool:
-        return key in self.graphs
-
     def run(self, key: Hashable) -> torch.Tensor:
         """Replay ``key``'s graph, or run its program eagerly when it has none.
 

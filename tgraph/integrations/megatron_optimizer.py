@@ -164,8 +164,7 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
     Args:
         mopt: what ``get_megatron_optimizer`` returned (made graph-safe here).
         skip_nonfinite, warmup_steps, backend: as :class:`tgraph.OptimizerGraph` (the default
-            of ``skip_nonfinite`` is False there and here; leaving it out warns for one
-            release).
+            of ``skip_nonfinite`` is False there and here).
 
     It overrides :class:`tgraph.OptimizerGraph`'s extension points (its docstring lists them):
     :attr:`optimizers`, :meth:`protected_tensors`, :meth:`norm_and_clip`, :meth:`inner_step`,
@@ -176,7 +175,7 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
         self,
         mopt,
         *,
-        skip_nonfinite: bool | None = None,
+        skip_nonfinite: bool = False,
         warmup_steps: int = 1,
         backend: str = "auto",
     ) -> None:

@@ -163,10 +163,6 @@ class GraphedUnit:
         self.recomputes = False  # the forward checkpoints (torch.utils.checkpoint)
 
     # ----------------------------------------------------------------- capture
-    @property
-    def captured(self) -> bool:
-        return self.cap is not None
-
     def _run_forward(self) -> list[torch.Tensor]:
         raise NotImplementedError
 

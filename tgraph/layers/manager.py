@@ -222,7 +222,7 @@ class GraphableModule(nn.Module):
         state = self.__dict__.get("_tgraph")
         if state is None or _unit._depth:  # _depth: inside_graphed_region(), read in place
             return super().__call__(*args, **kwargs)
-        if (  # has_own_forward_hooks(self), read in place: every call asks
+        if (  # the module's or the global forward hooks, read in place: every call asks
             self._forward_hooks
             or self._forward_pre_hooks
             or nn_module._global_forward_hooks
@@ -246,7 +246,6 @@ def enable(
     capturable_hooks: bool = False,
     compile: bool | dict[str, Any] = False,  # noqa: A002 - the option's name, as torch.compile
     direct_grads: bool = False,
-    warmup: int | None = None,
 ) -> nn.Module:
     """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
 
@@ -289,25 +288,16 @@ def enable(
             error. Parameters with tensor hooks, and units of mixed-dtype parameters, keep
             autograd's path. Hooks registered on a parameter's AccumulateGrad node itself do
             not run (:class:`tgraph.grads.DirectGrads`).
-        warmup: deprecated spelling of ``warmup_steps`` (warns ``DeprecationWarning``; it goes
-            in the next release).
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).
 
     Raises:
         ValueError: no ``GraphableModule`` in ``model``, an unknown backend, a compile mode
-            with CUDA graphs of its own, both ``warmup`` and ``warmup_steps``, or
-            ``direct_grads`` with torch.distributed initialized.
+            with CUDA graphs of its own, or ``direct_grads`` with torch.distributed
+            initialized.
         RuntimeError: graphs already exist (call :func:`reset` first).
     """
-    if warmup is not None:
-        if warmup_steps is not None:
-            raise ValueError("tgraph.enable(): pass warmup_steps= only (warmup= is its old name)")
-        warnings.warn(
-            "tgraph.enable(warmup=) is deprecated; use warmup_steps=", DeprecationWarning, 2
-        )
-        warmup_steps = warmup
     compile_options = _compile_options(compile)
     check_backend_name(backend)
     if direct_grads:

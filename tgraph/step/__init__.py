@@ -2,5 +2,5 @@
 graph) and :class:`OptimizerGraph` (the optimizer step beside per-layer graphs), over one
 step-capture protocol (``capture``), with learning rates as device tensors (``hyperparams``),
 the warmups' changes undone (``tgraph.snapshot``) and non-finite steps skipped on the device
-(``nonfinite``; ``if_node``: the experimental conditional-node path).
+(``nonfinite``).
 """

@@ -112,7 +112,6 @@ class _Entry:
     warned: bool = False
     graph: Any = None
     static: list[torch.Tensor] = field(default_factory=list)
-    out: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
     template: Any = None  # the structure of fn's outputs (tgraph.layers.signature.Template)
     layout: BakedLayout | None = None  # the optimizers' groups and state tensors at capture
@@ -320,7 +319,7 @@ class FullIterationGraph:
     def _keep(self, entry: _Entry, step: StepCapture, out: Any) -> None:
         """After a capture: the graph, its outputs and what it baked in."""
         entry.capture_seconds, entry.pool_bytes = step.seconds, step.pool_bytes
-        entry.graph, entry.out = step.graph, out
+        entry.graph = step.graph
         entry.layout = BakedLayout(self.optimizers)
         # what the step's modules baked in (the modules that ran in it: tgraph.baked)
         entry.baked = Baked.of([(type(m).__name__, m) for m in self._modules.values()], [])

@@ -11,12 +11,6 @@ three integer passes). A first step that created state and is skipped gets that 
 (one host read, eager warmup only). A device counter adds ``1 - ok`` at every step;
 :attr:`SkipNonfinite.skipped_steps` reads it (one sync).
 
-``how="auto"`` (the default) and ``how="mask"`` are the mask way above. The experimental,
-opt-in ``how="conditional"`` puts a captured step into a CUDA-graph IF node on the flag instead
-(:mod:`tgraph.step.if_node`: nothing snapshotted, a skipped replay runs none of the step's kernels);
-outside a real CUDA capture it is the mask way too, and where torch builds no IF nodes it raises
-:class:`tgraph.step.if_node.ConditionalNodesUnavailable` at the first step on a CUDA device.
-
 Used by :class:`tgraph.OptimizerGraph` and, through :class:`SkipNonfiniteStep`, by
 ``tgraph.FullIterationGraph(skip_nonfinite=True)`` (always the mask way: its flag is complete
 only after ``fn`` returns, after the step).
@@ -24,7 +18,6 @@ only after ``fn`` returns, after the step).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,13 +26,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from tgraph.guards import CaptureError
-from tgraph.step import if_node
-from tgraph.step.if_node import ConditionalNodesUnavailable, conditional_nodes_unavailable
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-HOWS = ("auto", "mask", "conditional")
-"""The ways :class:`SkipNonfinite` can skip a step (see the module docstring)."""
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -134,24 +122,12 @@ class SkipNonfinite:
     no host read, fixed buffers. The one exception: an optimizer's *first* step creates its state
     (Adam's moments); if that step is to be skipped, the new state is deleted, which needs one
     host read of ``ok``. That happens during eager warmup only; capturing such a step raises.
-
-    Args:
-        how: ``"mask"``: the fused kernels' ``found_inf``, else a snapshot selected bit for bit
-            (see the module docstring). ``"conditional"``: under a CUDA capture, the step goes
-            into a CUDA-graph IF node on ``ok`` (a skipped replay runs none of its kernels, and
-            nothing is snapshotted); elsewhere (eager, CPU, emulated) the mask way, with the same
-            bits. Needs ``ok`` before the step; raises :class:`ConditionalNodesUnavailable` at
-            the first step on a CUDA device where torch cannot build IF nodes. ``"auto"``: the
-            mask way. ``"conditional"`` is experimental (:mod:`tgraph.step.if_node`).
     """
 
-    def __init__(self, how: str = "auto") -> None:
-        if how not in HOWS:
-            raise ValueError(f"SkipNonfinite: how must be one of {HOWS}, got {how!r}")
-        self.how = how
+    def __init__(self) -> None:
         self.last_way: str | None = None
-        """How the latest protected step skips: ``"if_node"``, ``"found_inf"`` or
-        ``"snapshot"`` (after a CUDA capture: the captured step's way)."""
+        """How the latest protected step skips: ``"found_inf"`` or ``"snapshot"`` (after a
+        CUDA capture: the captured step's way)."""
         self._counter: torch.Tensor | None = None
         self.state_pending = False
         """The latest step created optimizer state and was skipped: the state is still missing."""
@@ -181,19 +157,10 @@ class SkipNonfinite:
         with ``fused=True``), nothing is snapshotted: their kernels read ``found_inf``
         (``1 - ok``, as :class:`torch.amp.GradScaler` sets it) and leave parameters and state
         untouched on a skipped step (Adam's step count is incremented, then decremented: exact).
-        Under a CUDA capture with ``how="conditional"``, nothing is snapshotted either: the step
-        is captured into an IF node on ``ok``. ``commit`` must then be given the same ``ok``.
         """
         opts = list(optimizers)
         if ok is None:
-            if self.how == "conditional":
-                raise ValueError(
-                    "SkipNonfinite(how='conditional') needs the flag before the step: "
-                    "protect(optimizers, ok=...) (an IF node reads it where the step starts)"
-                )
             return _Step(self, opts, list(extra), "snapshot")
-        if if_node.uses_if_node(self.how, ok):  # experimental, opt-in (how="conditional")
-            return _Step(self, opts, list(extra), "if_node", ok)
         way = "found_inf" if all(masks_with_found_inf(o) for o in opts) else "snapshot"
         return _Step(self, opts, list(extra), way, ok)
 
@@ -213,11 +180,10 @@ class SkipNonfinite:
 
 
 class _Step:
-    """One protected step: snapshot (or open the IF node) on entry; ``commit(ok)`` keeps or
-    reverts it (or closes the IF node).
+    """One protected step: snapshot on entry; ``commit(ok)`` keeps or reverts it.
 
-    ``way``: ``"if_node"`` (capture the step into an IF node on ``ok``), ``"found_inf"`` (the
-    fused kernels mask the update), ``"snapshot"`` (save, then select bit for bit).
+    ``way``: ``"found_inf"`` (the fused kernels mask the update), ``"snapshot"`` (save, then
+    select bit for bit).
     """
 
     def __init__(
@@ -235,16 +201,10 @@ class _Step:
         self._ok = ok
         self._layouts: list[dict[int, frozenset]] = []
         self._snap: _Protected | None = None
-        self._if_graph: Any = None  # the capturing graph while the IF node is open
 
     def __enter__(self) -> Callable[[torch.Tensor], None]:
         self._layouts = [state_layout(o) for o in self._opts]
         self._guard.last_way = self._way
-        if self._way == "if_node":
-            # the eager warmups' snapshot buffers are not needed by this graph: free them
-            self._guard._snapshots.pop(tuple(id(o) for o in self._opts), None)
-            self._if_graph = if_node.open_if_node(self._ok)  # the step's kernels go in its body
-            return self.commit
         if self._way == "found_inf":
             # only what the optimizers do not own needs a snapshot (usually nothing)
             owned = {id(p) for o in self._opts for g in o.param_groups for p in g["params"]}
@@ -264,18 +224,10 @@ class _Step:
         return self.commit
 
     def __exit__(self, *exc: Any) -> None:
-        if self._if_graph is not None:  # the step raised inside the IF node: close it
-            with contextlib.suppress(Exception):
-                self._close_if_node()
         if self._way == "found_inf":
             for o in self._opts:
                 o.__dict__.pop("found_inf", None)
         return None
-
-    def _close_if_node(self) -> None:
-        graph, self._if_graph = self._if_graph, None
-        if graph is not None:
-            if_node.close_if_node(graph)
 
     def _select(self, ok: torch.Tensor) -> None:
         if self._snap is not None:
@@ -284,7 +236,6 @@ class _Step:
     @torch.no_grad()
     def commit(self, ok: torch.Tensor, count: bool = True) -> None:
         """Keep the step where ``ok`` else revert it; ``count`` adds a skip to the counter."""
-        self._close_if_node()  # the IF node holds the step only: the counter runs every replay
         created = [state_layout(o) != before for o, before in zip(self._opts, self._layouts)]
         if any(created):
             self._guard.state_pending = self._commit_first_step(ok, created)
@@ -376,11 +327,8 @@ class SkipNonfiniteStep:
 
 
 __all__ = [
-    "HOWS",
-    "ConditionalNodesUnavailable",
     "SkipNonfinite",
     "SkipNonfiniteStep",
-    "conditional_nodes_unavailable",
     "finite",
     "total_norm",
 ]

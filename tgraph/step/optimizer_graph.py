@@ -25,9 +25,7 @@ every state tensor are copied into snapshot buffers; after it, each becomes
 ``ok * new + (1 - ok) * old`` computed on its *bits* (an integer view), bitwise the new or the old
 value (one copy and three integer passes). A first step that created state and is skipped gets
 that state deleted (one host read, eager warmup only). A device counter adds ``1 - ok`` at every
-step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync). With
-``skip_nonfinite_how="conditional"`` the captured step sits in a CUDA-graph IF node on the flag
-instead, where torch builds them (experimental, opt-in: tgraph/step/if_node.py).
+step; :attr:`SkipNonfinite.skipped_steps` reads it (one sync).
 
 Gradients (tgraph/step/grad_buffers.py): a CUDA graph reads fixed addresses, while autograd
 hands over new ``.grad`` tensors. Gradients that per-layer graphs hand over are read where those
@@ -65,7 +63,7 @@ from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.grad_buffers import GradBuffers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
-from tgraph.step.nonfinite import HOWS, SkipNonfinite, finite, state_layout, total_norm
+from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout, total_norm
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +72,6 @@ logger = logging.getLogger(__name__)
 
 
 _ELSEWHERE = ", but the graph runs on {device}: one OptimizerGraph per device"
-
-# The private hooks of earlier releases, and the public hooks that replace them.
-_OLD_HOOKS = {
-    "_protected_extra": "protected_tensors",
-    "_norm_and_clip": "norm_and_clip",
-    "_inner_step": "inner_step",
-    "_grad_ownership": "bind_grads",
-    "_check_grads": "refresh_grads",
-}
 
 
 class OptimizerGraph:
@@ -101,11 +90,7 @@ class OptimizerGraph:
             Default False, as :class:`tgraph.FullIterationGraph`: the graph then steps exactly
             as the eager ``optimizer.step()`` it replaces, and costs nothing extra (skipping an
             optimizer that is not fused snapshots every parameter and state tensor at each
-            step). Until the next release, leaving it out (None) warns (``FutureWarning``),
-            since the default used to be True.
-        skip_nonfinite_how: ``"auto"``, ``"mask"`` or ``"conditional"`` (experimental, opt-in:
-            the captured step inside a CUDA-graph IF node on the flag, where torch builds them,
-            :mod:`tgraph.step.if_node`): see :class:`tgraph.step.nonfinite.SkipNonfinite`.
+            step).
         zero_grad: set every ``.grad`` to None at the end of every step, as
             ``optimizer.zero_grad()`` does (see the module docstring on gradients). With False
             the step leaves ``.grad`` alone and you zero it yourself.
@@ -130,21 +115,8 @@ class OptimizerGraph:
     * :meth:`refresh_grads`: before each replay, bring the step's gradients into them.
 
     Each runs inside the captured step or around it as its docstring says; none may sync with
-    the host. (The underscore names of earlier releases still work for one release, with a
-    ``DeprecationWarning``.)
+    the host.
     """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for old, new in _OLD_HOOKS.items():
-            if old in cls.__dict__ and new not in cls.__dict__:
-                warnings.warn(
-                    f"{cls.__name__}.{old} overrides a private hook of OptimizerGraph, which is "
-                    f"deprecated; override {new}() instead",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-                setattr(cls, new, cls.__dict__[old])
 
     def __init__(
         self,
@@ -152,8 +124,7 @@ class OptimizerGraph:
         *,
         clip_grad_norm: float | None = None,
         norm_type: float = 2.0,
-        skip_nonfinite: bool | None = None,
-        skip_nonfinite_how: str = "auto",
+        skip_nonfinite: bool = False,
         zero_grad: bool = True,
         warmup_steps: int = 1,
         backend: str = "auto",
@@ -166,24 +137,11 @@ class OptimizerGraph:
             raise ValueError(
                 f"warmup_steps must be >= 1 (optimizer state is created lazily), got {warmup_steps}"
             )
-        if skip_nonfinite_how not in HOWS:
-            raise ValueError(
-                f"skip_nonfinite_how must be one of {HOWS}, got {skip_nonfinite_how!r}"
-            )
         check_backend_name(backend)
-        if skip_nonfinite is None:  # not given: False, with a warning for one release
-            warnings.warn(
-                f"{type(self).__name__}: the default of skip_nonfinite is now False (as "
-                "FullIterationGraph's); pass skip_nonfinite=True to keep skipping non-finite "
-                "steps, or skip_nonfinite=False to silence this warning",
-                FutureWarning,
-                stacklevel=2,
-            )
-            skip_nonfinite = False
         self.optimizer = optimizer
         self.clip_grad_norm = clip_grad_norm
         self.norm_type = float(norm_type)
-        self.guard = SkipNonfinite(skip_nonfinite_how) if skip_nonfinite else None
+        self.guard = SkipNonfinite() if skip_nonfinite else None
         self.zero_grad = zero_grad
         self.warmup_steps = warmup_steps
         self.backend = backend
