@@ -172,10 +172,6 @@ def test_doc_forward_replay_figures_are_measured():
     assert "layers/capture.py" not in crossed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="replay.check calls baked.where at every replay: 6 files (docs/ARCHITECTURE.md)",
-)
 def test_forward_replay_crosses_at_most_the_budget_of_files():
     crossed = set(trace_forward_replay())
     assert len(crossed) <= FORWARD_REPLAY_BUDGET, sorted(crossed)

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tgraph import grads as grads_module
 from tgraph import rng
-from tgraph.baked import recording_outputs, where
+from tgraph.baked import recording_outputs
 from tgraph.errors import StaleBackwardError
 from tgraph.layers.captured import Captured, ReplayState
 from tgraph.layers.follow import follow_moved, move_out_held_outputs, route, set_params
@@ -303,7 +303,8 @@ def check(cap: Captured, state: ReplayState):
                     "holds the old parameters until it is freed)"
                 )
             return REBIND
-    now = where(live)
+    # baked.where, spelled out here: the hot path stays out of baked.py unless a check fails
+    now = (tuple(map(_data_ptr, live)), tuple(map(_stride, live)), tuple(map(_size, live)))
     if state.copy_in or now != b.place:
         return follow_moved(cap, state, live, now)
     return None
@@ -368,7 +369,8 @@ class GraphedCall(torch.autograd.Function):
         return (None, None, None, *grads_for_autograd(cap, state, active))
 
 
-_apply = super(torch.autograd.Function, GraphedCall).apply  # torch._C._FunctionBase.apply
+_apply = super(torch.autograd.Function, GraphedCall).apply
+_data_ptr, _stride, _size = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.size  # torch._C._FunctionBase.apply
 
 
 def copy_grad_outputs(cap: Captured, state: ReplayState, grads) -> None:
