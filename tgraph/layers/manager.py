@@ -98,6 +98,18 @@ class _Manager:
                 "it runs under torch.inference_mode(), whose "
                 "tensors a graph's static buffers cannot take (use torch.no_grad() to graph it)",
             )
+        if _graph_task_id() != -1:  # called by the autograd engine: a recompute in a backward
+            if not self.captured:
+                return self._plain_call(module, args, kwargs)  # not part of the recorded order
+            return self._eager(
+                module,
+                state,
+                args,
+                kwargs,
+                "it is called during a backward pass (the recompute of reentrant "
+                "torch.utils.checkpoint, or a forward run by a backward hook), where a replay "
+                "would overwrite the buffers of graphs whose backward is still running",
+            )
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
         try:
@@ -197,6 +209,7 @@ class _Manager:
 _manager = _Manager()
 _TRAINING = operator.attrgetter("training")
 _inference_mode = torch.is_inference_mode_enabled
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
 class GraphableModule(nn.Module):

@@ -370,7 +370,11 @@ class GraphedCall(torch.autograd.Function):
 
 
 _apply = super(torch.autograd.Function, GraphedCall).apply
-_data_ptr, _stride, _size = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.size  # torch._C._FunctionBase.apply
+_data_ptr, _stride, _size = (
+    torch.Tensor.data_ptr,
+    torch.Tensor.stride,
+    torch.Tensor.size,
+)  # torch._C._FunctionBase.apply
 
 
 def copy_grad_outputs(cap: Captured, state: ReplayState, grads) -> None:
