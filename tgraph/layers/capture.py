@@ -365,6 +365,7 @@ class GraphedUnit:
             others_use=tuple(storage_uses(t) - 1 for t in baked.held),
             memory=self.memory,
             fp8=self._fp8_replay(),
+            mutated_inputs=self._mutated_inputs(),
         )
         st = self.state
         st.hook_epoch = baked.hook_epoch
@@ -376,6 +377,14 @@ class GraphedUnit:
         self.cap = cap
         for r in self.members:
             r.cap, r.state = cap, st
+
+    def _mutated_inputs(self) -> tuple[int, ...]:
+        """The head's static inputs that a member's forward writes in place (a later member
+        writes the head's input when it takes that input too)."""
+        found = set(self.head.mutated)
+        for r, src in zip(self.members[1:], self._member_sources()[1:]):
+            found |= {k for i, (from_prev, k) in enumerate(src) if not from_prev and i in r.mutated}
+        return tuple(sorted(found))
 
     def _fp8_replay(self) -> FP8Replay | None:
         """What a replay redoes of TransformerEngine's Python, when captured in its FP8 region."""

@@ -81,6 +81,7 @@ class Captured:
     others_use: tuple[int, ...]  # per baked tensor: uses of its memory by tgraph alone
     memory: UnitMemory  # its buffers' bytes by kind
     fp8: FP8Replay | None = None  # captured in a te.autocast region: TE's Python it redoes
+    mutated_inputs: tuple[int, ...] = ()  # static inputs the forward writes: copied back
 
     @property
     def members(self) -> int:

@@ -212,6 +212,11 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
             outs = list(GraphedCall.apply(cap, state, flight, *tensors, *state.autograd_params))
         else:  # Function.apply without its Python wrapper's per-argument pass
             outs = list(_apply(cap, state, flight, *tensors, *state.autograd_params))
+    if cap.mutated_inputs:  # the forward writes these inputs in place: so must the replay
+        with torch.no_grad():
+            for i in cap.mutated_inputs:
+                if tensors[i].data_ptr() != cap.input_ptrs[i]:
+                    tensors[i].copy_(cap.static_inputs[i])
     if state.copy_in:
         with torch.no_grad():  # a buffer the forward updates (running statistics)
             b = cap.baked

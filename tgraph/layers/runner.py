@@ -60,6 +60,7 @@ class Runner(GraphedUnit):
         self._in_template: Template = split((args, kwargs))[1]
         self.samples = [t.detach().clone() for t in tensors]
         self._requires_grad = [t.requires_grad for t in tensors]
+        self.mutated: set[int] = set()  # inputs its forward writes in place (_run_forward)
         self.segment = None  # the Segment this runner belongs to, if merged
         self.seg_index = 0
         self.head, self.members = self, [self]
@@ -151,7 +152,11 @@ class Runner(GraphedUnit):
                     )
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
+            versions = [t._version for t in self.static_inputs]
             out = module_call(self.module)(*args, **kwargs)
+        # inputs the forward writes in place (running statistics passed as an argument): a
+        # replay writes the static buffer, which is copied back to the caller's tensor
+        self.mutated |= {i for i, t in enumerate(self.static_inputs) if t._version != versions[i]}
         tensors, template = split(out)
         if not tensors:
             raise TypeError(

@@ -1,0 +1,79 @@
+"""A forward that writes one of its inputs in place (running statistics passed as an argument,
+``x.mul_(2)``): a replay writes the graph's static copy, so tgraph copies it back to the
+caller's tensor, and the caller sees what eager gives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tgraph
+
+
+class Stats(tgraph.GraphableModule):
+    """Adds the batch's column sums into ``stats``, the caller's running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, stats):
+        stats.add_(x.detach().sum(0))
+        return self.fc(x)
+
+
+class Scales(tgraph.GraphableModule):
+    """Scales its (no-grad) input in place, then reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_running_stats_argument_is_written_back(backend, device, merge):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Stats()).to(device)
+
+    def run(m, graphed):
+        stats = torch.zeros(4, device=device)
+        history = []
+        for i in range(4):
+            x = torch.ones(2, 4, device=device)
+            m[0](x, stats).sum().backward()
+            history.append(stats.clone())
+            if graphed and i == 0:
+                tgraph.create_graphs()
+        return history
+
+    want = run(copy.deepcopy(model), False)
+    tgraph.enable(model, backend=backend, strict=True, merge=merge)
+    got = run(model, True)
+    assert [h[0].item() for h in want] == [2.0, 4.0, 6.0, 8.0]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_input_scaled_in_place_is_written_back(backend, device):
+    torch.manual_seed(0)
+    model = Scales().to(device)
+    eager = copy.deepcopy(model)
+    tgraph.enable(model, backend=backend, strict=True)
+    gen = torch.Generator(device=device).manual_seed(1)
+    xs = [torch.randn(3, 4, device=device, generator=gen) for _ in range(4)]
+    for i, x in enumerate(xs):
+        a, b = x.clone(), x.clone()
+        want = eager(a)
+        got = model(b)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(b, a, rtol=0, atol=0)  # the caller's tensor, doubled
+        got.sum().backward()
+        want.sum().backward()
+        if i == 0:
+            tgraph.create_graphs()
