@@ -77,3 +77,28 @@ def test_input_scaled_in_place_is_written_back(backend, device):
         want.sum().backward()
         if i == 0:
             tgraph.create_graphs()
+
+
+class Scaled(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return self.fc(x) * scale
+
+
+@pytest.mark.cuda
+def test_cpu_scalar_argument_of_a_cuda_graph_is_checked():
+    """A CUDA kernel takes a CPU scalar tensor's value at capture: another value must not
+    replay the old one. The call runs eagerly (strict mode: raises), never silently wrong."""
+    model = Scaled().cuda()
+    tgraph.enable(model, strict=True)
+    x = torch.randn(4, 8, device="cuda")
+    model(x, torch.tensor(1.5)).sum().backward()
+    tgraph.create_graphs()
+    y = model(x, torch.tensor(1.5))  # replays (strict)
+    torch.testing.assert_close(y, model.fc(x) * 1.5)
+    y.sum().backward()
+    with pytest.raises(tgraph.GraphFallbackError, match="CPU scalar argument 1 is 2.5"):
+        model(x, torch.tensor(2.5))

@@ -366,6 +366,11 @@ class GraphedUnit:
             memory=self.memory,
             fp8=self._fp8_replay(),
             mutated_inputs=self._mutated_inputs(),
+            host_values=tuple(
+                (i, t.item())
+                for i, t in enumerate(head.static_inputs)
+                if self.device.type == "cuda" and t.device.type == "cpu" and t.numel() == 1
+            ),
         )
         st = self.state
         st.hook_epoch = baked.hook_epoch

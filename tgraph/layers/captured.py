@@ -82,6 +82,7 @@ class Captured:
     memory: UnitMemory  # its buffers' bytes by kind
     fp8: FP8Replay | None = None  # captured in a te.autocast region: TE's Python it redoes
     mutated_inputs: tuple[int, ...] = ()  # static inputs the forward writes: copied back
+    host_values: tuple[tuple[int, Any], ...] = ()  # (input, value): host scalars CUDA baked in
 
     @property
     def members(self) -> int:

@@ -180,6 +180,13 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
     why = check(cap, state)
     if why is not None:
         return why
+    for i, value in cap.host_values:  # a CUDA kernel took the host scalar's value at capture
+        if tensors[i].item() != value:
+            return (
+                f"CPU scalar argument {i} is {tensors[i].item()} where the graph baked in "
+                f"{value} (a CUDA graph keeps a host scalar's value; pass a CUDA tensor to "
+                "graph every value, or a Python number to graph each one)"
+            )
     if use_counts(state.output_cdata) != state.output_uses:
         why = move_out_held_outputs(cap, state)
         if why is not None:

@@ -18,6 +18,7 @@ import torch
 
 from tgraph.baked import hooks_run_outside
 from tgraph.fp8 import FP8Region, first_microbatch, set_weight_caching
+from tgraph.guards import CaptureError
 from tgraph.layers.capture import GraphedUnit, graphed_region
 from tgraph.layers.signature import CallKey, Template, split
 
@@ -153,7 +154,9 @@ class Runner(GraphedUnit):
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
             versions = [t._version for t in self.static_inputs]
+            attrs = _tensor_attributes(self.module)
             out = module_call(self.module)(*args, **kwargs)
+        _refuse_escaping(self.module, attrs)
         # inputs the forward writes in place (running statistics passed as an argument): a
         # replay writes the static buffer, which is copied back to the caller's tensor
         self.mutated |= {i for i, t in enumerate(self.static_inputs) if t._version != versions[i]}
@@ -166,6 +169,32 @@ class Runner(GraphedUnit):
         if self.out_template is None:  # warmup; replays keep the capture's template
             self.out_template = template
         return tensors
+
+
+def _tensor_attributes(module: torch.nn.Module) -> dict[tuple[str, str], int]:
+    """``(submodule name, attribute)`` -> identity of each plain tensor attribute."""
+    return {
+        (name, k): id(v)
+        for name, m in module.named_modules()
+        for k, v in vars(m).items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def _refuse_escaping(module: torch.nn.Module, before: dict[tuple[str, str], int]) -> None:
+    """Refuse a forward that leaves a tensor it made in module state (``self.aux_loss = ...``,
+    as mixture-of-experts layers do): after a replay the attribute would still hold the
+    capture's tensor, with the capture's autograd graph, which no replay feeds."""
+    for name, m in module.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Tensor) and before.get((name, k)) != id(v):
+                where = f"{type(module).__name__}{'.' + name if name else ''}.{k}"
+                raise CaptureError(
+                    f"the forward of {type(module).__name__} stores a tensor it computed in "
+                    f"{where}; a graph's replay cannot set it, and the stored tensor would keep "
+                    "the capture's autograd graph. Return it from forward instead (an extra "
+                    "output), or keep the module eager (do not make it a GraphableModule)"
+                )
 
 
 def compiled_call(module: torch.nn.Module, options: dict[str, Any] | None) -> Any:
