@@ -223,3 +223,68 @@ def test_recipe_hopper_cannot_run_is_refused():
     finally:
         tgraph.reset()
         tgraph.disable(model)
+
+
+def _steps_whole(model, recipe, *, mode: str, steps: int = STEPS):
+    """AdamW (capturable) steps: eager, per-layer graphs plus tgraph.OptimizerGraph, or one
+    tgraph.FullIterationGraph around forward, backward and the step."""
+    te = _te()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    opt_graph = tgraph.OptimizerGraph(opt) if mode == "layer_opt" else None
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    xs = [
+        torch.randn(SEQ, BATCH, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(steps)
+    ]
+
+    def forward_backward(x):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = x
+            for blk in model:
+                y = blk(y)
+        loss = y.float().pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    def step(x):
+        loss = forward_backward(x)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    full = tgraph.FullIterationGraph(step) if mode == "full" else None
+    replays = []
+    if full is not None:  # count replays: equal numbers alone cannot tell them from eager
+        replay = full._replay
+        full._replay = lambda entry, tensors: replays.append(1) or replay(entry, tensors)
+    losses = []
+    for i, x in enumerate(xs):
+        if full is not None:
+            losses.append(full(x).clone())
+        elif opt_graph is not None:
+            losses.append(forward_backward(x))
+            opt_graph.step()
+        else:
+            losses.append(step(x))
+        if mode == "layer_opt" and i == 0:
+            tgraph.create_graphs()
+    if full is not None:  # warmup_steps eager steps, one captured, the rest replayed
+        assert len(replays) == steps - full.warmup_steps - 1
+    return torch.stack(losses), _scaling(model)
+
+
+@pytest.mark.parametrize("mode", ["layer_opt", "full"])
+@pytest.mark.parametrize("recipe_name", ["bf16", "delayed"])
+def test_te_whole_step_graphs_equal_eager(mode, recipe_name):
+    eager = _model("linear", 3)
+    graphed = copy.deepcopy(eager)
+    recipe = _recipe(recipe_name)
+    want = _steps_whole(eager, recipe, mode="eager")
+    if mode == "layer_opt":
+        tgraph.enable(graphed, strict=True)
+    try:
+        got = _steps_whole(graphed, recipe, mode=mode)
+    finally:
+        tgraph.reset()
+        tgraph.disable(graphed)
+    _assert_equal(eager, graphed, (want[0], [want[1]]), (got[0], [got[1]]))
