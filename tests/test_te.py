@@ -268,8 +268,8 @@ def _steps_whole(model, recipe, *, mode: str, steps: int = STEPS):
             losses.append(step(x))
         if mode == "layer_opt" and i == 0:
             tgraph.create_graphs()
-    if full is not None:  # warmup_steps eager steps, one captured, the rest replayed
-        assert len(replays) == steps - full.warmup_steps - 1
+    if full is not None:  # warmup_steps eager steps, then captured and replayed
+        assert len(replays) == steps - full.warmup_steps
     return torch.stack(losses), _scaling(model)
 
 
