@@ -180,6 +180,18 @@ def test_fp8_weight_caching_across_microbatches():
     _assert_equal(*_pair("linear", "delayed", microbatches=3))
 
 
+def test_fp8_graphs_cast_weights_whatever_weight_caching_left_behind():
+    """TE's weight-caching flag is process-wide; a graph captured for a call without
+    ``is_first_microbatch`` must not read what a later microbatch's graph (or anyone) left."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(True)
+    try:
+        _assert_equal(*_pair("linear", "delayed"))
+    finally:
+        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)
+
+
 def test_fp8_planted_scale_update_out_of_the_replay_is_seen(monkeypatch):
     """Without the backward amax reduction at replay, the scales drift from eager's: the
     equality tests above would fail."""

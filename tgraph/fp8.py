@@ -162,9 +162,15 @@ def first_microbatch(kwargs: dict) -> bool | None:
 
 
 def set_weight_caching(first: bool | None) -> None:
-    """Set TE's device flag for weight caching from a call's ``is_first_microbatch``."""
-    if first is not None and _QUANT in sys.modules:
-        sys.modules[_QUANT].FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first)
+    """Set TE's device flag for weight caching from a call's ``is_first_microbatch``.
+
+    Under TE's graph mode every FP8 module reads the process-wide flag, whether or not its
+    call passed ``is_first_microbatch``; a call without it must cast its weights, as in eager,
+    so the flag is cleared (a graph of a later microbatch elsewhere leaves it set: its weights
+    would then stay the warmup's forever)."""
+    sys.modules[_QUANT].FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(
+        False if first is None else not first
+    )
 
 
 @contextlib.contextmanager
