@@ -129,6 +129,14 @@ def fallbacks() -> Iterator[list[str]]:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
+def eager_calls() -> int:
+    """Calls of graphed modules that ran eagerly since the last reset (each fallback counts;
+    warnings are given once per reason, so they cannot count replays)."""
+    from tgraph.layers.manager import _manager
+
+    return _manager.eager_calls
+
+
 def assert_never_silent(msgs: list[str], names: str) -> None:
     """Fallback-or-follow: every fallback warning must name the change (regex ``names``)."""
     for m in msgs:

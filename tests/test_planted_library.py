@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from fail_closed_models import TOL, D, Net, batches, fallbacks, make_pair, train
 
 import tgraph
@@ -159,3 +160,44 @@ def test_global_hook_registered_after_capture_sees_every_call(backend, device, k
     assert got_calls == want_calls and len(want_calls) == 3 * 9, (got_calls, want_calls)
     assert msgs and all("global" in m or "module_forward" in m for m in msgs), msgs
     torch.testing.assert_close(got, want, **TOL)
+
+
+# -- load_state_dict(assign=True): later calls replay on the new parameters ------------------
+
+
+def _assign_run(model, data, sd, backend=None):
+    """SGD steps; after step 1 the checkpoint ``sd`` is loaded with ``assign=True`` (new
+    parameter objects, so a new optimizer). Graphs are created after step 0."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if backend is not None:
+        tgraph.enable(model, backend=backend, strict=True)  # any fallback raises
+    losses = []
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        del loss  # the step's autograd graph (which holds the parameters) is freed
+        if backend is not None and i == 0:
+            tgraph.create_graphs()
+    return torch.stack(losses)
+
+
+def test_load_state_dict_assign_keeps_replaying_on_the_new_parameters(backend, device):
+    """After ``load_state_dict(assign=True)`` nothing of tgraph may keep the replaced parameters
+    alive: the units re-bind to the new ones and every later call replays (strict mode), equal
+    to an eager twin that loaded the same checkpoint."""
+    model, ref = make_pair(device)
+    torch.manual_seed(7)
+    sd = {k: v + 0.1 * torch.randn_like(v) for k, v in ref.state_dict().items()}
+    data = batches(device, 6)
+    tol = TOL if backend == "cuda" else dict(rtol=0, atol=0)
+    want = _assign_run(ref, data, sd)
+    got = _assign_run(model, data, sd, backend)
+    torch.testing.assert_close(got, want, **tol)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, **tol, msg=lambda s, n=n: f"{n}: {s}")

@@ -57,7 +57,7 @@ from tgraph.grads import (
 )
 from tgraph.guards import RefuseHostSync
 from tgraph.layers.captured import Captured, ReplayState
-from tgraph.layers.follow import output_cdata, set_params
+from tgraph.layers.follow import output_cdata, route
 from tgraph.memory import UnitMemory, tensor_bytes
 from tgraph.pool import NEVER, storage_uses, use_counts
 
@@ -357,7 +357,9 @@ class GraphedUnit:
             static_grad_outputs=tuple(self.static_grad_outputs),
             static_grads=tuple(self.static_grads),
             param_grads=tuple(self._param_grads),
-            params=tuple(self.params),
+            # a module's parameter is found in the modules (its slot): not held here, so one
+            # replaced by load_state_dict(assign=True) is freed and the unit can re-bind
+            params=tuple(p if id(p) not in where else None for p in self.params),
             packing=self.packing,
             fusion=self.fusion,
             direct=self.direct,
@@ -370,7 +372,7 @@ class GraphedUnit:
         )
         st = self.state
         st.hook_epoch = baked.hook_epoch
-        set_params(cap, st, list(cap.params))
+        route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         st.output_cdata = output_cdata(outs)
         st.output_uses = use_counts(st.output_cdata)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -167,6 +168,44 @@ def compiled_call(module: torch.nn.Module, options: dict[str, Any] | None) -> An
         return _tgraph_module.forward(*args, **kwargs)
 
     return torch.compile(call, **options)
+
+
+def compile_options_of(compile: bool | dict[str, Any]) -> dict[str, Any] | None:  # noqa: A002
+    """``torch.compile`` keyword arguments of ``enable(compile=...)``; None: no compilation."""
+    if compile is False or compile is None:
+        return None
+    options = {} if compile is True else dict(compile)
+    mode = options.get("mode") or "default"
+    if mode in ("reduce-overhead", "max-autotune"):
+        raise ValueError(
+            f"enable(compile={{'mode': {mode!r}}}) would capture inductor's own CUDA graphs "
+            "inside tgraph's; use mode 'default' or 'max-autotune-no-cudagraphs'"
+        )
+    return options
+
+
+def warn_skipped_call(cls: type, base: type) -> None:
+    """A class after ``base`` (GraphableModule) in ``cls``'s MRO whose ``__call__`` the graphed
+    dispatch takes the place of (transformers' ``GradientCheckpointingLayer`` checkpoints
+    there): say so once, unless ``cls`` itself defines ``__call__`` (it handled that)."""
+    mro = cls.__mro__
+    if "__call__" in cls.__dict__ or base not in mro:
+        return
+    after = mro[mro.index(base) + 1 :]
+    skipped = [c for c in after if c not in (torch.nn.Module, object) and "__call__" in c.__dict__]
+    if skipped:
+        hint = (
+            " For transformers layers use tgraph.integrations.transformers.graph_layers(model)."
+            if skipped[0].__module__.startswith("transformers")
+            else ""
+        )
+        warnings.warn(
+            f"{cls.__name__}: GraphableModule.__call__ takes the place of "
+            f"{skipped[0].__qualname__}.__call__, which does not run for graphed calls (e.g. "
+            f"gradient checkpointing done there).{hint}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def module_call(module: torch.nn.Module) -> Any:
