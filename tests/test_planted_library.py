@@ -201,3 +201,38 @@ def test_load_state_dict_assign_keeps_replaying_on_the_new_parameters(backend, d
     torch.testing.assert_close(got, want, **tol)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, **tol, msg=lambda s, n=n: f"{n}: {s}")
+
+
+# -- messages: the module by its place in the model, and what strict mode does ---------------
+
+
+def test_a_hook_on_the_head_of_a_merged_stack_is_named_by_its_path(backend, device):
+    """A hook registered after capture on a submodule of the stack's first block: each warning
+    names the module by its path in the model; the second block's says it runs eagerly because
+    its stack does, naming the first block's hook (not a hook of its own)."""
+    model, ref = make_pair(device)
+    data = batches(device, 4)
+
+    def before(i, m, opt):
+        if i == 2:
+            m.blocks[0].fc1.register_forward_hook(lambda *a: None)
+
+    want = train(ref, data, before=before)
+    with fallbacks() as msgs:
+        got = train(model, data, backend, before=before)
+    torch.testing.assert_close(got, want, **TOL)
+    assert len(msgs) == 2, msgs
+    head, member = msgs
+    assert head.startswith("no captured graph of blocks.0 (Block) matches"), head
+    assert "blocks.0.fc1._forward_hooks" in head, head
+    assert member.startswith("no captured graph of blocks.1 (Block) matches"), member
+    assert "merged stack" in member and "blocks.0.fc1._forward_hooks" in member, member
+
+
+def test_strict_error_does_not_claim_to_run_eagerly(backend, device):
+    blk, _, x, m = _masked_pair(backend, device, strict=True)
+    with pytest.raises(tgraph.GraphFallbackError) as info:
+        blk(x, scale=2.0, mask=m)
+    msg = str(info.value)
+    assert "Running it eagerly" not in msg and "strict=True" in msg, msg
+    assert "scale" in msg, msg

@@ -310,7 +310,7 @@ class GraphedUnit:
     def labelled_modules(self) -> list[tuple[str, torch.nn.Module]]:
         out = []
         for r in self.members:
-            root = type(r.module).__name__
+            root = getattr(r.module.__dict__.get("_tgraph"), "name", "") or type(r.module).__name__
             out += [(f"{root}.{n}" if n else root, m) for n, m in r.module.named_modules()]
         return out
 

@@ -80,6 +80,7 @@ class _ModuleState:
     compiled: Any = None  # torch.compile of the module's call (enable(compile=...)), or None
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
+    name: str = ""  # the module's qualified name in the enabled model (``blocks.3``), for messages
 
 
 class _Manager:
@@ -181,14 +182,16 @@ class _Manager:
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
         self.eager_calls += 1
-        name = type(module).__name__
-        msg = (
-            f"no captured graph of {name} matches this call: {reason}. "
-            "Running it eagerly. To graph this case, include it in the recorded iteration "
-            "and call tgraph.reset() then tgraph.create_graphs() again."
+        cls = type(module).__name__
+        name = f"{state.name} ({cls})" if state.name and state.name != cls else cls
+        fix = (
+            "To graph this case, include it in the recorded iteration and call tgraph.reset() "
+            "then tgraph.create_graphs() again."
         )
-        if state.strict:
-            raise GraphFallbackError(msg + " (strict=True turns this fallback into an error)")
+        head = f"no captured graph of {name} matches this call: {reason}."
+        if state.strict:  # nothing ran: the call raises instead of running eagerly
+            raise GraphFallbackError(f"{head} strict=True refuses to run it eagerly. {fix}")
+        msg = f"{head} Running it eagerly. {fix}"
         if reason not in state.warned:
             state.warned.add(reason)
             warnings.warn(msg, GraphFallbackWarning, stacklevel=4)
@@ -329,6 +332,7 @@ def enable(
         )
     for cls in {type(m) for m in found}:
         warn_skipped_call(cls, GraphableModule)
+    qualified = {id(m): n for n, m in model.named_modules()}
     for m in found:
         old = m.__dict__.get("_tgraph")
         named = list(m.named_modules())
@@ -345,6 +349,7 @@ def enable(
             tuple(sub for _, sub in named),
             [name or type(m).__name__ for name, _ in named],
             compiled_call(m, compile_options),
+            name=qualified.get(id(m)) or type(m).__name__,
         )
         if old is not None:  # enabled again: new options, same recorded runners
             m._tgraph.runners = old.runners
