@@ -181,12 +181,15 @@ def _ema_run(model, data, x_eval, backend=None, *, how: str):
         tgraph.enable(model, backend=backend)
     losses, evals, train_msgs, eval_msgs = [], [], [], []
     for i, (x, y) in enumerate(data):
+        before = eager_calls()
         with fallbacks() as msgs:
             loss = F.mse_loss(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        train_msgs += msgs if i > 0 else []
+        n = eager_calls() - before  # a reason warned at an evaluation is not warned again
+        if i > 0:
+            train_msgs += msgs + ([f"{n} training calls ran eagerly"] if n else [])
         losses.append(loss.detach())
         with torch.no_grad():
             for e, p in zip(ema, params):
