@@ -119,11 +119,12 @@ def test_repointed_running_stats_follow_the_graph(backend, device, repoint):
 # -- global module hooks registered after capture ------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward"])
 def test_global_hook_registered_after_capture_sees_every_call(backend, device, kind):
     """An activation logger registered globally after capture
-    (``register_module_forward_hook``): a replay would run no Python, so the graphed calls run
-    eagerly, the hook seeing every module call eager sees, and say so."""
+    (``register_module_forward_hook``, its pre-hook and full backward hook twins): a replay
+    would run no Python, so the graphed calls run eagerly, the hook seeing every module call
+    eager sees, and say so."""
     model, ref = make_pair(device)
     data = batches(device, 5)
     from torch.nn.modules import module as nn_module
@@ -131,6 +132,7 @@ def test_global_hook_registered_after_capture_sees_every_call(backend, device, k
     register = {
         "forward": nn_module.register_module_forward_hook,
         "forward_pre": nn_module.register_module_forward_pre_hook,
+        "full_backward": nn_module.register_module_full_backward_hook,
     }[kind]
 
     def run(m, backend=None):
@@ -157,7 +159,7 @@ def test_global_hook_registered_after_capture_sees_every_call(backend, device, k
 
     want, want_calls, _ = run(ref)
     got, got_calls, msgs = run(model, backend)
-    assert got_calls == want_calls and len(want_calls) == 3 * 9, (got_calls, want_calls)
+    assert got_calls == want_calls and len(want_calls) >= 3 * 8, (got_calls, want_calls)
     assert msgs and all("global" in m or "module_forward" in m for m in msgs), msgs
     torch.testing.assert_close(got, want, **TOL)
 
