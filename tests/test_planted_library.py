@@ -238,3 +238,27 @@ def test_strict_error_does_not_claim_to_run_eagerly(backend, device):
     msg = str(info.value)
     assert "Running it eagerly" not in msg and "strict=True" in msg, msg
     assert "scale" in msg, msg
+
+
+@pytest.mark.parametrize("how", ["set_to_none", "made_a_plain_tensor"])
+def test_a_parameter_removed_after_capture_runs_eagerly_naming_it(backend, device, how):
+    """The call key reads the parameters where the module holds them: one set to None (or
+    replaced by a plain tensor) after capture is no crash and no stale graph; the call runs
+    eagerly, saying the module's parameters changed, and trains as eager."""
+
+    def before(i, model, opt):
+        if i == 2:
+            fc2 = model.blocks[0].fc2
+            if how == "set_to_none":
+                fc2.bias = None
+            else:
+                del fc2.bias
+                fc2.bias = torch.zeros(D, device=device)
+
+    model, ref = make_pair(device)
+    data = batches(device, 4)
+    want = train(ref, data, before=before)
+    with fallbacks() as msgs:
+        got = train(model, data, backend, before=before)
+    torch.testing.assert_close(got, want, **TOL)
+    assert msgs and "holds 3 parameters, recorded with 4" in msgs[0], msgs

@@ -109,7 +109,14 @@ class _Manager:
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
         try:
-            key = call_key(args, kwargs, training, tensors, _live_params(module, state))
+            try:  # requires_grad of the parameters the module holds now
+                params = map(operator.getitem, state.param_tables, state.param_keys)
+                key = call_key(args, kwargs, training, tensors, params)
+            except (KeyError, AttributeError):  # one removed or set to None since enable()
+                tensors.clear()
+                state.param_tables, state.param_keys = _param_slots(module)
+                params = map(operator.getitem, state.param_tables, state.param_keys)
+                key = call_key(args, kwargs, training, tensors, params)
         except MutableArgument as exc:
             return self._eager(module, state, args, kwargs, str(exc))
         except RuntimeError as exc:  # e.g. a nested tensor, which has no sizes
@@ -367,15 +374,6 @@ def _param_slots(module: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     return tuple(module.get_submodule(m)._parameters for m, _, _ in named), tuple(
         k for _, _, k in named
     )
-
-
-def _live_params(module: nn.Module, state: _ModuleState) -> tuple[torch.Tensor, ...]:
-    """The parameters ``module`` holds now (a call key reads their ``requires_grad``)."""
-    try:
-        return tuple(map(operator.getitem, state.param_tables, state.param_keys))
-    except KeyError:  # a parameter removed since enable() (parametrize): find them again
-        state.param_tables, state.param_keys = _param_slots(module)
-        return tuple(map(operator.getitem, state.param_tables, state.param_keys))
 
 
 def disable(model: nn.Module) -> None:
