@@ -47,6 +47,7 @@ from tgraph.layers.runner import (
     compile_options_of,
     compiled_call,
     module_call,
+    named,
     warn_skipped_call,
 )
 from tgraph.layers.segment import Segment
@@ -189,8 +190,7 @@ class _Manager:
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
         self.eager_calls += 1
-        cls = type(module).__name__
-        name = f"{state.name} ({cls})" if state.name and state.name != cls else cls
+        name = named(module)
         fix = (
             "To graph this case, include it in the recorded iteration and call tgraph.reset() "
             "then tgraph.create_graphs() again."

@@ -77,7 +77,7 @@ class Runner(GraphedUnit):
 
     def __repr__(self) -> str:
         shapes = [tuple(s.shape) for s in self.samples or self.static_inputs]
-        return f"Runner({type(self.module).__name__}, inputs={shapes}, grad={self.grad_mode})"
+        return f"Runner({named(self.module)}, inputs={shapes}, grad={self.grad_mode})"
 
     # ----------------------------------------------------------------- capture
     def _prepare_capture(self) -> None:
@@ -154,6 +154,14 @@ class Runner(GraphedUnit):
         if self.out_template is None:  # warmup; replays keep the capture's template
             self.out_template = template
         return tensors
+
+
+def named(module: torch.nn.Module) -> str:
+    """``module`` as messages name it: its path in the enabled model and its class
+    (``blocks.3 (Block)``), or its class where the path is not known."""
+    cls = type(module).__name__
+    path = getattr(module.__dict__.get("_tgraph"), "name", "")
+    return f"{path} ({cls})" if path and path != cls else cls
 
 
 def compiled_call(module: torch.nn.Module, options: dict[str, Any] | None) -> Any:
