@@ -167,12 +167,12 @@ def test_global_hook_registered_after_capture_sees_every_call(backend, device, k
 # -- load_state_dict(assign=True): later calls replay on the new parameters ------------------
 
 
-def _assign_run(model, data, sd, backend=None):
+def _assign_run(model, data, sd, backend=None, **enable):
     """SGD steps; after step 1 the checkpoint ``sd`` is loaded with ``assign=True`` (new
     parameter objects, so a new optimizer). Graphs are created after step 0."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     if backend is not None:
-        tgraph.enable(model, backend=backend, strict=True)  # any fallback raises
+        tgraph.enable(model, backend=backend, strict=True, **enable)  # any fallback raises
     losses = []
     for i, (x, y) in enumerate(data):
         if i == 2:
@@ -189,7 +189,12 @@ def _assign_run(model, data, sd, backend=None):
     return torch.stack(losses)
 
 
-def test_load_state_dict_assign_keeps_replaying_on_the_new_parameters(backend, device):
+@pytest.mark.parametrize(
+    "enable",
+    [{}, {"merge": False}, {"direct_grads": True}],
+    ids=["merged", "per_module", "direct_grads"],
+)
+def test_load_state_dict_assign_keeps_replaying_on_the_new_parameters(backend, device, enable):
     """After ``load_state_dict(assign=True)`` nothing of tgraph may keep the replaced parameters
     alive: the units re-bind to the new ones and every later call replays (strict mode), equal
     to an eager twin that loaded the same checkpoint."""
@@ -199,7 +204,7 @@ def test_load_state_dict_assign_keeps_replaying_on_the_new_parameters(backend, d
     data = batches(device, 6)
     tol = TOL if backend == "cuda" else dict(rtol=0, atol=0)
     want = _assign_run(ref, data, sd)
-    got = _assign_run(model, data, sd, backend)
+    got = _assign_run(model, data, sd, backend, **enable)
     torch.testing.assert_close(got, want, **tol)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, **tol, msg=lambda s, n=n: f"{n}: {s}")
