@@ -212,13 +212,11 @@ class DirectRoute:
     __slots__ = ("mask", "params", "unique", "anchor", "anchor_node")
 
     def __init__(self, kept: list[torch.Tensor], device: torch.device) -> None:
-        # Per parameter autograd would get: direct? Not the first direct one (every use of
-        # it): an edge from the node to a parameter makes backward(inputs=params) and
-        # torch.autograd.grad(loss, params) run the node, whose check refuses them, instead
-        # of skipping it and leaving the parameters it writes without gradients, silently.
+        # Per parameter autograd would get: direct? Not the first one: an edge to a parameter
+        # makes backward(inputs=params) run the node (to be refused), not skip it silently.
         mask = list(map(_direct, kept))
-        sentinel = next((p for p, m in zip(kept, mask) if m), None)
-        self.mask = tuple(m and p is not sentinel for p, m in zip(kept, mask))
+        first = next((p for p, m in zip(kept, mask) if m), None)
+        self.mask = tuple(m and p is not first for p, m in zip(kept, mask))
         self.params = [p for p, m in zip(kept, self.mask) if m]
         self.unique = len(set(map(id, self.params))) == len(self.params)
         self.anchor = torch.zeros((), device=device, requires_grad=True)
