@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import cProfile
 import json
+import operator
 import os
 import pstats
 import statistics
@@ -287,16 +288,21 @@ def _clock_cost() -> float:
     return statistics.median(gaps)
 
 
+def _params(state):
+    """The module's parameters, looked up where it holds them (as ``_Manager.call`` does)."""
+    return map(operator.getitem, state.param_tables, state.param_keys)
+
+
 def time_key(sample: tuple) -> dict:
     """Best-of-7 microseconds of the call key (as ``_Manager.call`` computes it) and of the
     runner lookup, on a recorded call's arguments."""
     module, state, args, kwargs = sample
     training = tuple(map(tgraph_module._TRAINING, state.submodules))
-    key = signature.call_key(args, kwargs, training, [], state.params)
+    key = signature.call_key(args, kwargs, training, [], _params(state))
 
     def key_once():
         tr = tuple(map(tgraph_module._TRAINING, state.submodules))
-        return signature.call_key(args, kwargs, tr, [], state.params)
+        return signature.call_key(args, kwargs, tr, [], _params(state))
 
     def lookup_once():
         return state.runners.get(key)

@@ -129,10 +129,22 @@ def fallbacks() -> Iterator[list[str]]:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
+def eager_calls() -> int:
+    """Calls of graphed modules that ran eagerly since the last reset (each fallback counts;
+    warnings are given once per reason, so they cannot count replays)."""
+    from tgraph.layers.manager import _manager
+
+    return _manager.eager_calls
+
+
 def assert_never_silent(msgs: list[str], names: str) -> None:
-    """Fallback-or-follow: every fallback warning must name the change (regex ``names``)."""
+    """Fallback-or-follow: every fallback warning must name the change (regex ``names``), in
+    its reason: the rest of the message (the module's class, "call ... again") is the same
+    for every fallback and would match a short name by chance."""
     for m in msgs:
-        assert re.search(names, m), f"fallback warning does not name {names!r}: {m}"
+        found = re.search(r"matches this call: (.*?)\. (?:Running it eagerly|strict=True)", m, re.S)
+        reason = found.group(1) if found else m
+        assert re.search(names, reason), f"fallback warning does not name {names!r}: {m}"
 
 
 def fallback_error() -> type[BaseException]:

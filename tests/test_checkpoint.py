@@ -59,7 +59,7 @@ def test_keeps_dtype_and_unwraps_wrappers(tmp_path):
 def test_graphed_model_checkpoint_moves_to_eager_and_back(backend, device, tmp_path):
     """Per-layer graphs on (recorded, captured, replayed): same keys and weights both ways."""
     graphed = tiny_gpt(seed=1).to(device)
-    tgraph.enable(graphed, backend=backend)
+    tgraph.enable(graphed, backend=backend, strict=True)  # a call after capture replays
     idx = torch.randint(0, 64, (2, 8), device=device)
     for _ in range(2):  # record, then replay
         graphed(idx, idx)[1].backward()
@@ -73,6 +73,8 @@ def test_graphed_model_checkpoint_moves_to_eager_and_back(backend, device, tmp_p
     checkpoint.save(other, tmp_path / "from_eager")
     checkpoint.load_into(graphed, tmp_path / "from_eager")
     assert_same_weights(other, graphed)
+    # the graphs read the loaded weights (replayed: strict mode)
+    torch.testing.assert_close(graphed(idx, idx)[1], other(idx, idx)[1], rtol=1e-6, atol=1e-6)
 
 
 def test_atomic_writer_keeps_old_file_on_failure(tmp_path):

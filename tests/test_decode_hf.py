@@ -144,6 +144,22 @@ def test_greedy_tokens_equal_generate(family, backend, device):
     assert st.prefill_bucket_steps == {16: 2, 32: 1} and st.prefill_eager == 0
 
 
+def test_a_training_model_is_served_in_eval_mode_and_left_training(backend, device):
+    """Sampling between training steps: the engine captures and decodes in eval mode (GPT-2's
+    dropout off: the tokens of an eval copy's generate), and the model is training again after
+    construction and after each generate, as the toy GPT's adapter leaves it."""
+    model = make("gpt2", device)
+    want = reference(model, prompts())
+    model.train()
+    eng = engine(model, backend)
+    assert all(m.training for m in model.modules())  # after capture
+    assert eng.generate(prompts(), NEW_TOKENS) == want
+    assert all(m.training for m in model.modules())  # after generate
+    model.eval()
+    eng.generate(prompts(), 2)
+    assert not any(m.training for m in model.modules())  # an eval model stays in eval mode
+
+
 def test_continuous_batching_and_eager_prefill_equal_generate(backend, device):
     """More requests than slots (they queue, join and leave), different output lengths, and a
     prompt above the largest prefill bucket (eager prefill)."""

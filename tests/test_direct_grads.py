@@ -83,8 +83,10 @@ def test_planted_bug_direct_grads_overwrite_instead_of_accumulate(backend, devic
 
 def test_the_engine_runs_no_accumulate_grad_for_parameters_written_directly(backend, device):
     """The point of the mode, and its documented blind spot: no AccumulateGrad node runs for a
-    parameter the node writes, so a hook on that node (not on the tensor) does not run either.
-    With the mode off, every parameter's node runs. The gradients are eager's both ways."""
+    parameter the node writes, so a hook on that node (not on the tensor) does not run either;
+    one parameter per unit keeps autograd's path (what makes backward(inputs=...) run the node,
+    which refuses it). With the mode off, every parameter's node runs. The gradients are
+    eager's both ways."""
     for direct in (True, False):
         model, eager, x = _captured(backend, device, direct_grads=direct, merge=False)
         ran = []
@@ -94,7 +96,7 @@ def test_the_engine_runs_no_accumulate_grad_for_parameters_written_directly(back
             node.register_hook(lambda grad_inputs, grad_outputs, ran=ran: ran.append(1))
         model(x).sum().backward()
         eager(x).sum().backward()
-        assert len(ran) == (0 if direct else len(params)), direct
+        assert len(ran) == (1 if direct else len(params)), direct
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
         tgraph.reset()
@@ -210,6 +212,26 @@ def test_autograd_grad_and_backward_inputs_are_refused(backend, device):
     assert w.grad is None
     model(x).sum().backward()  # a plain backward still works after the refusals
     assert w.grad is not None
+
+
+@pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad"])
+def test_gradients_asked_for_the_parameters_are_refused(backend, device, how):
+    """``backward(inputs=params)`` and ``autograd.grad(loss, params, allow_unused=True)`` where
+    nothing upstream of the graphed layers requires grad: the node's only edge was the anchor,
+    so autograd skipped it and every graphed parameter got no gradient, with no error. The
+    node must run and refuse; then a plain backward trains as eager."""
+    model, eager, x = _captured(backend, device)
+    params = list(model.parameters())
+    with pytest.raises(RuntimeError, match="direct_grads=True.*plain loss.backward"):
+        if how == "backward_inputs":
+            model(x).sum().backward(inputs=params)
+        else:
+            torch.autograd.grad(model(x).sum(), params, allow_unused=True)
+    assert all(p.grad is None for p in params)
+    model(x).sum().backward()  # strict: replayed
+    eager(x).sum().backward()
+    for p, q in zip(params, eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
 
 
 def test_torch_distributed_is_refused(backend, device):

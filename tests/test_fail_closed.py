@@ -20,6 +20,7 @@ from fail_closed_models import (
     assert_never_silent,
     assert_same_params,
     batches,
+    eager_calls,
     fallback_error,
     fallbacks,
     make_pair,
@@ -80,15 +81,24 @@ def test_repointed_parameters_train_graphed_on_live_weights(backend, device, rep
     model, ref = make_pair(device)
     data = batches(device, STEPS + 2)
     want = train(ref, data, before=repoint)
+    counts = []
+
+    def counted(i, model, opt):
+        counts.append(eager_calls())
+        return repoint(i, model, opt)
+
     with fallbacks() as msgs:
-        got = train(model, data, backend, before=repoint)
+        got = train(model, data, backend, before=counted)
+    counts.append(eager_calls())
     if repoint is _load_assign:
         # The first call of each block after the load runs eagerly, saying so: the last step's
         # graph still holds the old parameters, whose memory the graphs read. Later calls are
-        # graphed on the new ones (checked below by the losses and parameters).
+        # graphed on the new ones: no fallback after that step.
         assert len(msgs) <= len(model.blocks) and all("replaced" in m for m in msgs), msgs
+        assert counts[3] <= len(model.blocks) and counts[3:] == [counts[3]] * (STEPS), counts
     else:
         assert not msgs, msgs
+        assert counts == [0] * (STEPS + 3), counts
     torch.testing.assert_close(got, want, **TOL)
     assert_same_params(model, ref)
 
@@ -171,12 +181,15 @@ def _ema_run(model, data, x_eval, backend=None, *, how: str):
         tgraph.enable(model, backend=backend)
     losses, evals, train_msgs, eval_msgs = [], [], [], []
     for i, (x, y) in enumerate(data):
+        before = eager_calls()
         with fallbacks() as msgs:
             loss = F.mse_loss(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        train_msgs += msgs if i > 0 else []
+        n = eager_calls() - before  # a reason warned at an evaluation is not warned again
+        if i > 0:
+            train_msgs += msgs + ([f"{n} training calls ran eagerly"] if n else [])
         losses.append(loss.detach())
         with torch.no_grad():
             for e, p in zip(ema, params):

@@ -21,6 +21,7 @@ from fail_closed_models import (
     Net,
     assert_same_params,
     batches,
+    eager_calls,
     fallback_error,
     fallbacks,
     make_pair,
@@ -28,6 +29,7 @@ from fail_closed_models import (
 )
 
 import tgraph
+from tgraph.grads import swaps_storage
 
 STEPS = 4
 
@@ -224,6 +226,13 @@ def test_output_aliasing_the_input_keeps_its_value(backend, device, view, grad):
     got = _keep_inputs_run(model, data, backend, grad=grad)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **TOL)
+    # Training calls replay (kept outputs are moved out of the graph's memory, which needs
+    # PyTorch >= 2.13); without grad the kept outputs hold the unit (hold_while_alive): the
+    # first call after capture replays, the later ones run eagerly, saying so.
+    if not grad:
+        assert eager_calls() == STEPS - 2
+    elif swaps_storage():
+        assert eager_calls() == 0
 
 
 class FeatureNet(Net):
@@ -260,6 +269,8 @@ def test_training_output_kept_across_steps(backend, device, how):
     want = _bank_run(ref, data, how=how)
     got = _bank_run(model, data, backend, how=how)
     torch.testing.assert_close(got, want, **TOL)
+    if swaps_storage():  # replayed, the kept outputs moved out of the graph's memory
+        assert eager_calls() == 0
 
 
 def test_held_outputs_are_protected_without_storage_swaps(backend, device, monkeypatch):

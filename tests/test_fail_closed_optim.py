@@ -98,7 +98,7 @@ CHANGES = {
 
 
 def _eager_run(device, change):
-    model = make_mlp(device)
+    model = getattr(change, "make_model", make_mlp)(device)
     opt = change.start(model, device)
     for i, (x, y) in enumerate(batches(device, STEPS)):
         change(i, model, opt)
@@ -109,7 +109,7 @@ def _eager_run(device, change):
 
 
 def _optimizer_graph_run(backend, device, change):
-    model = make_mlp(device)
+    model = getattr(change, "make_model", make_mlp)(device)
     opt = change.start(model, device)
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
     for i, (x, y) in enumerate(batches(device, STEPS)):
@@ -123,7 +123,7 @@ def _optimizer_graph_run(backend, device, change):
 
 
 def _full_iteration_run(backend, device, change):
-    model = make_mlp(device)
+    model = getattr(change, "make_model", make_mlp)(device)
     opt = change.start(model, device)
 
     def train_step(batch):

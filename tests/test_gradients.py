@@ -248,9 +248,9 @@ def test_the_parameters_gradient_accumulators_live_as_long_as_the_graphs(backend
     """Autograd holds a leaf's AccumulateGrad node only through the graph's edges: tgraph holds
     the graphed parameters' nodes, so replays do not build them anew each step. Seen through
     the node's metadata, which lives and dies with the node; also after the gradients are
-    re-routed to parameters replaced after capture (load_state_dict(assign=True): the first
-    call after it runs eagerly, test_fail_closed says why)."""
-    mod, eager, x = _scaled_pair(backend, device, strict=False)
+    re-routed to parameters replaced after capture (load_state_dict(assign=True)); every call
+    replays (strict mode)."""
+    mod, eager, x = _scaled_pair(backend, device)
     loose = nn.Parameter(torch.ones(()))  # no holder: a new node at each call
     _accumulator(loose).metadata["mark"] = 1
     assert "mark" not in _accumulator(loose).metadata
@@ -260,8 +260,7 @@ def test_the_parameters_gradient_accumulators_live_as_long_as_the_graphs(backend
         mod.zero_grad(set_to_none=True)
     assert _accumulator(mod.lin.weight).metadata.get("mark") == 1
     mod.load_state_dict({k: v.clone() for k, v in eager.state_dict().items()}, assign=True)
-    with pytest.warns(tgraph.GraphFallbackWarning, match="replaced after capture"):
-        mod(x).sum().backward()
+    mod(x).sum().backward()  # replayed on the new parameters: nothing holds the old ones
     eager(x).sum().backward()
     _accumulator(mod.lin.weight).metadata["mark"] = 2
     for _ in range(2):  # graphed on the new parameters

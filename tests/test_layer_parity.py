@@ -40,7 +40,7 @@ def test_ten_steps_match_eager(backend, device, which, merge):
     }
     for u in units.values():  # every block parameter gets its gradient from the backward graph
         members = u.runners if merge else [u]
-        assert [id(p) for p in u.cap.params] == [
+        assert [id(p) for p in u.state.params] == [
             id(p) for r in members for p in r.module.parameters()
         ]
     report = tgraph.layers.manager._manager.report
@@ -91,16 +91,19 @@ def test_no_grad_outputs_are_never_overwritten_while_alive(backend, device):
         block(x1)
     tgraph.create_graphs()
     eager = torch.nn.Module.__call__
+    fell_back = lambda: tgraph.layers.manager._manager.eager_calls  # noqa: E731
     with torch.no_grad():
         y1 = block(x1)  # replayed: a view of the static output buffer
+        assert fell_back() == 0
         with pytest.warns(tgraph.GraphFallbackWarning, match="awaiting its backward"):
             y2 = block(x2)  # y1 alive: runs eagerly instead of overwriting it
+        assert fell_back() == 1
         torch.testing.assert_close(y1, eager(block, x1))
         torch.testing.assert_close(y2, eager(block, x2))
         ptr = y1.data_ptr()
         del y1
         y3 = block(x2)  # y1 gone: the graph replays again, into the same buffer
-        assert y3.data_ptr() == ptr
+        assert y3.data_ptr() == ptr and fell_back() == 1
         torch.testing.assert_close(y3, eager(block, x2))
 
 

@@ -154,8 +154,9 @@ class DirectGrads:
     Exact for ``loss.backward()`` in one process. Refused with an error naming the fix:
     torch.distributed initialized (DDP, FSDP and megatron hook the parameters' grad
     accumulators, which would not run); ``backward(inputs=...)`` or ``torch.autograd.grad``
-    through a graphed layer (they would not accumulate into every ``.grad``); torch.func
-    transforms. Parameters with tensor hooks (``register_hook``,
+    through a graphed layer (they would not accumulate into every ``.grad``; one parameter
+    per unit keeps autograd's path so that a list of parameters reaches the node, which
+    refuses it); torch.func transforms. Parameters with tensor hooks (``register_hook``,
     ``register_post_accumulate_grad_hook``), non-contiguous or non-leaf ones, and every
     parameter of a unit whose gradients are not packed (mixed dtypes) keep autograd's path; a
     hook registered after capture, or a parameter laid out anew, moves it back to that path
@@ -211,7 +212,11 @@ class DirectRoute:
     __slots__ = ("mask", "params", "unique", "anchor", "anchor_node")
 
     def __init__(self, kept: list[torch.Tensor], device: torch.device) -> None:
-        self.mask = tuple(map(_direct, kept))  # per parameter autograd would get: direct?
+        # Per parameter autograd would get: direct? Not the first one: an edge to a parameter
+        # makes backward(inputs=params) run the node (to be refused), not skip it silently.
+        mask = list(map(_direct, kept))
+        first = next((p for p, m in zip(kept, mask) if m), None)
+        self.mask = tuple(m and p is not first for p, m in zip(kept, mask))
         self.params = [p for p, m in zip(kept, self.mask) if m]
         self.unique = len(set(map(id, self.params))) == len(self.params)
         self.anchor = torch.zeros((), device=device, requires_grad=True)

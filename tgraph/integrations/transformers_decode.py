@@ -53,7 +53,8 @@ import transformers; the first model whose class lives in ``transformers`` that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -80,7 +81,8 @@ class TransformersDecoder:
     """A transformers causal LM behind the decode interface (see the module docstring).
 
     Args:
-        model: one of :data:`SUPPORTED`; switched to eval mode. Its weights are used in place
+        model: one of :data:`SUPPORTED`; in eval mode while the engine captures or generates
+            (:meth:`serving`), in its own train/eval mode after. Its weights are used in place
             (graphs captured before a weight is *reallocated*, e.g. by ``model.to``, keep
             reading the old memory: build a new engine after moving the model).
         tokenizer: optional transformers tokenizer for text prompts (``encode``/``decode``).
@@ -101,8 +103,8 @@ class TransformersDecoder:
                 "Implement prefill/decode_step (tgraph.decode.interface) for it, or register an "
                 "adapter with @tgraph.decode.as_decode_model.register"
             )
-        model.eval()
         self.model = model
+        self._serving = False
         self.architecture = family
         cfg = model.config
         self.vocab_size = cfg.vocab_size
@@ -115,6 +117,23 @@ class TransformersDecoder:
         self.n_layer = len(self.layers)
         self.n_query_heads = self.n_head * self.groups
         self._set_tokenizer(tokenizer)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Eval mode while the engine captures or generates; the model's own mode restored
+        after (nested calls leave it to the outermost), so sampling between training steps
+        leaves the model training."""
+        if self._serving:
+            yield
+            return
+        was_training = self.model.training
+        self.model.eval()
+        self._serving = True
+        try:
+            yield
+        finally:
+            self._serving = False
+            self.model.train(was_training)
 
     # -- set-up per family ------------------------------------------------------------------
 

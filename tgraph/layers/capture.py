@@ -58,7 +58,7 @@ from tgraph.grads import (
 )
 from tgraph.guards import RefuseHostSync
 from tgraph.layers.captured import Captured, ReplayState
-from tgraph.layers.follow import output_cdata, set_params
+from tgraph.layers.follow import output_cdata, route
 from tgraph.memory import UnitMemory, tensor_bytes
 from tgraph.pool import NEVER, storage_uses, use_counts
 
@@ -307,7 +307,7 @@ class GraphedUnit:
     def labelled_modules(self) -> list[tuple[str, torch.nn.Module]]:
         out = []
         for r in self.members:
-            root = type(r.module).__name__
+            root = getattr(r.module.__dict__.get("_tgraph"), "name", "") or type(r.module).__name__
             out += [(f"{root}.{n}" if n else root, m) for n, m in r.module.named_modules()]
         return out
 
@@ -354,7 +354,9 @@ class GraphedUnit:
             static_grad_outputs=tuple(self.static_grad_outputs),
             static_grads=tuple(self.static_grads),
             param_grads=tuple(self._param_grads),
-            params=tuple(self.params),
+            # a module's parameter is found in the modules (its slot): not held here, so one
+            # replaced by load_state_dict(assign=True) is freed and the unit can re-bind
+            params=tuple(p if id(p) not in where else None for p in self.params),
             packing=self.packing,
             fusion=self.fusion,
             direct=self.direct,
@@ -374,7 +376,7 @@ class GraphedUnit:
         )
         st = self.state
         st.hook_epoch = baked.hook_epoch
-        set_params(cap, st, list(cap.params))
+        route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         st.output_cdata = output_cdata(outs)
         st.output_uses = use_counts(st.output_cdata)

@@ -69,7 +69,7 @@ class Captured:
     static_grad_outputs: tuple[torch.Tensor, ...]
     static_grads: tuple[torch.Tensor | None, ...]  # input gradients, per static input
     param_grads: tuple[torch.Tensor | None, ...]  # per parameter, when not packed
-    params: tuple[torch.Tensor, ...]  # the parameters the backward differentiates
+    params: tuple[torch.Tensor | None, ...]  # what the backward differentiates; None: slot's
     packing: ParamGradPacking
     fusion: MainGradFusion
     direct: DirectGrads  # opt-in: the node writes parameter gradients to .grad itself

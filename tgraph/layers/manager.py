@@ -34,10 +34,7 @@ import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
 from tgraph.backend import check_backend_name
-from tgraph.baked import (
-    call_with_own_hooks,
-    hooks_run_outside,
-)
+from tgraph.baked import call_with_own_hooks, hooks_run_outside
 from tgraph.errors import GraphFallbackError
 from tgraph.grads import DirectGrads, ParamGradPacking
 from tgraph.layers import capture as _unit
@@ -45,7 +42,14 @@ from tgraph.layers.capture import graphed_region
 from tgraph.layers.record import NoteBackward, Record
 from tgraph.layers.replay import REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
-from tgraph.layers.runner import Runner, compiled_call, module_call
+from tgraph.layers.runner import (
+    Runner,
+    compile_options_of,
+    compiled_call,
+    module_call,
+    named,
+    warn_skipped_call,
+)
 from tgraph.layers.segment import Segment
 from tgraph.layers.signature import MutableArgument, call_key, difference, split
 from tgraph.memory import CaptureReport, MemoryReport
@@ -67,12 +71,17 @@ class _ModuleState:
     main_grad_fusion: bool = False
     capturable_hooks: bool = False
     direct_grads: bool = False
-    params: tuple = ()  # the module's parameters (their requires_grad is part of every key)
+    # Where the module's parameters are (their ``_parameters`` dicts and names): every key
+    # reads their requires_grad there, so a replaced parameter (load_state_dict(assign=True))
+    # is read anew and the replaced one is not kept alive here.
+    param_tables: tuple = ()
+    param_keys: tuple = ()
     submodules: tuple = ()  # module.modules(): their training flags are part of every key
     names: list[str] = field(default_factory=list)  # the submodules' names, for messages
     compiled: Any = None  # torch.compile of the module's call (enable(compile=...)), or None
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
+    name: str = ""  # the module's qualified name in the enabled model (``blocks.3``), for messages
 
 
 class _Manager:
@@ -113,7 +122,14 @@ class _Manager:
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
         try:
-            key = call_key(args, kwargs, training, tensors, state.params)
+            try:  # requires_grad of the parameters the module holds now
+                params = map(operator.getitem, state.param_tables, state.param_keys)
+                key = call_key(args, kwargs, training, tensors, params)
+            except (KeyError, AttributeError):  # one removed or set to None since enable()
+                tensors.clear()
+                state.param_tables, state.param_keys = _param_slots(module)
+                params = map(operator.getitem, state.param_tables, state.param_keys)
+                key = call_key(args, kwargs, training, tensors, params)
         except MutableArgument as exc:
             return self._eager(module, state, args, kwargs, str(exc))
         except RuntimeError as exc:  # e.g. a nested tensor, which has no sizes
@@ -160,8 +176,6 @@ class _Manager:
         record (:meth:`tgraph.layers.capture.GraphedUnit.rebind`) and key calls on them, then replay."""
         unit = runner.segment or runner
         unit.rebind()
-        for r in unit.members:  # the call key reads their requires_grad
-            r.module._tgraph.params = tuple(r.module.parameters())
         out = replay_call(runner.cap, runner.state, runner.seg_index, tensors)
         return "its parameters were replaced after capture" if out is REBIND else out
 
@@ -188,14 +202,15 @@ class _Manager:
 
     def _eager(self, module: nn.Module, state: _ModuleState, args, kwargs, reason: str):
         self.eager_calls += 1
-        name = type(module).__name__
-        msg = (
-            f"no captured graph of {name} matches this call: {reason}. "
-            "Running it eagerly. To graph this case, include it in the recorded iteration "
-            "and call tgraph.reset() then tgraph.create_graphs() again."
+        name = named(module)
+        fix = (
+            "To graph this case, include it in the recorded iteration and call tgraph.reset() "
+            "then tgraph.create_graphs() again."
         )
-        if state.strict:
-            raise GraphFallbackError(msg + " (strict=True turns this fallback into an error)")
+        head = f"no captured graph of {name} matches this call: {reason}."
+        if state.strict:  # nothing ran: the call raises instead of running eagerly
+            raise GraphFallbackError(f"{head} strict=True refuses to run it eagerly. {fix}")
+        msg = f"{head} Running it eagerly. {fix}"
         if reason not in state.warned:
             state.warned.add(reason)
             warnings.warn(msg, GraphFallbackWarning, stacklevel=4)
@@ -311,7 +326,7 @@ def enable(
             initialized.
         RuntimeError: graphs already exist (call :func:`reset` first).
     """
-    compile_options = _compile_options(compile)
+    compile_options = compile_options_of(compile)
     check_backend_name(backend)
     if direct_grads:
         DirectGrads.refuse_distributed()
@@ -326,7 +341,8 @@ def enable(
             "subclass tgraph.GraphableModule instead of nn.Module"
         )
     for cls in {type(m) for m in found}:
-        _warn_skipped_call(cls)
+        warn_skipped_call(cls, GraphableModule)
+    qualified = {id(m): n for n, m in model.named_modules()}
     for m in found:
         old = m.__dict__.get("_tgraph")
         named = list(m.named_modules())
@@ -339,10 +355,11 @@ def enable(
             main_grad_fusion,
             capturable_hooks,
             direct_grads,
-            tuple(m.parameters()),
+            *_param_slots(m),
             tuple(sub for _, sub in named),
             [name or type(m).__name__ for name, _ in named],
             compiled_call(m, compile_options),
+            name=qualified.get(id(m)) or type(m).__name__,
         )
         if old is not None:  # enabled again: new options, same recorded runners
             m._tgraph.runners = old.runners
@@ -354,42 +371,12 @@ def enable(
     return model
 
 
-def _compile_options(compile: bool | dict[str, Any]) -> dict[str, Any] | None:  # noqa: A002
-    """``torch.compile`` keyword arguments of ``enable(compile=...)``; None: no compilation."""
-    if compile is False or compile is None:
-        return None
-    options = {} if compile is True else dict(compile)
-    mode = options.get("mode") or "default"
-    if mode in ("reduce-overhead", "max-autotune"):
-        raise ValueError(
-            f"enable(compile={{'mode': {mode!r}}}) would capture inductor's own CUDA graphs "
-            "inside tgraph's; use mode 'default' or 'max-autotune-no-cudagraphs'"
-        )
-    return options
-
-
-def _warn_skipped_call(cls: type) -> None:
-    """A base class after GraphableModule in the MRO whose ``__call__`` the graphed dispatch
-    takes the place of (transformers' ``GradientCheckpointingLayer`` checkpoints there): say
-    so once, unless the class itself defines ``__call__`` (it handled that)."""
-    mro = cls.__mro__
-    if "__call__" in cls.__dict__ or GraphableModule not in mro:
-        return
-    after = mro[mro.index(GraphableModule) + 1 :]
-    skipped = [c for c in after if c not in (nn.Module, object) and "__call__" in c.__dict__]
-    if skipped:
-        hint = (
-            " For transformers layers use tgraph.integrations.transformers.graph_layers(model)."
-            if skipped[0].__module__.startswith("transformers")
-            else ""
-        )
-        warnings.warn(
-            f"{cls.__name__}: GraphableModule.__call__ takes the place of "
-            f"{skipped[0].__qualname__}.__call__, which does not run for graphed calls (e.g. "
-            f"gradient checkpointing done there).{hint}",
-            UserWarning,
-            stacklevel=3,
-        )
+def _param_slots(module: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    """Per parameter of ``module`` (``parameters()`` order), its ``_parameters`` dict and name."""
+    named = [n.rpartition(".") for n, _ in module.named_parameters()]
+    return tuple(module.get_submodule(m)._parameters for m, _, _ in named), tuple(
+        k for _, _, k in named
+    )
 
 
 def disable(model: nn.Module) -> None:

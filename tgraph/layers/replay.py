@@ -119,8 +119,8 @@ def call(cap: Captured | None, state: ReplayState, j: int, tensors: list[torch.T
         outs = take(cap, state, j, tensors)
         if outs is not None:
             return outs
-        if state.fell_back is not None:
-            return state.fell_back  # the stack runs eagerly for the same reason
+        if state.fell_back is not None:  # the stack runs eagerly, for the head's reason
+            return f"the merged stack {cap.name} it belongs to runs eagerly: {state.fell_back}"
         return (
             f"it was captured as module {j} of a merged stack ({cap.name}) but was not called "
             "right after the previous module with that module's unmodified output and the "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,7 +80,7 @@ class Runner(GraphedUnit):
 
     def __repr__(self) -> str:
         shapes = [tuple(s.shape) for s in self.samples or self.static_inputs]
-        return f"Runner({type(self.module).__name__}, inputs={shapes}, grad={self.grad_mode})"
+        return f"Runner({named(self.module)}, inputs={shapes}, grad={self.grad_mode})"
 
     # ----------------------------------------------------------------- capture
     def _prepare_capture(self) -> None:
@@ -197,6 +198,14 @@ def _refuse_escaping(module: torch.nn.Module, before: dict[tuple[str, str], int]
                 )
 
 
+def named(module: torch.nn.Module) -> str:
+    """``module`` as messages name it: its path in the enabled model and its class
+    (``blocks.3 (Block)``), or its class where the path is not known."""
+    cls = type(module).__name__
+    path = getattr(module.__dict__.get("_tgraph"), "name", "")
+    return f"{path} ({cls})" if path and path != cls else cls
+
+
 def compiled_call(module: torch.nn.Module, options: dict[str, Any] | None) -> Any:
     """``torch.compile`` of ``module``'s call (its forward and hooks), or None when ``options``
     is None. Compilation is lazy: the first call of the returned callable compiles. Modules of
@@ -209,6 +218,44 @@ def compiled_call(module: torch.nn.Module, options: dict[str, Any] | None) -> An
         return _tgraph_module.forward(*args, **kwargs)
 
     return torch.compile(call, **options)
+
+
+def compile_options_of(compile: bool | dict[str, Any]) -> dict[str, Any] | None:  # noqa: A002
+    """``torch.compile`` keyword arguments of ``enable(compile=...)``; None: no compilation."""
+    if compile is False or compile is None:
+        return None
+    options = {} if compile is True else dict(compile)
+    mode = options.get("mode") or "default"
+    if mode in ("reduce-overhead", "max-autotune"):
+        raise ValueError(
+            f"enable(compile={{'mode': {mode!r}}}) would capture inductor's own CUDA graphs "
+            "inside tgraph's; use mode 'default' or 'max-autotune-no-cudagraphs'"
+        )
+    return options
+
+
+def warn_skipped_call(cls: type, base: type) -> None:
+    """A class after ``base`` (GraphableModule) in ``cls``'s MRO whose ``__call__`` the graphed
+    dispatch takes the place of (transformers' ``GradientCheckpointingLayer`` checkpoints
+    there): say so once, unless ``cls`` itself defines ``__call__`` (it handled that)."""
+    mro = cls.__mro__
+    if "__call__" in cls.__dict__ or base not in mro:
+        return
+    after = mro[mro.index(base) + 1 :]
+    skipped = [c for c in after if c not in (torch.nn.Module, object) and "__call__" in c.__dict__]
+    if skipped:
+        hint = (
+            " For transformers layers use tgraph.integrations.transformers.graph_layers(model)."
+            if skipped[0].__module__.startswith("transformers")
+            else ""
+        )
+        warnings.warn(
+            f"{cls.__name__}: GraphableModule.__call__ takes the place of "
+            f"{skipped[0].__qualname__}.__call__, which does not run for graphed calls (e.g. "
+            f"gradient checkpointing done there).{hint}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def module_call(module: torch.nn.Module) -> Any:

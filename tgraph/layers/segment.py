@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from tgraph.layers.capture import GraphedUnit, run_warmup, warmup_passes
-from tgraph.layers.runner import Runner
+from tgraph.layers.runner import Runner, named
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
@@ -107,7 +107,8 @@ class Segment(GraphedUnit):
         self._init_unit(head.device, head.grad_mode, head.fusion.enabled, head.direct.enabled)
 
     def __repr__(self) -> str:
-        return f"Segment({len(self.runners)} x {type(self.head.module).__name__})"
+        first, last = named(self.head.module), named(self.runners[-1].module)
+        return f"Segment({len(self.runners)} modules, {first} to {last})"
 
     # ----------------------------------------------------------------- capture
     def _prepare_capture(self) -> None:

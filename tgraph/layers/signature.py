@@ -313,6 +313,11 @@ def difference(old: CallKey, new: CallKey, names: list[str] | None = None) -> st
     if old.grad != new.grad:
         was, now = ("enabled" if g else "disabled" for g in (old.grad, new.grad))
         return f"grad mode changed from {was} to {now}"
+    if len(old.frozen) != len(new.frozen):
+        return (
+            f"the module holds {len(new.frozen)} parameters, recorded with {len(old.frozen)} "
+            "(one removed, set to None or added since the recorded iteration)"
+        )
     if old.frozen != new.frozen:
         changed = [i for i, (a, b) in enumerate(zip(old.frozen, new.frozen)) if a != b]
         return (

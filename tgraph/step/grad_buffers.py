@@ -153,10 +153,20 @@ class GradBuffers:
             )
         lives = list(map(_GRAD, self._params))
         if any(map(is_, lives, repeat(None))):
+            p = self._params[lives.index(None)]
+            why = (
+                "no parameter has one (a step without a backward before it?)"
+                if all(map(is_, lives, repeat(None)))
+                else "it was frozen after capture (requires_grad=False)"
+                if not p.requires_grad
+                else "the loss no longer reaches it: if the model re-created it "
+                "(module.weight = nn.Parameter(...), load_state_dict(assign=True)), the "
+                "optimizer still holds the old one; give the optimizer the new parameters"
+            )
             raise ValueError(
-                "OptimizerGraph: a parameter's .grad is None, but the graph was captured with "
-                "a gradient for it and would step it (eager code would skip it). Call reset() "
-                "to capture anew when the set of parameters with gradients changes."
+                f"OptimizerGraph: the {tuple(p.shape)} parameter the graph steps has no .grad: "
+                f"{why}. The graph would step it (eager code would skip it); call reset() to "
+                "capture anew when the set of parameters with gradients changes."
             )
         moved = list(
             compress(
