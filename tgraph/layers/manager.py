@@ -43,7 +43,7 @@ from tgraph.grads import DirectGrads, ParamGradPacking
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.record import NoteBackward, Record
-from tgraph.layers.replay import REBIND, Flight, hold_while_alive
+from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
 from tgraph.layers.runner import Runner, compiled_call, module_call
 from tgraph.layers.segment import Segment
@@ -110,7 +110,7 @@ class _Manager:
             )
         runners = state.runners.get(key)
         if not self.captured:
-            runner = next((r for r in runners or () if r.state.flight is None), None)
+            runner = self.record.reusable(runners or ())  # free, and safe here (record.py)
             if runner is None:
                 links = [self.record.producer(t) for t in tensors]
                 runner = Runner(
@@ -128,6 +128,7 @@ class _Manager:
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
+            reason = BUSY  # unless a runner that is free says why it cannot answer
             for r in runners:  # the first runner free to replay answers (tgraph.layers.replay)
                 j = r.seg_index
                 out = replay_call(r.cap, r.state, j, tensors)
@@ -136,7 +137,8 @@ class _Manager:
                 if out.__class__ is list:
                     template = r.cap.templates[j]
                     return out[0] if template.bare else template.fill(out)
-                reason = out
+                if reason is BUSY:
+                    reason = out
         elif state.runners:
             reason = difference(next(iter(state.runners)), key, state.names)
         else:
