@@ -137,6 +137,8 @@ class _Manager:
                 if out.__class__ is list:
                     template = r.cap.templates[j]
                     return out[0] if template.bare else template.fill(out)
+                if out is BUSY and r.left_eager is not None:
+                    out = r.left_eager  # create_graphs() could not graph it (said so there)
                 if reason is BUSY:
                     reason = out
         elif state.runners:

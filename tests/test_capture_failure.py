@@ -1,0 +1,256 @@
+"""One unit that cannot be graphed leaves the rest graphed (tgraph/layers/create.py).
+
+A graphed module whose capture fails (a host read such as ``.item()``, the emulated analogue
+of a CPU tensor copied to the GPU; hooks on its submodules that were not declared capturable;
+a host read in its backward) stays eager: the capture report names it with the reason, one
+warning says so, and every other module still replays. ``strict=True`` raises instead. The
+modules kept eager compute exactly what eager computes, and so do their graphed neighbours.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from layer_models import ATOL, RTOL
+from torch.nn.utils import parametrizations
+
+import tgraph
+from tgraph.layers.manager import _manager
+
+D = 16
+STEPS = 4
+
+
+class Block(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class HostReadBlock(Block):
+    """Reads a value on the host (``.item()``): a CUDA capture cannot contain it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + 0.0 * self.fc.bias.abs().max().item()
+        return x + scale * torch.tanh(self.fc(x))
+
+
+class _HostReadInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        if g.abs().sum().item() < 0:  # a host read in the backward pass only
+            g = -g
+        return g * 2
+
+
+class BackwardHostReadBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(_HostReadInBackward.apply(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, odd: type[Block] | None = None, at: int = 2, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList((odd or Block)() if i == at else Block() for i in range(n))
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def batches(device, n=STEPS + 1):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(5, D, generator=g).to(device), torch.randn(5, 1, generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
+def step(model, opt, x, y) -> torch.Tensor:
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return torch.stack([loss.detach(), *[g.sum() for g in grads]])
+
+
+def twins(device, odd=None, prepare=None):
+    torch.manual_seed(0)
+    model = Net(odd).to(device)
+    if prepare is not None:
+        prepare(model)
+    eager = copy.deepcopy(model)
+    return model, eager
+
+
+def enable(model, backend, eager_ok: int | None, **options):
+    """Every module strict (a fallback raises GraphFallbackError) except block ``eager_ok``,
+    which may stay eager: the strict ones prove that they replay."""
+    tgraph.enable(model, backend=backend, strict=True, **options)
+    if eager_ok is not None:
+        tgraph.enable(model.blocks[eager_ok], backend=backend, strict=False, **options)
+
+
+def train_both(model, eager, backend, device, eager_ok, **options):
+    """The recorded step, create_graphs() (its warnings returned), then STEPS steps of both
+    models, compared step by step; returns the report and create_graphs()'s warnings."""
+    enable(model, backend, eager_ok, **options)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
+    data = batches(device)
+    want = [step(eager, opts[1], *data[0])]
+    got = [step(model, opts[0], *data[0])]
+    with warnings.catch_warnings(record=True) as at_capture:
+        warnings.simplefilter("always")
+        report = tgraph.create_graphs()
+    eager_calls = _manager.eager_calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tgraph.GraphFallbackWarning)  # none after the one
+        for x, y in data[1:]:
+            got.append(step(model, opts[0], x, y))
+            want.append(step(eager, opts[1], x, y))
+    tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), **tol)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, **tol, msg=name)
+    fallbacks = [w for w in at_capture if issubclass(w.category, tgraph.GraphFallbackWarning)]
+    return report, fallbacks, _manager.eager_calls - eager_calls
+
+
+def test_a_block_reading_the_host_stays_eager_and_the_rest_replays(backend, device):
+    """Block 2 of a mergeable stack of 4 does ``.item()``: the stack is split, blocks 0, 1 and
+    3 replay (strict: a fallback would raise), block 2 runs eagerly, named once."""
+    model, eager = twins(device, HostReadBlock)
+    report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok=2)
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    assert "blocks.2 (HostReadBlock)" in str(warned[0].message)
+    assert ".item()" in str(warned[0].message)
+    assert [e for e in report.eager_modules if e.startswith("blocks.2 (HostReadBlock)")]
+    assert ".item()" in str(report)
+    assert report.runners == 3 and len(_manager.units) == 3
+    assert eager_calls == STEPS  # block 2, once a step; every other call replayed
+
+
+def test_strict_raises_and_leaves_everything_eager(backend, device):
+    model, _ = twins(device, HostReadBlock)
+    tgraph.enable(model, backend=backend, strict=True)
+    x, y = batches(device, 1)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    rng = torch.get_rng_state()
+    with pytest.raises(tgraph.CaptureError, match=r"HostReadBlock.*\.item\(\)"):
+        tgraph.create_graphs()
+    assert not _manager.captured and not _manager.units
+    assert torch.equal(torch.get_rng_state(), rng)
+    if device.type == "cuda":
+        assert not torch.cuda.is_current_stream_capturing()
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_host_read_in_a_backward_leaves_that_unit_eager(backend, device, merge):
+    """The backward of block 2 reads the host: its forward graph was captured, its backward
+    capture fails. merge=False: block 2 runs eagerly, block 3 (which read block 2's static
+    output as its own static input) copies its input instead, the others replay. merged: the
+    stack's forward graph already holds every member, so the whole stack stays eager, named."""
+    model, eager = twins(device, BackwardHostReadBlock)
+    strict_ok = 2 if not merge else None
+    if merge:  # every block may stay eager; the head still proves it replays
+        tgraph.enable(model, backend=backend, strict=False, merge=True)
+        report, warned, eager_calls = _train_loose(model, eager, backend, device)
+        assert len(warned) == 1 and "Segment(4 x Block)" in str(warned[0].message)
+        assert sum("blocks." in e for e in report.eager_modules) == 4, report.eager_modules
+        assert eager_calls == 4 * STEPS and report.runners == 0
+        return
+    report, warned, eager_calls = train_both(
+        model, eager, backend, device, eager_ok=strict_ok, merge=False
+    )
+    assert len(warned) == 1 and "blocks.2 (BackwardHostReadBlock)" in str(warned[0].message)
+    assert report.runners == 3 and eager_calls == STEPS
+
+
+def _train_loose(model, eager, backend, device):
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
+    data = batches(device)
+    want = [step(eager, opts[1], *data[0])]
+    got = [step(model, opts[0], *data[0])]
+    with warnings.catch_warnings(record=True) as at_capture:
+        warnings.simplefilter("always")
+        report = tgraph.create_graphs()
+    calls = _manager.eager_calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tgraph.GraphFallbackWarning)
+        for x, y in data[1:]:
+            got.append(step(model, opts[0], x, y))
+            want.append(step(eager, opts[1], x, y))
+    tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), **tol)
+    warned = [w for w in at_capture if issubclass(w.category, tgraph.GraphFallbackWarning)]
+    return report, warned, _manager.eager_calls - calls
+
+
+def test_a_hook_on_a_submodule_leaves_that_block_eager(backend, device):
+    """An activation logger on blocks[1].fc: block 1 runs eagerly (so the hook runs at every
+    call, as in eager), named with the hook; the other blocks replay."""
+    seen: list[int] = []
+    model, eager = twins(device)
+    eager_seen: list[int] = []
+    model.blocks[1].fc.register_forward_hook(lambda m, a, out: seen.append(out.shape[0]))
+    eager.blocks[1].fc.register_forward_hook(lambda m, a, out: eager_seen.append(out.shape[0]))
+    report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok=1)
+    assert len(warned) == 1 and "blocks.1 (Block)" in str(warned[0].message)
+    assert "forward hook" in str(warned[0].message)
+    assert any("capturable_hooks" in e for e in report.eager_modules)
+    assert seen == eager_seen and len(seen) == STEPS + 1
+    assert report.runners == 3 and eager_calls == STEPS
+
+
+def _old_weight_norm(model):
+    torch.nn.utils.weight_norm(model.blocks[1].fc)
+
+
+def test_old_style_weight_norm_stays_eager_unless_declared_capturable(backend, device):
+    """torch.nn.utils.weight_norm recomputes the weight in a forward pre-hook: by default the
+    block stays eager, named; with capturable_hooks=True the hook is captured (pure tensor
+    code) and every block replays."""
+    torch.manual_seed(0)
+    model, eager = Net().to(device), Net().to(device)
+    eager.load_state_dict(model.state_dict())
+    _old_weight_norm(model)
+    _old_weight_norm(eager)  # weight_norm's tensors cannot be deep-copied
+    report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok=1)
+    assert len(warned) == 1 and "WeightNorm" in str(warned[0].message)
+    assert eager_calls == STEPS
+    tgraph.reset()
+    torch.manual_seed(0)
+    model, eager = Net().to(device), Net().to(device)
+    eager.load_state_dict(model.state_dict())
+    _old_weight_norm(model)
+    _old_weight_norm(eager)
+    report, warned, eager_calls = train_both(
+        model, eager, backend, device, eager_ok=None, capturable_hooks=True
+    )
+    assert not warned and eager_calls == 0 and report.runners == 4
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_parametrized_norms_are_graphed(backend, device, norm):
+    """torch.nn.utils.parametrizations recompute the weight inside forward (no hook): every
+    block replays (strict) and trains as in eager, the spectral norm's power iteration
+    updating its buffers at every replay."""
+    model, eager = twins(device, prepare=lambda m: getattr(parametrizations, norm)(m.blocks[1].fc))
+    report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok=None)
+    assert not warned and eager_calls == 0
+    for a, b in zip(model.buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
