@@ -19,6 +19,7 @@ from layer_models import ATOL, RTOL
 from torch.nn.utils import parametrizations
 
 import tgraph
+from tgraph.layers.capture import GraphedUnit
 from tgraph.layers.manager import _manager
 
 D = 16
@@ -122,11 +123,11 @@ def twins(device, odd=None, prepare=None):
     return model, eager
 
 
-def enable(model, backend, eager_ok: int | None, **options):
-    """Every module strict (a fallback raises GraphFallbackError) except block ``eager_ok``,
-    which may stay eager: the strict ones prove that they replay."""
-    tgraph.enable(model, backend=backend, strict=True, **options)
-    if eager_ok is not None:
+def enable(model, backend, eager_ok: int | str | None, **options):
+    """Every module strict (a fallback raises GraphFallbackError) except block ``eager_ok``
+    (every block: ``"all"``), which may stay eager: the strict ones prove that they replay."""
+    tgraph.enable(model, backend=backend, strict=eager_ok != "all", **options)
+    if isinstance(eager_ok, int):
         tgraph.enable(model.blocks[eager_ok], backend=backend, strict=False, **options)
 
 
@@ -218,45 +219,54 @@ def test_strict_raises_and_leaves_everything_eager(backend, device):
 
 
 @pytest.mark.parametrize("merge", [True, False])
-def test_a_host_read_in_a_backward_leaves_that_unit_eager(backend, device, merge):
-    """The backward of block 2 reads the host: its forward graph was captured, its backward
-    capture fails. merge=False: block 2 runs eagerly, block 3 (which read block 2's static
-    output as its own static input) copies its input instead, the others replay. merged: the
-    stack's forward graph already holds every member, so the whole stack stays eager, named."""
+def test_a_host_read_in_a_backward_leaves_that_block_eager(backend, device, merge):
+    """The backward of block 2 reads the host. The warmup's first pass checks the backward
+    too, so this fails before any graph of the stack exists: the stack is split, block 2 runs
+    eagerly, the others replay (strict)."""
     model, eager = twins(device, BackwardHostReadBlock)
-    strict_ok = 2 if not merge else None
-    if merge:  # every block may stay eager; the head still proves it replays
-        tgraph.enable(model, backend=backend, strict=False, merge=True)
-        report, warned, eager_calls = _train_loose(model, eager, backend, device)
-        assert len(warned) == 1 and "Segment(4 x Block)" in str(warned[0].message)
-        assert sum("blocks." in e for e in report.eager_modules) == 4, report.eager_modules
-        assert eager_calls == 4 * STEPS and report.runners == 0
-        return
-    report, warned, eager_calls = train_both(
-        model, eager, backend, device, eager_ok=strict_ok, merge=False
-    )
+    report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok=2, merge=merge)
     assert len(warned) == 1 and "blocks.2 (BackwardHostReadBlock)" in str(warned[0].message)
     assert report.runners == 3 and eager_calls == STEPS
 
 
-def _train_loose(model, eager, backend, device):
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
-    data = batches(device)
-    want = [step(eager, opts[1], *data[0])]
-    got = [step(model, opts[0], *data[0])]
-    with warnings.catch_warnings(record=True) as at_capture:
-        warnings.simplefilter("always")
-        report = tgraph.create_graphs()
-    calls = _manager.eager_calls
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", tgraph.GraphFallbackWarning)
-        for x, y in data[1:]:
-            got.append(step(model, opts[0], x, y))
-            want.append(step(eager, opts[1], x, y))
-    tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(torch.stack(got), torch.stack(want), **tol)
-    warned = [w for w in at_capture if issubclass(w.category, tgraph.GraphFallbackWarning)]
-    return report, warned, _manager.eager_calls - calls
+def _fail_backward_capture_of(monkeypatch, module):
+    """Plant a failure in the backward capture of the unit that holds ``module``: its forward
+    graph exists already (and the next block's graph reads its static output)."""
+    real = GraphedUnit.capture_backward
+
+    def capture_backward(self, factory):
+        if any(r.module is module for r in self.members):
+            raise RuntimeError("planted: operation not permitted when stream is capturing")
+        return real(self, factory)
+
+    monkeypatch.setattr(GraphedUnit, "capture_backward", capture_backward)
+
+
+def test_a_failed_backward_capture_leaves_that_unit_eager(backend, device, monkeypatch):
+    """merge=False: block 2's forward graph was captured, its backward capture fails. Block 2
+    runs eagerly; block 3, whose graph took block 2's static output as its own static input,
+    copies its input instead; blocks 0, 1 and 3 replay (strict), exactly as eager."""
+    model, eager = twins(device)
+    _fail_backward_capture_of(monkeypatch, model.blocks[2])
+    report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok=2, merge=False)
+    assert len(warned) == 1 and "planted" in str(warned[0].message)
+    assert "blocks.2 (Block)" in str(warned[0].message)
+    assert report.runners == 3 and eager_calls == STEPS
+    (block3,) = [u for u in _manager.units if u.head.module is model.blocks[3]]
+    assert block3.cap.shared_inputs == (False,)  # its input is copied, not read in place
+
+
+def test_a_failed_backward_capture_of_a_merged_stack_leaves_the_stack_eager(
+    backend, device, monkeypatch
+):
+    """A merged stack's forward graph holds every member: when its backward capture fails,
+    the whole stack runs eagerly, each member named, exactly as eager."""
+    model, eager = twins(device)
+    _fail_backward_capture_of(monkeypatch, model.blocks[2])
+    report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok="all")
+    assert len(warned) == 1 and "Segment(4 x Block)" in str(warned[0].message)
+    assert sum(e.startswith("blocks.") for e in report.eager_modules) == 4, report.eager_modules
+    assert report.runners == 0 and eager_calls == 4 * STEPS
 
 
 def test_a_hook_on_a_submodule_leaves_that_block_eager(backend, device):
