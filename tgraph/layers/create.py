@@ -280,6 +280,7 @@ def _leave_eager(m: _Manager, eager: dict[Runner, str]) -> list[str]:
         for r in members:
             r.left_eager = f"it runs eagerly: create_graphs() could not graph it ({reason})"
             r.module._tgraph.warned.add(r.left_eager)
+            r.samples = []  # kept for a capture that will not come
         warnings.warn(
             f"tgraph.create_graphs(): {', '.join(labels)} cannot be graphed and "
             f"run{'s' if len(labels) == 1 else ''} eagerly; the other modules are graphed. "
