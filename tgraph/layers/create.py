@@ -15,6 +15,7 @@ from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import describe_hooks
 from tgraph.guards import CaptureError, explain_capture_failure
 from tgraph.layers.manager import GraphFallbackWarning, _Manager, _manager, reset_layer_graphs
+from tgraph.layers.record import Turns
 from tgraph.layers.runner import Runner
 from tgraph.layers.segment import Segment, mergeable_chains
 from tgraph.memory import CaptureReport
@@ -76,6 +77,9 @@ def create_graphs() -> CaptureReport:
     units = list(dict.fromkeys(r.segment or r for r in runners if r not in eager))
     _bake(units)
     m.captured, m.units = True, units
+    for mod in m.modules:
+        st = mod._tgraph
+        st.turns = {k: t for k, rs in st.runners.items() if (t := Turns.of(m.record.events, rs))}
     m.record.clear()
     called = {id(r.module) for r in runners}
     records = [u.cap for u in units]

@@ -42,7 +42,7 @@ from tgraph.errors import GraphFallbackError
 from tgraph.grads import DirectGrads, ParamGradPacking
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
-from tgraph.layers.record import NoteBackward, Record
+from tgraph.layers.record import NoteBackward, Record, Turns
 from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
 from tgraph.layers.runner import Runner, compiled_call, module_call
@@ -72,6 +72,7 @@ class _ModuleState:
     names: list[str] = field(default_factory=list)  # the submodules' names, for messages
     compiled: Any = None  # torch.compile of the module's call (enable(compile=...)), or None
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
+    turns: dict[tuple, Turns] = field(default_factory=dict)  # keys of several runners (record.py)
     warned: set[str] = field(default_factory=set)
 
 
@@ -128,19 +129,25 @@ class _Manager:
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
+            turns = state.turns.get(key) if len(runners) > 1 else None
             reason = BUSY  # unless a runner that is free says why it cannot answer
-            for r in runners:  # the first runner free to replay answers (tgraph.layers.replay)
+            # the runner the recorded iteration took here first, then the first free one
+            for r in runners if turns is None else turns.order():
                 j = r.seg_index
                 out = replay_call(r.cap, r.state, j, tensors)
                 if out is REBIND:
                     out = self._rebind(r, tensors)
                 if out.__class__ is list:
+                    if turns is not None:
+                        turns.took(r)
                     template = r.cap.templates[j]
                     return out[0] if template.bare else template.fill(out)
                 if out is BUSY and r.left_eager is not None:
                     out = r.left_eager  # create_graphs() could not graph it (said so there)
                 if reason is BUSY:
                     reason = out
+            if turns is not None:
+                turns.took(None)
         elif state.runners:
             reason = difference(next(iter(state.runners)), key, state.names)
         else:
@@ -420,6 +427,7 @@ def reset_layer_graphs() -> None:
         r.drop_graphs()
     for mod in _manager.modules:
         mod._tgraph.runners.clear()
+        mod._tgraph.turns.clear()
         mod._tgraph.warned.clear()
     _manager.record.clear()
     _manager.captured = False

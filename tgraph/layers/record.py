@@ -115,6 +115,43 @@ class Record:
         self._consumers.clear()
 
 
+class Turns:
+    """The order in which the recorded iteration's calls of one key took its runners, which
+    the replayed iterations follow: each call tries first the runner the recorded call at its
+    place took (:meth:`order`), so a call does not try, and have refused, runners whose
+    replay the pool's order forbids there (under 1F1B, the earlier microbatches')."""
+
+    __slots__ = ("_seq", "_orders", "_pos")
+
+    def __init__(self, seq: list[Runner], runners: list[Runner]) -> None:
+        self._seq = seq  # the runner of each recorded call, in order
+        self._orders = [(r, *[x for x in runners if x is not r]) for r in seq]
+        self._pos = 0
+
+    def order(self) -> tuple[Runner, ...]:
+        """Every runner of the key, the one expected at this call first."""
+        return self._orders[self._pos]
+
+    def took(self, runner: Runner | None) -> None:
+        """This call was answered by ``runner`` (None: it ran eagerly): the next call is the
+        one the recorded iteration made after ``runner``'s, or after this one's place."""
+        n, pos = len(self._seq), self._pos
+        for k in range(n):
+            if self._seq[(pos + k) % n] is runner:
+                self._pos = (pos + k + 1) % n
+                return
+        self._pos = (pos + 1) % n
+
+    @staticmethod
+    def of(events: list[tuple[Runner, Phase]], runners: list[Runner]) -> Turns | None:
+        """The turns of ``runners`` (one key's) in the record ``events``; None when the key has
+        one runner (nothing to choose)."""
+        if len(runners) < 2:
+            return None
+        ids = {id(r) for r in runners}
+        return Turns([r for r, phase in events if phase == "fwd" and id(r) in ids], runners)
+
+
 class NoteBackward(torch.autograd.Function):
     """Identity on the outputs of a recorded call; its backward logs ``(runner, "bwd")``, then
     calls ``land`` (the runner's flight ends: :meth:`tgraph.layers.replay.Flight.land`)."""
