@@ -20,6 +20,7 @@ import torch.nn as nn
 from layer_models import ATOL, RTOL
 
 import tgraph
+from tgraph.layers import replay as replay_module
 
 
 class Block(tgraph.GraphableModule):
@@ -225,3 +226,26 @@ def test_the_fallback_warning_names_the_order_not_a_busy_runner(backend, device)
     torch.testing.assert_close(y3, torch.nn.Module.__call__(block, x3), rtol=0, atol=0)
     with pytest.raises(tgraph.ReplayOrderError):  # A's backward overwrote B's activations
         y2.sum().backward()
+
+
+def test_replays_take_the_recorded_runner_first(backend, device, monkeypatch):
+    """Each call tries first the runner the recorded call at its place took: a 1F1B step
+    replays without trying (and having the pool refuse) the runners of earlier microbatches,
+    which would cost a check of what their graphs baked in each time."""
+    order = one_f_one_b(2, 8)
+    stages, _, xs, _ = setup(backend, device, 2, 8, order, strict=True)
+    tried, replayed = [], []
+    real = replay_module.replay
+
+    def counting(cap, state, tensors):
+        out = real(cap, state, tensors)
+        tried.append(cap)
+        if out.__class__ is list:
+            replayed.append(cap)
+        return out
+
+    monkeypatch.setattr(replay_module, "replay", counting)
+    for _ in range(2):
+        run(stages, xs, order)
+    assert len(replayed) == 2 * 2 * 8  # a merged stack per stage and microbatch, 2 steps
+    assert len(tried) == len(replayed)
