@@ -131,8 +131,7 @@ class _Manager:
         if runners:
             turns = state.turns.get(key) if len(runners) > 1 else None
             reason = BUSY  # unless a runner that is free says why it cannot answer
-            # the runner the recorded iteration took here first, then the first free one
-            for r in runners if turns is None else turns.order():
+            for r in runners if turns is None else turns.order():  # the recorded one first
                 j = r.seg_index
                 out = replay_call(r.cap, r.state, j, tensors)
                 if out is REBIND:
@@ -146,8 +145,6 @@ class _Manager:
                     out = r.left_eager  # create_graphs() could not graph it (said so there)
                 if reason is BUSY:
                     reason = out
-            if turns is not None:
-                turns.took(None)
         elif state.runners:
             reason = difference(next(iter(state.runners)), key, state.names)
         else:

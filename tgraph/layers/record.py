@@ -132,15 +132,14 @@ class Turns:
         """Every runner of the key, the one expected at this call first."""
         return self._orders[self._pos]
 
-    def took(self, runner: Runner | None) -> None:
-        """This call was answered by ``runner`` (None: it ran eagerly): the next call is the
-        one the recorded iteration made after ``runner``'s, or after this one's place."""
+    def took(self, runner: Runner) -> None:
+        """This call was answered by ``runner``: the next call is expected where the recorded
+        iteration's next call after ``runner``'s was (a call that ran eagerly moves nothing)."""
         n, pos = len(self._seq), self._pos
         for k in range(n):
             if self._seq[(pos + k) % n] is runner:
                 self._pos = (pos + k + 1) % n
                 return
-        self._pos = (pos + 1) % n
 
     @staticmethod
     def of(events: list[tuple[Runner, Phase]], runners: list[Runner]) -> Turns | None:
