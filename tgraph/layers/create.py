@@ -1,5 +1,6 @@
 """``create_graphs``: capture every graph of the recorded iteration, in its order, into one pool
-per backend and device, then freeze each unit's record (what its graphs baked in)."""
+per backend and device, then freeze each unit's record (what its graphs baked in). A unit that
+cannot be captured stays eager, named; the others keep their graphs."""
 
 from __future__ import annotations
 
@@ -268,7 +269,8 @@ def _without(chains: list[list[Runner]], eager: dict[Runner, str]) -> list[list[
 
 def _leave_eager(m: _Manager, eager: dict[Runner, str]) -> list[str]:
     """Make the calls of ``eager``'s runners run eagerly, without a warning per call: one
-    warning per unit, here. Returns the report's entries."""
+    warning per reason here, naming each module it keeps eager. Returns the report's
+    entries."""
     names = {id(mod): name for root in m.roots for name, mod in root.named_modules() if name}
     entries: list[str] = []
     for reason in dict.fromkeys(eager.values()):
@@ -287,7 +289,7 @@ def _leave_eager(m: _Manager, eager: dict[Runner, str]) -> list[str]:
             r.samples = []  # kept for a capture that will not come
         warnings.warn(
             f"tgraph.create_graphs(): {', '.join(labels)} cannot be graphed and "
-            f"run{'s' if len(labels) == 1 else ''} eagerly; the other modules are graphed. "
+            f"run{'s' if len(labels) == 1 else ''} eagerly (the others keep their graphs). "
             f"{reason} (strict=True raises this instead)",
             GraphFallbackWarning,
             stacklevel=3,
