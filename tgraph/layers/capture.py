@@ -181,22 +181,10 @@ class GraphedUnit:
         return [a for r in self.members for a in r.aliases.values()]
 
     def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
-        """Warm up, then capture the forward graph (and find the parameters it reaches).
-
-        On failure the members keep their capture samples, so that a merged stack's members
-        can still be captured one by one (:func:`tgraph.create_graphs`)."""
-        samples = [r.samples for r in self.members]
-        try:
-            self._prepare_capture()
-            for r in self.members:  # copied into static inputs (or unused): drop them before
-                r.samples = []  # the later captures, whose peak they would otherwise add to
-            self._capture_forward(factory, warmup)
-        except BaseException:
-            for r, kept in zip(self.members, samples):
-                r.samples = kept
-            raise
-
-    def _capture_forward(self, factory: GraphFactory, warmup: int) -> None:
+        """Warm up, then capture the forward graph (and find the parameters it reaches)."""
+        self._prepare_capture()
+        for r in self.members:  # copied into static inputs (or unused): drop them before the
+            r.samples = []  # later captures, whose peak they would otherwise add to
         self.ledger = factory.ledger
         head = self.head
         graph = factory.new_graph()

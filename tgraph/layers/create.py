@@ -183,6 +183,7 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
     enter the pool's ledger; a CUDA capture that raised was ended (:class:`CudaGraph`) and the
     device is synchronized before the next capture, so a failure surfaces here, not later.
     """
+    samples = [r.samples for r in unit.members]  # the capture drops them; a split needs them
     try:
         if phase == "fwd":
             unit.capture_forward(f, f.warmup_steps(unit.head.module._tgraph.warmup))
@@ -190,6 +191,8 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
             unit.capture_backward(f)
         return
     except Exception as exc:
+        for r, kept in zip(unit.members, samples):
+            r.samples = kept
         error = explain_capture_failure(f"{unit}", exc)
         split = phase == "fwd" and len(unit.members) > 1  # to find the member that failed
         if not split and any(r.module._tgraph.strict for r in unit.members):
