@@ -131,6 +131,11 @@ def enable(model, backend, eager_ok: int | str | None, **options):
         tgraph.enable(model.blocks[eager_ok], backend=backend, strict=False, **options)
 
 
+def tolerance(backend: str) -> dict[str, float]:
+    """Exact on the emulated backend; on CUDA a graph may pick other kernels (layer_models)."""
+    return dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+
+
 def train_both(model, eager, backend, device, eager_ok, **options):
     """The recorded step, create_graphs() (its warnings returned), then STEPS steps of both
     models, compared step by step; returns the report and create_graphs()'s warnings."""
@@ -148,7 +153,7 @@ def train_both(model, eager, backend, device, eager_ok, **options):
         for x, y in data[1:]:
             got.append(step(model, opts[0], x, y))
             want.append(step(eager, opts[1], x, y))
-    tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+    tol = tolerance(backend)
     torch.testing.assert_close(torch.stack(got), torch.stack(want), **tol)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, **tol, msg=name)
@@ -285,32 +290,39 @@ def test_a_hook_on_a_submodule_leaves_that_block_eager(backend, device):
     assert report.runners == 3 and eager_calls == STEPS
 
 
-def _old_weight_norm(model):
-    torch.nn.utils.weight_norm(model.blocks[1].fc)
+def _old_style_pair(device, norm: str):
+    """A model whose block 1 has an old-style norm (a forward pre-hook), and its eager twin
+    (built the same way: the hook's tensors cannot be deep-copied)."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Net().to(device)
+        getattr(torch.nn.utils, norm)(model.blocks[1].fc)
+        models.append(model)
+    return models
 
 
-def test_old_style_weight_norm_stays_eager_unless_declared_capturable(backend, device):
-    """torch.nn.utils.weight_norm recomputes the weight in a forward pre-hook: by default the
-    block stays eager, named; with capturable_hooks=True the hook is captured (pure tensor
-    code) and every block replays."""
-    torch.manual_seed(0)
-    model, eager = Net().to(device), Net().to(device)
-    eager.load_state_dict(model.state_dict())
-    _old_weight_norm(model)
-    _old_weight_norm(eager)  # weight_norm's tensors cannot be deep-copied
+@pytest.mark.filterwarnings("ignore:.*weight_norm.* is deprecated:FutureWarning")
+@pytest.mark.parametrize(
+    "norm, hook", [("weight_norm", "WeightNorm"), ("spectral_norm", "SpectralNorm")]
+)
+def test_old_style_norms_stay_eager_unless_declared_capturable(backend, device, norm, hook):
+    """torch.nn.utils.weight_norm and spectral_norm recompute the weight in a forward
+    pre-hook: by default the block stays eager, named; with capturable_hooks=True the hook is
+    captured (pure tensor code: the spectral norm's power iteration updates its buffers at
+    every replay) and every block replays, as eager."""
+    model, eager = _old_style_pair(device, norm)
     report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok=1)
-    assert len(warned) == 1 and "WeightNorm" in str(warned[0].message)
-    assert eager_calls == STEPS
+    assert len(warned) == 1 and hook in str(warned[0].message)
+    assert "blocks.1 (Block)" in str(warned[0].message) and eager_calls == STEPS
     tgraph.reset()
-    torch.manual_seed(0)
-    model, eager = Net().to(device), Net().to(device)
-    eager.load_state_dict(model.state_dict())
-    _old_weight_norm(model)
-    _old_weight_norm(eager)
+    model, eager = _old_style_pair(device, norm)
     report, warned, eager_calls = train_both(
         model, eager, backend, device, eager_ok=None, capturable_hooks=True
     )
     assert not warned and eager_calls == 0 and report.runners == 4
+    for a, b in zip(model.buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b, **tolerance(backend))
 
 
 @pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
@@ -322,4 +334,4 @@ def test_parametrized_norms_are_graphed(backend, device, norm):
     report, warned, eager_calls = train_both(model, eager, backend, device, eager_ok=None)
     assert not warned and eager_calls == 0
     for a, b in zip(model.buffers(), eager.buffers()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, **tolerance(backend))
