@@ -53,9 +53,10 @@ class HostSync(tgraph.GraphableModule):
 
 
 def test_capture_failure_is_clear_and_leaves_no_state(backend, device):
+    """strict=True: the failure raises (without it, the module stays eager: test_capture_failure.py)."""
     torch.manual_seed(0)
     mod = HostSync().to(device)
-    tgraph.enable(mod, backend=backend)
+    tgraph.enable(mod, backend=backend, strict=True)
     x = torch.randn(4, 8, device=device, requires_grad=True)
     mod(x).sum().backward()
     rng_before = torch.get_rng_state()

@@ -530,12 +530,13 @@ def _give_generators(model, device) -> list[torch.Generator]:
 
 
 def test_unregistered_generator_is_refused_at_capture(backend, device):
-    """A forward drawing from a generator not registered with tgraph: create_graphs raises,
-    naming the generator and ``tgraph.register_generator``, instead of freezing it."""
+    """A forward drawing from a generator not registered with tgraph: create_graphs
+    (``strict=True``) raises, naming the generator and ``tgraph.register_generator``, instead of
+    freezing it (without ``strict`` the module stays eager, named)."""
     torch.manual_seed(0)
     model = Net(NoisyBlock).to(device)
     _give_generators(model, device)
-    tgraph.enable(model, backend=backend)
+    tgraph.enable(model, backend=backend, strict=True)
     x, y = batches(device, 1)[0]
     F.mse_loss(model(x), y).backward()
     with pytest.raises(tgraph.CaptureError, match=r"(?s)[Gg]enerator.*register_generator"):

@@ -67,14 +67,15 @@ KINDS = ["forward", "forward_pre", "full_backward"]
 )
 def test_hook_present_at_capture_is_refused_naming_it(backend, device, kind, where):
     """A logger's hook on a submodule of a graphed module (or a backward hook on the module)
-    would run during warmup and capture and never at replay: create_graphs refuses, naming the
-    module, the hook and the fix (``capturable_hooks=True``)."""
+    would run during warmup and capture and never at replay: under ``strict=True`` create_graphs
+    raises, naming the module, the hook and the fix (``capturable_hooks=True``); without it the
+    module stays eager, named (test_capture_failure.py)."""
     torch.manual_seed(0)
     model = Net().to(device)
     target = model.blocks[0] if where == "module" else model.blocks[0].fc1
     calls: list[str] = []
     fn = _register(kind, target, calls)
-    tgraph.enable(model, backend=backend)
+    tgraph.enable(model, backend=backend, strict=True)
     x, y = batches(device, 1)[0]
     F.mse_loss(model(x), y).backward()
     with pytest.raises(tgraph.CaptureError) as info:

@@ -162,11 +162,12 @@ class PositivePart(tgraph.GraphableModule):
 
 
 def test_data_dependent_output_shape_is_refused_at_capture(backend, device):
-    """``h[h > 0]`` in a graphed forward: create_graphs raises CaptureError naming the
-    data-dependent shape (the ``nonzero`` inside ``aten::index``), not a crash at replay."""
+    """``h[h > 0]`` in a graphed forward: create_graphs (``strict=True``) raises CaptureError
+    naming the data-dependent shape (the ``nonzero`` inside ``aten::index``), not a crash at
+    replay; without ``strict`` the module stays eager, named (test_capture_failure.py)."""
     torch.manual_seed(0)
     model = PositivePart().to(device)
-    tgraph.enable(model, backend=backend)
+    tgraph.enable(model, backend=backend, strict=True)
     x = torch.randn(4, D, device=device)
     model(x).sum().backward()
     with pytest.raises(tgraph.CaptureError, match="data-dependent"):

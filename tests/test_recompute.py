@@ -130,7 +130,7 @@ def test_unit_knows_it_recomputes(backend, device):
 
 def test_reentrant_checkpoint_is_refused_with_a_clear_error(backend, device):
     model = checkpointed(tiny_gpt(device), use_reentrant=True)
-    tgraph.enable(model, backend=backend)
+    tgraph.enable(model, backend=backend, strict=True)
     x, y = gpt_batches(device, 1)[0]
     model(x, y)[1].backward()
     with pytest.raises(tgraph.CaptureError, match="use_reentrant=False"):

@@ -113,6 +113,12 @@ class CudaGraph:
             except BaseException:
                 with contextlib.suppress(Exception):
                     self._graph.capture_end()
+                # Older PyTorch's capture_end checks cudaStreamEndCapture before it stops
+                # routing allocations to the pool, so an invalidated capture (a CPU copy, a
+                # host sync) left the pool's capture underway for the next capture into it.
+                # Newer PyTorch stops it first; then this raises, and is ignored.
+                with contextlib.suppress(Exception):
+                    torch._C._cuda_endAllocateToPool(self._stream.device.index, self._pool)
                 with contextlib.suppress(Exception):
                     self._graph.reset()
                 _unstick_generators(self._stream.device)

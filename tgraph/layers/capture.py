@@ -98,9 +98,10 @@ def run_warmup(
 ) -> list[torch.Tensor]:
     """Eager passes of ``fn`` (forward, plus backward where outputs need grad) before capture.
 
-    The first pass (``check_first``) refuses host syncs on ``device``'s tensors, so they fail
-    here with a clear error instead of invalidating a CUDA capture. Returns the last pass's
-    outputs, detached (leaves that require grad where the outputs did).
+    The first pass (``check_first``) refuses host syncs on ``device``'s tensors, in the
+    forward and in the backward, so they fail here with a clear error instead of invalidating
+    a CUDA capture (and in a merged stack's warmup, where the stack can still be split).
+    Returns the last pass's outputs, detached (leaves that require grad where the outputs did).
     """
     last: list[torch.Tensor] = []
     gens = [*rng.graph_generators(device), rng.default_generator(device)]
@@ -108,11 +109,12 @@ def run_warmup(
         checked = i == 0 and check_first
         with RefuseHostSync(device.type, gens) if checked else contextlib.nullcontext():
             outs = fn()
-        rg = [o for o in outs if o.requires_grad]
-        if rg:
-            ins = list(input_leaves)
-            ins += [p for p in reached_leaves(rg) if all(p is not x for x in ins)]
-            torch.autograd.grad(rg, ins, [torch.ones_like(o) for o in rg], allow_unused=True)
+            rg = [o for o in outs if o.requires_grad]
+            if rg:
+                ins = list(input_leaves)
+                ins += [p for p in reached_leaves(rg) if all(p is not x for x in ins)]
+                grads = [torch.ones_like(o) for o in rg]
+                torch.autograd.grad(rg, ins, grads, allow_unused=True)
         last = [o.detach().requires_grad_(o.requires_grad) for o in outs]
         del outs, rg
     return last
@@ -128,6 +130,9 @@ class GraphedUnit:
 
     head: Any
     members: list
+    #: why the unit runs eagerly although it was recorded (its capture failed), set by
+    #: :func:`tgraph.create_graphs`; None for a captured unit
+    left_eager: str | None = None
 
     def _init_unit(
         self, device: torch.device, grad_mode: bool, fusion: bool, direct: bool = False

@@ -1,10 +1,12 @@
 """``create_graphs``: capture every graph of the recorded iteration, in its order, into one pool
-per backend and device, then freeze each unit's record (what its graphs baked in)."""
+per backend and device, then freeze each unit's record (what its graphs baked in). A unit that
+cannot be captured stays eager, named; the others keep their graphs."""
 
 from __future__ import annotations
 
 import logging
 import time
+import warnings
 
 import torch
 import torch.nn as nn
@@ -13,7 +15,8 @@ from tgraph import fp8, memory
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import describe_hooks
 from tgraph.guards import CaptureError, explain_capture_failure
-from tgraph.layers.manager import _Manager, _manager, reset_layer_graphs
+from tgraph.layers.manager import GraphFallbackWarning, _Manager, _manager, reset_layer_graphs
+from tgraph.layers.record import Turns
 from tgraph.layers.runner import Runner
 from tgraph.layers.segment import Segment, mergeable_chains
 from tgraph.memory import CaptureReport
@@ -25,14 +28,22 @@ logger = logging.getLogger("tgraph.layers.manager")  # one logger for the per-la
 def create_graphs() -> CaptureReport:
     """Capture every recorded runner's forward, then backward graph, in recorded order.
 
+    A unit that cannot be graphed (its capture fails: a host sync such as ``.item()``, a CPU
+    tensor copied to the GPU, a data-dependent shape; or hooks on its submodules that
+    ``enable(capturable_hooks=True)`` did not declare) stays eager: the report's
+    ``eager_modules`` names it with the reason and a :class:`tgraph.GraphFallbackWarning`
+    says so once; every other unit is graphed. A merged stack with such a member is split,
+    so that its other members are graphed one by one.
+
     Returns:
         A :class:`CaptureReport` (also logged at INFO).
 
     Raises:
         RuntimeError: nothing was recorded, graphs already exist, or a forward is still
             awaiting its backward.
-        tgraph.CaptureError: a capture failed; every graph is dropped, the state of the model
-            (RNG, ``main_grad``, buffers) is restored and the modules keep running eagerly.
+        tgraph.CaptureError: a unit of a module enabled with ``strict=True`` cannot be
+            graphed; every graph is dropped, the state of the model (RNG, ``main_grad``,
+            buffers) is restored and the modules keep running eagerly.
     """
     m = _manager
     runners = _recorded_runners(m)
@@ -46,14 +57,14 @@ def create_graphs() -> CaptureReport:
     before = sum(f.memory_allocated() for f in factories)
     for f in factories:
         f.synchronize()
-    m.segments = [Segment(chain) for chain in mergeable_chains(m.record.events)]
-    for seg in m.segments:
-        seg.debug = seg.head.debug
-    units = list(dict.fromkeys(r.segment or r for r in runners))
-    _refuse_hooks(units)
     try:
+        eager = _undeclared_hooks(runners)  # runner -> why it stays eager
+        chains = mergeable_chains(m.record.events)
+        m.segments = [Segment(c) for c in _without(chains, eager)]
+        for seg in m.segments:
+            seg.debug = seg.head.debug
         with fp8.capture_scope(list(m.roots) + list(m.modules)):
-            _capture_in_recorded_order(m.record.events, units, factory_of)
+            _capture_in_recorded_order(m.record.events, runners, factory_of, eager)
     except BaseException:
         for f in factories:
             f.synchronize()
@@ -64,14 +75,19 @@ def create_graphs() -> CaptureReport:
             s.restore()
     for f in factories:
         f.synchronize()
+    m.segments = [seg for seg in m.segments if seg.head.segment is seg]  # not split
+    units = list(dict.fromkeys(r.segment or r for r in runners if r not in eager))
     _bake(units)
     m.captured, m.units = True, units
+    for mod in m.modules:
+        st = mod._tgraph
+        st.turns = {k: t for k, rs in st.runners.items() if (t := Turns.of(m.record.events, rs))}
     m.record.clear()
     called = {id(r.module) for r in runners}
     records = [u.cap for u in units]
     m.report = CaptureReport(
         graphs=sum(1 + (c.bwd_graph is not None) for c in records),
-        runners=len(runners),
+        runners=len(runners) - len(eager),
         segments=len(m.segments),
         seconds=time.perf_counter() - start,
         pool_bytes=sum(f.memory_allocated() for f in factories) - before,
@@ -80,7 +96,8 @@ def create_graphs() -> CaptureReport:
             f"{type(mod).__name__} (not called in the recorded iteration)"
             for mod in m.modules
             if id(mod) not in called
-        ],
+        ]
+        + _leave_eager(m, eager),
         memory=memory.memory_report(records, grads_at_capture=grads_alive),
     )
     logger.info("%s", m.report)
@@ -132,28 +149,75 @@ def _factories(runners: list[Runner]) -> dict[Runner, GraphFactory]:
     return of
 
 
-def _capture_in_recorded_order(events, units: list, factory_of: dict) -> None:
+def _capture_in_recorded_order(
+    events, runners: list[Runner], factory_of: dict, eager: dict[Runner, str]
+) -> None:
     """Each unit's forward graph at its first recorded forward, its backward graph at its
-    first recorded backward (then those whose backward never ran), all into one pool."""
-    current = None
+    first recorded backward (then those whose backward never ran), all into one pool. A unit
+    whose capture fails joins ``eager`` (:func:`_capture`)."""
+    for r, phase in events:
+        if r in eager:
+            continue
+        unit = r.segment or r
+        f = factory_of[r]
+        if phase == "fwd" and unit.fwd_graph is None and r.seg_index == 0:
+            _capture(unit, "fwd", f, runners, eager)
+        elif (
+            phase == "bwd"
+            and unit.fwd_graph is not None
+            and unit.needs_backward
+            and unit.bwd_graph is None
+        ):
+            _capture(unit, "bwd", f, runners, eager)
+    for unit in dict.fromkeys(r.segment or r for r in runners if r not in eager):
+        if unit.needs_backward and unit.bwd_graph is None:  # its backward never ran
+            _capture(unit, "bwd", factory_of[unit.head], runners, eager)
+
+
+def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: dict) -> None:
+    """Capture ``unit``'s forward or backward graph. A merged stack whose forward fails is
+    split: its members are captured one by one instead. Any other unit that fails raises
+    where a member was enabled with ``strict=True``; otherwise it stays eager (``eager`` names
+    each member with the reason), having dropped every graph and buffer of its own.
+
+    Nothing of a failed capture stays in the pool's order: its graphs never replay and never
+    enter the pool's ledger; a CUDA capture that raised was ended (:class:`CudaGraph`) and the
+    device is synchronized before the next capture, so a failure surfaces here, not later.
+    """
+    samples = [r.samples for r in unit.members]  # the capture drops them; a split needs them
     try:
-        for r, phase in events:
-            current = r.segment or r
-            f = factory_of[r]
-            if phase == "fwd" and current.fwd_graph is None and r.seg_index == 0:
-                current.capture_forward(f, f.warmup_steps(r.module._tgraph.warmup))
-            elif (
-                phase == "bwd"
-                and current.fwd_graph is not None
-                and current.needs_backward
-                and current.bwd_graph is None
-            ):
-                current.capture_backward(f)
-        for current in units:  # forwards whose backward never ran in the recorded iteration
-            if current.needs_backward and current.bwd_graph is None:
-                current.capture_backward(factory_of[current.head])
-    except BaseException as exc:
-        raise explain_capture_failure(f"{current}", exc) from exc
+        if phase == "fwd":
+            unit.capture_forward(f, f.warmup_steps(unit.head.module._tgraph.warmup))
+        else:
+            unit.capture_backward(f)
+        return
+    except Exception as exc:
+        for r, kept in zip(unit.members, samples):
+            r.samples = kept
+        error = explain_capture_failure(f"{unit}", exc)
+        split = phase == "fwd" and len(unit.members) > 1  # to find the member that failed
+        if not split and any(r.module._tgraph.strict for r in unit.members):
+            raise error from exc
+        try:
+            f.synchronize()
+        except Exception:
+            raise error from exc  # the device is unusable: nothing can be graphed after this
+        reason = str(error)
+    members = list(unit.members)
+    outputs = {t.untyped_storage().data_ptr() for t in unit.static_outputs}
+    unit.drop_graphs()  # a merged stack's drop also releases its members (segment.py)
+    for r in members:
+        r.seg_index = 0
+    if split:
+        for r in members:  # in recorded order: each one's forward graph where the stack's was
+            _capture(r, "fwd", f, runners, eager)
+        return
+    for r in members:
+        eager[r] = reason
+    for r in runners:  # units reading its static outputs as their static inputs copy instead
+        for i, t in enumerate(r.static_inputs):
+            if r.shared_inputs[i] and t.untyped_storage().data_ptr() in outputs:
+                r.shared_inputs[i] = False
 
 
 def _bake(units: list) -> None:
@@ -167,18 +231,72 @@ def _bake(units: list) -> None:
         u.bake(internal)
 
 
-def _refuse_hooks(units: list) -> None:
-    """A hook on a graphed module would run during warmup and capture and never at replay."""
-    for u in units:
-        if all(r.module._tgraph.capturable_hooks for r in u.members):
+def _undeclared_hooks(runners: list[Runner]) -> dict[Runner, str]:
+    """Runners whose modules carry hooks a graph would bake in (they would run during warmup
+    and capture and never again) that ``capturable_hooks=True`` did not declare: the reason
+    each stays eager. Under ``strict=True``, the error instead."""
+    found: dict[Runner, str] = {}
+    for r in runners:
+        if r.module._tgraph.capturable_hooks:
             continue
-        found = describe_hooks(u.labelled_modules(), u.roots())
-        if found:
-            raise CaptureError(
-                f"graphed module {type(u.head.module).__name__} has hooks: {'; '.join(found)}. A "
-                "graph replays kernels, not Python: these hooks would run during warmup and "
-                "capture and never again. Remove them before tgraph.create_graphs() (register "
-                "them on a module outside the graphed ones), or, if they are pure tensor code "
-                "whose effect belongs in the graph (e.g. old-style weight_norm), pass "
-                "capturable_hooks=True to tgraph.enable."
+        hooks = describe_hooks(r.labelled_modules(), r.roots())
+        if not hooks:
+            continue
+        why = (
+            f"graphed module {type(r.module).__name__} has hooks: {'; '.join(hooks)}. A "
+            "graph replays kernels, not Python: these hooks would run during warmup and "
+            "capture and never again. Remove them before tgraph.create_graphs() (register "
+            "them on a module outside the graphed ones), or, if they are pure tensor code "
+            "whose effect belongs in the graph (e.g. old-style weight_norm), pass "
+            "capturable_hooks=True to tgraph.enable."
+        )
+        if r.module._tgraph.strict:
+            raise CaptureError(why)
+        found[r] = why
+    return found
+
+
+def _without(chains: list[list[Runner]], eager: dict[Runner, str]) -> list[list[Runner]]:
+    """The mergeable chains split around the runners that stay eager (2 or more runners)."""
+    out: list[list[Runner]] = []
+    for chain in chains:
+        part: list[Runner] = []
+        for r in [*chain, None]:
+            if r is not None and r not in eager:
+                part.append(r)
+                continue
+            if len(part) > 1:
+                out.append(part)
+            part = []
+    return out
+
+
+def _leave_eager(m: _Manager, eager: dict[Runner, str]) -> list[str]:
+    """Make the calls of ``eager``'s runners run eagerly, without a warning per call: one
+    warning per reason here, naming each module it keeps eager. Returns the report's
+    entries."""
+    names = {id(mod): name for root in m.roots for name, mod in root.named_modules() if name}
+    entries: list[str] = []
+    for reason in dict.fromkeys(eager.values()):
+        members = [r for r, why in eager.items() if why == reason]
+        labels = list(
+            dict.fromkeys(
+                f"{names[id(r.module)]} ({type(r.module).__name__})"
+                if id(r.module) in names
+                else type(r.module).__name__
+                for r in members
             )
+        )
+        for r in members:
+            r.left_eager = f"it runs eagerly: create_graphs() could not graph it ({reason})"
+            r.module._tgraph.warned.add(r.left_eager)
+            r.samples = []  # kept for a capture that will not come
+        warnings.warn(
+            f"tgraph.create_graphs(): {', '.join(labels)} cannot be graphed and "
+            f"run{'s' if len(labels) == 1 else ''} eagerly (the others keep their graphs). "
+            f"{reason} (strict=True raises this instead)",
+            GraphFallbackWarning,
+            stacklevel=3,
+        )
+        entries += [f"{label} ({reason})" for label in labels]
+    return entries

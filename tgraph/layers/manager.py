@@ -39,8 +39,8 @@ from tgraph.errors import GraphFallbackError
 from tgraph.grads import DirectGrads, ParamGradPacking
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
-from tgraph.layers.record import NoteBackward, Record
-from tgraph.layers.replay import REBIND, Flight, hold_while_alive
+from tgraph.layers.record import NoteBackward, Record, Turns
+from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
 from tgraph.layers.runner import (
     Runner,
@@ -80,6 +80,7 @@ class _ModuleState:
     names: list[str] = field(default_factory=list)  # the submodules' names, for messages
     compiled: Any = None  # torch.compile of the module's call (enable(compile=...)), or None
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
+    turns: dict[tuple, Turns] = field(default_factory=dict)  # keys of several runners (record.py)
     warned: set[str] = field(default_factory=set)
     name: str = ""  # the module's qualified name in the enabled model (``blocks.3``), for messages
 
@@ -138,7 +139,7 @@ class _Manager:
             )
         runners = state.runners.get(key)
         if not self.captured:
-            runner = next((r for r in runners or () if r.state.flight is None), None)
+            runner = self.record.reusable(runners or ())  # free, and safe here (record.py)
             if runner is None:
                 links = [self.record.producer(t) for t in tensors]
                 runner = Runner(
@@ -156,15 +157,22 @@ class _Manager:
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
-            for r in runners:  # the first runner free to replay answers (tgraph.layers.replay)
+            turns = state.turns.get(key) if len(runners) > 1 else None
+            reason = BUSY  # unless a runner that is free says why it cannot answer
+            for r in runners if turns is None else turns.order():  # the recorded one first
                 j = r.seg_index
                 out = replay_call(r.cap, r.state, j, tensors)
                 if out is REBIND:
                     out = self._rebind(r, tensors)
                 if out.__class__ is list:
+                    if turns is not None:
+                        turns.took(r)
                     template = r.cap.templates[j]
                     return out[0] if template.bare else template.fill(out)
-                reason = out
+                if out is BUSY and r.left_eager is not None:
+                    out = r.left_eager  # create_graphs() could not graph it (said so there)
+                if reason is BUSY:
+                    reason = out
         elif state.runners:
             reason = difference(next(iter(state.runners)), key, state.names)
         else:
@@ -406,6 +414,7 @@ def reset_layer_graphs() -> None:
         r.drop_graphs()
     for mod in _manager.modules:
         mod._tgraph.runners.clear()
+        mod._tgraph.turns.clear()
         mod._tgraph.warned.clear()
     _manager.record.clear()
     _manager.captured = False
