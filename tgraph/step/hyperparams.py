@@ -100,37 +100,6 @@ class HyperParams:
         self._converted.clear()
 
 
-def check_graphable_optimizer(
-    opt: torch.optim.Optimizer, device: torch.device, elsewhere: str
-) -> None:
-    """Refuse an optimizer a graph on ``device`` cannot step: parameters on another device
-    (``elsewhere`` ends the message with the fix), or a step that reads its count on the host.
-
-    Raises:
-        ValueError: naming the param_group and the fix.
-    """
-    name = type(opt).__name__
-    for i, g in enumerate(opt.param_groups):
-        devices = {p.device for p in g["params"]}
-        if devices - {device}:
-            raise ValueError(
-                f"{name} param_group {i} holds parameters on {sorted(map(str, devices))}{elsewhere}"
-            )
-        if "capturable" in g and not g["capturable"]:
-            if device.type == "cuda":
-                raise ValueError(
-                    f"{name} param_group {i} has capturable=False: its step reads the step count "
-                    f"on the host, which a CUDA graph cannot contain. Construct it with "
-                    f"torch.optim.{name}(..., capturable=True)."
-                )
-            if not g.get("fused"):
-                raise ValueError(
-                    f"{name} param_group {i} has capturable=False and fused=False: its step reads "
-                    f"the step count on the host (.item()). On {device.type} construct it with "
-                    f"torch.optim.{name}(..., fused=True) (capturable=True is CUDA-only)."
-                )
-
-
 def baked_layout(optimizers: list[torch.optim.Optimizer]) -> tuple:
     """What a captured optimizer step baked in beyond hyper-parameters: the param groups (which
     parameters each steps) and the state tensors (by identity: ``load_state_dict`` replaces
