@@ -44,19 +44,19 @@ class HyperParams:
     def lr_tensors(self) -> list[torch.Tensor]:
         """The learning rates held in device tensors now (after :meth:`prepare`: every group
         whose optimizer reads a tensor ``lr``)."""
-        return [g["lr"] for _, _, g in self._groups if isinstance(g["lr"], torch.Tensor)]
+        return [g["lr"] for _, _, g in self._groups if isinstance(g.get("lr"), torch.Tensor)]
 
     def prepare(self) -> None:
         """Move float learning rates into device tensors; remember the values a graph bakes."""
         for _, _, g in self._groups:
-            lr = g["lr"]
+            lr = g.get("lr")  # a custom optimizer may have none
             if not isinstance(lr, torch.Tensor) and holds_tensor_lr(g):
                 # float32: the fused kernels read the tensor lr as float (FusedAdamKernel.cu).
                 t = torch.tensor(float(lr), dtype=torch.float32, device=g["params"][0].device)
                 self._converted.append((g, t, lr))
                 g["lr"] = t
         self._tensor_lrs = [
-            (g, g["lr"]) for _, _, g in self._groups if isinstance(g["lr"], torch.Tensor)
+            (g, g["lr"]) for _, _, g in self._groups if isinstance(g.get("lr"), torch.Tensor)
         ]
         self._baked = [
             (name, i, g, k, v)
