@@ -6,6 +6,8 @@ with one line naming the optimizer, the host state and the fix (tgraph/step/host
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -345,3 +347,83 @@ def test_fused_adamw_beside_per_layer_graphs(backend, device, replays):
     assert replays[0] > 2 * (STEPS - 1)  # the layers' forwards and backwards, and the steps
     ref_model, ref_opt = train(False)
     assert_same(model, opt, ref_model, ref_opt)
+
+
+# -- a learning rate held as a Python float by a custom optimizer -------------------------------
+
+
+class AttributeLrSGD(torch.optim.Optimizer):
+    """A custom optimizer that reads its learning rate from ``self.lr``, not param_groups."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {})
+        self.lr = lr
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-self.lr)
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_python_float_lr_of_a_custom_optimizer_reaches_the_step(backend, device, entry, replays):
+    """``opt.lr = ...`` after capture (a hand-written schedule): the graph kept the old value,
+    so the step is captured again (named in a warning) and training equals eager; it replays
+    again afterwards."""
+
+    def make(ps):
+        return AttributeLrSGD(ps, lr=LR)
+
+    def train(entry):
+        model = make_model(device)
+        opt = make(model.parameters())
+        graph = None
+        if entry == "optimizer_graph":
+            graph = tgraph.OptimizerGraph(opt, skip_nonfinite=False, backend=backend)
+
+        def train_step(batch):
+            x, y = batch
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+        if entry == "full_iteration":
+            graph = tgraph.FullIterationGraph(train_step, warmup_steps=1, backend=backend)
+        for i, (x, y) in enumerate(make_batches(device, 12)):
+            if i == 4:
+                opt.lr = LR / 4
+            if entry == "optimizer_graph":
+                F.mse_loss(model(x), y).backward()
+                graph.step()
+            elif entry == "full_iteration":
+                graph((x, y))
+            else:
+                train_step((x, y))
+        return model
+
+    with (
+        pytest.warns(UserWarning, match=r"AttributeLrSGD\.lr changed from")
+        if (entry == "full_iteration")
+        else contextlib.nullcontext()
+    ):
+        model = train(entry)
+    before = replays[0]
+    ref = train("eager")
+    assert replays[0] == before
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert replays[0] >= 12 - 4 - 2  # replayed after the second capture too
+
+
+class PythonCounter(AttributeLrSGD):
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.steps = getattr(self, "steps", 0) + 1
+        super().step()
+
+
+def test_python_number_attribute_written_at_capture_is_refused(backend, device):
+    with pytest.raises(CaptureError, match=r"PythonCounter\.steps \(a Python int\) was written"):
+        run("optimizer_graph", backend, device, lambda ps: PythonCounter(ps, lr=LR))

@@ -91,6 +91,7 @@ from tgraph.layers.signature import call_key, first_difference, split
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
+from tgraph.step.host_state import BakedNumbers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
 from tgraph.step.step_grads import grad_modes, grads_weakly, sync_grads_in
@@ -114,6 +115,7 @@ class _Entry:
     outputs: list[torch.Tensor] = field(default_factory=list)
     template: Any = None  # the structure of fn's outputs (tgraph.layers.signature.Template)
     layout: BakedLayout | None = None  # the optimizers' groups and state tensors at capture
+    numbers: BakedNumbers | None = None  # the optimizers' Python-number attributes at capture
     baked: Any = None  # what the step's modules baked in (tgraph.baked.Baked)
     grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
     capture_seconds: float = 0.0
@@ -210,7 +212,7 @@ class FullIterationGraph:
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.graph is not None:
-            why = entry.layout.change() or entry.baked.changed()
+            why = entry.layout.change() or entry.numbers.change() or entry.baked.changed()
             if why is None:
                 return self._replay(entry, tensors)
             if why not in self._recaptured:
@@ -320,6 +322,7 @@ class FullIterationGraph:
         entry.capture_seconds, entry.pool_bytes = step.seconds, step.pool_bytes
         entry.graph, entry.out = step.graph, out
         entry.layout = BakedLayout(self.optimizers)
+        entry.numbers = BakedNumbers(self.optimizers)
         # what the step's modules baked in (the modules that ran in it: tgraph.baked)
         entry.baked = Baked.of([(type(m).__name__, m) for m in self._modules.values()], [])
         entry.outputs, entry.template = split(out)

@@ -153,8 +153,9 @@ class HostWrites:
     """Before a capture: the host values a captured step must not write; :meth:`check` after it.
 
     Held: every CPU tensor in the optimizers' state and tensor attributes when the graph's
-    device is not the CPU (by version counter), and every Python number in their state (by
-    value, on either backend: a capture runs the Python of the step once, a replay never).
+    device is not the CPU (by version counter), and every Python number in their state and
+    attributes (by value, on either backend: a capture runs the Python of the step once, a
+    replay never).
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> None:
@@ -170,15 +171,19 @@ class HostWrites:
                         if isinstance(v, torch.Tensor):
                             if host_tensors and v.device.type == "cpu":
                                 self._tensors.append((f"{where} (a CPU tensor)", v, v._version))
-                        elif isinstance(v, numbers.Number) and not isinstance(v, bool):
+                        elif _is_number(v):
                             st = opt.state[p]
                             self._numbers.append(
                                 (f"{where} (a Python {type(v).__name__})", st, k, v)
                             )
-            if host_tensors:
-                for k, v in vars(opt).items():
-                    if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-                        self._tensors.append((f"{name}.{k} (a CPU tensor)", v, v._version))
+            attributes = vars(opt)
+            for k, v in attributes.items():
+                if host_tensors and isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                    self._tensors.append((f"{name}.{k} (a CPU tensor)", v, v._version))
+                elif _is_number(v):
+                    self._numbers.append(
+                        (f"{name}.{k} (a Python {type(v).__name__})", attributes, k, v)
+                    )
 
     def check(self) -> None:
         """After the capture: refuse a held value the captured step wrote.
@@ -202,4 +207,38 @@ class HostWrites:
         )
 
 
-__all__ = ["HostWrites", "check_graphable_optimizer", "fused_groups_capturable", "host_state"]
+class BakedNumbers:
+    """The Python numbers among the optimizers' own attributes at capture (a custom optimizer's
+    ``self.lr``, which its step reads on the host): a graph keeps their capture-time value, so
+    a change after capture (a schedule assigning ``opt.lr``) is named by :meth:`change` before
+    the next replay, and the entry captures the step again. (Learning rates in param_groups
+    are :class:`tgraph.step.hyperparams.HyperParams`'.)"""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._held = [(o, k, v) for o in optimizers for k, v in vars(o).items() if _is_number(v)]
+
+    def change(self) -> str | None:
+        """What changed since the capture, or None."""
+        for o, k, v in self._held:
+            now = vars(o).get(k)
+            if now is not v and now != v:
+                return (
+                    f"{type(o).__name__}.{k} changed from {v!r} to {now!r} after capture (a "
+                    "Python number its step reads, which the graph keeps)"
+                )
+        return None
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, numbers.Number) and not isinstance(v, bool)
+
+
+__all__ = [
+    "BakedNumbers",
+    "HostWrites",
+    "check_graphable_optimizer",
+    "fused_groups_capturable",
+    "host_state",
+]

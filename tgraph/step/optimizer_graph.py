@@ -64,6 +64,7 @@ from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.grad_buffers import GradBuffers
+from tgraph.step.host_state import BakedNumbers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
 from tgraph.step.nonfinite import HOWS, SkipNonfinite, finite, state_layout
 from tgraph.step.optimizer_hooks import OptimizerHooks
@@ -175,6 +176,7 @@ class OptimizerGraph(OptimizerHooks):
         self._with_loss: bool | None = None
         self._norm: torch.Tensor | None = None
         self._layout: BakedLayout | None = None
+        self._numbers: BakedNumbers | None = None
         self._every: tuple = ()  # every parameter of the step, as at capture
         self._eager_once = self._warned_held = False  # refresh_grads: this step runs eagerly
         self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)
@@ -218,7 +220,7 @@ class OptimizerGraph(OptimizerHooks):
         """
         self._take_loss(loss)
         if self._graph is not None:
-            why = self._layout.change()
+            why = self._layout.change() or self._numbers.change()
             if why is None:
                 return self._replay()
             logger.warning("OptimizerGraph: %s; capturing the step again after warmup", why)
@@ -327,6 +329,7 @@ class OptimizerGraph(OptimizerHooks):
         self.capture_seconds, self.pool_bytes = step.seconds, step.pool_bytes
         self._graph, self._hparams = step.graph, step.fresh
         self._layout = BakedLayout(self.optimizers)
+        self._numbers = BakedNumbers(self.optimizers)
         self._every = tuple(self.params())
         logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
         if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
