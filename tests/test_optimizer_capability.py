@@ -427,3 +427,18 @@ class PythonCounter(AttributeLrSGD):
 def test_python_number_attribute_written_at_capture_is_refused(backend, device):
     with pytest.raises(CaptureError, match=r"PythonCounter\.steps \(a Python int\) was written"):
         run("optimizer_graph", backend, device, lambda ps: PythonCounter(ps, lr=LR))
+
+
+def test_megatron_graph_safe_keeps_a_fused_inner_optimizer_as_it_is(device):
+    """megatron's inner torch optimizer built fused is graphed as it is: make_graph_safe does
+    not turn it capturable (torch would then warn at every eager step that it is not captured)."""
+    from types import SimpleNamespace
+
+    from tgraph.integrations.megatron_optimizer import make_graph_safe
+
+    model = make_model(device)
+    inner = CAPTURE_SAFE["AdamW_fused"](model.parameters())
+    cfg = SimpleNamespace(log_num_zeros_in_grad=False, grad_norm_skip_threshold=float("inf"))
+    sub = SimpleNamespace(optimizer=inner, config=cfg, grad_scaler=None)
+    assert make_graph_safe(sub) == [inner]
+    assert inner.param_groups[0]["capturable"] is False
