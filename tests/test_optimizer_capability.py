@@ -442,3 +442,58 @@ def test_megatron_graph_safe_keeps_a_fused_inner_optimizer_as_it_is(device):
     sub = SimpleNamespace(optimizer=inner, config=cfg, grad_scaler=None)
     assert make_graph_safe(sub) == [inner]
     assert inner.param_groups[0]["capturable"] is False
+
+
+class CountsOnTheHost(nn.Module):
+    """A CUDA model that counts its calls in a CPU buffer (a CUDA capture runs the CPU op once,
+    at capture, and a replay never)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, 1)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x)
+
+
+@pytest.mark.cuda
+def test_cpu_buffer_written_inside_a_cuda_capture_is_refused():
+    model = CountsOnTheHost()
+    model.fc.cuda()  # the buffer stays on the CPU
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    graph = tgraph.FullIterationGraph(train_step, warmup_steps=1, backend="cuda")
+    with pytest.raises(CaptureError, match=r"CountsOnTheHost\.calls \(a CPU tensor\) was written"):
+        for batch in make_batches(torch.device("cuda"), 3):
+            graph(batch)
+
+
+def test_host_writes_names_a_cpu_tensor_written_beside_a_cuda_graph():
+    """The check behind the CUDA tests above, on the CPU: for a graph on a CUDA device, a CPU
+    buffer of a module and a CPU tensor attribute of an optimizer written between the two
+    looks are named; for a CPU graph (every tensor is a CPU tensor) neither is held."""
+    from tgraph.step.host_state import HostWrites
+
+    model = CountsOnTheHost()
+    opt = CpuCounterAttribute(model.parameters(), LR)
+    for device, refused in (("cpu", False), ("cuda", True)):
+        writes = HostWrites([opt], torch.device(device), [model])
+        model(torch.randn(2, D))
+        if refused:
+            with pytest.raises(CaptureError, match=r"^CountsOnTheHost\.calls \(a CPU tensor\)"):
+                writes.check()
+        else:
+            writes.check()
+    writes = HostWrites([opt], torch.device("cuda"), [])
+    F.mse_loss(model(torch.randn(2, D)), torch.zeros(2, 1)).backward()
+    opt.step()
+    with pytest.raises(CaptureError, match=r"^CpuCounterAttribute\.calls \(a CPU tensor\) was"):
+        writes.check()

@@ -123,12 +123,18 @@ class StepCapture:
             weak_grads=drops_grads and not runs,
         )
 
-    def capture(self, fn: Callable[[], Any], *, refuse_lr_writes: bool = False) -> Any:
+    def capture(
+        self,
+        fn: Callable[[], Any],
+        *,
+        refuse_lr_writes: bool = False,
+        modules: Iterable[torch.nn.Module] = (),
+    ) -> Any:
         """Step 4: capture ``fn`` into :attr:`graph` on the backend's side stream; returns
         its output (the graph's static outputs).
 
-        Host state of the optimizers written inside ``fn`` raises :class:`tgraph.CaptureError`
-        (:class:`tgraph.step.host_state.HostWrites`). A learning-rate tensor written inside
+        Host state of the optimizers (or a CPU tensor of ``modules``, on CUDA) written inside
+        ``fn`` raises :class:`tgraph.CaptureError` (:class:`tgraph.step.host_state.HostWrites`). A learning-rate tensor written inside
         ``fn`` raises it too:
         after the capture, from the tensors' version counters (invisible to
         ``torch.compile``), or, with ``refuse_lr_writes``, at the write itself (a torch
@@ -138,7 +144,7 @@ class StepCapture:
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
         versions = [t._version for t in self.lr_tensors]
-        host = HostWrites(self.optimizers, f.device)
+        host = HostWrites(self.optimizers, f.device, modules)
         guard = RefuseLrWrites(self.lr_tensors) if refuse_lr_writes else contextlib.nullcontext()
         with f.side_stream(), stale_stream_override(), guard:
             with fused_groups_capturable(self.optimizers):

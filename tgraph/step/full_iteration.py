@@ -298,7 +298,7 @@ class FullIterationGraph:
         grads_before = grads_weakly(params)
         try:
             with step.undone_on_failure():
-                out = step.capture(lambda: self.fn(static_batch))
+                out = step.capture(lambda: self.fn(static_batch), modules=self._modules.values())
                 _refuse_non_tensors(out)
         except BaseException:
             entry.failed = True

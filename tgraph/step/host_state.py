@@ -31,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import numbers
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 
 import torch
+import torch.nn as nn
 
 from tgraph.guards import CaptureError
 
@@ -152,16 +154,26 @@ def fused_groups_capturable(optimizers: Sequence[torch.optim.Optimizer]) -> Iter
 class HostWrites:
     """Before a capture: the host values a captured step must not write; :meth:`check` after it.
 
-    Held: every CPU tensor in the optimizers' state and tensor attributes when the graph's
-    device is not the CPU (by version counter), and every Python number in their state and
+    Held: every CPU tensor in the optimizers' state and tensor attributes and among the
+    parameters and buffers of ``modules``, when the graph's device is not the CPU (by version
+    counter), and every Python number in their state and
     attributes (by value, on either backend: a capture runs the Python of the step once, a
     replay never).
     """
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> None:
+    def __init__(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        device: torch.device,
+        modules: Iterable[nn.Module] = (),
+    ) -> None:
         self._tensors: list[tuple[str, torch.Tensor, int]] = []
         self._numbers: list[tuple[str, dict, str, object]] = []
         host_tensors = device.type != "cpu"
+        for m in modules if host_tensors else ():
+            for k, t in chain(m._parameters.items(), m._buffers.items()):
+                if t is not None and t.device.type == "cpu":
+                    self._tensors.append((f"{type(m).__name__}.{k} (a CPU tensor)", t, t._version))
         for opt in optimizers:
             name = type(opt).__name__
             for i, g in enumerate(opt.param_groups):
@@ -202,8 +214,8 @@ class HostWrites:
     def _refuse(where: str) -> None:
         raise CaptureError(
             f"{where} was written inside the captured step: it lives on the host, which a graph "
-            "never replays, so it would keep its capture-time value. Keep optimizer state in "
-            "device tensors on the parameters' device (or use " + _ALTERNATIVE + ")."
+            "never replays, so it would keep its capture-time value. Keep such state in tensors "
+            "on the graph's device (for an optimizer: " + _ALTERNATIVE + ")."
         )
 
 
