@@ -497,3 +497,40 @@ def test_host_writes_names_a_cpu_tensor_written_beside_a_cuda_graph():
     opt.step()
     with pytest.raises(CaptureError, match=r"^CpuCounterAttribute\.calls \(a CPU tensor\) was"):
         writes.check()
+
+
+def test_fused_adamw_with_grad_scaler_inside_full_iteration(backend, device, replays):
+    """torch's own capture test of the fused optimizers drives them with GradScaler: the scale
+    grows and, on a batch whose gradients are not finite, the fused step is skipped and the
+    scale backs off, all on the device; equal to eager bit for bit."""
+
+    def run(graphed: bool):
+        model = make_model(device)
+        opt = CAPTURE_SAFE["AdamW_fused"](model.parameters())
+        scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+        def train_step(batch):
+            x, y = batch
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss
+
+        step = tgraph.FullIterationGraph(train_step, 2, backend) if graphed else train_step
+        for i, (x, y) in enumerate(make_batches(device, 9)):
+            if i == 6:
+                x = x.clone()
+                x[0, 0] = float("inf")  # this step's gradients are not finite: skipped
+            step((x, y))
+            sched.step()
+        return model, opt, scaler
+
+    model, opt, scaler = run(True)
+    assert replays[0] == 9 - 2 - (0 if backend == "cuda" else 1)
+    ref_model, ref_opt, ref_scaler = run(False)
+    # 2**10 grown at steps 1, 3, 5, halved at 6, grown at 8 (16384 had no step been skipped)
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**13
+    assert_same(model, opt, ref_model, ref_opt)
