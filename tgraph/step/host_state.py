@@ -7,7 +7,10 @@ Adadelta, RMSprop, Adamax, NAdam, RAdam, ASGD, Rprop, and Adam/AdamW without ``f
 capturable and fused are off", torch/optim/adam.py); a replayed Adagrad would keep stepping with
 the count of the capture (2 where eager has 3). Such optimizers are refused before the capture
 (:func:`check_graphable_optimizer`), decided by what the optimizer is, not by the device: the
-emulated backend, whose tensors are all CPU tensors, refuses exactly what CUDA refuses.
+emulated backend, whose tensors are all CPU tensors, refuses exactly what CUDA refuses. (A
+custom optimizer without a ``capturable`` flag that creates its step count on the CPU is known
+by its device only: refused beside CUDA parameters; on the CPU that count is device memory,
+which the emulated graph replays.)
 
 What torch captures safely is accepted:
 
@@ -21,9 +24,11 @@ What torch captures safely is accepted:
   parameters).
 
 After a capture, :class:`HostWrites` refuses what the checks before it could not know: a CPU
-tensor of an optimizer's state or attributes written inside a CUDA capture, and a Python number
-in an optimizer's state (a custom optimizer's ``state['step'] += 1``) written inside a capture on
-either backend; a graph keeps both at their capture-time value.
+tensor of an optimizer's state or attributes, or of a module that ran in the step, written
+inside a CUDA capture, and a Python number in an optimizer's state or attributes (a custom
+optimizer's ``state['step'] += 1``) written inside a capture on either backend; a graph keeps
+both at their capture-time value. A Python number the step only reads (a custom optimizer's
+``self.lr``) is :class:`BakedNumbers`': a change after capture captures the step again.
 """
 
 from __future__ import annotations
