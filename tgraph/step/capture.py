@@ -134,9 +134,9 @@ class StepCapture:
         its output (the graph's static outputs).
 
         Host state of the optimizers (or a CPU tensor of ``modules``, on CUDA) written inside
-        ``fn`` raises :class:`tgraph.CaptureError` (:class:`tgraph.step.host_state.HostWrites`). A learning-rate tensor written inside
-        ``fn`` raises it too:
-        after the capture, from the tensors' version counters (invisible to
+        ``fn`` raises :class:`tgraph.CaptureError`
+        (:class:`tgraph.step.host_state.HostWrites`). So does a learning-rate tensor written
+        inside ``fn``: after the capture, from the tensors' version counters (invisible to
         ``torch.compile``), or, with ``refuse_lr_writes``, at the write itself (a torch
         function mode: the error's traceback points at the write).
         """
