@@ -10,7 +10,8 @@ import torch
 
 from tests.test_decode import engines, prompts, tiny_gpt
 from tgraph.backend import CudaGraph
-from tgraph.decode.requests import make_requests
+from tgraph.decode import DecodeEngine
+from tgraph.decode.requests import Request, make_requests
 from tgraph.emulated import EmulatedGraph
 
 NEW = 12
@@ -110,3 +111,24 @@ def test_decode_call_that_cannot_follow_names_the_fix(backend, device, replays):
     graphed.recapture()
     torch.testing.assert_close(graphed.prefill(request), eager.prefill(request), rtol=0, atol=0)
     assert_graphed_equal_eager(graphed, eager, replays, prompts(3))
+
+
+def test_hand_written_loop_steps_on_the_new_weights(backend, device, replays):
+    """load() once, then step() after step(): a sync between two steps reaches the next one
+    (each engine serves its own copy of the model, synced at the same point)."""
+    logits = []
+    for use_graphs in (True, False):
+        model = tiny_gpt(device)
+        engine = DecodeEngine(model, use_graphs=use_graphs, backend=backend, progress=False,
+                              **SHAPE)  # fmt: skip
+        reqs = [Request(i, p, NEW, False, slot=i) for i, p in enumerate(prompts(2))]
+        for r in reqs:
+            r.output.append(int(engine.prefill(r).argmax()))
+        batch = engine.pad(reqs)
+        engine.load(batch)
+        engine.step(batch)
+        sync_assign(model, device)
+        before = replays[0]
+        logits.append(engine.step(batch)[: batch.n].clone())
+        assert replays[0] == before + use_graphs
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)

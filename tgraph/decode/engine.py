@@ -275,11 +275,7 @@ class DecodeEngine:
 
     def load(self, batch: PaddedBatch) -> None:
         """Copy ``batch`` into the static buffers (every row; once per batch change) and
-        bring the model's current weights to the graphs (see :meth:`prefill`).
-
-        Raises:
-            RuntimeError: as :meth:`prefill`.
-        """
+        bring the model's current weights to the graphs (raises as :meth:`prefill`)."""
         self._check_weights(between_requests=False)
         self.buffers.copy_from(batch.ints, batch.floats)
         self.stats.refreshes += 1
@@ -288,7 +284,9 @@ class DecodeEngine:
         """One decode step of the loaded ``batch``: replay its bucket's graph or run the same
         program eagerly. The sampled ids are then in ``buffers.tokens[:n]`` and the buffers
         advanced for the next step. Returns the logits (width, V), overwritten by the next
-        step (clone to keep). The weights were checked by :meth:`load`."""
+        step (clone to keep). Raises as :meth:`prefill` (the weights are checked here outside
+        :meth:`generate`, whose loop runs no user code between its steps)."""
+        self._check_weights(between_requests=False)
         self.stats.count_step(batch.n, batch.width, batch.graphed, batch.sampling)
         return self.decode_graphs.run(batch.key)
 
