@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode import engines, prompts, tiny_gpt
 
-from tests.test_decode import engines, prompts, tiny_gpt
 from tgraph.backend import CudaGraph
 from tgraph.decode import DecodeEngine
 from tgraph.decode.requests import Request, make_requests
