@@ -537,3 +537,26 @@ def test_fused_adamw_with_grad_scaler_inside_full_iteration(backend, device, rep
     # 2**10 grown at steps 1, 3, 5, halved at 6, grown at 8 (16384 had no step been skipped)
     assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**13
     assert_same(model, opt, ref_model, ref_opt)
+
+
+class GroupStepSGD(AttributeLrSGD):
+    """Counts its steps in a Python int in the param_group (as apex's FusedAdam does without
+    capturable) and decays the step with it."""
+
+    def __init__(self, params, lr: float) -> None:
+        torch.optim.Optimizer.__init__(self, params, {"lr": lr, "step": 0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["step"] += 1
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] / g["step"])
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_python_step_count_in_a_param_group_is_refused_at_capture(backend, device, entry):
+    match = r"GroupStepSGD param_group 0: 'step' \(a Python int\) was written inside the captured"
+    with pytest.raises(CaptureError, match=match):
+        run(entry, backend, device, lambda ps: GroupStepSGD(ps, lr=LR))

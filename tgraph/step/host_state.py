@@ -161,8 +161,8 @@ class HostWrites:
 
     Held: every CPU tensor in the optimizers' state and tensor attributes and among the
     parameters and buffers of ``modules``, when the graph's device is not the CPU (by version
-    counter), and every Python number in their state and
-    attributes (by value, on either backend: a capture runs the Python of the step once, a
+    counter), and every Python number in their param_groups, state
+    and attributes (by value, on either backend: a capture runs the Python of the step once, a
     replay never).
     """
 
@@ -182,6 +182,10 @@ class HostWrites:
         for opt in optimizers:
             name = type(opt).__name__
             for i, g in enumerate(opt.param_groups):
+                for k, v in g.items():  # a Python step count in the group (apex's
+                    if _is_number(v):  # FusedAdam without capturable keeps one there)
+                        where = f"{name} param_group {i}: {k!r} (a Python {type(v).__name__})"
+                        self._numbers.append((where, g, k, v))
                 for j, p in enumerate(g["params"]):
                     for k, v in opt.state.get(p, {}).items():
                         where = f"{name} param_group {i} parameter {j}: state[{k!r}]"
