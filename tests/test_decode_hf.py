@@ -160,6 +160,25 @@ def test_a_training_model_is_served_in_eval_mode_and_left_training(backend, devi
     assert not any(m.training for m in model.modules())  # an eval model stays in eval mode
 
 
+@pytest.mark.parametrize("assign", [True, False], ids=["assign", "in_place"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_weight_sync_reaches_the_graphs(family, backend, device, assign):
+    """An RL weight sync, ``load_state_dict(sd, assign=True)`` (the model then holds the new
+    tensors) or in place: the engine's greedy tokens equal ``generate`` of the new weights."""
+    model = make(family, device)
+    ps = prompts()
+    eng = engine(model, backend)
+    old = eng.generate(ps, NEW_TOKENS)
+    torch.manual_seed(7)
+    new = FAMILIES[family]().to(device).state_dict()
+    model.load_state_dict(new, assign=assign)
+    got = eng.generate(ps, NEW_TOKENS)
+    assert got == reference(model, ps)
+    assert got != old  # the test can tell the old weights' tokens apart
+    st = eng.stats
+    assert st.bucket_steps and st.eager_steps == 0 and st.prefill_eager == 0
+
+
 def test_continuous_batching_and_eager_prefill_equal_generate(backend, device):
     """More requests than slots (they queue, join and leave), different output lengths, and a
     prompt above the largest prefill bucket (eager prefill)."""

@@ -7,6 +7,8 @@ Files, one concept each:
 * ``batch.py``: pad once: buckets and the padded batch/prompt both paths run.
 * ``steps.py``: the decode and prefill programs, and the token read-back to the host.
 * ``graph_runner.py``: capture (largest first, one pool) and replay of the programs.
+* ``weights.py``: the parameters and buffers the graphs read, checked before each call; a
+  replaced one (``load_state_dict(assign=True)``) followed by a copy or a re-capture.
 * ``buffers.py``: the static inputs, ``set_batch``/``copy_from``/``advance``.
 * ``sampling.py``: greedy/temperature/top-k/top-p with per-request counter-based streams.
 * ``kv_cache.py``: the preallocated KV cache, one slot per row.

@@ -22,6 +22,10 @@ step late: its row of the step decoded ahead is computed and discarded
 which attention masks out. Tokens never depend on lookahead: the step decoded ahead has the same
 rows and bucket as the one before it.
 
+Weights (:mod:`tgraph.decode.weights`): the graphs read the memory each parameter and buffer
+had at capture. A sync that replaces them (``load_state_dict(sd, assign=True)``) is followed by a
+copy into that memory before each call, or by :meth:`DecodeEngine.recapture`; never old tokens.
+
 Sampling (:mod:`tgraph.decode.sampling`) draws each request's tokens from its own counter-based
 stream keyed by its seed and position, so a seeded request gives the same tokens in any slot,
 bucket or company, with or without graphs.
@@ -71,6 +75,7 @@ from tgraph.decode.requests import Prompt, Request, make_requests
 from tgraph.decode.sampling import Sampler
 from tgraph.decode.stats import DecodeStats
 from tgraph.decode.steps import TokenReadback, decode_program, prefill_program
+from tgraph.decode.weights import BakedWeights, served_modules
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +124,7 @@ class DecodeEngine:
         lookahead: bool = True,
     ) -> None:
         self.decoder = d = as_decode_model(model)
+        self._modules = served_modules(model, d)  # whose weights the graphs read
         # The model's mode while the engine runs it (eval for the toy GPT), restored after.
         self._serving = getattr(d, "serving", None) or contextlib.nullcontext
         self.lookahead = lookahead
@@ -180,21 +186,58 @@ class DecodeEngine:
         self.stats = DecodeStats(
             backend=resolved, buckets=list(self.buckets), prefill_buckets=self.prefill_buckets
         )
+        self.weights: BakedWeights | None = None
+        self._generating = False
         if self.factory is not None:
-            allocated = self.factory.memory_allocated()
-            with self._serving():
-                self.decode_graphs.capture()
-                self.prefill_graphs.capture()
-            self.buffers.reset()  # warmups moved the padding rows' tokens; start clean
-            st = self.stats
-            st.capture_seconds = (
-                self.decode_graphs.capture_seconds + self.prefill_graphs.capture_seconds
+            self._capture()
+
+    def _capture(self) -> None:
+        """Capture every bucket (largest first, one pool) and note the weights they read."""
+        allocated = self.factory.memory_allocated()
+        with self._serving():
+            self.decode_graphs.capture()
+            self.prefill_graphs.capture()
+        self.weights = BakedWeights(self._modules)
+        self.buffers.reset()  # warmups moved the padding rows' tokens; start clean
+        st = self.stats
+        st.capture_seconds = (
+            self.decode_graphs.capture_seconds + self.prefill_graphs.capture_seconds
+        )
+        st.pool_bytes = self.factory.memory_allocated() - allocated
+        for kind in (self.decode_graphs, self.prefill_graphs):
+            for (size, sampling), nbytes in kind.bytes.items():
+                name = f"{kind.name} {size} {'sampling' if sampling else 'greedy'}"
+                st.graph_bytes[name] = nbytes
+
+    def recapture(self) -> None:
+        """Capture the graphs again over the model's current parameters and buffers (after a
+        weight sync that replaced them, e.g. ``load_state_dict(sd, assign=True)``: the graphs
+        then read the new tensors without a copy per call). Call it between requests: the
+        warmups write the KV cache. :meth:`generate` calls it itself when the graphs cannot
+        follow a replaced tensor."""
+        if self.factory is None:
+            return
+        for kind in (self.decode_graphs, self.prefill_graphs):
+            kind.reset()
+        self.factory = GraphFactory(self.factory.backend, self.device)  # a fresh pool
+        self.decode_graphs.factory = self.prefill_graphs.factory = self.factory
+        self._capture()
+
+    def _check_weights(self, between_requests: bool) -> None:
+        """Before a call: the graphs read the model's current weights (BakedWeights). Inside
+        generate() no user code runs between its prefills and steps: checked once, at its start."""
+        if self._generating:
+            return
+        why = None if self.weights is None else self.weights.check()
+        if why is None:
+            return
+        if not between_requests:
+            raise RuntimeError(
+                f"DecodeEngine: {why}, so the captured graphs cannot serve it; call "
+                "engine.recapture() between requests (or generate(), which does)"
             )
-            st.pool_bytes = self.factory.memory_allocated() - allocated
-            for kind in (self.decode_graphs, self.prefill_graphs):
-                for (size, sampling), nbytes in kind.bytes.items():
-                    name = f"{kind.name} {size} {'sampling' if sampling else 'greedy'}"
-                    st.graph_bytes[name] = nbytes
+        logger.info("DecodeEngine: %s; capturing the graphs again", why)
+        self.recapture()
 
     # -- one prefill, one decode step ------------------------------------------------------
 
@@ -204,7 +247,12 @@ class DecodeEngine:
 
         The logits are a graph's static output: the next prefill or decode step overwrites
         them (clone to keep).
+
+        Raises:
+            RuntimeError: a parameter or buffer was replaced in a way the graphs cannot follow
+                (call :meth:`recapture`).
         """
+        self._check_weights(between_requests=False)
         padded = pad_prompt(request, buckets=self.prefill_buckets, vocab_size=self.vocab_size)
         self.prompt_buffers.copy_from(padded.tokens, padded.ints, padded.floats)
         self.stats.count_prefill(padded.width, padded.graphed)
@@ -226,7 +274,9 @@ class DecodeEngine:
         )
 
     def load(self, batch: PaddedBatch) -> None:
-        """Copy ``batch`` into the static buffers (every row; once per batch change)."""
+        """Copy ``batch`` into the static buffers (every row; once per batch change) and
+        bring the model's current weights to the graphs (raises as :meth:`prefill`)."""
+        self._check_weights(between_requests=False)
         self.buffers.copy_from(batch.ints, batch.floats)
         self.stats.refreshes += 1
 
@@ -234,7 +284,9 @@ class DecodeEngine:
         """One decode step of the loaded ``batch``: replay its bucket's graph or run the same
         program eagerly. The sampled ids are then in ``buffers.tokens[:n]`` and the buffers
         advanced for the next step. Returns the logits (width, V), overwritten by the next
-        step (clone to keep)."""
+        step (clone to keep). Raises as :meth:`prefill` (the weights are checked here outside
+        :meth:`generate`, whose loop runs no user code between its steps)."""
+        self._check_weights(between_requests=False)
         self.stats.count_step(batch.n, batch.width, batch.graphed, batch.sampling)
         return self.decode_graphs.run(batch.key)
 
@@ -316,8 +368,13 @@ class DecodeEngine:
             raise ValueError(
                 f"eos_token_id {eos_token_id} is outside the vocabulary [0, {d.vocab_size})"
             )
-        with self._serving():
-            self._serve(requests, eos_token_id)
+        self._check_weights(between_requests=True)
+        self._generating = True
+        try:
+            with self._serving():
+                self._serve(requests, eos_token_id)
+        finally:
+            self._generating = False
         decode_text = getattr(d, "decode", None)
         return [decode_text(r.output) if r.is_text else r.output for r in requests]
 

@@ -129,6 +129,17 @@ class BucketGraphs:
             free_memory(device),
         )
 
+    def reset(self) -> None:
+        """Drop every graph (their memory returns to the pool); programs run eagerly until
+        :meth:`capture` runs again."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.bytes.clear()
+
+    def captured(self, key: Hashable) -> bool:
+        return key in self.graphs
+
     def run(self, key: Hashable) -> torch.Tensor:
         """Replay ``key``'s graph, or run its program eagerly when it has none.
 

@@ -38,8 +38,9 @@ def make_graph_safe(mopt) -> list[torch.optim.Optimizer]:
     capturable.
 
     Torch optimizers inside (AdamW/Adam/SGD, megatron's choice without TransformerEngine or apex)
-    get ``capturable=True`` (their step count moves to the GPU; the same update up to rounding
-    of the bias correction). Anything that needs the host every step is refused.
+    that are neither fused nor capturable get ``capturable=True`` (their step count moves to the
+    GPU; the same update up to rounding of the bias correction); fused ones are graphed as they
+    are. Anything that needs the host every step is refused.
 
     Args:
         mopt: what ``get_megatron_optimizer`` returned.
@@ -74,9 +75,8 @@ def make_graph_safe(mopt) -> list[torch.optim.Optimizer]:
             )
         inner = sub.optimizer
         for g in inner.param_groups:
-            on_cpu = all(p.device.type == "cpu" for p in g["params"])
-            if "capturable" not in g or g["capturable"] or (on_cpu and g.get("fused")):
-                continue  # (fused on the CPU: no host sync, and capturable is CUDA-only)
+            if g.get("fused") or "capturable" not in g or g["capturable"]:
+                continue  # fused: its step count lives on the device (tgraph/step/host_state.py)
             if not type(inner).__module__.startswith("torch.optim"):
                 raise ValueError(
                     f"{type(inner).__name__} (inside megatron's {type(sub).__name__}) has "

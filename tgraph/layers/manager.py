@@ -269,6 +269,10 @@ class GraphableModule(nn.Module):
             )
         return _manager.call(self, state, args, kwargs)
 
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickling: AveragedModel, EMA) is an ordinary eager module."""
+        return {k: v for k, v in super().__getstate__().items() if k != "_tgraph"}
+
 
 def enable(
     model: nn.Module,

@@ -4,13 +4,16 @@
 A whole-step capture (a training step, or the optimizer step alone) does the same five things
 in the same order, whichever entry asks:
 
-1. refuse optimizers a graph cannot step (:func:`tgraph.step.hyperparams.check_graphable_optimizer`);
+1. refuse optimizers a graph cannot step: parameters elsewhere, state on the host
+   (:func:`tgraph.step.host_state.check_graphable_optimizer`);
 2. move the learning rates of optimizers not covered yet into device tensors
    (:class:`tgraph.step.hyperparams.HyperParams`);
 3. snapshot what the capture may change (:class:`tgraph.snapshot.Snapshot`: values too when the
    backend executes the captured function, references only on CUDA);
-4. capture on the backend's side stream, refusing a learning-rate tensor written inside the step
-   (a scheduler stepping inside it);
+4. capture on the backend's side stream (fused param_groups say ``capturable=True`` meanwhile,
+   :func:`tgraph.step.host_state.fused_groups_capturable`), refusing a learning-rate tensor
+   written inside the step (a scheduler stepping inside it) and host state it wrote
+   (:class:`tgraph.step.host_state.HostWrites`);
 5. on failure, undo 3 and 2 and raise a :class:`tgraph.CaptureError` that names the likely cause
    (a ``ValueError``, a misconfiguration the message already explains, passes unchanged).
 
@@ -36,7 +39,8 @@ import torch
 from tgraph.backend import GraphFactory, stale_stream_override
 from tgraph.guards import RefuseLrWrites, check_lr_unwritten, explain_capture_failure
 from tgraph.snapshot import Snapshot
-from tgraph.step.hyperparams import HyperParams, check_graphable_optimizer
+from tgraph.step.host_state import HostWrites, check_graphable_optimizer, fused_groups_capturable
+from tgraph.step.hyperparams import HyperParams
 
 
 def check_optimizers(
@@ -119,12 +123,20 @@ class StepCapture:
             weak_grads=drops_grads and not runs,
         )
 
-    def capture(self, fn: Callable[[], Any], *, refuse_lr_writes: bool = False) -> Any:
+    def capture(
+        self,
+        fn: Callable[[], Any],
+        *,
+        refuse_lr_writes: bool = False,
+        modules: Iterable[torch.nn.Module] = (),
+    ) -> Any:
         """Step 4: capture ``fn`` into :attr:`graph` on the backend's side stream; returns
         its output (the graph's static outputs).
 
-        A learning-rate tensor written inside ``fn`` raises :class:`tgraph.CaptureError`:
-        after the capture, from the tensors' version counters (invisible to
+        Host state of the optimizers (or a CPU tensor of ``modules``, on CUDA) written inside
+        ``fn`` raises :class:`tgraph.CaptureError`
+        (:class:`tgraph.step.host_state.HostWrites`). So does a learning-rate tensor written
+        inside ``fn``: after the capture, from the tensors' version counters (invisible to
         ``torch.compile``), or, with ``refuse_lr_writes``, at the write itself (a torch
         function mode: the error's traceback points at the write).
         """
@@ -132,10 +144,13 @@ class StepCapture:
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
         versions = [t._version for t in self.lr_tensors]
+        host = HostWrites(self.optimizers, f.device, modules)
         guard = RefuseLrWrites(self.lr_tensors) if refuse_lr_writes else contextlib.nullcontext()
         with f.side_stream(), stale_stream_override(), guard:
-            out = self.graph.capture(fn)
+            with fused_groups_capturable(self.optimizers):
+                out = self.graph.capture(fn)
         check_lr_unwritten(self.lr_tensors, versions)
+        host.check()
         f.synchronize()
         self.seconds = time.perf_counter() - start
         self.pool_bytes = f.memory_allocated() - before

@@ -48,8 +48,11 @@ Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` 
   assigns a new float instead is caught at the next call and the value copied into the tensor.
   Any other hyper-parameter that changes after capture (a float ``lr`` of a plain SGD, momentum,
   betas, ...) raises a ``ValueError`` instead of being silently ignored.
-* Adam/AdamW on CUDA need ``capturable=True`` (their default step reads the step count on the
-  host); on the CPU (emulated backend) they need ``fused=True`` (``capturable`` is CUDA-only).
+* Accepted by what they are (tgraph/step/host_state.py): ``fused=True`` (Adam, AdamW, SGD;
+  Adagrad on the CPU), ``capturable=True`` (CUDA), or no state on the host (plain SGD). An
+  optimizer that keeps its step count on the host (Adagrad, Adadelta, RMSprop, Adam/AdamW
+  without either flag, ...) is refused before the capture, naming the fix: a graph would
+  advance that count once, at capture, and never again.
 
 torch DDP inside ``fn`` works. PyTorch's CUDA-graph notes ("Usage with DistributedDataParallel")
 require at least 11 DDP-enabled eager iterations before capture (the reducer rebuilds its buckets
@@ -72,33 +75,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from tgraph import rng
 from tgraph.backend import GraphFactory, check_backend_name
 from tgraph.baked import Baked
-from tgraph.layers.manager import GraphFallbackWarning, is_enabled, layer_graphs_enabled
+from tgraph.layers.manager import GraphFallbackWarning, layer_graphs_enabled
 from tgraph.layers.signature import call_key, first_difference, split
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
+from tgraph.step.host_state import BakedNumbers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
+from tgraph.step.step_grads import grad_modes, grads_weakly, sync_grads_in
+from tgraph.step.watch import DDP_MIN_WARMUP, Watch, check_not_nested
 
 logger = logging.getLogger(__name__)
-
-
-DDP_MIN_WARMUP = 11
-"""Eager DDP iterations PyTorch requires before a capture (CUDA notes, DDP section)."""
 
 
 @dataclass
@@ -115,6 +114,7 @@ class _Entry:
     outputs: list[torch.Tensor] = field(default_factory=list)
     template: Any = None  # the structure of fn's outputs (tgraph.layers.signature.Template)
     layout: BakedLayout | None = None  # the optimizers' groups and state tensors at capture
+    numbers: BakedNumbers | None = None  # the optimizers' Python-number attributes at capture
     baked: Any = None  # what the step's modules baked in (tgraph.baked.Baked)
     grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
     capture_seconds: float = 0.0
@@ -206,12 +206,12 @@ class FullIterationGraph:
                 training step, and later calls of that signature run eagerly.
         """
         if layer_graphs_enabled():  # per-layer graphs exist somewhere: enabled inside fn?
-            self._check_not_nested(self._modules.values(), recurse=False)
+            check_not_nested(self._modules.values(), recurse=False)
         tensors: list[torch.Tensor] = []
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.graph is not None:
-            why = entry.layout.change() or entry.baked.changed()
+            why = entry.layout.change() or entry.numbers.change() or entry.baked.changed()
             if why is None:
                 return self._replay(entry, tensors)
             if why not in self._recaptured:
@@ -294,17 +294,17 @@ class FullIterationGraph:
             step.graph.register_generator_state(g)
         params = self._params()
         step.save(params, self._buffers(), drops_grads=True)
-        grads_before = _grads_weakly(params)
+        grads_before = grads_weakly(params)
         try:
             with step.undone_on_failure():
-                out = step.capture(lambda: self.fn(static_batch))
+                out = step.capture(lambda: self.fn(static_batch), modules=self._modules.values())
                 _refuse_non_tensors(out)
         except BaseException:
             entry.failed = True
             raise
         self._hparams = step.hparams
         self._keep(entry, step, out)
-        entry.grads = _grad_modes(params, grads_before)
+        entry.grads = grad_modes(params, grads_before)
         if f.executes_capture:
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
@@ -321,6 +321,7 @@ class FullIterationGraph:
         entry.capture_seconds, entry.pool_bytes = step.seconds, step.pool_bytes
         entry.graph = step.graph
         entry.layout = BakedLayout(self.optimizers)
+        entry.numbers = BakedNumbers(self.optimizers)
         # what the step's modules baked in (the modules that ran in it: tgraph.baked)
         entry.baked = Baked.of([(type(m).__name__, m) for m in self._modules.values()], [])
         entry.outputs, entry.template = split(out)
@@ -344,29 +345,11 @@ class FullIterationGraph:
                 if s.data_ptr() != t.data_ptr():
                     s.copy_(t)
             if not first:
-                self._sync_grads_in(entry)
+                sync_grads_in(entry.grads)
         entry.graph.replay()
         for p, grad, _ in entry.grads:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
         return self._outputs(entry)
-
-    @staticmethod
-    def _sync_grads_in(entry: _Entry) -> None:
-        """Make the graph see the ``.grad`` that eager execution would accumulate into."""
-        for p, g, mode in entry.grads:
-            live = p.grad
-            if live is g or mode == "cleared":
-                continue  # as left by the last replay, or fn clears .grad itself
-            if mode == "add":  # the graph adds into g: give it the live starting value
-                g.zero_() if live is None else g.copy_(live)
-            elif live is not None:  # mode "assign": the graph cannot add to an existing .grad
-                raise ValueError(
-                    "FullIterationGraph: a parameter's .grad holds a gradient before this step, "
-                    "but the step was captured with .grad set to None, so the graph overwrites "
-                    "it instead of accumulating into it as eager execution would. Call "
-                    "optimizer.zero_grad(set_to_none=True) before each step, or accumulate "
-                    "inside fn (pass a list of microbatches)."
-                )
 
     # -- what fn touches ---------------------------------------------------------------------
 
@@ -414,20 +397,8 @@ class FullIterationGraph:
             {id(b): b for m in self._modules.values() for b in nn.Module.buffers(m)}.values()
         )
 
-    def _watch(self) -> _Watch:
-        return _Watch(self)
-
-    def _check_not_nested(self, modules: Iterable[nn.Module], recurse: bool = True) -> None:
-        for m in modules:
-            for sub in m.modules() if recurse else (m,):
-                if is_enabled(sub):
-                    raise ValueError(
-                        f"FullIterationGraph: {type(sub).__name__} inside the training step has "
-                        "per-layer graphs enabled (tgraph.enable). The two modes do not nest: a "
-                        "whole-step graph cannot contain per-layer graph replays. Call "
-                        "tgraph.disable(model) before using FullIterationGraph, or keep the "
-                        "per-layer graphs and call the step without FullIterationGraph."
-                    )
+    def _watch(self) -> Watch:
+        return Watch(self)
 
 
 def _elsewhere(device: torch.device) -> str:
@@ -435,29 +406,6 @@ def _elsewhere(device: torch.device) -> str:
         f" but the batch is on {device}; move the batch to the parameters' device before "
         "calling the step (a graph reads static device buffers only)"
     )
-
-
-def _grads_weakly(params: list[torch.Tensor]) -> dict[int, Any]:
-    """Each parameter's ``.grad`` before the capture, weakly: a gradient the step drops is
-    freed during the capture (its peak), not held."""
-    return {id(p): None if p.grad is None else weakref.ref(p.grad) for p in params}
-
-
-def _grad_modes(params: list[torch.Tensor], before: dict[int, Any]) -> list[tuple]:
-    """How each ``.grad`` relates to the graph. "add": the graph accumulates into the ``.grad``
-    that existed at capture; "assign": it writes fresh gradients (``zero_grad`` with
-    ``set_to_none=True`` ran before the capture; "cleared" when it ran inside ``fn``)."""
-    modes = []
-    for p in params:
-        ref, g = before[id(p)], p.grad
-        if g is None:
-            continue
-        if ref is None:
-            mode = "assign"
-        else:
-            mode = "add" if g is ref() else "cleared"
-        modes.append((p, g, mode))
-    return modes
 
 
 def _refuse_non_tensors(out: Any) -> None:
@@ -471,52 +419,6 @@ def _refuse_non_tensors(out: Any) -> None:
             f"fn returned non-tensor values ({', '.join(bad)}); a graph replays kernels, "
             "not Python, so they would keep their capture-time value. Return tensors only."
         )
-
-
-class _Watch:
-    """During an eager call: note the optimizers that step and the modules that run in ``fn``."""
-
-    def __init__(self, owner: FullIterationGraph) -> None:
-        self._owner = owner
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> _Watch:
-        self._handles = [
-            register_optimizer_step_pre_hook(self._on_step),
-            nn.modules.module.register_module_forward_pre_hook(self._on_forward),
-        ]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-
-    def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._owner._optimizers.setdefault(id(opt), opt)
-
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
-        # A global hook runs inside a torch.compile'd module's forward too, where dynamo traces
-        # it: reading the owner's modules from there would hand dynamo the compiled model a
-        # second time ("UnspecializedNNModuleVariable ... already tracked for mutation"). The
-        # compiled module itself is called eagerly and is noted, with its submodules, below.
-        if torch.compiler.is_compiling():
-            return
-        owner = self._owner
-        if id(module) in owner._modules:
-            return
-        if isinstance(getattr(module, "_orig_mod", None), nn.Module):  # torch.compile(module):
-            for sub in module.modules():
-                owner._modules.setdefault(id(sub), sub)
-        if layer_graphs_enabled():
-            owner._check_not_nested([module])
-        if isinstance(module, DistributedDataParallel) and owner.warmup_steps < DDP_MIN_WARMUP:
-            raise ValueError(
-                f"FullIterationGraph(warmup_steps={owner.warmup_steps}) around a "
-                f"DistributedDataParallel model: PyTorch requires at least {DDP_MIN_WARMUP} "
-                "DDP-enabled eager iterations before capture (CUDA notes, 'Usage with "
-                f"DistributedDataParallel'). Pass warmup_steps={DDP_MIN_WARMUP} or more."
-            )
-        owner._modules[id(module)] = module
 
 
 __all__ = ["DDP_MIN_WARMUP", "FullIterationGraph"]

@@ -44,19 +44,19 @@ class HyperParams:
     def lr_tensors(self) -> list[torch.Tensor]:
         """The learning rates held in device tensors now (after :meth:`prepare`: every group
         whose optimizer reads a tensor ``lr``)."""
-        return [g["lr"] for _, _, g in self._groups if isinstance(g["lr"], torch.Tensor)]
+        return [g["lr"] for _, _, g in self._groups if isinstance(g.get("lr"), torch.Tensor)]
 
     def prepare(self) -> None:
         """Move float learning rates into device tensors; remember the values a graph bakes."""
         for _, _, g in self._groups:
-            lr = g["lr"]
+            lr = g.get("lr")  # a custom optimizer may have none
             if not isinstance(lr, torch.Tensor) and holds_tensor_lr(g):
                 # float32: the fused kernels read the tensor lr as float (FusedAdamKernel.cu).
                 t = torch.tensor(float(lr), dtype=torch.float32, device=g["params"][0].device)
                 self._converted.append((g, t, lr))
                 g["lr"] = t
         self._tensor_lrs = [
-            (g, g["lr"]) for _, _, g in self._groups if isinstance(g["lr"], torch.Tensor)
+            (g, g["lr"]) for _, _, g in self._groups if isinstance(g.get("lr"), torch.Tensor)
         ]
         self._baked = [
             (name, i, g, k, v)
@@ -98,37 +98,6 @@ class HyperParams:
             if g["lr"] is t:
                 g["lr"] = float(t)
         self._converted.clear()
-
-
-def check_graphable_optimizer(
-    opt: torch.optim.Optimizer, device: torch.device, elsewhere: str
-) -> None:
-    """Refuse an optimizer a graph on ``device`` cannot step: parameters on another device
-    (``elsewhere`` ends the message with the fix), or a step that reads its count on the host.
-
-    Raises:
-        ValueError: naming the param_group and the fix.
-    """
-    name = type(opt).__name__
-    for i, g in enumerate(opt.param_groups):
-        devices = {p.device for p in g["params"]}
-        if devices - {device}:
-            raise ValueError(
-                f"{name} param_group {i} holds parameters on {sorted(map(str, devices))}{elsewhere}"
-            )
-        if "capturable" in g and not g["capturable"]:
-            if device.type == "cuda":
-                raise ValueError(
-                    f"{name} param_group {i} has capturable=False: its step reads the step count "
-                    f"on the host, which a CUDA graph cannot contain. Construct it with "
-                    f"torch.optim.{name}(..., capturable=True)."
-                )
-            if not g.get("fused"):
-                raise ValueError(
-                    f"{name} param_group {i} has capturable=False and fused=False: its step reads "
-                    f"the step count on the host (.item()). On {device.type} construct it with "
-                    f"torch.optim.{name}(..., fused=True) (capturable=True is CUDA-only)."
-                )
 
 
 def baked_layout(optimizers: list[torch.optim.Optimizer]) -> tuple:

@@ -4,7 +4,7 @@ device (no host sync).
 Usage, next to :func:`tgraph.enable`::
 
     tgraph.enable(model)
-    opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
     opt_graph = tgraph.OptimizerGraph(opt, clip_grad_norm=1.0, skip_nonfinite=True)
     for step, (x, y) in enumerate(loader):
         _, loss = model(x, y)
@@ -45,7 +45,7 @@ learning rates as tensors, snapshot, restore on failure) is tgraph/step/capture.
 
 Extension points: a subclass that steps another kind of optimizer (megatron-core's, in
 :mod:`tgraph.integrations.megatron_optimizer`) overrides the public hooks of
-:class:`OptimizerGraph` listed in its docstring, and nothing else.
+:class:`OptimizerGraph`, listed and defaulted in tgraph/step/optimizer_hooks.py, and nothing else.
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.grad_buffers import GradBuffers
+from tgraph.step.host_state import BakedNumbers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
-from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout, total_norm
+from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout
+from tgraph.step.optimizer_hooks import OptimizerHooks
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +76,16 @@ logger = logging.getLogger(__name__)
 _ELSEWHERE = ", but the graph runs on {device}: one OptimizerGraph per device"
 
 
-class OptimizerGraph:
+class OptimizerGraph(OptimizerHooks):
     """``optimizer.step()`` with clipping, non-finite skipping and gradient zeroing as one graph.
 
     Args:
-        optimizer: a torch optimizer whose step needs no host sync: ``fused=True`` or
-            ``capturable=True`` (Adam/AdamW need ``capturable=True`` on CUDA, ``fused=True`` on
-            the CPU). Its float learning rates move into device tensors at capture, so LR
-            schedulers keep working (:class:`tgraph.step.hyperparams.HyperParams`).
+        optimizer: a torch optimizer without state on the host: ``fused=True`` (Adam, AdamW,
+            SGD; Adagrad on the CPU), ``capturable=True`` (CUDA) or none (plain SGD); one that
+            keeps its step count on the host is refused, naming the fix
+            (:mod:`tgraph.step.host_state`). Its float learning rates move into device tensors
+            at capture (fused or capturable), so LR schedulers keep working
+            (:class:`tgraph.step.hyperparams.HyperParams`).
         clip_grad_norm: clip the gradients to this total norm first, exactly as
             ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type)`` (on the device).
         norm_type: the norm of clipping and of the finiteness check.
@@ -101,21 +105,8 @@ class OptimizerGraph:
         TypeError: ``optimizer`` is not a torch optimizer.
         ValueError: a bad argument value.
 
-    Extension points, for a subclass that steps another kind of optimizer (the defaults step
-    ``optimizer`` and own ``.grad`` buffers; :class:`tgraph.integrations.megatron_optimizer.
-    MegatronOptimizerGraph` overrides them for megatron-core's optimizer):
-
-    * :attr:`optimizers`: the torch optimizers the step runs (their learning rates reach the
-      graph, their state is snapshotted and checked);
-    * :meth:`params`: the parameters whose gradients the step reads;
-    * :meth:`protected_tensors`: tensors besides those a skipped step restores;
-    * :meth:`norm_and_clip`: the gradient norm (and clipping) before the step;
-    * :meth:`inner_step`: the step itself;
-    * :meth:`bind_grads`: at capture, the gradient buffers the graph reads;
-    * :meth:`refresh_grads`: before each replay, bring the step's gradients into them.
-
-    Each runs inside the captured step or around it as its docstring says; none may sync with
-    the host.
+    Extension points, for a subclass that steps another kind of optimizer: the public hooks
+    of :class:`tgraph.step.optimizer_hooks.OptimizerHooks` (their defaults step ``optimizer``).
     """
 
     def __init__(
@@ -165,42 +156,10 @@ class OptimizerGraph:
         self._with_loss: bool | None = None
         self._norm: torch.Tensor | None = None
         self._layout: BakedLayout | None = None
+        self._numbers: BakedNumbers | None = None
         self._every: tuple = ()  # every parameter of the step, as at capture
         self._eager_once = self._warned_held = False  # refresh_grads: this step runs eagerly
         self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)
-
-    # -- extension points (the class docstring) -----------------------------------------------
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The torch optimizers the step runs (their learning rates reach the graph)."""
-        return [self.optimizer]
-
-    def params(self) -> list[torch.Tensor]:
-        """The parameters whose gradients the step reads (default: the optimizers')."""
-        return [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
-
-    def norm_and_clip(self) -> torch.Tensor | None:
-        """Inside the step, first: the total gradient norm before clipping (a 0-dim device
-        tensor), after clipping to ``clip_grad_norm``; None when neither clipping nor skipping
-        needs it."""
-        grads = [p.grad for p in self.params() if p.grad is not None]
-        if self.clip_grad_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(
-                self.params(), self.clip_grad_norm, self.norm_type
-            )
-        if self.guard is not None:
-            return total_norm(grads, self.norm_type)
-        return None
-
-    def protected_tensors(self) -> list[torch.Tensor]:
-        """Tensors besides the optimizers' parameters and state that a skipped step restores
-        (default: none)."""
-        return []
-
-    def inner_step(self) -> None:
-        """Inside the step, after :meth:`norm_and_clip`: the optimizer step itself."""
-        self.optimizer.step()
 
     def _clear_grads(self) -> None:
         """After a step (eager, captured or replayed): ``.grad = None``, as
@@ -208,36 +167,6 @@ class OptimizerGraph:
         if self.zero_grad:
             for p in self._every or self.params():
                 p.grad = None
-
-    def bind_grads(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
-        """At capture, before the step is captured: the gradient buffers the graph reads.
-
-        Returns:
-            ``(pairs, gradless)``: ``(parameter, buffer)`` for every gradient the graph reads
-            (at a fixed address), and the parameters it never steps (they must keep
-            ``.grad`` None; checked at every replay). The default
-            (:class:`tgraph.step.grad_buffers.GradBuffers`) reads the gradients per-layer
-            graphs hand over where they leave them and gives every other gradient a buffer
-            of the graph's own (one flat allocation), filled with this step's gradients and
-            made the parameters' ``.grad``.
-
-        Raises:
-            ValueError: no gradient to step.
-        """
-        self._buffers = GradBuffers.bind(self.params())
-        self.own_grad_bytes = self._buffers.own_bytes
-        return list(self._buffers.pairs), list(self._buffers.gradless)
-
-    def refresh_grads(self) -> None:
-        """Before a replay (no grad mode): copy the step's gradients into the graph's buffers
-        where they are not there already (:meth:`tgraph.step.grad_buffers.GradBuffers.refresh`;
-        a copy that would overwrite a gradient kept elsewhere makes this step run eagerly).
-
-        Raises:
-            ValueError: a gradient the graph reads is missing, or a parameter it never steps
-                has one now (call :meth:`reset`).
-        """
-        self._eager_once = self._buffers.refresh()
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -271,7 +200,7 @@ class OptimizerGraph:
         """
         self._take_loss(loss)
         if self._graph is not None:
-            why = self._layout.change()
+            why = self._layout.change() or self._numbers.change()
             if why is None:
                 return self._replay()
             logger.warning("OptimizerGraph: %s; capturing the step again after warmup", why)
@@ -380,6 +309,7 @@ class OptimizerGraph:
         self.capture_seconds, self.pool_bytes = step.seconds, step.pool_bytes
         self._graph, self._hparams = step.graph, step.fresh
         self._layout = BakedLayout(self.optimizers)
+        self._numbers = BakedNumbers(self.optimizers)
         self._every = tuple(self.params())
         logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
         if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay

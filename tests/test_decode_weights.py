@@ -1,0 +1,134 @@
+"""DecodeEngine after a weight sync that replaces the model's tensors (an RL loop's
+``load_state_dict(sd, assign=True)``, ``p.data = new``): the graphs follow the new weights (a
+copy into the captured memory, or a re-capture), and greedy tokens equal an eager engine's with
+the new weights; never the old weights' tokens. In-place syncs keep working."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decode import engines, prompts, tiny_gpt
+
+from tgraph.backend import CudaGraph
+from tgraph.decode import DecodeEngine
+from tgraph.decode.requests import Request, make_requests
+from tgraph.emulated import EmulatedGraph
+
+NEW = 12
+SHAPE = dict(max_batch_size=4, max_seq_len=64)
+
+
+@pytest.fixture
+def replays(monkeypatch) -> list[int]:
+    count = [0]
+    for cls in (EmulatedGraph, CudaGraph):
+        original = cls.replay
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "replay", counted)
+    return count
+
+
+def new_weights(device, seed: int = 5) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in tiny_gpt(device, seed=seed).state_dict().items()}
+
+
+def assert_graphed_equal_eager(graphed, eager, replays, ps) -> list[list[int]]:
+    before = replays[0]
+    got = graphed.generate(ps, NEW)
+    assert got == eager.generate(ps, NEW)  # exact: the same kernels on the same numbers
+    assert graphed.stats.eager_steps == 0
+    assert replays[0] - before >= NEW  # the graphs served it
+    return got
+
+
+def sync_assign(model, device) -> None:
+    model.load_state_dict(new_weights(device), assign=True)
+
+
+def sync_repoint(model, device) -> None:
+    new = new_weights(device)
+    for k, p in model.state_dict(keep_vars=True).items():
+        p.data = new[k]
+
+
+def sync_in_place(model, device) -> None:
+    model.load_state_dict(new_weights(device))
+
+
+@pytest.mark.parametrize("sync", [sync_assign, sync_repoint, sync_in_place])
+def test_weight_sync_reaches_the_decode_graphs(backend, device, sync, replays):
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    ps = prompts(3)
+    old = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    sync(model, device)
+    got = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    assert got != old  # the new weights decode other tokens (the test can see stale ones)
+    # a second sync, in place into the tensors the model holds now, is followed too
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    assert_graphed_equal_eager(graphed, eager, replays, ps)
+
+
+def test_weights_swapped_among_themselves_are_captured_again(backend, device, replays):
+    """Layer 0's tensors and layer 1's exchanged (assign=True, the same tensors): no copy can
+    follow that (each reads what the other overwrites), so generate() captures again."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    ps = prompts(3)
+    old = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    pool = graphed.factory
+    swap_layers(model)
+    got = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    assert got != old
+    assert graphed.factory is not pool  # captured again, in a fresh pool
+
+
+def swap_layers(model) -> None:
+    sd = model.state_dict()
+    swapped = {k.replace("h.0.", "h.X.").replace("h.1.", "h.0.").replace("h.X.", "h.1."): v
+               for k, v in sd.items()}  # fmt: skip
+    model.load_state_dict(swapped, assign=True)
+
+
+def test_decode_call_that_cannot_follow_names_the_fix(backend, device, replays):
+    """Between the calls of a hand-written loop (prefill(), decode(), step()), a change that
+    needs a re-capture raises, naming it and the fix (a re-capture writes the KV cache)."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    swap_layers(model)
+    (request,) = make_requests([prompts(1)[0]], NEW, vocab_size=256, max_seq_len=64,
+                               max_positions=64)  # fmt: skip
+    request.slot = 0
+    match = r"h\.0\..* now lives in memory the graphs read .*call engine\.recapture\(\)"
+    with pytest.raises(RuntimeError, match=match):
+        graphed.prefill(request)
+    graphed.recapture()
+    torch.testing.assert_close(graphed.prefill(request), eager.prefill(request), rtol=0, atol=0)
+    assert_graphed_equal_eager(graphed, eager, replays, prompts(3))
+
+
+def test_hand_written_loop_steps_on_the_new_weights(backend, device, replays):
+    """load() once, then step() after step(): a sync between two steps reaches the next one
+    (each engine serves its own copy of the model, synced at the same point)."""
+    logits = []
+    for use_graphs in (True, False):
+        model = tiny_gpt(device)
+        engine = DecodeEngine(model, use_graphs=use_graphs, backend=backend, progress=False,
+                              **SHAPE)  # fmt: skip
+        reqs = [Request(i, p, NEW, False, slot=i) for i, p in enumerate(prompts(2))]
+        for r in reqs:
+            r.output.append(int(engine.prefill(r).argmax()))
+        batch = engine.pad(reqs)
+        engine.load(batch)
+        engine.step(batch)
+        sync_assign(model, device)
+        before = replays[0]
+        logits.append(engine.step(batch)[: batch.n].clone())
+        assert replays[0] == before + use_graphs
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)

@@ -1,0 +1,562 @@
+"""Whole-step graphs accept optimizers by what they are: what torch captures safely (fused, or
+capturable, or without host state) steps in the graph, bitwise as eager; an optimizer that
+keeps state on the host (a CPU step count) is refused before the capture, on both backends,
+with one line naming the optimizer, the host state and the fix (tgraph/step/host_state.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tgraph
+from tgraph.backend import CudaGraph
+from tgraph.emulated import EmulatedGraph
+from tgraph.guards import CaptureError
+from tgraph.step import capture as step_capture
+
+D = 8
+STEPS = 7
+LR = 2.0**-6  # StepLR halves it: every value exact in float32, so the graphs are bitwise
+
+
+def make_model(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 1)).to(device)
+
+
+def make_batches(device: torch.device, n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(4, D, generator=g).to(device), torch.randn(4, 1, generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture
+def replays(monkeypatch) -> list[int]:
+    """Counts graph replays on either backend (a test that claims replays proves them)."""
+    count = [0]
+    for cls in (EmulatedGraph, CudaGraph):
+        original = cls.replay
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "replay", counted)
+    return count
+
+
+def run(entry: str, backend: str, device: torch.device, make_opt, *, schedule: bool = False):
+    """Train STEPS steps through ``entry`` ("eager", "optimizer_graph", "full_iteration");
+    returns the model, the optimizer and the whole-step object (None for eager)."""
+    model = make_model(device)
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if schedule else None
+    graph = None
+    if entry == "optimizer_graph":
+        graph = tgraph.OptimizerGraph(opt, skip_nonfinite=False, backend=backend)
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if entry == "full_iteration":
+        graph = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
+    for x, y in make_batches(device):
+        if entry == "optimizer_graph":
+            F.mse_loss(model(x), y).backward()
+            graph.step()
+        elif entry == "full_iteration":
+            graph((x, y))
+        else:
+            train_step((x, y))
+        if sched is not None:
+            sched.step()
+    return model, opt, graph
+
+
+def assert_same(model, opt, ref_model, ref_opt) -> None:
+    """Parameters and optimizer state (the step count included), bit for bit."""
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        for k, v in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=0, atol=0, msg=f"state {k!r}")
+
+
+# -- refused: state on the host ------------------------------------------------------------------
+
+HOST_STEPPING = {
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=LR),
+    "Adagrad_foreach": lambda ps: torch.optim.Adagrad(ps, lr=LR, foreach=True),
+    "Adadelta": lambda ps: torch.optim.Adadelta(ps, lr=LR),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=LR),
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=LR),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=LR),
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=LR),
+    "ASGD": lambda ps: torch.optim.ASGD(ps, lr=LR),
+}
+
+
+def expected_fix(name: str, device: torch.device) -> str:
+    if name in ("Adam", "AdamW"):
+        return "fused=True" + (r"\) or .*capturable=True" if device.type == "cuda" else "")
+    if name == "Adagrad":
+        return "fused=True" if device.type == "cpu" else "torch has no capturable Adagrad on cuda"
+    if device.type == "cuda":
+        return "capturable=True"
+    return f"torch has no capturable {name} on cpu"
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+@pytest.mark.parametrize("kind", list(HOST_STEPPING))
+def test_host_stepping_optimizer_is_refused_by_name(backend, device, kind, entry):
+    """Refused before any capture, on both backends alike (the emulated backend has no host
+    apart from its device, and is told by what the optimizer is): the message names the
+    optimizer, its CPU step count and the fix; the refused call takes no step."""
+    name = kind.split("_")[0]
+    model = make_model(device)
+    opt = HOST_STEPPING[kind](model.parameters())
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    if entry == "optimizer_graph":
+        graph = tgraph.OptimizerGraph(opt, skip_nonfinite=False, backend=backend)
+    else:
+        graph = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
+    host = r"keeps its step count on the CPU \(state\[.*'step'\].* CPU tensors?\)"
+    match = rf"^{name} param_group 0 .*{host}: .*{expected_fix(name, device)}"
+    batches = iter(make_batches(device))
+    with pytest.raises(ValueError, match=match) as refused:
+        for x, y in batches:
+            before = [p.detach().clone() for p in model.parameters()]
+            if entry == "optimizer_graph":
+                F.mse_loss(model(x), y).backward()
+                graph.step()
+            else:
+                graph((x, y))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert "\n" not in str(refused.value)  # one line
+
+
+class PythonStepSGD(torch.optim.Optimizer):
+    """A custom optimizer that counts its steps in a Python int and decays the step with it:
+    a graph would keep the count (and the step size) of the capture."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["step"] = st.get("step", 0) + 1
+                p.add_(p.grad, alpha=-g["lr"] / st["step"])
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_python_number_in_optimizer_state_written_at_capture_is_refused(backend, device, entry):
+    """A Python step count written inside the captured step is refused at the capture, naming
+    it (a replay runs no Python: it would step with the capture's count forever)."""
+    match = r"PythonStepSGD param_group 0 parameter 0: state\['step'\] \(a Python int\) was written"
+    with pytest.raises(CaptureError, match=match):
+        run(entry, backend, device, lambda ps: PythonStepSGD(ps, lr=LR))
+
+
+class DeclaredNotCapturable(PythonStepSGD):
+    """A custom optimizer following torch's convention: ``capturable=False`` and a 0-dim
+    CPU step count (torch.tensor(0.0), on the CPU whatever the parameters' device)."""
+
+    def __init__(self, params, lr: float) -> None:
+        torch.optim.Optimizer.__init__(self, params, {"lr": lr, "capturable": False})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    st = self.state[p]
+                    st.setdefault("step", torch.tensor(0.0))
+                    st["step"] += 1
+                    p.add_(p.grad / st["step"].to(p.device), alpha=-g["lr"])
+
+
+def test_custom_optimizer_declaring_capturable_false_is_refused(backend, device):
+    with pytest.raises(ValueError, match=r"DeclaredNotCapturable param_group 0 \(capturable="):
+        run("full_iteration", backend, device, lambda ps: DeclaredNotCapturable(ps, lr=LR))
+
+
+class CpuStepOnDevice(DeclaredNotCapturable):
+    """No flags at all: only the device of its step count shows it lives on the host."""
+
+    def __init__(self, params, lr: float) -> None:
+        torch.optim.Optimizer.__init__(self, params, {"lr": lr})
+
+
+@pytest.mark.cuda
+def test_cpu_state_tensor_beside_cuda_parameters_is_refused():
+    with pytest.raises(ValueError, match=r"CpuStepOnDevice param_group 0 keeps state\['step'\] on"):
+        run("optimizer_graph", "cuda", torch.device("cuda"), lambda ps: CpuStepOnDevice(ps, LR))
+
+
+class CpuCounterAttribute(PythonStepSGD):
+    """A CPU tensor attribute advanced inside the step (not in ``state``)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, lr)
+        self.calls = torch.zeros(())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+
+@pytest.mark.cuda
+def test_cpu_tensor_written_inside_a_cuda_capture_is_refused():
+    with pytest.raises(CaptureError, match=r"CpuCounterAttribute\.calls \(a CPU tensor\) was"):
+        run("full_iteration", "cuda", torch.device("cuda"), lambda ps: CpuCounterAttribute(ps, LR))
+
+
+# -- accepted: what torch captures safely --------------------------------------------------------
+
+CAPTURE_SAFE = {
+    "SGD_momentum": lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),  # no host state
+    "SGD_fused": lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, fused=True),
+    "Adam_fused": lambda ps: torch.optim.Adam(ps, lr=LR, fused=True),
+    "AdamW_fused": lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1, fused=True),
+    "Adagrad_fused": lambda ps: torch.optim.Adagrad(ps, lr=LR, fused=True),  # CPU only in torch
+}
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+@pytest.mark.parametrize("kind", list(CAPTURE_SAFE))
+def test_capture_safe_optimizer_replays_bitwise_as_eager(backend, device, kind, entry, replays):
+    """Fused optimizers (capturable=False: fused keeps its step count on the device) and SGD
+    without host state are captured; the learning rate schedule reaches the fused graphs (a
+    plain SGD bakes its float lr, so it runs without a schedule); parameters and state equal
+    eager bit for bit, and the steps after the capture were replays."""
+    if kind == "Adagrad_fused" and device.type != "cpu":
+        pytest.skip("torch's fused Adagrad runs on the CPU only")
+    schedule = "fused" in kind
+    model, opt, graph = run(entry, backend, device, CAPTURE_SAFE[kind], schedule=schedule)
+    ref_model, ref_opt, _ = run("eager", backend, device, CAPTURE_SAFE[kind], schedule=schedule)
+    assert_same(model, opt, ref_model, ref_opt)
+    eager = 1 if entry == "optimizer_graph" else 2  # warmup steps
+    captured_here = 0 if backend == "cuda" else 1  # the emulated capture executed that step
+    assert replays[0] == STEPS - eager - captured_here
+    assert all(g.get("capturable") in (None, False) for g in opt.param_groups)  # as built
+
+
+def _health_check_during_stream_capture(monkeypatch) -> None:
+    """torch's capture health check as on CUDA, where a stream capture runs: a param_group
+    that does not say capturable=True refuses to step. The CPU has no stream capture, so
+    "capturing" here means inside tgraph's whole-step capture."""
+    inside = [False]
+    original = step_capture.StepCapture.capture
+
+    def capture(self, *args, **kwargs):
+        inside[0] = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def health_check(self):
+        if inside[0] and not all(g["capturable"] for g in self.param_groups):
+            raise RuntimeError(
+                f"Attempting CUDA graph capture of step() for an instance of {type(self).__name__}"
+                " but param_groups' capturable is False."
+            )
+
+    monkeypatch.setattr(step_capture.StepCapture, "capture", capture)
+    monkeypatch.setattr(
+        torch.optim.Optimizer, "_accelerator_graph_capture_health_check", health_check
+    )
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_fused_adamw_passes_torchs_capture_health_check(backend, device, entry, monkeypatch):
+    """torch refuses to capture a step whose groups are not capturable, fused ones included;
+    fused groups say capturable=True for the capture only (the fused kernels ignore the flag)."""
+    _health_check_during_stream_capture(monkeypatch)
+    make = CAPTURE_SAFE["AdamW_fused"]
+    model, opt, graph = run(entry, backend, device, make, schedule=True)
+    ref_model, ref_opt, _ = run("eager", backend, device, make, schedule=True)
+    assert_same(model, opt, ref_model, ref_opt)
+    assert opt.param_groups[0]["capturable"] is False
+
+
+def test_fused_adamw_beside_per_layer_graphs(backend, device, replays):
+    """The hand-off: per-layer graphs leave the gradients, the fused AdamW step graph reads
+    them; a changing learning rate reaches it; equal to eager bit for bit."""
+
+    class Block(tgraph.GraphableModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), Block(), nn.Linear(D, 1)).to(device)
+        opt = CAPTURE_SAFE["AdamW_fused"](model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return model, opt, sched
+
+    def train(graphed: bool):
+        model, opt, sched = make()
+        graph = tgraph.OptimizerGraph(opt, skip_nonfinite=False, backend=backend)
+        if graphed:
+            tgraph.enable(model, backend=backend, strict=True)
+        try:
+            for i, (x, y) in enumerate(make_batches(device)):
+                F.mse_loss(model(x), y).backward()
+                if graphed:
+                    graph.step()
+                else:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                sched.step()
+                if graphed and i == 0:
+                    tgraph.create_graphs()
+        finally:
+            tgraph.reset()
+            tgraph.disable(model)
+        return model, opt
+
+    model, opt = train(True)
+    assert replays[0] > 2 * (STEPS - 1)  # the layers' forwards and backwards, and the steps
+    ref_model, ref_opt = train(False)
+    assert_same(model, opt, ref_model, ref_opt)
+
+
+# -- a learning rate held as a Python float by a custom optimizer -------------------------------
+
+
+class AttributeLrSGD(torch.optim.Optimizer):
+    """A custom optimizer that reads its learning rate from ``self.lr``, not param_groups."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {})
+        self.lr = lr
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-self.lr)
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_python_float_lr_of_a_custom_optimizer_reaches_the_step(backend, device, entry, replays):
+    """``opt.lr = ...`` after capture (a hand-written schedule): the graph kept the old value,
+    so the step is captured again (named in a warning) and training equals eager; it replays
+    again afterwards."""
+
+    def make(ps):
+        return AttributeLrSGD(ps, lr=LR)
+
+    def train(entry):
+        model = make_model(device)
+        opt = make(model.parameters())
+        graph = None
+        if entry == "optimizer_graph":
+            graph = tgraph.OptimizerGraph(opt, skip_nonfinite=False, backend=backend)
+
+        def train_step(batch):
+            x, y = batch
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+        if entry == "full_iteration":
+            graph = tgraph.FullIterationGraph(train_step, warmup_steps=1, backend=backend)
+        for i, (x, y) in enumerate(make_batches(device, 12)):
+            if i == 4:
+                opt.lr = LR / 4
+            if entry == "optimizer_graph":
+                F.mse_loss(model(x), y).backward()
+                graph.step()
+            elif entry == "full_iteration":
+                graph((x, y))
+            else:
+                train_step((x, y))
+        return model
+
+    with (
+        pytest.warns(UserWarning, match=r"AttributeLrSGD\.lr changed from")
+        if (entry == "full_iteration")
+        else contextlib.nullcontext()
+    ):
+        model = train(entry)
+    before = replays[0]
+    ref = train("eager")
+    assert replays[0] == before
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert replays[0] >= 12 - 4 - 2  # replayed after the second capture too
+
+
+class PythonCounter(AttributeLrSGD):
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.steps = getattr(self, "steps", 0) + 1
+        super().step()
+
+
+def test_python_number_attribute_written_at_capture_is_refused(backend, device):
+    with pytest.raises(CaptureError, match=r"PythonCounter\.steps \(a Python int\) was written"):
+        run("optimizer_graph", backend, device, lambda ps: PythonCounter(ps, lr=LR))
+
+
+def test_megatron_graph_safe_keeps_a_fused_inner_optimizer_as_it_is(device):
+    """megatron's inner torch optimizer built fused is graphed as it is: make_graph_safe does
+    not turn it capturable (torch would then warn at every eager step that it is not captured)."""
+    from types import SimpleNamespace
+
+    from tgraph.integrations.megatron_optimizer import make_graph_safe
+
+    model = make_model(device)
+    inner = CAPTURE_SAFE["AdamW_fused"](model.parameters())
+    cfg = SimpleNamespace(log_num_zeros_in_grad=False, grad_norm_skip_threshold=float("inf"))
+    sub = SimpleNamespace(optimizer=inner, config=cfg, grad_scaler=None)
+    assert make_graph_safe(sub) == [inner]
+    assert inner.param_groups[0]["capturable"] is False
+
+
+class CountsOnTheHost(nn.Module):
+    """A CUDA model that counts its calls in a CPU buffer (a CUDA capture runs the CPU op once,
+    at capture, and a replay never)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, 1)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x)
+
+
+@pytest.mark.cuda
+def test_cpu_buffer_written_inside_a_cuda_capture_is_refused():
+    model = CountsOnTheHost()
+    model.fc.cuda()  # the buffer stays on the CPU
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    graph = tgraph.FullIterationGraph(train_step, warmup_steps=1, backend="cuda")
+    with pytest.raises(CaptureError, match=r"CountsOnTheHost\.calls \(a CPU tensor\) was written"):
+        for batch in make_batches(torch.device("cuda"), 3):
+            graph(batch)
+
+
+def test_host_writes_names_a_cpu_tensor_written_beside_a_cuda_graph():
+    """The check behind the CUDA tests above, on the CPU: for a graph on a CUDA device, a CPU
+    buffer of a module and a CPU tensor attribute of an optimizer written between the two
+    looks are named; for a CPU graph (every tensor is a CPU tensor) neither is held."""
+    from tgraph.step.host_state import HostWrites
+
+    model = CountsOnTheHost()
+    opt = CpuCounterAttribute(model.parameters(), LR)
+    for device, refused in (("cpu", False), ("cuda", True)):
+        writes = HostWrites([opt], torch.device(device), [model])
+        model(torch.randn(2, D))
+        if refused:
+            with pytest.raises(CaptureError, match=r"^CountsOnTheHost\.calls \(a CPU tensor\)"):
+                writes.check()
+        else:
+            writes.check()
+    writes = HostWrites([opt], torch.device("cuda"), [])
+    F.mse_loss(model(torch.randn(2, D)), torch.zeros(2, 1)).backward()
+    opt.step()
+    with pytest.raises(CaptureError, match=r"^CpuCounterAttribute\.calls \(a CPU tensor\) was"):
+        writes.check()
+
+
+def test_fused_adamw_with_grad_scaler_inside_full_iteration(backend, device, replays):
+    """torch's own capture test of the fused optimizers drives them with GradScaler: the scale
+    grows and, on a batch whose gradients are not finite, the fused step is skipped and the
+    scale backs off, all on the device; equal to eager bit for bit."""
+
+    def run(graphed: bool):
+        model = make_model(device)
+        opt = CAPTURE_SAFE["AdamW_fused"](model.parameters())
+        scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+        def train_step(batch):
+            x, y = batch
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss
+
+        step = tgraph.FullIterationGraph(train_step, 2, backend) if graphed else train_step
+        for i, (x, y) in enumerate(make_batches(device, 9)):
+            if i == 6:
+                x = x.clone()
+                x[0, 0] = float("inf")  # this step's gradients are not finite: skipped
+            step((x, y))
+            sched.step()
+        return model, opt, scaler
+
+    model, opt, scaler = run(True)
+    assert replays[0] == 9 - 2 - (0 if backend == "cuda" else 1)
+    ref_model, ref_opt, ref_scaler = run(False)
+    # 2**10 grown at steps 1, 3, 5, halved at 6, grown at 8 (16384 had no step been skipped)
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**13
+    assert_same(model, opt, ref_model, ref_opt)
+
+
+class GroupStepSGD(AttributeLrSGD):
+    """Counts its steps in a Python int in the param_group (as apex's FusedAdam does without
+    capturable) and decays the step with it."""
+
+    def __init__(self, params, lr: float) -> None:
+        torch.optim.Optimizer.__init__(self, params, {"lr": lr, "step": 0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["step"] += 1
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] / g["step"])
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_python_step_count_in_a_param_group_is_refused_at_capture(backend, device, entry):
+    match = r"GroupStepSGD param_group 0: 'step' \(a Python int\) was written inside the captured"
+    with pytest.raises(CaptureError, match=match):
+        run(entry, backend, device, lambda ps: GroupStepSGD(ps, lr=LR))

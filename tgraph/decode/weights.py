@@ -1,0 +1,139 @@
+"""The weights a decode graph baked in, checked before each engine call and followed.
+
+A graph reads the memory each parameter and buffer lived in at capture. A weight sync that
+replaces the tensors (``model.load_state_dict(sd, assign=True)``, ``p.data = new``) leaves that
+memory behind: without a check the graphs would keep generating the old weights' tokens (and
+on CUDA read memory the old tensors no longer own). In-place updates (``copy_``,
+``load_state_dict`` without ``assign``) write the captured memory and need nothing.
+
+:class:`BakedWeights` holds the captured memory (aliases, so it outlives a re-pointed tensor)
+and, before each call, compares the modules' current tensors with it: one C-level pass over the
+modules' parameter and buffer tables (object ids), one over the addresses. A tensor that moved
+is followed by a copy into the captured memory before each call, when it has the captured
+shape, dtype and device and owns memory of its own; anything else (a new shape or dtype, an
+added parameter, tied weights untied, weights swapped among themselves) asks for a re-capture
+(:meth:`tgraph.decode.DecodeEngine.recapture`), never for a replay of the old weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import chain
+
+import torch
+import torch.nn as nn
+
+logger = logging.getLogger(__name__)
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def served_modules(*objects: object) -> list[nn.Module]:
+    """The modules whose tensors the decode programs read: the model itself when it is a
+    module, else the modules among its (and its adapter's) attributes."""
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            return [obj]
+    found = {id(v): v for obj in objects for v in vars(obj).values() if isinstance(v, nn.Module)}
+    return list(found.values())
+
+
+class BakedWeights:
+    """The parameters and buffers of ``modules`` as the graphs captured them (module docstring).
+
+    Args:
+        modules: the served modules (every submodule's tables are watched).
+    """
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        named = {
+            id(m): (f"{i}.{name}" if len(modules) > 1 else name, m)
+            for i, root in enumerate(modules)
+            for name, m in root.named_modules()
+        }
+        self._tables = [t for _, m in named.values() for t in (m._parameters, m._buffers)]
+        self._names = [
+            f"{name}.{k}" if name else k
+            for name, m in named.values()
+            for t in (m._parameters, m._buffers)
+            for k in t
+        ]
+        self._keys = self._table_keys()
+        live = self._live()
+        # aliases of the captured memory: they keep it when a tensor is re-pointed elsewhere
+        self.held = tuple(None if t is None else t.detach() for t in live)
+        self._held_ptrs = tuple(None if t is None else _data_ptr(t) for t in live)
+        self._remember(live, [])
+
+    def _table_keys(self) -> tuple:
+        return tuple(map(tuple, self._tables))
+
+    def _live(self) -> tuple:
+        return tuple(chain.from_iterable(map(dict.values, self._tables)))
+
+    def _remember(self, live: tuple, moved: list[int]) -> None:
+        self._ids = tuple(map(id, live))
+        self._tensors = tuple(t for t in live if t is not None)
+        self._ptrs = tuple(map(_data_ptr, self._tensors))
+        self._copy_to = [self.held[i] for i in moved]
+        self._copy_from = [live[i] for i in moved]
+
+    def check(self) -> str | None:
+        """Before a call: copy moved tensors into the captured memory; None when the graphs
+        may replay, else why they must be captured again."""
+        live = self._live()
+        if tuple(map(id, live)) != self._ids or tuple(map(_data_ptr, self._tensors)) != self._ptrs:
+            why = self._follow(live)
+            if why is not None:
+                return why
+        if self._copy_to:
+            with torch.no_grad():
+                torch._foreach_copy_(self._copy_to, self._copy_from)
+        return None
+
+    def _follow(self, live: tuple) -> str | None:
+        """Decide again how each tensor reaches the graphs (only when something moved)."""
+        if self._table_keys() != self._keys:
+            return "a parameter or buffer of the model was added or removed after capture"
+        held_storages = {
+            h.untyped_storage().data_ptr() for h in self.held if h is not None and h.numel()
+        }
+        moved: list[int] = []
+        into: dict[int, int] = {}  # captured address -> the address copied into it
+        for i, (name, h, t) in enumerate(zip(self._names, self.held, live, strict=True)):
+            if h is None or t is None:
+                if h is not t:
+                    return f"{name} changed from {_what(h)} to {_what(t)} after capture"
+                continue
+            if h.numel() == 0 and t.shape == h.shape and t.dtype == h.dtype:
+                continue  # nothing the graphs read
+            if _data_ptr(t) == self._held_ptrs[i] and t.stride() == h.stride():
+                if t.shape == h.shape and t.dtype == h.dtype:
+                    continue
+            if (t.shape, t.dtype, t.device) != (h.shape, h.dtype, h.device):
+                return (
+                    f"{name} was replaced by a tensor of {_what(t)} after capture "
+                    f"(the graphs read {_what(h)})"
+                )
+            if t.numel() and t.untyped_storage().data_ptr() in held_storages:
+                return f"{name} now lives in memory the graphs read for another tensor or layout"
+            if into.setdefault(self._held_ptrs[i], _data_ptr(t)) != _data_ptr(t):
+                return f"{name} was tied to another tensor at capture and is not any more"
+            moved.append(i)
+        if moved:
+            logger.info(
+                "DecodeEngine: following %d parameter(s)/buffer(s) replaced after capture "
+                "(e.g. %s) by a copy into the graphs' memory before each call; "
+                "engine.recapture() graphs the new tensors without the copy",
+                len(moved),
+                self._names[moved[0]],
+            )
+        self._remember(live, moved)
+        return None
+
+
+def _what(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"{tuple(t.shape)} {t.dtype} {t.device}"
+
+
+__all__ = ["BakedWeights", "served_modules"]

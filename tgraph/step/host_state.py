@@ -1,0 +1,265 @@
+"""Which optimizers a whole-step graph can step: optimizer state that lives on the host.
+
+A CUDA graph replays device kernels and nothing else. An optimizer that keeps part of its state
+on the host advances it once, while the step is captured, and never again: torch's Adagrad,
+Adadelta, RMSprop, Adamax, NAdam, RAdam, ASGD, Rprop, and Adam/AdamW without ``fused`` or
+``capturable``, keep ``state['step']`` in a CPU tensor ("Deliberately host `step` on CPU if both
+capturable and fused are off", torch/optim/adam.py); a replayed Adagrad would keep stepping with
+the count of the capture (2 where eager has 3). Such optimizers are refused before the capture
+(:func:`check_graphable_optimizer`), decided by what the optimizer is, not by the device: the
+emulated backend, whose tensors are all CPU tensors, refuses exactly what CUDA refuses. (A
+custom optimizer without a ``capturable`` flag that creates its step count on the CPU is known
+by its device only: refused beside CUDA parameters; on the CPU that count is device memory,
+which the emulated graph replays.)
+
+What torch captures safely is accepted:
+
+* ``fused=True`` (Adam, AdamW and SGD on CUDA and the CPU, Adagrad on the CPU): the step count
+  lives on the device. torch's capture health check asks for ``capturable=True`` even there
+  (the fused kernels ignore the flag: ``capturable  # Needed for consistency`` in
+  torch/optim/adam.py ``_fused_adam``), so such groups say ``capturable=True`` for the duration
+  of a capture only (:func:`fused_groups_capturable`);
+* ``capturable=True`` (CUDA);
+* an optimizer without host state (SGD, fused or not: its momentum buffers live beside the
+  parameters).
+
+After a capture, :class:`HostWrites` refuses what the checks before it could not know: a CPU
+tensor of an optimizer's state or attributes, or of a module that ran in the step, written
+inside a CUDA capture, and a Python number in an optimizer's state or attributes (a custom
+optimizer's ``state['step'] += 1``) written inside a capture on either backend; a graph keeps
+both at their capture-time value. A Python number the step only reads (a custom optimizer's
+``self.lr``) is :class:`BakedNumbers`': a change after capture captures the step again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
+
+import torch
+import torch.nn as nn
+
+from tgraph.guards import CaptureError
+
+# torch's fused implementations, and the devices each runs on (None: every device torch's fused
+# kernels support). torch refuses fused Adagrad on CUDA (_device_dtype_check_for_fused(...,
+# cuda_unsupported=True)).
+_FUSED_DEVICES: dict[str, set[str] | None] = {
+    "Adam": None,
+    "AdamW": None,
+    "SGD": None,
+    "Adagrad": {"cpu"},
+}
+_ALTERNATIVE = "an optimizer torch captures, e.g. torch.optim.AdamW(..., fused=True)"
+
+
+def host_state(opt: torch.optim.Optimizer, group: dict) -> str | None:
+    """What of one param_group's optimizer state lives on the host, or None.
+
+    Decided from what the optimizer is: a CPU state tensor beside parameters on another device
+    (any optimizer); else, in a group with neither ``fused`` nor ``capturable`` set, torch's
+    convention for optimizers that have a ``capturable`` option (and Adagrad, which has
+    ``fused`` only): their 0-dim state tensors (``step``; NAdam's ``mu_product``, ASGD's ``eta``
+    and ``mu``) are CPU tensors, whatever the parameters' device.
+    """
+    for p in group["params"]:
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.device.type == "cpu" != p.device.type:
+                return (
+                    f"keeps state[{k!r}] on the CPU (a CPU tensor beside parameters on {p.device})"
+                )
+    if group.get("fused") or group.get("capturable"):
+        return None
+    if "capturable" not in group and not isinstance(opt, torch.optim.Adagrad):
+        return None
+    keys = sorted(
+        {
+            k
+            for p in group["params"]
+            for k, v in opt.state.get(p, {}).items()
+            if isinstance(v, torch.Tensor) and v.dim() == 0
+        }
+        or {"step"}
+    )
+    which = ", ".join(f"state[{k!r}]" for k in keys)
+    are = "is a CPU tensor" if len(keys) == 1 else "are CPU tensors"
+    return f"keeps its step count on the CPU ({which} {are})"
+
+
+def _fix(opt: torch.optim.Optimizer, group: dict, device: torch.device) -> str:
+    name = type(opt).__name__
+    ctor = f"torch.optim.{name}" if type(opt).__module__.startswith("torch.optim") else name
+    ways = []
+    if name in _FUSED_DEVICES and "fused" in group:
+        devices = _FUSED_DEVICES[name]
+        if devices is None or device.type in devices:
+            ways.append(f"{ctor}(..., fused=True)")
+    if "capturable" in group and device.type != "cpu":
+        ways.append(f"{ctor}(..., capturable=True)")
+    if ways:
+        return f"Construct it with {' or '.join(ways)}."
+    return (
+        f"torch has no capturable {name} on {device.type}: use {_ALTERNATIVE}, or keep this "
+        "optimizer's step out of the graph."
+    )
+
+
+def check_graphable_optimizer(
+    opt: torch.optim.Optimizer, device: torch.device, elsewhere: str
+) -> None:
+    """Refuse an optimizer a graph on ``device`` cannot step: parameters on another device
+    (``elsewhere`` ends the message with the fix), or state on the host (:func:`host_state`).
+
+    Raises:
+        ValueError: naming the optimizer, the param_group, the host state and the fix.
+    """
+    name = type(opt).__name__
+    for i, g in enumerate(opt.param_groups):
+        devices = {p.device for p in g["params"]}
+        if devices - {device}:
+            raise ValueError(
+                f"{name} param_group {i} holds parameters on {sorted(map(str, devices))}{elsewhere}"
+            )
+        what = host_state(opt, g)
+        if what is not None:
+            flags = ", ".join(f"{k}={bool(g[k])}" for k in ("capturable", "fused") if k in g)
+            raise ValueError(
+                f"{name} param_group {i}{f' ({flags})' if flags else ''} {what}: a graph would "
+                f"advance it once, at capture, and never again. {_fix(opt, g, device)}"
+            )
+
+
+@contextlib.contextmanager
+def fused_groups_capturable(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """During a capture: fused param_groups say ``capturable=True``, so that torch's capture
+    health check lets their step be captured (the fused kernels ignore the flag; the module
+    docstring). Restored afterwards, also when the capture raises; torch's warning that a
+    capturable step runs uncaptured (an emulated capture on a machine with a GPU) is silenced
+    for the duration."""
+    flipped = [
+        g
+        for o in optimizers
+        for g in o.param_groups
+        if g.get("fused") and g.get("capturable", True) is False
+    ]
+    for g in flipped:
+        g["capturable"] = True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="This instance was constructed with capt")
+            yield
+    finally:
+        for g in flipped:
+            g["capturable"] = False
+
+
+class HostWrites:
+    """Before a capture: the host values a captured step must not write; :meth:`check` after it.
+
+    Held: every CPU tensor in the optimizers' state and tensor attributes and among the
+    parameters and buffers of ``modules``, when the graph's device is not the CPU (by version
+    counter), and every Python number in their param_groups, state
+    and attributes (by value, on either backend: a capture runs the Python of the step once, a
+    replay never).
+    """
+
+    def __init__(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        device: torch.device,
+        modules: Iterable[nn.Module] = (),
+    ) -> None:
+        self._tensors: list[tuple[str, torch.Tensor, int]] = []
+        self._numbers: list[tuple[str, dict, str, object]] = []
+        host_tensors = device.type != "cpu"
+        for m in modules if host_tensors else ():
+            for k, t in chain(m._parameters.items(), m._buffers.items()):
+                if t is not None and t.device.type == "cpu":
+                    self._tensors.append((f"{type(m).__name__}.{k} (a CPU tensor)", t, t._version))
+        for opt in optimizers:
+            name = type(opt).__name__
+            for i, g in enumerate(opt.param_groups):
+                for k, v in g.items():  # a Python step count in the group (apex's
+                    if _is_number(v):  # FusedAdam without capturable keeps one there)
+                        where = f"{name} param_group {i}: {k!r} (a Python {type(v).__name__})"
+                        self._numbers.append((where, g, k, v))
+                for j, p in enumerate(g["params"]):
+                    for k, v in opt.state.get(p, {}).items():
+                        where = f"{name} param_group {i} parameter {j}: state[{k!r}]"
+                        if isinstance(v, torch.Tensor):
+                            if host_tensors and v.device.type == "cpu":
+                                self._tensors.append((f"{where} (a CPU tensor)", v, v._version))
+                        elif _is_number(v):
+                            st = opt.state[p]
+                            self._numbers.append(
+                                (f"{where} (a Python {type(v).__name__})", st, k, v)
+                            )
+            attributes = vars(opt)
+            for k, v in attributes.items():
+                if host_tensors and isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                    self._tensors.append((f"{name}.{k} (a CPU tensor)", v, v._version))
+                elif _is_number(v):
+                    self._numbers.append(
+                        (f"{name}.{k} (a Python {type(v).__name__})", attributes, k, v)
+                    )
+
+    def check(self) -> None:
+        """After the capture: refuse a held value the captured step wrote.
+
+        Raises:
+            CaptureError: naming the first value written and the fix.
+        """
+        for where, t, version in self._tensors:
+            if t._version != version:
+                self._refuse(where)
+        for where, st, k, v in self._numbers:
+            if st.get(k, v) is not v and st.get(k, v) != v:
+                self._refuse(where)
+
+    @staticmethod
+    def _refuse(where: str) -> None:
+        raise CaptureError(
+            f"{where} was written inside the captured step: it lives on the host, which a graph "
+            "never replays, so it would keep its capture-time value. Keep such state in tensors "
+            "on the graph's device (for an optimizer: " + _ALTERNATIVE + ")."
+        )
+
+
+class BakedNumbers:
+    """The Python numbers among the optimizers' own attributes at capture (a custom optimizer's
+    ``self.lr``, which its step reads on the host): a graph keeps their capture-time value, so
+    a change after capture (a schedule assigning ``opt.lr``) is named by :meth:`change` before
+    the next replay, and the entry captures the step again. (Learning rates in param_groups
+    are :class:`tgraph.step.hyperparams.HyperParams`'.)"""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._held = [(o, k, v) for o in optimizers for k, v in vars(o).items() if _is_number(v)]
+
+    def change(self) -> str | None:
+        """What changed since the capture, or None."""
+        for o, k, v in self._held:
+            now = vars(o).get(k)
+            if now is not v and now != v:
+                return (
+                    f"{type(o).__name__}.{k} changed from {v!r} to {now!r} after capture (a "
+                    "Python number its step reads, which the graph keeps)"
+                )
+        return None
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, numbers.Number) and not isinstance(v, bool)
+
+
+__all__ = [
+    "BakedNumbers",
+    "HostWrites",
+    "check_graphable_optimizer",
+    "fused_groups_capturable",
+    "host_state",
+]
