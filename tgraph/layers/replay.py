@@ -287,7 +287,9 @@ def check(cap: Captured, state: ReplayState):
         why = b.changed_attrs()
         if why is not None:
             return why
-    if _sys_modules.get(_OUTPUT_CAPTURING) is not None:
+    capturing = _sys_modules.get(_OUTPUT_CAPTURING)  # transformers imported
+    collector = getattr(capturing, "_active_collector", None)
+    if collector is not None and collector.get():  # recording now: baked.py names what
         recording = recording_outputs()
         if recording is not None:
             return (

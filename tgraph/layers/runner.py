@@ -187,6 +187,8 @@ def _refuse_escaping(module: torch.nn.Module, before: dict[tuple[str, str], int]
     as mixture-of-experts layers do): after a replay the attribute would still hold the
     capture's tensor, with the capture's autograd graph, which no replay feeds."""
     for name, m in module.named_modules():
+        if m._forward_pre_hooks:  # a pre-hook recomputing a weight for the forward itself
+            continue  # (weight_norm under capturable_hooks): read inside the graph, not after
         for k, v in vars(m).items():
             if isinstance(v, torch.Tensor) and before.get((name, k)) != id(v):
                 where = f"{type(module).__name__}{'.' + name if name else ''}.{k}"
