@@ -10,14 +10,18 @@ tests/test_full_iteration.py), far below what a frozen learning rate moves.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 import tgraph
+
 from tgraph.guards import RefuseHostSync
 from tgraph.step import hyperparams, nonfinite
 from tgraph.toy.gpt import GPT, GPTConfig
 
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LR = 2.0**-8
 STEPS = 8
@@ -687,7 +691,10 @@ def megatron_run(mode: str, steps: int = 10, bad=()):
 
     tm.init_single_gpu()
     model = tm.build_gpt(**MDIMS)
-    mopt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [model])
+    # With TransformerEngine installed megatron steps TE's FusedAdam, whose step count is a
+    # Python int unless it is built capturable (make_graph_safe refuses it otherwise).
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, optimizer_cuda_graph=HAS_TE)
+    mopt = get_megatron_optimizer(cfg, [model])
     poison = torch.ones((), device="cuda")  # 1.0 (an exact product) or NaN
     first = next(model.parameters())
     g = torch.Generator().manual_seed(0)

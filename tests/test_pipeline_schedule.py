@@ -181,6 +181,9 @@ def test_recorded_1f1b_schedule_replays_fully_graphed(backend, device, n_stages,
 
 def test_gradient_accumulation_keeps_one_runner_per_block(backend, device):
     """Forward, backward, forward, ...: nothing is in flight at a reuse, so one runner each."""
+    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        pytest.skip("stage 0's output is still held at its next call; PyTorch < 2.13 cannot "
+                    "move it out of the graph's memory, and the call runs eagerly (strict raises)")  # fmt: skip
     order = accumulate(2, 3)
     stages, eager, xs, report = setup(backend, device, 2, 3, order, strict=True)
     assert report.runners == 2 * 2

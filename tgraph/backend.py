@@ -82,12 +82,17 @@ class CudaGraph:
     """
 
     def __init__(
-        self, pool: Any, stream: torch.cuda.Stream, stamp: Callable[[], int] | None = None
+        self,
+        pool: Any,
+        stream: torch.cuda.Stream,
+        stamp: Callable[[], int] | None = None,
+        failed: list | None = None,
     ) -> None:
         self._graph = torch.cuda.CUDAGraph()
         self._pool = pool
         self._stream = stream
         self._stamp = stamp
+        self._failed = failed if failed is not None else []
         self.index = 0  # capture index in the pool (tgraph.pool)
 
     def register_generator_state(self, generator: torch.Generator) -> None:
@@ -119,8 +124,13 @@ class CudaGraph:
                 # Newer PyTorch stops it first; then this raises, and is ignored.
                 with contextlib.suppress(Exception):
                     torch._C._cuda_endAllocateToPool(self._stream.device.index, self._pool)
-                with contextlib.suppress(Exception):
-                    self._graph.reset()
+                # Not reset: a reset gives back the graph's hold on the shared pool, and when a
+                # pool's first capture fails, blocks it allocated may still be alive; the pool
+                # then stays with no holder and the next capture into it trips the caching
+                # allocator's `use_count > 0` assert (seen on the H200, torch 2.11). The failed
+                # graph is kept with the pool's other graphs until they are dropped together.
+                self._failed.append(self._graph)
+                self._graph = torch.cuda.CUDAGraph()
                 _unstick_generators(self._stream.device)
                 raise
             self._graph.capture_end()
@@ -244,10 +254,11 @@ class CudaBackend:
         gc.collect()  # see CudaGraph.capture
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = capture_stream(device)
+        self.failed: list = []  # graphs whose capture failed, holding the pool (CudaGraph)
 
     def new_graph(self, stamp: Callable[[], int], frees: Any = None) -> CudaGraph:
         del frees  # a CUDA pool tracks its own memory
-        return CudaGraph(self.pool, self.stream, stamp)
+        return CudaGraph(self.pool, self.stream, stamp, self.failed)
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:

@@ -74,6 +74,12 @@ def make_graph_safe(mopt) -> list[torch.optim.Optimizer]:
                 "steps on the device"
             )
         inner = sub.optimizer
+        if getattr(inner, "capturable", None) is False:  # TransformerEngine's or apex's FusedAdam
+            raise ValueError(
+                f"{type(inner).__name__} (inside megatron's {type(sub).__name__}) has "
+                "capturable=False: it counts its steps in a Python int, which a graph would "
+                "advance once. Build it with OptimizerConfig(optimizer_cuda_graph=True)."
+            )
         for g in inner.param_groups:
             if g.get("fused") or "capturable" not in g or g["capturable"]:
                 continue  # fused: its step count lives on the device (tgraph/step/host_state.py)
