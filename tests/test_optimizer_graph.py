@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import tgraph
-
 from tgraph.guards import RefuseHostSync
 from tgraph.step import hyperparams, nonfinite
 from tgraph.toy.gpt import GPT, GPTConfig
