@@ -222,7 +222,11 @@ class EmulatedGraph:
         self._tape = [op for op in recorder.tape if op is not None]
         self._keep = recorder.pins.keep
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self._outputs = [recorder.pins.pin(t) for t in leaves]
+        # only outputs on memory the capture allocated are the pool's: one on a parameter's or
+        # a static input's memory (a parameter returned as is) is never reused by another graph
+        self._outputs = [
+            recorder.pins.pin(t) for t in leaves if t.untyped_storage().data_ptr() in recorder.fresh
+        ]
         own = {t.untyped_storage().data_ptr() for t in leaves}
         self._saved = [
             recorder.pins.pin(t)

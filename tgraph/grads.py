@@ -477,7 +477,8 @@ def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     # keep every visited wrapper alive, so the same node keeps its wrapper and id-dedup holds.
     seen: dict[int, object] = {}
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    leaves: list[torch.Tensor] = []
+    # an output that is itself a leaf (a parameter returned as is) reaches itself
+    leaves: list[torch.Tensor] = [o for o in outputs if o.grad_fn is None and o.requires_grad]
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
