@@ -102,3 +102,33 @@ def test_cpu_scalar_argument_of_a_cuda_graph_is_checked():
     y.sum().backward()
     with pytest.raises(tgraph.GraphFallbackError, match="CPU scalar argument 1 is 2.5"):
         model(x, torch.tensor(2.5))
+
+
+class Tempered(tgraph.GraphableModule):
+    """A temperature kept as a plain CPU tensor attribute (``.cuda()`` leaves it there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.temperature = torch.tensor(2.0)
+
+    def forward(self, x):
+        return self.fc(x) / self.temperature
+
+
+@pytest.mark.cuda
+def test_cpu_scalar_attribute_changed_in_place_is_not_replayed():
+    """The warmup notes the host scalars the CUDA kernels read; one changed in place after
+    capture (same object, so no attribute check sees it) runs eagerly instead of replaying
+    the capture's value."""
+    model = Tempered().cuda()
+    tgraph.enable(model, strict=True)
+    x = torch.randn(4, 8, device="cuda")
+    model(x).sum().backward()
+    tgraph.create_graphs()
+    y = model(x)  # replays (strict)
+    torch.testing.assert_close(y, model.fc(x) / 2.0)
+    y.sum().backward()
+    model.temperature.fill_(4.0)
+    with pytest.raises(tgraph.GraphFallbackError, match="holds 4.0 where the graph baked in 2.0"):
+        model(x)

@@ -17,6 +17,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # Operations a CUDA graph cannot contain: they read device values on the host (a sync) or make
 # an output whose shape depends on them. `_local_scalar_dense` is `.item()` and every implicit
@@ -82,17 +83,28 @@ class RefuseHostSync(TorchDispatchMode):
     """
 
     def __init__(
-        self, device_type: str | None = None, generators: list[torch.Generator] | None = None
+        self,
+        device_type: str | None = None,
+        generators: list[torch.Generator] | None = None,
+        host_scalars: list[torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self._device_type = device_type
         self._generators = generators  # None: do not check the generators drawn from
+        # one-element CPU tensors read by an operation on device_type's tensors: a CUDA kernel
+        # takes their value at capture (a plain tensor attribute that .cuda() left on the CPU)
+        self._host_scalars = host_scalars
 
     # A function compiled with torch.compile that is called under a dispatch mode runs its
     # Python eagerly, and dynamo may then never run it compiled again (TransformerEngine's
     # fused bias-GELU and bias-dropout-add: graphs of eager kernels, bf16 results off eager's
     # from the first replay). The checked pass asks for plain eager code instead, leaving
     # dynamo's caches alone.
+    def _note_host_scalars(self, args: tuple, kwargs: dict) -> None:
+        flat = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == self._device_type for t in flat):
+            self._host_scalars.extend(t for t in flat if t.device.type == "cpu" and t.numel() == 1)
+
     def __enter__(self):
         stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
         self._stance = stance("force_eager") if stance is not None else contextlib.nullcontext()
@@ -111,6 +123,8 @@ class RefuseHostSync(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._host_scalars is not None:
+            self._note_host_scalars(args, kwargs)
         why = refusal(func, args, kwargs)
         if why is not None and (
             self._device_type is None

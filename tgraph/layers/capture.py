@@ -95,6 +95,7 @@ def run_warmup(
     warmup: int,
     device: torch.device,
     check_first: bool = True,
+    host_scalars: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Eager passes of ``fn`` (forward, plus backward where outputs need grad) before capture.
 
@@ -102,12 +103,15 @@ def run_warmup(
     forward and in the backward, so they fail here with a clear error instead of invalidating
     a CUDA capture (and in a merged stack's warmup, where the stack can still be split).
     Returns the last pass's outputs, detached (leaves that require grad where the outputs did).
+    On CUDA the checked pass also appends to ``host_scalars`` the one-element CPU tensors the
+    operations read (a CUDA graph keeps their values).
     """
     last: list[torch.Tensor] = []
     gens = [*rng.graph_generators(device), rng.default_generator(device)]
     for i in range(warmup):
         checked = i == 0 and check_first
-        with RefuseHostSync(device.type, gens) if checked else contextlib.nullcontext():
+        host = host_scalars if device.type == "cuda" else None
+        with RefuseHostSync(device.type, gens, host) if checked else contextlib.nullcontext():
             outs = fn()
             rg = [o for o in outs if o.requires_grad]
             if rg:
@@ -143,6 +147,7 @@ class GraphedUnit:
         self.fusion = MainGradFusion(fusion)
         self.direct = DirectGrads(direct)
         self.state = ReplayState()  # what replays change (tgraph.layers.captured)
+        self.host_reads: list[torch.Tensor] = []  # CPU scalars its kernels read (run_warmup)
         self._drop_capture()
 
     def _drop_capture(self) -> None:
@@ -213,7 +218,7 @@ class GraphedUnit:
     def _warmup(self, inputs: list[torch.Tensor], warmup: int) -> None:
         """Eager passes before capture (:func:`run_warmup`); a merged stack overrides this."""
         passes = warmup_passes(warmup, self.compiled)
-        run_warmup(self._run_forward, inputs, passes, self.device)
+        run_warmup(self._run_forward, inputs, passes, self.device, host_scalars=self.host_reads)
 
     def _account_forward(self, captured: int, warmup_peak: int) -> None:
         """Bytes of the forward's buffers (tgraph.memory); ``captured``: allocated by the
@@ -373,6 +378,7 @@ class GraphedUnit:
             memory=self.memory,
             fp8=self._fp8_replay(),
             mutated_inputs=self._mutated_inputs(),
+            foreign_host=self._foreign_host(),
             host_values=tuple(
                 (i, t.item())
                 for i, t in enumerate(head.static_inputs)
@@ -389,6 +395,16 @@ class GraphedUnit:
         self.cap = cap
         for r in self.members:
             r.cap, r.state = cap, st
+
+    def _foreign_host(self) -> tuple[tuple[torch.Tensor, Any], ...]:
+        """The CPU scalars the CUDA kernels read other than the call's own arguments (a tensor
+        attribute left on the CPU, a closure), with the values the graphs keep."""
+        ins = self.head.static_inputs
+        found: dict[int, torch.Tensor] = {}
+        for t in self.host_reads:
+            if all(t is not x for x in ins):
+                found.setdefault(id(t), t)
+        return tuple((t, t.item()) for t in found.values())
 
     def _mutated_inputs(self) -> tuple[int, ...]:
         """The head's static inputs that a member's forward writes in place (a later member

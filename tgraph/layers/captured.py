@@ -83,6 +83,7 @@ class Captured:
     fp8: FP8Replay | None = None  # captured in a te.autocast region: TE's Python it redoes
     mutated_inputs: tuple[int, ...] = ()  # static inputs the forward writes: copied back
     host_values: tuple[tuple[int, Any], ...] = ()  # (input, value): host scalars CUDA baked in
+    foreign_host: tuple[tuple[torch.Tensor, Any], ...] = ()  # other host scalars, with values
 
     @property
     def members(self) -> int:

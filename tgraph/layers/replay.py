@@ -187,6 +187,13 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
                 f"{value} (a CUDA graph keeps a host scalar's value; pass a CUDA tensor to "
                 "graph every value, or a Python number to graph each one)"
             )
+    for t, value in cap.foreign_host:  # e.g. a tensor attribute that .cuda() left on the CPU
+        if t.item() != value:
+            return (
+                f"a CPU scalar tensor the graph reads (not an argument: a tensor attribute or "
+                f"a closure) holds {t.item()} where the graph baked in {value} (a CUDA graph "
+                "keeps a host scalar's value; move it to the GPU to graph every value)"
+            )
     if use_counts(state.output_cdata) != state.output_uses:
         why = move_out_held_outputs(cap, state)
         if why is not None:

@@ -142,7 +142,14 @@ class Segment(GraphedUnit):
                     r.static_inputs = [prev[k] if p else head_in[k] for p, k in src]
                 leaves = [t for t in r.static_inputs if t.requires_grad]
                 # the host-sync check in the first pass only (warmup_passes says why)
-                prev = run_warmup(r._run_forward, leaves, 1, self.device, check_first=n == 0)
+                prev = run_warmup(
+                    r._run_forward,
+                    leaves,
+                    1,
+                    self.device,
+                    check_first=n == 0,
+                    host_scalars=self.host_reads,
+                )
         for r in self.runners[1:]:
             r.static_inputs = []
 
