@@ -1,0 +1,285 @@
+"""MegatronOptimizerGraph: megatron-core's optimizer protocol on a CPU stand-in (both backends)
+and megatron-core's own optimizer on the GPU, against megatron's eager step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optimizer_models import (
+    HAS_TE,
+    assert_same_training_state,
+    make_batches,
+    make_model,
+    make_optimizer,
+    plant,
+)
+
+import tgraph
+from tgraph.toy.gpt import GPT
+
+# -- megatron-core's optimizer protocol (a CPU stand-in here; the real one on the GPU) ----------
+
+
+class FakeFP32Optimizer:
+    """megatron-core's FP32Optimizer protocol, with its host-synchronizing eager ``step``."""
+
+    def __init__(self, model: GPT, device: torch.device, clip_grad: float) -> None:
+        from types import SimpleNamespace
+
+        self.optimizer = make_optimizer(model, device)
+        self.config = SimpleNamespace(
+            clip_grad=clip_grad, log_num_zeros_in_grad=False, grad_norm_skip_threshold=float("inf")
+        )
+        self.params = list(model.parameters())
+        for p in self.params:
+            p.main_grad = torch.zeros_like(p)
+
+    def get_parameters(self):
+        return self.params
+
+    def get_grads_for_grad_norm(self):
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def get_grad_stats_parallel_group(self):
+        return None
+
+    def prepare_grads(self) -> bool:
+        for p in self.params:
+            p.grad = p.main_grad
+        return False
+
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        return True
+
+    def step(self):  # megatron's eager step: norm and clip decisions on the host
+        self.prepare_grads()
+        norm = float(
+            torch.linalg.vector_norm(
+                torch.stack(torch._foreach_norm(self.get_grads_for_grad_norm()))
+            )
+        )
+        coeff = self.config.clip_grad / (norm + 1.0e-6)
+        if coeff < 1.0:
+            torch._foreach_mul_(self.get_grads_for_grad_norm(), coeff)
+        self.step_with_ready_grads()
+        return True, norm, None
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def megatron_like_run(backend, device, mode: str, bad=()):
+    from tgraph.integrations import megatron as tm
+
+    model = make_model(device)
+    mopt = FakeFP32Optimizer(model, device, clip_grad=0.05)
+    graph = (
+        tm.MegatronOptimizerGraph(mopt, skip_nonfinite=True, backend=backend)
+        if mode == "graph"
+        else None
+    )
+    for i, (x, y) in enumerate(make_batches(device)):
+        for p in model.parameters():
+            p.main_grad.zero_()  # megatron DDP's zero_grad_buffer()
+        loss = plant("grad_nan" if i in bad else None, model, model(x, y)[1])
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        for p, g in zip(model.parameters(), grads):
+            p.main_grad.add_(g)  # megatron DDP's hooks
+        if mode == "megatron":
+            if i not in bad:
+                mopt.step()
+        elif mode == "graph_safe_eager":
+            if i not in bad:
+                tm.graph_safe_step(mopt)
+        else:
+            graph.step(loss)
+        mopt.zero_grad()
+    return model, mopt.optimizer, graph
+
+
+def test_megatron_protocol_optimizer_graph_matches_megatron_step(backend, device):
+    model, opt, graph = megatron_like_run(backend, device, "graph")
+    ref_model, ref_opt, _ = megatron_like_run(backend, device, "megatron")
+    assert graph.captured
+    assert_same_training_state(model, opt, ref_model, ref_opt, exact=False)
+    assert all(p.grad is None for p in model.parameters())  # megatron's zero_grad() as usual
+
+
+def test_megatron_protocol_skips_nonfinite_bitwise(backend, device):
+    model, opt, graph = megatron_like_run(backend, device, "graph", bad={5})
+    ref_model, ref_opt, _ = megatron_like_run(backend, device, "graph_safe_eager", bad={5})
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    assert graph.skipped_steps == 1
+
+
+# -- on the GPU: no host sync over 20 replays; megatron-core's real optimizer ------------------
+
+
+@pytest.mark.cuda
+def test_no_host_sync_over_20_replays():
+    """torch.cuda.set_sync_debug_mode("error") stays silent over 20 optimizer-graph replays."""
+    device = torch.device("cuda")
+    model = make_model(device)
+    graph = tgraph.OptimizerGraph(
+        make_optimizer(model, device), clip_grad_norm=1.0, skip_nonfinite=True
+    )
+    batches = make_batches(device, 22)
+    for x, y in batches[:2]:  # eager (creates Adam's state), then the capture
+        loss = model(x, y)[1]
+        loss.backward()
+        graph.step(loss)
+    assert graph.captured
+    for x, y in batches[2:]:
+        loss = model(x, y)[1]
+        loss.backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.step(loss)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert graph.skipped_steps == 0
+
+
+MDIMS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32)
+
+
+def megatron_run(mode: str, steps: int = 10, bad=()):
+    """megatron GPTModel + DDP + get_megatron_optimizer(adam); NaN planted into a main_grad.
+
+    mode: "megatron" (its own step, with host syncs), "safe" (graph_safe_step, eager),
+    "layer+opt" (per-layer graphs + MegatronOptimizerGraph), "full" (FullIterationGraph).
+    A step in ``bad`` is planted with NaN; the eager modes do not step it.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tgraph.integrations import megatron as tm
+
+    tm.init_single_gpu()
+    model = tm.build_gpt(**MDIMS)
+    # With TransformerEngine installed megatron steps TE's FusedAdam, whose step count is a
+    # Python int unless it is built capturable (make_graph_safe refuses it otherwise).
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, optimizer_cuda_graph=HAS_TE)
+    mopt = get_megatron_optimizer(cfg, [model])
+    poison = torch.ones((), device="cuda")  # 1.0 (an exact product) or NaN
+    first = next(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        [tuple(torch.randint(0, 256, (4, 32), generator=g).cuda() for _ in range(2))]
+        for _ in range(steps)
+    ]
+
+    def fwd_bwd(mb):
+        loss = tm.forward_backward(model, mb)
+        first.main_grad.mul_(poison)
+        return loss
+
+    def full_step(mb):
+        loss = fwd_bwd(mb)
+        tm.graph_safe_step(mopt)
+        return loss.detach()
+
+    if mode in ("safe", "full"):
+        tm.make_graph_safe(mopt)
+    graph = None
+    if mode == "layer+opt":
+        tm.enable_layer_graphs(model, strict=True)
+        graph = tm.MegatronOptimizerGraph(mopt, skip_nonfinite=True)
+    if mode == "full":
+        graph = tgraph.FullIterationGraph(full_step, warmup_steps=3, skip_nonfinite=True)
+    losses = []
+    for i, mb in enumerate(batches):
+        poison.fill_(float("nan") if i in bad else 1.0)
+        mopt.zero_grad()
+        if mode == "full":
+            losses.append(graph(mb))
+            continue
+        loss = fwd_bwd(mb)
+        losses.append(loss.detach())
+        if mode == "layer+opt":
+            graph.step(loss)
+            if i == 0:
+                tgraph.create_graphs()
+        elif i not in bad:
+            mopt.step() if mode == "megatron" else tm.graph_safe_step(mopt)
+    if mode == "layer+opt":
+        tgraph.reset()
+        tgraph.disable(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    states = [
+        {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+        for sub in getattr(mopt, "chained_optimizers", [mopt])
+        for st in sub.optimizer.state.values()
+    ]
+    return torch.stack(losses), params, states, graph
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["layer+opt", "full"])
+def test_megatron_optimizer_losses_equal_megatron_eager(mode):
+    ref, ref_params, _, _ = megatron_run("megatron")
+    got, params, _, graph = megatron_run(mode)
+    # capturable Adam computes the bias correction in fp32 on the device, megatron's eager
+    # (capturable=False) in double on the host; the clip coefficient likewise: rounding only.
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(params, ref_params, rtol=1e-4, atol=1e-5)
+    assert graph.skipped_steps == 0
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["layer+opt", "full"])
+def test_megatron_planted_nan_is_skipped(mode):
+    _, ref_params, ref_states, _ = megatron_run("safe", bad={6})
+    _, params, states, graph = megatron_run(mode, bad={6})
+    assert graph.skipped_steps == 1
+    # Not bitwise, with or without a planted NaN: the H200 run of
+    # test_megatron_full_iteration_matches_graph_safe_eager (no NaN at all) found the captured
+    # step 1e-9 off eager graph_safe_step in most tensors (other kernel choices under capture)
+    # and 1.7e-6 in the attention key bias, whose gradient is exactly zero (softmax ignores a
+    # per-row constant), so pure rounding noise that Adam scales by lr / eps (eps=1e-8). The
+    # per-layer mode adds gradients into main_grad inside the graph: other rounding again. A
+    # step that was not skipped moves parameters by ~lr = 1e-3, far outside this tolerance.
+    torch.testing.assert_close(params, ref_params, rtol=1e-4, atol=1e-5)
+    for a, b in zip(states, ref_states):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+def test_megatron_full_iteration_matches_graph_safe_eager():
+    """Without any NaN: FullIterationGraph(skip_nonfinite) around graph_safe_step vs the same
+    step eager, within rounding (see test_megatron_planted_nan_is_skipped); the message names
+    where they part."""
+    _, ref_params, ref_states, _ = megatron_run("safe")
+    _, params, states, graph = megatron_run("full")
+    assert graph.skipped_steps == 0
+    close = dict(rtol=1e-4, atol=1e-5)
+    bad = [
+        f"{i}: max |diff| {float((a - b).abs().max()):.3g}"
+        for i, (a, b) in enumerate(zip(params, ref_params))
+        if not torch.allclose(a, b, **close)
+    ]
+    bad += [
+        f"state {i} {k}"
+        for i, (a, b) in enumerate(zip(states, ref_states))
+        for k in b
+        if isinstance(b[k], torch.Tensor) and not torch.allclose(a[k], b[k], **close)
+    ]
+    assert not bad, f"{len(bad)} tensors differ from eager graph_safe_step: {bad[:8]}"
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+def test_megatron_host_syncing_settings_are_refused():
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tgraph.integrations import megatron as tm
+
+    tm.init_single_gpu()
+    model = tm.build_gpt(**MDIMS)
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, log_num_zeros_in_grad=True)
+    with pytest.raises(ValueError, match="log_num_zeros_in_grad"):
+        tm.make_graph_safe(get_megatron_optimizer(cfg, [model]))
