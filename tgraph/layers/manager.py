@@ -35,8 +35,9 @@ from torch.nn.modules import module as nn_module
 
 from tgraph.backend import check_backend_name
 from tgraph.baked import call_with_own_hooks, hooks_run_outside
+from tgraph.direct_grads import DirectGrads
 from tgraph.errors import GraphFallbackError
-from tgraph.grads import DirectGrads, ParamGradPacking
+from tgraph.grads import ParamGradPacking
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.record import NoteBackward, Record, Turns
@@ -327,7 +328,7 @@ def enable(
             torch.func transforms and torch.distributed (DDP, FSDP) are refused with an
             error. Parameters with tensor hooks, and units of mixed-dtype parameters, keep
             autograd's path. Hooks registered on a parameter's AccumulateGrad node itself do
-            not run (:class:`tgraph.grads.DirectGrads`).
+            not run (:class:`tgraph.direct_grads.DirectGrads`).
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).
