@@ -22,6 +22,7 @@ GROUND = (  # the files every floor stands on (docs/ARCHITECTURE.md, "Import gra
     "emulated",
     "pool",
     "grads",
+    "direct_grads",
     "baked",
     "snapshot",
     "guards",

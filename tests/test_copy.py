@@ -16,7 +16,7 @@ from torch.optim.swa_utils import AveragedModel
 import tgraph
 from tgraph.backend import CudaGraph
 from tgraph.emulated import EmulatedGraph
-from tgraph.layers.manager import is_enabled
+from tgraph.layers.enable import is_enabled
 
 D = 8
 STEPS = 6

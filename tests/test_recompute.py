@@ -1,7 +1,7 @@
 """Activation recompute (torch.utils.checkpoint, non-reentrant) inside per-layer graphs.
 
 The forward graph keeps only the checkpoint's inputs; the backward graph recomputes the forward
-with the forward replay's random draws (tgraph.layers.replay.replay_backward), so dropout
+with the forward replay's random draws (tgraph.layers.backward.replay_backward), so dropout
 masks and gradients equal eager checkpointing's.
 """
 

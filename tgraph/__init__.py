@@ -16,14 +16,12 @@ from tgraph.backend import capture_stream
 from tgraph.errors import GraphFallbackError, ReplayOrderError, StaleBackwardError
 from tgraph.guards import CaptureError
 from tgraph.layers.create import create_graphs
+from tgraph.layers.enable import disable, enable, reset_layer_graphs
 from tgraph.layers.manager import (
     GraphableModule,
     GraphFallbackWarning,
     capture_report,
-    disable,
-    enable,
     memory_report,
-    reset_layer_graphs,
 )
 from tgraph.memory import CaptureReport, MemoryReport
 from tgraph.rng import register_generator, unregister_generator

@@ -24,9 +24,9 @@ graph's essential properties, not just its interface:
 * **What a CUDA capture refuses is refused at capture**: host reads (``.item()``, ``bool``,
   ``torch.equal``, printing) and data-dependent shapes (``nonzero``, boolean-mask indexing,
   ``masked_select``, ``unique``), with :class:`tgraph.guards.CaptureError`.
-* **One pool.** :class:`EmulatedPool` models the memory a CUDA graph of the same pool may reuse
-  and poisons it (NaN) at each replay, so a replay order that is unsafe on a GPU corrupts the
-  CPU test too (:mod:`tgraph.pool` explains the rule).
+* **One pool.** :class:`tgraph.pool.EmulatedPool` models the memory a CUDA graph of the same
+  pool may reuse and poisons it (NaN) at each replay, so a replay order that is unsafe on a GPU
+  corrupts the CPU test too (:mod:`tgraph.pool` explains the rule).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from tgraph.guards import CaptureError, RefuseHostReads, check_registered, refusal
-from tgraph.pool import NEVER, at_address, poison_, saved_activations
+from tgraph.pool import EmulatedPool, at_address, saved_activations
 
 # Operations skipped at replay: their output holds no value a later operation may rely on.
 _ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"}
@@ -176,7 +175,7 @@ class EmulatedGraph:
     """CPU stand-in for :class:`torch.cuda.CUDAGraph` (see the module docstring).
 
     Args:
-        pool: the :class:`EmulatedPool` shared by the graphs of one factory.
+        pool: the :class:`tgraph.pool.EmulatedPool` shared by the graphs of one factory.
         frees: the forward graph whose saved activations this (backward) graph's capture frees.
         stamp: gives the capture index in the pool.
     """
@@ -371,79 +370,12 @@ def _asked_by_optimizer(frame: Any, depth: int = 3) -> bool:
     return False
 
 
-# ------------------------------------------------------------------------------ the pool
-
-
-class EmulatedPool:
-    """Worst-case model of a CUDA graph pool (:mod:`tgraph.pool` states the rule).
-
-    Each graph tells the pool what it allocated at capture (its outputs; a forward's saved
-    activations) and which forward's saved activations its capture freed (a backward's
-    ``frees``). At every replay, the pool poisons every output and every live saved activation
-    that the replayed graph may reuse on a GPU.
-    """
-
-    def __init__(self) -> None:
-        self._graphs: list[weakref.ref] = []  # every graph of the pool, in capture order
-        self._regions: dict[int, _Region] = {}  # id(forward graph) -> its saved activations
-
-    def captured(self, graph: EmulatedGraph) -> None:
-        self._graphs.append(weakref.ref(graph))
-        self._regions[id(graph)] = _Region(graph)
-        freed = graph.frees
-        if freed is not None and id(freed) in self._regions:
-            self._regions[id(freed)].high = graph.index
-            self._regions[id(freed)].filled = False
-
-    def replayed(self, graph: EmulatedGraph) -> None:
-        """``graph`` is about to replay: poison what it may overwrite on a GPU."""
-        index = graph.index
-        for ref in self._graphs:
-            other = ref()
-            if other is not None and other is not graph and other.index > index:
-                for t in other.pool_outputs():
-                    poison_(t)
-        freed = graph.frees
-        for key, region in self._regions.items():
-            if key == id(graph) or (freed is not None and key == id(freed)):
-                continue
-            if region.filled and not (region.low < index < region.high):
-                region.poison()
-                region.filled = False
-
-    def ran(self, graph: EmulatedGraph) -> None:
-        """``graph`` replayed: a forward's saved activations are live, a backward's dead."""
-        region = self._regions.get(id(graph))
-        if region is not None:
-            region.filled = True
-        freed = graph.frees
-        if freed is not None and id(freed) in self._regions:
-            self._regions[id(freed)].filled = False
-
-
-class _Region:
-    """The saved activations of one forward graph: allocated at its capture (``low``), freed at
-    its backward's capture (``high``)."""
-
-    def __init__(self, graph: EmulatedGraph) -> None:
-        self.graph = weakref.ref(graph)
-        self.low = graph.index
-        self.high: float = NEVER
-        self.filled = True  # the capture's own activations, until the backward capture
-
-    def poison(self) -> None:
-        graph = self.graph()
-        if graph is not None:
-            for t in graph.saved_activations():
-                poison_(t)
-
-
 # ------------------------------------------------------------------------------ the backend
 
 
 class EmulatedBackend:
     """The emulated member of :class:`tgraph.backend.Backend`: graphs of one
-    :class:`EmulatedPool`, captured on the current thread (no streams, no device memory
+    :class:`tgraph.pool.EmulatedPool`, captured on the current thread (no streams, no device memory
     counters)."""
 
     name = "emulated"
@@ -471,4 +403,4 @@ class EmulatedBackend:
         return 0
 
 
-__all__ = ["EmulatedBackend", "EmulatedGraph", "EmulatedPool", "emulated_capture"]
+__all__ = ["EmulatedBackend", "EmulatedGraph", "emulated_capture"]

@@ -29,8 +29,8 @@ checked by :class:`PoolLedger` at every replay:
   that unit's backward then raises instead of returning gradients computed from overwritten
   activations.
 
-:class:`tgraph.emulated.EmulatedPool` is the emulated backend's model of the same pool, so CPU tests see what
-CUDA does: at every replay it overwrites, with poison (NaN for floats), every output and every
+:class:`EmulatedPool` is the emulated backend's model of the same pool, so CPU tests see what CUDA
+does: at every replay it overwrites, with poison (NaN for floats), every output and every
 saved activation that the replayed graph *may* reuse on a GPU. The model is the worst case of the
 caching allocator, and it knows nothing about :class:`PoolLedger`: with the ledger's check
 removed, a replay order that corrupts on a GPU corrupts on the CPU too.
@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -187,6 +187,82 @@ class LiveOutputs:
 
     def __del__(self) -> None:
         self.ledger.leave(id(self))
+
+
+class PoolGraph(Protocol):
+    """What :class:`EmulatedPool` reads of a graph (:class:`tgraph.emulated.EmulatedGraph`)."""
+
+    index: int  # its capture index
+    frees: Any  # the forward graph whose saved activations its capture freed (a backward's)
+
+    def pool_outputs(self) -> list[torch.Tensor]: ...
+
+    def saved_activations(self) -> list[torch.Tensor]: ...
+
+
+class EmulatedPool:
+    """The emulated backend's worst-case model of a CUDA graph pool (the module docstring states
+    the rule).
+
+    Each graph tells the pool what it allocated at capture (its outputs; a forward's saved
+    activations) and which forward's saved activations its capture freed (a backward's
+    ``frees``). At every replay, the pool poisons every output and every live saved activation
+    that the replayed graph may reuse on a GPU.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: list[weakref.ref] = []  # every graph of the pool, in capture order
+        self._regions: dict[int, _Region] = {}  # id(forward graph) -> its saved activations
+
+    def captured(self, graph: PoolGraph) -> None:
+        self._graphs.append(weakref.ref(graph))
+        self._regions[id(graph)] = _Region(graph)
+        freed = graph.frees
+        if freed is not None and id(freed) in self._regions:
+            self._regions[id(freed)].high = graph.index
+            self._regions[id(freed)].filled = False
+
+    def replayed(self, graph: PoolGraph) -> None:
+        """``graph`` is about to replay: poison what it may overwrite on a GPU."""
+        index = graph.index
+        for ref in self._graphs:
+            other = ref()
+            if other is not None and other is not graph and other.index > index:
+                for t in other.pool_outputs():
+                    poison_(t)
+        freed = graph.frees
+        for key, region in self._regions.items():
+            if key == id(graph) or (freed is not None and key == id(freed)):
+                continue
+            if region.filled and not (region.low < index < region.high):
+                region.poison()
+                region.filled = False
+
+    def ran(self, graph: PoolGraph) -> None:
+        """``graph`` replayed: a forward's saved activations are live, a backward's dead."""
+        region = self._regions.get(id(graph))
+        if region is not None:
+            region.filled = True
+        freed = graph.frees
+        if freed is not None and id(freed) in self._regions:
+            self._regions[id(freed)].filled = False
+
+
+class _Region:
+    """The saved activations of one forward graph: allocated at its capture (``low``), freed at
+    its backward's capture (``high``)."""
+
+    def __init__(self, graph: PoolGraph) -> None:
+        self.graph = weakref.ref(graph)
+        self.low = graph.index
+        self.high: float = NEVER
+        self.filled = True  # the capture's own activations, until the backward capture
+
+    def poison(self) -> None:
+        graph = self.graph()
+        if graph is not None:
+            for t in graph.saved_activations():
+                poison_(t)
 
 
 @torch.no_grad()

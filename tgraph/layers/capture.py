@@ -46,9 +46,9 @@ import torch
 from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
+from tgraph.direct_grads import DirectGrads
 from tgraph.fp8 import FP8Region, FP8Replay
 from tgraph.grads import (
-    DirectGrads,
     MainGradFlags,
     MainGradFusion,
     ParamGradPacking,

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 from tgraph.baked import Baked
+from tgraph.direct_grads import DirectGrads, DirectRoute
 from tgraph.fp8 import FP8Replay
 from tgraph.grads import (
-    DirectGrads,
-    DirectRoute,
     MainGradFlags,
     MainGradFusion,
     ParamGradPacking,

@@ -71,7 +71,7 @@ def route(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...]) -> 
 def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) -> None:
     """Where the gradients go: ``params``, the autograd node's inputs among them (with
     ``direct_grads``, the anchor and those that keep autograd's path:
-    :class:`tgraph.grads.DirectRoute`), and those leaves' gradient accumulators, held.
+    :class:`tgraph.direct_grads.DirectRoute`), and those leaves' gradient accumulators, held.
 
     Autograd holds a leaf's AccumulateGrad node only weakly (through the graph's edges), so
     without a holder every step's ``Function.apply`` builds each one anew and its backward

@@ -1,5 +1,7 @@
-"""Per-layer graphs: ``GraphableModule``, ``enable``, ``disable``, ``reset_layer_graphs`` and
-the one process-wide state they share (``create_graphs`` is in create.py).
+"""Per-layer graphs: ``GraphableModule``, the one process-wide state of per-layer graphs and
+the call path that reads it (``GraphableModule.__call__`` -> ``_Manager.call``: record, replay
+or fall back to eager), and the reports read from that state. ``enable``, ``disable`` and
+``reset_layer_graphs`` are in enable.py, ``create_graphs`` in create.py.
 
 Life cycle::
 
@@ -14,10 +16,10 @@ requires_grad, non-tensor value, train/eval switch, grad mode) runs eagerly and 
 naming what changed; with ``strict=True`` it raises instead. A graph is never replayed for a call
 it was not captured for.
 
-The mechanisms this life cycle drives live in their own files: the recorded iteration in
-record.py, the capture of every graph in create.py and of one unit in capture.py (frozen into
-captured.py's record), its replay and autograd node in replay.py, the shared memory pool in
-tgraph/pool.py.
+The mechanisms this life cycle drives live in their own files: the switches in enable.py, the
+recorded iteration in record.py, the capture of every graph in create.py and of one unit in
+capture.py (frozen into captured.py's record), its replay and autograd node in replay.py (its
+backward in backward.py), the shared memory pool in tgraph/pool.py.
 """
 
 from __future__ import annotations
@@ -33,23 +35,15 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
-from tgraph.backend import check_backend_name
 from tgraph.baked import call_with_own_hooks, hooks_run_outside
 from tgraph.errors import GraphFallbackError
-from tgraph.grads import DirectGrads, ParamGradPacking
+from tgraph.grads import ParamGradPacking
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.record import NoteBackward, Record, Turns
 from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
-from tgraph.layers.runner import (
-    Runner,
-    compile_options_of,
-    compiled_call,
-    module_call,
-    named,
-    warn_skipped_call,
-)
+from tgraph.layers.runner import Runner, module_call, named
 from tgraph.layers.segment import Segment
 from tgraph.layers.signature import MutableArgument, call_key, difference, split
 from tgraph.memory import CaptureReport, MemoryReport
@@ -238,7 +232,7 @@ _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 class GraphableModule(nn.Module):
     """Base class of modules that tgraph may graph. Write ``forward`` as usual.
 
-    Until :func:`enable` is called on a model containing it, the module is an ordinary
+    Until :func:`tgraph.enable` is called on a model containing it, the module is an ordinary
     ``nn.Module``. Requirements of a graphed ``forward``: take and return tensors (or tuples,
     lists, dicts of them, and hashable non-tensor values), no host syncs (``.item()``), and no
     tensors read from outside its arguments, parameters and buffers other than constants.
@@ -274,156 +268,12 @@ class GraphableModule(nn.Module):
         return {k: v for k, v in super().__getstate__().items() if k != "_tgraph"}
 
 
-def enable(
-    model: nn.Module,
-    backend: str = "auto",
-    *,
-    strict: bool = False,
-    warmup_steps: int | None = None,
-    debug: bool = False,
-    merge: bool = True,
-    main_grad_fusion: bool = False,
-    capturable_hooks: bool = False,
-    compile: bool | dict[str, Any] = False,  # noqa: A002 - the option's name, as torch.compile
-    direct_grads: bool = False,
-) -> nn.Module:
-    """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
-
-    Args:
-        model: any module (a DDP wrapper too); its ``GraphableModule`` descendants get graphed.
-        backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (``TGRAPH_BACKEND`` overrides auto).
-        strict: raise instead of falling back to eager when a call matches no captured graph.
-        warmup_steps: eager warmup passes before each capture (default 2 on CUDA, 1 emulated),
-            the option's name in :class:`FullIterationGraph` and :class:`OptimizerGraph` too.
-        debug: poison static buffers with NaN after each backward replay, so a stale read shows
-            up as NaN instead of plausible numbers.
-        merge: capture a stack of graphed modules called back to back (each taking the previous
-            one's output, backed through in reverse order) as one forward and one backward
-            graph (:mod:`tgraph.layers.segment`); False graphs every call on its own.
-        main_grad_fusion: add parameter gradients into ``param.main_grad`` inside the backward
-            graph instead of handing them to autograd (no AccumulateGrad, no gradient hooks
-            for those parameters; ``.grad`` stays None). Only for gradients consumed through
-            ``main_grad`` by hooks that do nothing else: megatron-core DDP without
-            ``overlap_grad_reduce`` (:class:`tgraph.grads.MainGradFusion`).
-        capturable_hooks: capture the hooks on graphed modules and their submodules as part
-            of the graph (pure tensor code, e.g. old-style ``weight_norm``'s pre-hook: its
-            effect replays, its Python does not). By default ``create_graphs()`` refuses
-            graphed modules with hooks, naming each one.
-        compile: graph each module's call compiled by ``torch.compile`` (inductor's fused
-            kernels, then one graph replay per layer stack): True for the default options, or
-            a dict of ``torch.compile`` keyword arguments. The recorded iteration compiles
-            (once per layer class: identical layers share the compiled code), capture graphs
-            the compiled kernels, eager fallbacks run them too. The warmup runs at least two
-            passes: the first eagerly (dynamo does not run under its host-sync check, a
-            dispatch mode), the next compiled, where dynamo compiles once more for the graphs'
-            parameter aliases, so that nothing compiles inside the capture. Modes
-            that put inductor's own CUDA graphs inside ours (``"reduce-overhead"``,
-            ``"max-autotune"``) are refused: use ``"max-autotune-no-cudagraphs"``.
-        direct_grads: the graphed node writes parameter gradients to ``.grad`` itself (set
-            where None, added in place otherwise), instead of handing them to autograd, whose
-            engine runs one AccumulateGrad node per parameter: the largest host cost of a
-            host-bound step's backward. Exact for ``loss.backward()`` in one process;
-            ``backward(inputs=...)``, ``torch.autograd.grad`` through graphed layers,
-            torch.func transforms and torch.distributed (DDP, FSDP) are refused with an
-            error. Parameters with tensor hooks, and units of mixed-dtype parameters, keep
-            autograd's path. Hooks registered on a parameter's AccumulateGrad node itself do
-            not run (:class:`tgraph.grads.DirectGrads`).
-
-    Returns:
-        ``model`` (unchanged apart from the flag on its graphable modules).
-
-    Raises:
-        ValueError: no ``GraphableModule`` in ``model``, an unknown backend, a compile mode
-            with CUDA graphs of its own, or ``direct_grads`` with torch.distributed
-            initialized.
-        RuntimeError: graphs already exist (call :func:`reset` first).
-    """
-    compile_options = compile_options_of(compile)
-    check_backend_name(backend)
-    if direct_grads:
-        DirectGrads.refuse_distributed()
-    if _manager.captured:
-        raise RuntimeError(
-            "tgraph.enable() after tgraph.create_graphs(); call tgraph.reset() first"
-        )
-    found = [m for m in model.modules() if isinstance(m, GraphableModule)]
-    if not found:
-        raise ValueError(
-            f"{type(model).__name__} contains no tgraph.GraphableModule; make the blocks to graph "
-            "subclass tgraph.GraphableModule instead of nn.Module"
-        )
-    for cls in {type(m) for m in found}:
-        warn_skipped_call(cls, GraphableModule)
-    qualified = {id(m): n for n, m in model.named_modules()}
-    for m in found:
-        old = m.__dict__.get("_tgraph")
-        named = list(m.named_modules())
-        m._tgraph = _ModuleState(
-            backend,
-            strict,
-            warmup_steps,
-            debug,
-            merge,
-            main_grad_fusion,
-            capturable_hooks,
-            direct_grads,
-            *_param_slots(m),
-            tuple(sub for _, sub in named),
-            [name or type(m).__name__ for name, _ in named],
-            compiled_call(m, compile_options),
-            name=qualified.get(id(m)) or type(m).__name__,
-        )
-        if old is not None:  # enabled again: new options, same recorded runners
-            m._tgraph.runners = old.runners
-            for r in (r for rs in old.runners.values() for r in rs):
-                r.merge, r.fusion.enabled = merge, main_grad_fusion
-                r.direct.enabled = direct_grads
-        _manager.modules.add(m)
-    _manager.roots.add(model)
-    return model
-
-
 def _param_slots(module: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """Per parameter of ``module`` (``parameters()`` order), its ``_parameters`` dict and name."""
     named = [n.rpartition(".") for n, _ in module.named_parameters()]
     return tuple(module.get_submodule(m)._parameters for m, _, _ in named), tuple(
         k for _, _, k in named
     )
-
-
-def disable(model: nn.Module) -> None:
-    """Make every graphable module of ``model`` an ordinary eager module again.
-
-    Per-layer graphs and the record are process-wide (one pool, one recorded order), so this
-    also drops the per-layer graphs and the record of every other enabled model, as
-    :func:`reset_layer_graphs` does; they record again on their next iteration. Whole-step
-    graphs (:class:`tgraph.FullIterationGraph`, :class:`tgraph.OptimizerGraph`) are kept.
-    """
-    reset_layer_graphs()
-    for m in model.modules():
-        if isinstance(m, GraphableModule) and "_tgraph" in m.__dict__:
-            del m.__dict__["_tgraph"]
-            _manager.modules.discard(m)
-    _manager.roots.discard(model)
-
-
-def reset_layer_graphs() -> None:
-    """Drop the per-layer graphs and the record only; enabled modules run eagerly and record
-    again (whole-step graphs are kept)."""
-    for seg in _manager.segments:
-        seg.drop_graphs()
-    _manager.segments = []
-    _manager.units = []
-    for r in _manager.all_runners():
-        r.drop_graphs()
-    for mod in _manager.modules:
-        mod._tgraph.runners.clear()
-        mod._tgraph.turns.clear()
-        mod._tgraph.warned.clear()
-    _manager.record.clear()
-    _manager.captured = False
-    _manager.report = None
-    _manager.eager_calls = 0
 
 
 def memory_report() -> MemoryReport:
@@ -443,16 +293,6 @@ def capture_report() -> CaptureReport:
     if _manager.captured and report is not None:
         return report
     return CaptureReport(0, 0, 0, 0.0, 0, [], [])
-
-
-def layer_graphs_enabled() -> bool:
-    """Whether any module of this process has per-layer graphs enabled (:func:`enable`)."""
-    return bool(_manager.modules)
-
-
-def is_enabled(module: nn.Module) -> bool:
-    """Whether ``module`` itself (not its submodules) has per-layer graphs enabled."""
-    return "_tgraph" in module.__dict__
 
 
 def gradient_packings() -> list[ParamGradPacking]:

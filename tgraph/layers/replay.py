@@ -9,17 +9,15 @@ buffers and replays through :class:`GraphedCall`; a later member of a merged sta
 outputs of that replay (:func:`take`).
 
 :class:`GraphedCall`'s forward replays the forward graph and returns views of the static
-outputs. Its backward copies the incoming gradients into the static grad-output buffers,
-replays the backward graph and returns the static input gradients and the parameter gradients
-(on PyTorch >= 2.13 views of the packed static buffer, which the pool's ledger moves out from
-under them before a replay may overwrite it; before 2.13 views of a copy in a landing buffer:
-:class:`tgraph.grads.ParamGradPacking`); the parameters are inputs of the node, so autograd
-accumulates their gradients and DDP / FSDP / Megatron hooks fire as in eager mode.
+outputs. Its backward checks that this backward may run (one per forward, outputs unmodified,
+the pool's replay order) and replays the backward graph through :mod:`tgraph.layers.backward`,
+which returns the static input gradients and the parameter gradients; the parameters are inputs
+of the node, so autograd accumulates their gradients and DDP / FSDP / Megatron hooks fire as in
+eager mode.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from operator import getitem
 from sys import modules as _sys_modules
@@ -27,10 +25,15 @@ from sys import modules as _sys_modules
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from tgraph import grads as grads_module
 from tgraph import rng
 from tgraph.baked import recording_outputs
 from tgraph.errors import StaleBackwardError
+from tgraph.layers.backward import (
+    after_backward,
+    copy_grad_outputs,
+    grads_for_autograd,
+    replay_backward,
+)
 from tgraph.layers.captured import Captured, ReplayState
 from tgraph.layers.follow import follow_moved, move_out_held_outputs, route, set_params
 from tgraph.pool import LiveOutputs, use_counts
@@ -396,89 +399,3 @@ _data_ptr, _stride, _size = (
     torch.Tensor.stride,
     torch.Tensor.size,
 )  # torch._C._FunctionBase.apply
-
-
-def copy_grad_outputs(cap: Captured, state: ReplayState, grads) -> None:
-    """Refresh the static grad-output buffers; a None gradient means zeros.
-
-    A buffer already known to hold zeros is not zeroed again (outputs whose gradient is
-    always None, e.g. the inner outputs of a merged stack, cost no kernel per step).
-    """
-    zero = state.grad_out_zero
-    for k, (buf, i) in enumerate(zip(cap.static_grad_outputs, cap.out_rg)):
-        g = grads[i]
-        if g is None:
-            if not zero[k]:
-                buf.zero_()
-                zero[k] = True
-        else:
-            if g.data_ptr() != buf.data_ptr():
-                buf.copy_(g)
-            zero[k] = False
-
-
-def replay_backward(cap: Captured, state: ReplayState) -> None:
-    """Replay the backward graph; a recomputing unit's replays from the generator offset its
-    forward replay started from.
-
-    ``torch.utils.checkpoint`` saves the RNG state before the checkpointed forward and restores
-    it before the recompute. Inside graphs that state is a position *within* the forward graph
-    (CUDA), and the recompute inside the backward graph positions that graph's draws relative
-    to the offset the backward graph replays from. Replaying the backward from the forward
-    replay's offset (then putting the generator back where it was) makes the recompute draw the
-    forward's numbers: the same dropout masks as eager checkpointing.
-    """
-    if not cap.recomputes or state.rng_at_forward is None:
-        cap.bwd_graph.replay()
-        return
-    gen = rng.default_generator(cap.device)
-    now = gen.get_state()
-    gen.set_state(state.rng_at_forward)
-    try:
-        cap.bwd_graph.replay()
-    finally:
-        gen.set_state(now)
-        state.rng_at_forward = None
-
-
-def after_backward(cap: Captured, state: ReplayState) -> None:
-    cap.flags.after_replay()
-    if cap.debug:  # stale reads show up as NaN instead of plausible numbers
-        for buf, shared in zip(cap.static_inputs, cap.shared_inputs):
-            if not shared:
-                _poison(buf.detach())
-        for buf in cap.static_grad_outputs:
-            _poison(buf)
-        state.grad_out_zero = [False] * len(cap.static_grad_outputs)
-
-
-def grads_for_autograd(
-    cap: Captured, state: ReplayState, active: tuple[bool, ...] | None = None
-) -> list[torch.Tensor | None]:
-    """Input gradients (static) + parameter gradients (views of the packed buffer, which the
-    pool's ledger protects, or of a copy of it; see ParamGradPacking).
-
-    ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
-    parameters that only inactive outputs reach get None (:class:`tgraph.grads.UnusedOutputs`).
-    """
-    packing = cap.packing
-    clone = not (packing.in_graph and grads_module.swaps_storage())  # see ParamGradPacking
-    kept = cap.fusion.keep(packing.for_autograd(list(cap.param_grads), clone))
-    if not kept and state.autograd_params:  # the anchor leaf (see autograd_params)
-        kept = [None]
-    grads = [*cap.static_grads, *kept]
-    if not clone and packing.packed:  # rescued before the buffer may be overwritten
-        storage = packing.flat.untyped_storage()._cdata
-        cap.ledger.hold_grads(state, cap.bwd_index, packing.rescue, storage, packing.baseline)
-    if active is not None and not all(active):
-        for pos in cap.unused.none_positions(active):
-            grads[pos] = None
-    if state.direct is not None:  # direct_grads: written to .grad here, not by autograd
-        n = len(cap.static_grads)
-        grads[n:] = state.direct.deliver(grads[n:])
-    return grads
-
-
-def _poison(t: torch.Tensor) -> None:
-    if t.is_floating_point():
-        t.fill_(math.nan)

@@ -37,7 +37,7 @@ class Runner(GraphedUnit):
         merge: may be captured together with its neighbours (:mod:`tgraph.layers.segment`).
         fusion: add parameter gradients into ``main_grad`` (:class:`tgraph.grads.MainGradFusion`).
         direct: write parameter gradients to ``.grad`` from the node
-            (:class:`tgraph.grads.DirectGrads`).
+            (:class:`tgraph.direct_grads.DirectGrads`).
     """
 
     def __init__(

@@ -86,7 +86,8 @@ from torch.utils._pytree import tree_leaves
 from tgraph import rng
 from tgraph.backend import GraphFactory, check_backend_name
 from tgraph.baked import Baked
-from tgraph.layers.manager import GraphFallbackWarning, layer_graphs_enabled
+from tgraph.layers.enable import layer_graphs_enabled
+from tgraph.layers.manager import GraphFallbackWarning
 from tgraph.layers.signature import call_key, first_difference, split
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tgraph.layers.manager import is_enabled, layer_graphs_enabled
+from tgraph.layers.enable import is_enabled, layer_graphs_enabled
 
 DDP_MIN_WARMUP = 11
 """Eager DDP iterations PyTorch requires before a capture (CUDA notes, DDP section)."""
