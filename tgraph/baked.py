@@ -126,11 +126,13 @@ class Baked:
         modules: list[tuple[str, nn.Module]],
         roots: list[nn.Module],
         graph_memory: Baked | None = None,
+        skip: dict[int, set[str]] | None = None,
     ) -> Baked:
         """Record ``modules`` (qualified name, module) as they are now; ``roots``: the graphed
         modules among them (their own forward hooks run eagerly at every call, see
         :func:`call_with_own_hooks`); ``graph_memory``: keep the memory of an earlier record
-        as what the graph reads (after a re-bind)."""
+        as what the graph reads (after a re-bind); ``skip``: per module (by id), attributes
+        a replay itself stores (tensors the forward leaves in module state)."""
         attrs, objects, tensors, memory, names, hooks, is_buffer = [], [], [], [], [], [], []
         for name, m in modules:
             d = vars(m)
@@ -139,7 +141,12 @@ class Baked:
             s = _slots(name, d, keys, by_id=False)
             if s is not None:
                 attrs.append(s)
-            keys = [k for k, v in d.items() if not k.startswith("_") and _by_identity(v)]
+            stored = skip.get(id(m), ()) if skip else ()
+            keys = [
+                k
+                for k, v in d.items()
+                if not k.startswith("_") and _by_identity(v) and k not in stored
+            ]
             s = _slots(name, d, keys, by_id=True)  # a tensor attribute, a function
             if s is not None:
                 objects.append(s)

@@ -330,7 +330,9 @@ class GraphedUnit:
         alone uses (a re-pointed parameter's old memory may then be written; one swapped into
         another tensor may not), and set the replay state up. ``internal``: per static buffer's
         data pointer, tgraph's own tensors on it (all units')."""
-        baked = Baked.of(self.labelled_modules(), self.roots())
+        stored = tuple(r.stored for r in self.members)
+        skip = {id(m): {k for m2, k, _ in st if m2 is m} for st in stored for m, _, _ in st}
+        baked = Baked.of(self.labelled_modules(), self.roots(), skip=skip)
         head, outs = self.head, self.static_outputs
         where = {id(r()): i for i, r in enumerate(baked.refs)}
         ins = {t.untyped_storage().data_ptr() for t in head.static_inputs}
@@ -377,6 +379,7 @@ class GraphedUnit:
             others_use=tuple(storage_uses(t) - 1 for t in baked.held),
             memory=self.memory,
             fp8=self._fp8_replay(),
+            stored=stored if any(stored) else (),
             mutated_inputs=self._mutated_inputs(),
             foreign_host=self._foreign_host(),
             host_values=tuple(
@@ -430,7 +433,8 @@ class GraphedUnit:
         old ones are gone: a new record over the same graphs and memory, with the new objects
         baked in (:func:`tgraph.layers.replay.check` asked for it)."""
         cap = self.cap
-        baked = Baked.of(self.labelled_modules(), self.roots(), graph_memory=cap.baked)
+        skip = {id(m): {k for m2, k, _ in st if m2 is m} for st in cap.stored for m, _, _ in st}
+        baked = Baked.of(self.labelled_modules(), self.roots(), graph_memory=cap.baked, skip=skip)
         self.cap = dataclasses.replace(cap, baked=baked)
         self.state.copy_in, self.state.rerouted, self.state.followed = [], False, None
         for r in self.members:

@@ -83,6 +83,9 @@ class Captured:
     mutated_inputs: tuple[int, ...] = ()  # static inputs the forward writes: copied back
     host_values: tuple[tuple[int, Any], ...] = ()  # (input, value): host scalars CUDA baked in
     foreign_host: tuple[tuple[torch.Tensor, Any], ...] = ()  # other host scalars, with values
+    # per member: (submodule, attribute, output index) of the tensors its forward stores in
+    # module state (self.aux_loss = ...), extra outputs a replay stores there again
+    stored: tuple[tuple[tuple[Any, str, int], ...], ...] = ()
 
     @property
     def members(self) -> int:

@@ -155,13 +155,18 @@ class _Manager:
             reason = BUSY  # unless a runner that is free says why it cannot answer
             for r in runners if turns is None else turns.order():  # the recorded one first
                 j = r.seg_index
-                out = replay_call(r.cap, r.state, j, tensors)
+                cap = r.cap
+                if not j and cap is not None and cap.stored:
+                    _release_stored(cap.stored)
+                out = replay_call(cap, r.state, j, tensors)
                 if out is REBIND:
                     out = self._rebind(r, tensors)
                 if out.__class__ is list:
                     if turns is not None:
                         turns.took(r)
                     template = r.cap.templates[j]
+                    if r.cap.stored and r.cap.stored[j]:
+                        out = _store(r.cap.stored[j], out, template)
                     return out[0] if template.bare else template.fill(out)
                 if out is BUSY and r.left_eager is not None:
                     out = r.left_eager  # create_graphs() could not graph it (said so there)
@@ -227,6 +232,22 @@ _manager = _Manager()
 _TRAINING = operator.attrgetter("training")
 _inference_mode = torch.is_inference_mode_enabled
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+
+
+def _release_stored(stored: tuple) -> None:
+    """Before a replay: the attributes a forward stores in (``self.aux_loss``) stop holding the
+    last replay's outputs, which the replay overwrites (eager would replace them too)."""
+    for member in stored:
+        for m, k, _ in member:
+            m.__dict__[k] = None
+
+
+def _store(stored: tuple, out: list, template: Any) -> list:
+    """After a replay: store the extra outputs in the attributes the forward stored them in,
+    and return the call's own outputs."""
+    for m, k, i in stored:
+        m.__dict__[k] = out[i]
+    return out if template.bare else out[: len(template.tensor_at)]
 
 
 class GraphableModule(nn.Module):

@@ -77,6 +77,7 @@ class Runner(GraphedUnit):
         self.in_rg: list[int] = []
         self.aliases: dict[int, torch.Tensor] = {}  # id(param) -> alias leaf used in graphs
         self.out_template: Template | None = None
+        self.stored: tuple = ()  # (submodule, attribute, output index): _run_forward
 
     def __repr__(self) -> str:
         shapes = [tuple(s.shape) for s in self.samples or self.static_inputs]
@@ -157,7 +158,6 @@ class Runner(GraphedUnit):
             versions = [t._version for t in self.static_inputs]
             attrs = _tensor_attributes(self.module)
             out = module_call(self.module)(*args, **kwargs)
-        _refuse_escaping(self.module, attrs)
         # inputs the forward writes in place (running statistics passed as an argument): a
         # replay writes the static buffer, which is copied back to the caller's tensor
         self.mutated |= {i for i, t in enumerate(self.static_inputs) if t._version != versions[i]}
@@ -167,9 +167,24 @@ class Runner(GraphedUnit):
                 f"{type(self.module).__name__}.forward must return tensors (or tuples, lists or "
                 f"dicts of tensors) to be graphed; got {type(out).__name__}"
             )
+        # tensors the forward left in module state (self.aux_loss = ...) become extra outputs,
+        # which each replay stores in those attributes again (GraphedUnit.bake, _Manager.call)
+        stored, extra = [], []
+        for m, k, t in _stored_tensors(self.module, attrs):
+            at = next((i for i, x in enumerate(tensors) if x is t), None)
+            if at is None:
+                at = len(tensors) + len(extra)
+                extra.append(t)
+            stored.append((m, k, at))
         if self.out_template is None:  # warmup; replays keep the capture's template
             self.out_template = template
-        return tensors
+            self.stored = tuple(stored)
+        elif [(m, k) for m, k, _ in stored] != [(m, k) for m, k, _ in self.stored]:
+            raise CaptureError(
+                f"the forward of {type(self.module).__name__} stores tensors in other module "
+                "attributes at each pass; graph it only if it stores the same ones every call"
+            )
+        return tensors + extra
 
 
 def _tensor_attributes(module: torch.nn.Module) -> dict[tuple[str, str], int]:
@@ -182,22 +197,21 @@ def _tensor_attributes(module: torch.nn.Module) -> dict[tuple[str, str], int]:
     }
 
 
-def _refuse_escaping(module: torch.nn.Module, before: dict[tuple[str, str], int]) -> None:
-    """Refuse a forward that leaves a tensor it made in module state (``self.aux_loss = ...``,
-    as mixture-of-experts layers do): after a replay the attribute would still hold the
-    capture's tensor, with the capture's autograd graph, which no replay feeds."""
+def _stored_tensors(
+    module: torch.nn.Module, before: dict[tuple[str, str], int]
+) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """The tensors the forward left in module state (``self.aux_loss = ...``, as
+    mixture-of-experts layers do), as ``(submodule, attribute, tensor)``. A replay runs no
+    Python, so it could not set them, and the stored tensor would keep the capture's autograd
+    graph: they become extra outputs of the graph instead."""
+    found = []
     for name, m in module.named_modules():
         if m._forward_pre_hooks:  # a pre-hook recomputing a weight for the forward itself
             continue  # (weight_norm under capturable_hooks): read inside the graph, not after
         for k, v in vars(m).items():
             if isinstance(v, torch.Tensor) and before.get((name, k)) != id(v):
-                where = f"{type(module).__name__}{'.' + name if name else ''}.{k}"
-                raise CaptureError(
-                    f"the forward of {type(module).__name__} stores a tensor it computed in "
-                    f"{where}; a graph's replay cannot set it, and the stored tensor would keep "
-                    "the capture's autograd graph. Return it from forward instead (an extra "
-                    "output), or keep the module eager (do not make it a GraphableModule)"
-                )
+                found.append((m, k, v))
+    return found
 
 
 def named(module: torch.nn.Module) -> str:
