@@ -386,7 +386,7 @@ def time_checks() -> dict:
     layers = sum(len(u.members) for u in units) or 1
     pairs = [(u.cap, u.state) for u in units]
 
-    def checks():  # as bridge.replay runs them
+    def checks():  # as bridge.refusal runs them
         for cap, state in pairs:
             bridge.check(cap, state)
             if use_counts(state.output_cdata) != state.output_uses:

@@ -238,16 +238,18 @@ def test_replays_take_the_recorded_runner_first(backend, device, monkeypatch):
     order = one_f_one_b(2, 8)
     stages, _, xs, _ = setup(backend, device, 2, 8, order, strict=True)
     tried, replayed = [], []
-    real = replay_module.replay
+    real_refusal, real_replay = replay_module.refusal, replay_module.replay
 
-    def counting(cap, state, tensors):
-        out = real(cap, state, tensors)
+    def asked(cap, state, tensors):
         tried.append(cap)
-        if out.__class__ is list:
-            replayed.append(cap)
-        return out
+        return real_refusal(cap, state, tensors)
 
-    monkeypatch.setattr(replay_module, "replay", counting)
+    def replaying(cap, state, tensors):
+        replayed.append(cap)
+        return real_replay(cap, state, tensors)
+
+    monkeypatch.setattr(replay_module, "refusal", asked)
+    monkeypatch.setattr(replay_module, "replay", replaying)
     for _ in range(2):
         run(stages, xs, order)
     assert len(replayed) == 2 * 2 * 8  # a merged stack per stage and microbatch, 2 steps

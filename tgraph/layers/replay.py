@@ -132,11 +132,13 @@ def call(cap: Captured | None, state: ReplayState, j: int, tensors: list[torch.T
         )
     if state.flight is not None:
         return BUSY
+    why = refusal(cap, state, tensors)
+    if why is not None:  # a reason, or REBIND
+        if len(cap.slices) > 1:
+            state.fell_back = why if isinstance(why, str) else None
+        return why
     outs = replay(cap, state, tensors)
     if len(cap.slices) == 1:
-        return outs
-    if outs.__class__ is not list:  # a reason, or REBIND
-        state.fell_back = outs if isinstance(outs, str) else None
         return outs
     state.fell_back = None
     return start(cap, state, outs, tensors)
@@ -177,9 +179,10 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
     return pending[j]
 
 
-def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
-    """Replay the forward on live ``tensors``: the static outputs' views, or the reason the
-    call must run eagerly instead (or :data:`REBIND`)."""
+def refusal(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
+    """Why this call of the unit cannot replay (a sentence, or :data:`REBIND`), or None when
+    it can. What can be followed is followed here (a re-pointed parameter copied in, held
+    outputs moved out), so that :func:`replay` only acts."""
     why = check(cap, state)
     if why is not None:
         return why
@@ -201,12 +204,22 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
         why = move_out_held_outputs(cap, state)
         if why is not None:
             return why
-    ledger = cap.ledger
-    why = ledger.unsafe_forward(state, cap.fwd_index)
+    why = cap.ledger.unsafe_forward(state, cap.fwd_index)
     if why is not None:
         return why
-    if not copy_inputs(cap, tensors):
-        return DIFFERENT_SHARED_INPUT
+    if any(cap.shared_inputs):  # a buffer that is another unit's output must not be written
+        for x, ptr, stride, shared in zip(
+            tensors, cap.input_ptrs, cap.input_strides, cap.shared_inputs
+        ):
+            if shared and (x.data_ptr() != ptr or x.stride() != stride):
+                return DIFFERENT_SHARED_INPUT
+    return None
+
+
+def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]) -> list:
+    """Replay the forward on live ``tensors`` (:func:`refusal` said it can): the static
+    outputs' views, in an autograd node when the call needs a backward."""
+    copy_inputs(cap, tensors)
     fp8_first = cap.fp8 is not None and cap.fp8.before_forward()
     if not cap.needs_backward:
         cap.fwd_graph.replay()
@@ -240,23 +253,19 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
             for i in state.copy_in:
                 if b.is_buffer[i]:
                     state.live[i].copy_(b.held[i])
-    token = LiveOutputs(ledger, state, cap.fwd_index, outs)  # no other graph overwrites them
+    token = LiveOutputs(cap.ledger, state, cap.fwd_index, outs)  # no other graph overwrites them
     state.last_outputs = weakref.ref(token)  # (tgraph.pool) nor this unit's next replay
     return outs
 
 
-def copy_inputs(cap: Captured, tensors: list[torch.Tensor]) -> bool:
-    """Copy live inputs into the static buffers; False if a shared buffer (another unit's
-    static output) would be overwritten."""
+def copy_inputs(cap: Captured, tensors: list[torch.Tensor]) -> None:
+    """Copy live inputs into the static buffers (a shared buffer, another unit's static
+    output, already is the input: :func:`refusal` made sure)."""
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    for buf, ptr, stride, shared, x in zip(
-        cap.static_inputs, cap.input_ptrs, cap.input_strides, cap.shared_inputs, tensors
-    ):
+    for buf, ptr, stride, x in zip(cap.static_inputs, cap.input_ptrs, cap.input_strides, tensors):
         if x.data_ptr() == ptr and x.stride() == stride:
             continue  # already the buffer: layer i's output is layer i+1's input
-        if shared:
-            return False  # the buffer is another runner's output; writing it would corrupt it
         dst.append(buf)
         src.append(x)
     if dst:
@@ -266,7 +275,6 @@ def copy_inputs(cap: Captured, tensors: list[torch.Tensor]) -> bool:
             torch._foreach_copy_(dst, src)
         finally:
             _set_grad_enabled(was)
-    return True
 
 
 # ------------------------------------------------------------ what the graphs baked in
