@@ -24,6 +24,9 @@
 #   bash scripts/gpu_check.sh versions OLD   # `pytest -m cuda`; the toy benchmark of the tree in
 #                                        # OLD and of this one; the HF Llama cells
 #   bash scripts/gpu_check.sh compiled  # torch.compile modes beside tgraph on the HF Llama cells
+#   bash scripts/gpu_check.sh te         # TE + megatron-core installed, `pytest -m cuda` with both,
+#                                        # the TE benchmark in bf16 and FP8 (carry .te/pkg,
+#                                        # .te/prune and .whl)
 #   bash scripts/gpu_check.sh verify     # `pytest -m cuda`, then the CPU cases on this machine
 #                                        # (the emulated backend where CUDA is present), then
 #                                        # host time per call on the GPU (toy and HF Llama)
@@ -134,6 +137,24 @@ compiled)
   bounded handoff_b8 30 python scripts/bench_train.py --configs llama_b8 --dtypes fp32 \
     --steps 10 --warmup 2 --modes "$H_MODES" --out "$W/handoff_b8"
   archive_end
+  exit 0
+  ;;
+te)
+  # TransformerEngine and megatron-core on a bare machine, then `pytest -m cuda` with both (TE's
+  # tests included) and the TE benchmark in bf16 and FP8. Carry .te/pkg, .te/prune (staged by
+  # ../shared/tools/te/stage_local.sh) and .whl (../shared/tools/fetch_device_wheels.sh).
+  env_stage
+  stage te-install 120 bash .te/pkg/install_on_device.sh prune
+  # shellcheck disable=SC1091
+  . /tmp/site/te_env.sh
+  stage megatron-install 60 python -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PWD:$PYTHONPATH"
+  stage pytest-cuda 330 python -m pytest -m cuda -q -p no:cacheprovider -rf \
+    --ignore=tests/test_train_recipe.py
+  stage bench-te-bf16 100 python scripts/bench_te.py --fp8 none --out "$OUT"
+  stage bench-te-fp8 100 python scripts/bench_te.py --fp8 delayed --out "$OUT"
+  printf '%s\n' "${STAGES[@]}"
   exit 0
   ;;
 verify)
