@@ -23,7 +23,7 @@ in the same order, whichever entry asks:
     step.save(params, buffers)
     with step.undone_on_failure():
         out = step.capture(fn)
-    hparams = step.hparams          # held plus the ones this capture prepared
+    record = step.record(outputs=..., static_inputs=...)   # what the replays read, frozen
 """
 
 from __future__ import annotations
@@ -39,8 +39,14 @@ import torch
 from tgraph.backend import GraphFactory, stale_stream_override
 from tgraph.guards import RefuseLrWrites, check_lr_unwritten, explain_capture_failure
 from tgraph.snapshot import Snapshot
-from tgraph.step.host_state import HostWrites, check_graphable_optimizer, fused_groups_capturable
-from tgraph.step.hyperparams import HyperParams
+from tgraph.step.host_state import (
+    BakedNumbers,
+    HostWrites,
+    check_graphable_optimizer,
+    fused_groups_capturable,
+)
+from tgraph.step.hyperparams import BakedLayout, HyperParams
+from tgraph.step.record import StepRecord
 
 
 def check_optimizers(
@@ -155,6 +161,22 @@ class StepCapture:
         self.seconds = time.perf_counter() - start
         self.pool_bytes = f.memory_allocated() - before
         return out
+
+    def record(self, **parts: Any) -> StepRecord:
+        """After a successful :meth:`capture`: the frozen :class:`tgraph.step.record.StepRecord`
+        a replay reads, with the graph, its hyper-parameters, what the optimizers baked in
+        (their layout and Python numbers, taken now) and the capture's cost; ``parts`` are
+        the entry's own fields (static batch, outputs, gradients, ``baked``)."""
+        return StepRecord(
+            graph=self.graph,
+            factory=self.factory,
+            hparams=tuple(self.hparams),
+            layout=BakedLayout(self.optimizers),
+            numbers=BakedNumbers(self.optimizers),
+            seconds=self.seconds,
+            pool_bytes=self.pool_bytes,
+            **parts,
+        )
 
     def undo(self) -> None:
         """Put back what :meth:`save` saved and undo the hyper-parameters this capture

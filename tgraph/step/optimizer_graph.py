@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
 
 import torch
 
@@ -62,10 +61,9 @@ from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.grad_buffers import GradBuffers
-from tgraph.step.host_state import BakedNumbers
-from tgraph.step.hyperparams import BakedLayout, HyperParams
 from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout
 from tgraph.step.optimizer_hooks import OptimizerHooks
+from tgraph.step.record import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -136,15 +134,12 @@ class OptimizerGraph(OptimizerHooks):
         self.zero_grad = zero_grad
         self.warmup_steps = warmup_steps
         self.backend = backend
-        self.capture_seconds = 0.0
-        self.pool_bytes = 0
         self._reset_state()
         step_capture.register(self)
 
     def _reset_state(self) -> None:
         self._factory: GraphFactory | None = None
-        self._graph: Any = None
-        self._hparams: HyperParams | None = None
+        self._record: StepRecord | None = None
         self._eager_calls = 0
         self._state_changed = True  # the last eager step created optimizer state
         self._stepped: set[int] = set()  # parameters that had a gradient at an eager step
@@ -155,17 +150,13 @@ class OptimizerGraph(OptimizerHooks):
         self._static_loss: torch.Tensor | None = None
         self._with_loss: bool | None = None
         self._norm: torch.Tensor | None = None
-        self._layout: BakedLayout | None = None
-        self._numbers: BakedNumbers | None = None
-        self._every: tuple = ()  # every parameter of the step, as at capture
         self._eager_once = self._warned_held = False  # refresh_grads: this step runs eagerly
-        self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)
 
     def _clear_grads(self) -> None:
         """After a step (eager, captured or replayed): ``.grad = None``, as
         ``optimizer.zero_grad()``; the next backward hands autograd's tensors over unchanged."""
         if self.zero_grad:
-            for p in self._every or self.params():
+            for p in self._record.params if self._record is not None else self.params():
                 p.grad = None
 
     # -- the step ---------------------------------------------------------------------------
@@ -199,8 +190,8 @@ class OptimizerGraph(OptimizerHooks):
             tgraph.CaptureError: capture failed; later steps run eagerly (with a warning).
         """
         self._take_loss(loss)
-        if self._graph is not None:
-            why = self._layout.change() or self._numbers.change()
+        if self._record is not None:
+            why = self._record.change()
             if why is None:
                 return self._replay()
             logger.warning("OptimizerGraph: %s; capturing the step again after warmup", why)
@@ -306,12 +297,12 @@ class OptimizerGraph(OptimizerHooks):
             step.graph.reset()
             self._grads, self._gradless = [], []
             return self._eager()
-        self.capture_seconds, self.pool_bytes = step.seconds, step.pool_bytes
-        self._graph, self._hparams = step.graph, step.fresh
-        self._layout = BakedLayout(self.optimizers)
-        self._numbers = BakedNumbers(self.optimizers)
-        self._every = tuple(self.params())
-        logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
+        self._record = step.record(
+            params=tuple(self.params()),
+            static_inputs=() if self._static_loss is None else (self._static_loss,),
+            grad_buffers=self._buffers,
+        )
+        logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, step.seconds)
         if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
             step.graph.replay()
         self._after_step(live_grads)
@@ -327,7 +318,9 @@ class OptimizerGraph(OptimizerHooks):
                 p.grad = g
 
     def _replay(self) -> None:
-        self._hparams.refresh()
+        rec = self._record
+        for hp in rec.hparams:
+            hp.refresh()
         live = None if self.zero_grad else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
             self.refresh_grads()
@@ -343,7 +336,7 @@ class OptimizerGraph(OptimizerHooks):
             with self._factory.side_stream():
                 self._run()
         else:
-            self._graph.replay()
+            rec.graph.replay()
         if live is not None:
             self._after_step(live)
         else:
@@ -353,7 +346,24 @@ class OptimizerGraph(OptimizerHooks):
 
     @property
     def captured(self) -> bool:
-        return self._graph is not None
+        """Whether the step is captured (the next steps replay it)."""
+        return self._record is not None
+
+    @property
+    def capture_seconds(self) -> float:
+        """Wall time of the capture (0.0 before it)."""
+        return 0.0 if self._record is None else self._record.seconds
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory the capture allocated (0 before it, and on the emulated backend)."""
+        return 0 if self._record is None else self._record.pool_bytes
+
+    @property
+    def own_grad_bytes(self) -> int:
+        """The bytes of the gradient buffers of the graph's own (the rest is read in place
+        where per-layer graphs leave it)."""
+        return 0 if self._buffers is None else self._buffers.own_bytes
 
     @property
     def skipped_steps(self) -> int:
@@ -373,9 +383,9 @@ class OptimizerGraph(OptimizerHooks):
             graphs=int(self.captured),
             runners=0,
             segments=0,
-            seconds=self.capture_seconds if self.captured else 0.0,
-            pool_bytes=self.pool_bytes if self.captured else 0,
-            backends=[self._factory.backend] if self.captured else [],
+            seconds=self.capture_seconds,
+            pool_bytes=self.pool_bytes,
+            backends=[self._record.factory.backend] if self.captured else [],
             eager_modules=[],
             memory=self.memory_report(),
             entry="OptimizerGraph",
@@ -389,16 +399,17 @@ class OptimizerGraph(OptimizerHooks):
             return MemoryReport()
         return MemoryReport(
             units=1,
-            static_inputs=tensor_bytes([self._static_loss]),
+            static_inputs=tensor_bytes(self._record.static_inputs),
             param_grads=self.own_grad_bytes,
         )
 
     def reset(self) -> None:
         """Drop the graph; learning rates become floats again; the next steps warm up anew."""
-        if self._graph is not None:
-            self._graph.reset()
-        if self._hparams is not None:
-            self._hparams.restore()
+        rec = self._record
+        if rec is not None:
+            rec.graph.reset()
+            for hp in rec.hparams:
+                hp.restore()
         self._reset_state()
 
 

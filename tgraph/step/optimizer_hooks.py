@@ -108,7 +108,6 @@ class OptimizerHooks:
             ValueError: no gradient to step.
         """
         self._buffers = GradBuffers.bind(self.params())
-        self.own_grad_bytes = self._buffers.own_bytes
         return list(self._buffers.pairs), list(self._buffers.gradless)
 
     def refresh_grads(self) -> None:
