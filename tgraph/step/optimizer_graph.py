@@ -144,8 +144,6 @@ class OptimizerGraph(OptimizerHooks):
         self._state_changed = True  # the last eager step created optimizer state
         self._stepped: set[int] = set()  # parameters that had a gradient at an eager step
         self._failed = self._warned = False
-        self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, graph's buffer)
-        self._gradless: list[torch.Tensor] = []
         self._buffers: GradBuffers | None = None  # the default bind_grads' buffers
         self._static_loss: torch.Tensor | None = None
         self._with_loss: bool | None = None
@@ -263,11 +261,11 @@ class OptimizerGraph(OptimizerHooks):
         step.save(self.params(), extra)
         try:
             self._buffers = None  # the default bind_grads sets it
-            self._grads, self._gradless = self.bind_grads()
+            pairs, gradless = self.bind_grads()
             if self._buffers is None:  # a subclass's bind_grads bound its own pairs
                 self._buffers = GradBuffers()
             # what the default refresh_grads compares, over the pairs whoever bound them
-            self._buffers.freeze(self._grads, self._gradless)
+            self._buffers.freeze(pairs, gradless)
         except BaseException:
             step.undo()
             raise
@@ -280,7 +278,6 @@ class OptimizerGraph(OptimizerHooks):
                     created = self._state_layouts() != layout
                     raise
         except BaseException as exc:
-            self._grads, self._gradless = [], []
             if (
                 created
                 and isinstance(exc, CaptureError)
@@ -295,7 +292,6 @@ class OptimizerGraph(OptimizerHooks):
         if self._state_layouts() != layout:  # created state: undo
             step.undo()  # drop the state first: the graph's pool must hold no live tensor
             step.graph.reset()
-            self._grads, self._gradless = [], []
             return self._eager()
         self._record = step.record(
             params=tuple(self.params()),
@@ -348,6 +344,13 @@ class OptimizerGraph(OptimizerHooks):
     def captured(self) -> bool:
         """Whether the step is captured (the next steps replay it)."""
         return self._record is not None
+
+    @property
+    def bound_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``(parameter, buffer)`` pairs the captured graph reads its gradients from, as
+        :meth:`bind_grads` returned them (empty before the capture); what an override of
+        :meth:`refresh_grads` checks or fills."""
+        return [] if self._record is None else list(self._record.grad_buffers.pairs)
 
     @property
     def capture_seconds(self) -> float:

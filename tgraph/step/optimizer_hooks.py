@@ -3,8 +3,8 @@ steps another kind of optimizer overrides (megatron-core's, in
 :mod:`tgraph.integrations.megatron_optimizer`), and their defaults, which step a torch optimizer
 and own ``.grad`` buffers (:class:`tgraph.step.grad_buffers.GradBuffers`).
 
-The hooks read the :class:`tgraph.OptimizerGraph` attributes they need (``optimizer``,
-``clip_grad_norm``, ``norm_type``, ``guard``); each runs inside the captured step or around it as
+The hooks read the public :class:`tgraph.OptimizerGraph` attributes they need (``optimizer``,
+``clip_grad_norm``, ``norm_type``, ``guard``, ``bound_grads``); each runs inside the captured step or around it as
 its docstring says, and none may sync with the host.
 """
 
