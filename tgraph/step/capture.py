@@ -21,8 +21,10 @@ in the same order, whichever entry asks:
 
     step = StepCapture(factory, "the training step of X", optimizers, elsewhere=..., held=hps)
     step.save(params, buffers)
-    with step.undone_on_failure():
+    try:
         out = step.capture(fn)
+    except BaseException as exc:
+        step.fail(exc)                                      # undone, raised as CaptureError
     record = step.record(outputs=..., static_inputs=...)   # what the replays read, frozen
 """
 
@@ -31,8 +33,8 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -188,18 +190,14 @@ class StepCapture:
             self.fresh.restore()
         self.hparams = [hp for hp in self.hparams if hp is not self.fresh]
 
-    @contextlib.contextmanager
-    def undone_on_failure(self) -> Iterator[None]:
-        """Step 5: an exception inside undoes the capture (:meth:`undo`); a ``ValueError``
-        is re-raised as it is, anything else as a :class:`tgraph.CaptureError` naming the
-        likely cause (its ``__cause__`` is the original exception)."""
-        try:
-            yield
-        except BaseException as exc:
-            self.undo()
-            if isinstance(exc, ValueError):
-                raise
-            raise explain_capture_failure(self.what, exc) from exc
+    def fail(self, exc: BaseException) -> NoReturn:
+        """Step 5, for ``exc`` raised by :meth:`capture` (or by a check of its output): undo
+        the capture (:meth:`undo`) and raise: a ``ValueError`` as it is, anything else as a
+        :class:`tgraph.CaptureError` naming the likely cause (its ``__cause__`` is ``exc``)."""
+        self.undo()
+        if isinstance(exc, ValueError):
+            raise exc
+        raise explain_capture_failure(self.what, exc) from exc
 
 
 def _covered(group: dict, held: Sequence[HyperParams]) -> bool:

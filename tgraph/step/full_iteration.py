@@ -94,7 +94,7 @@ from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.hyperparams import HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
-from tgraph.step.record import StepRecord
+from tgraph.step.record import Phase, StepRecord
 from tgraph.step.step_grads import grad_modes, grads_weakly, sync_grads_in
 from tgraph.step.watch import DDP_MIN_WARMUP, Watch, check_not_nested
 
@@ -103,14 +103,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    """One batch signature: its warmup count and, once captured, its record."""
+    """One batch signature: its phase, its count of eager calls and, captured, its record."""
 
     key: tuple
     factory: GraphFactory
+    phase: Phase = Phase.WARMUP
     eager_calls: int = 0
-    failed: bool = False
-    warned: bool = False
-    record: StepRecord | None = None
+    record: StepRecord | None = None  # exactly in Phase.CAPTURED
 
 
 class FullIterationGraph:
@@ -172,7 +171,7 @@ class FullIterationGraph:
     @property
     def num_graphs(self) -> int:
         """Number of captured graphs (one per batch signature)."""
-        return sum(e.record is not None for e in self._entries.values())
+        return sum(e.phase is Phase.CAPTURED for e in self._entries.values())
 
     @property
     def skipped_steps(self) -> int:
@@ -202,7 +201,7 @@ class FullIterationGraph:
         tensors: list[torch.Tensor] = []
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
-        if entry is not None and entry.record is not None:
+        if entry is not None and entry.phase is Phase.CAPTURED:
             why = entry.record.change()
             if why is None:
                 return self._replay(entry.record, tensors)
@@ -218,7 +217,7 @@ class FullIterationGraph:
             entry = None
         if entry is None:
             entry = self._new_entry(key, tensors)
-        if entry.failed or entry.eager_calls < self.warmup_steps:
+        if entry.phase is not Phase.WARMUP or entry.eager_calls < self.warmup_steps:
             return self._eager(entry, batch)
         return self._capture(entry, batch, tensors)
 
@@ -252,8 +251,8 @@ class FullIterationGraph:
         return entry
 
     def _eager(self, entry: _Entry, batch: Any) -> Any:
-        if entry.failed and not entry.warned:
-            entry.warned = True
+        if entry.phase is Phase.FAILED:
+            entry.phase = Phase.EAGER
             warnings.warn(
                 "FullIterationGraph: capture failed for this batch signature; running "
                 "the step eagerly from now on",
@@ -263,7 +262,7 @@ class FullIterationGraph:
         # The last warmup call before the capture runs unwatched: the capture runs without the
         # watch's global hook, and a torch.compile'd fn must compile for that state in the
         # warmup, not recompile inside the capture (dynamo guards on global module hooks).
-        last = 0 < entry.eager_calls == self.warmup_steps - 1 and not entry.failed
+        last = 0 < entry.eager_calls == self.warmup_steps - 1 and entry.phase is Phase.WARMUP
         with contextlib.nullcontext() if last else self._watch(), entry.factory.side_stream():
             out = self.fn(batch)
         entry.eager_calls += 1
@@ -289,14 +288,14 @@ class FullIterationGraph:
         step.save(params, self._buffers(), drops_grads=True)
         grads_before = grads_weakly(params)
         try:
-            with step.undone_on_failure():
-                out = step.capture(lambda: self.fn(static_batch), modules=self._modules.values())
-                _refuse_non_tensors(out)
-        except BaseException:
-            entry.failed = True
-            raise
+            out = step.capture(lambda: self.fn(static_batch), modules=self._modules.values())
+            _refuse_non_tensors(out)
+        except BaseException as exc:
+            entry.phase = Phase.FAILED
+            step.fail(exc)  # undone, raised as a CaptureError naming the cause
         self._hparams = step.hparams
         outputs, template = split(out)
+        entry.phase = Phase.CAPTURED
         entry.record = rec = step.record(
             static_inputs=tuple(static),
             outputs=tuple(outputs),

@@ -63,7 +63,7 @@ from tgraph.step.capture import StepCapture
 from tgraph.step.grad_buffers import GradBuffers
 from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout
 from tgraph.step.optimizer_hooks import OptimizerHooks
-from tgraph.step.record import StepRecord
+from tgraph.step.record import Phase, StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -138,17 +138,15 @@ class OptimizerGraph(OptimizerHooks):
         step_capture.register(self)
 
     def _reset_state(self) -> None:
-        self._factory: GraphFactory | None = None
-        self._record: StepRecord | None = None
+        self._phase = Phase.WARMUP
+        self._record: StepRecord | None = None  # exactly in Phase.CAPTURED
+        self._factory: GraphFactory | None = None  # from the parameters' device, at the first step
         self._eager_calls = 0
-        self._state_changed = True  # the last eager step created optimizer state
         self._stepped: set[int] = set()  # parameters that had a gradient at an eager step
-        self._failed = self._warned = False
-        self._buffers: GradBuffers | None = None  # the default bind_grads' buffers
-        self._static_loss: torch.Tensor | None = None
-        self._with_loss: bool | None = None
-        self._norm: torch.Tensor | None = None
-        self._eager_once = self._warned_held = False  # refresh_grads: this step runs eagerly
+        self._buffers: GradBuffers | None = None  # the gradient buffers bound at capture
+        self._with_loss: bool | None = None  # whether the first step was given a loss
+        self._static_loss: torch.Tensor | None = None  # the loss the graph reads
+        self._norm: torch.Tensor | None = None  # the gradient norm the graph writes
 
     def _clear_grads(self) -> None:
         """After a step (eager, captured or replayed): ``.grad = None``, as
@@ -188,7 +186,7 @@ class OptimizerGraph(OptimizerHooks):
             tgraph.CaptureError: capture failed; later steps run eagerly (with a warning).
         """
         self._take_loss(loss)
-        if self._record is not None:
+        if self._phase is Phase.CAPTURED:
             why = self._record.change()
             if why is None:
                 return self._replay()
@@ -201,7 +199,11 @@ class OptimizerGraph(OptimizerHooks):
             # guard would mix with device tensors
             step_capture.check_optimizers(self.optimizers, device, _ELSEWHERE.format(device=device))
             self._factory = GraphFactory.for_device(self.backend, device)
-        if self._failed or self._eager_calls < self.warmup_steps or self._state_changed:
+        if self._phase is not Phase.WARMUP or self._eager_calls < self.warmup_steps:
+            return self._eager()
+        if self.guard is not None and self.guard.state_pending:
+            # The last eager step was a skipped first step and deleted the state it created:
+            # this step creates it again, which a capture must not contain.
             return self._eager()
         if any(p.grad is not None and id(p) not in self._stepped for p in self.params()):
             # a parameter's first step creates its optimizer state, which a capture must not
@@ -227,8 +229,8 @@ class OptimizerGraph(OptimizerHooks):
                     self._static_loss.copy_(loss.detach())
 
     def _eager(self) -> None:
-        if self._failed and not self._warned:
-            self._warned = True
+        if self._phase is Phase.FAILED:
+            self._phase = Phase.EAGER
             warnings.warn(
                 "OptimizerGraph: capture failed; running the optimizer step eagerly from now on",
                 stacklevel=3,
@@ -237,15 +239,11 @@ class OptimizerGraph(OptimizerHooks):
         with self._factory.side_stream():
             self._run()
         self._clear_grads()
-        # A skipped first step deleted the state it created: the next step creates it again,
-        # which a capture must not contain. (A capture that creates state anyway is undone
-        # and run eagerly, see _capture.)
-        self._state_changed = bool(self.guard and self.guard.state_pending)
         self._eager_calls += 1
 
     def _capture(self) -> None:
-        """The step-capture protocol (tgraph.step.capture) around :meth:`_run`; a captured step
-        that created optimizer state is undone and run eagerly (the next step captures)."""
+        """The step-capture protocol (tgraph.step.capture) around :meth:`_run`; a step that
+        created optimizer state is undone and run eagerly instead (the next step captures)."""
         f = self._factory
         step = StepCapture(
             f,
@@ -255,12 +253,40 @@ class OptimizerGraph(OptimizerHooks):
         )
         layout = self._state_layouts()
         live_grads = [(p, p.grad) for p in self.params()]
-        extra = [
-            t for t in (self._norm, self.guard and self.guard.skipped_steps_tensor) if t is not None
-        ]
-        step.save(self.params(), extra)
+        written = [self._norm, self.guard and self.guard.skipped_steps_tensor]
+        step.save(self.params(), [t for t in written if t is not None])
+        buffers = self._bind(step)
         try:
-            self._buffers = None  # the default bind_grads sets it
+            step.capture(self._run, refuse_lr_writes=True)
+        except BaseException as exc:
+            if isinstance(exc, CaptureError) and self._state_layouts() != layout:
+                # SkipNonfinite refuses to capture a step that creates optimizer state (e.g.
+                # the first step of a parameter that had no gradient before): not capturable,
+                # but not a failure either. Undo it (the snapshot deletes the state it
+                # created), run it eagerly; capture at the next step.
+                step.undo()
+                return self._eager()
+            self._phase = Phase.FAILED
+            step.fail(exc)  # undone, raised as a CaptureError naming the cause
+        if self._state_layouts() != layout:
+            return self._eager_instead(step)
+        self._phase = Phase.CAPTURED
+        self._record = step.record(
+            params=tuple(self.params()),
+            static_inputs=() if self._static_loss is None else (self._static_loss,),
+            grad_buffers=buffers,
+        )
+        logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, step.seconds)
+        if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
+            step.graph.replay()
+        self._after_step(live_grads)
+
+    def _bind(self, step: StepCapture) -> GradBuffers:
+        """At capture, before the step is captured: the gradient buffers the graph reads
+        (:meth:`bind_grads`), frozen for :meth:`refresh_grads`. A failure undoes ``step`` and
+        raises as it is."""
+        self._buffers = None  # the default bind_grads sets it
+        try:
             pairs, gradless = self.bind_grads()
             if self._buffers is None:  # a subclass's bind_grads bound its own pairs
                 self._buffers = GradBuffers()
@@ -269,39 +295,14 @@ class OptimizerGraph(OptimizerHooks):
         except BaseException:
             step.undo()
             raise
-        created = False
-        try:
-            with step.undone_on_failure():  # also deletes state the capture created
-                try:
-                    step.capture(self._run, refuse_lr_writes=True)
-                except BaseException:
-                    created = self._state_layouts() != layout
-                    raise
-        except BaseException as exc:
-            if (
-                created
-                and isinstance(exc, CaptureError)
-                and isinstance(exc.__cause__, CaptureError)
-            ):
-                # The step created optimizer state (SkipNonfinite refuses to capture that, e.g.
-                # the first step of a parameter that had no gradient before): not capturable,
-                # but not a failure either. Run it eagerly; capture at the next step.
-                return self._eager()
-            self._failed = True
-            raise
-        if self._state_layouts() != layout:  # created state: undo
-            step.undo()  # drop the state first: the graph's pool must hold no live tensor
-            step.graph.reset()
-            return self._eager()
-        self._record = step.record(
-            params=tuple(self.params()),
-            static_inputs=() if self._static_loss is None else (self._static_loss,),
-            grad_buffers=self._buffers,
-        )
-        logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, step.seconds)
-        if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
-            step.graph.replay()
-        self._after_step(live_grads)
+        return self._buffers
+
+    def _eager_instead(self, step: StepCapture) -> None:
+        """A captured step that created optimizer state: undo it, the state first (the graph's
+        pool must hold no live tensor), drop the graph and run the step eagerly."""
+        step.undo()
+        step.graph.reset()
+        self._eager()
 
     def _state_layouts(self) -> list[dict[int, frozenset]]:
         return [state_layout(o) for o in self.optimizers]
@@ -320,16 +321,8 @@ class OptimizerGraph(OptimizerHooks):
         live = None if self.zero_grad else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
             self.refresh_grads()
-        if self._eager_once:  # the graph's gradient memory is held elsewhere (refresh_grads)
-            self._eager_once = False
-            if not self._warned_held:
-                self._warned_held = True
-                logger.warning(
-                    "OptimizerGraph: a gradient kept from an earlier step (e.g. by a hook) "
-                    "views memory the graph reads on this PyTorch (< 2.13, no storage swap); "
-                    "such steps run eagerly instead of overwriting it"
-                )
-            with self._factory.side_stream():
+        if rec.grad_buffers.held_elsewhere:  # the graph's gradient memory is held elsewhere
+            with rec.factory.side_stream():
                 self._run()
         else:
             rec.graph.replay()
@@ -343,7 +336,7 @@ class OptimizerGraph(OptimizerHooks):
     @property
     def captured(self) -> bool:
         """Whether the step is captured (the next steps replay it)."""
-        return self._record is not None
+        return self._phase is Phase.CAPTURED
 
     @property
     def bound_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -119,7 +119,7 @@ class OptimizerHooks:
             ValueError: a gradient the graph reads is missing, or a parameter it never steps
                 has one now (call :meth:`reset`).
         """
-        self._eager_once = self._buffers.refresh()
+        self._buffers.refresh()
 
 
 __all__ = ["OptimizerHooks"]

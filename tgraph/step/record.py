@@ -7,10 +7,15 @@ step's modules baked in. :class:`tgraph.FullIterationGraph` (one record per batc
 :class:`tgraph.OptimizerGraph` replay from the record alone, as the per-layer wing replays from
 its :class:`tgraph.layers.captured.Captured` record. The record is never changed; a change it
 cannot follow (:meth:`StepRecord.change`) drops it and the entry warms up anew.
+
+Besides the record, an entry keeps its :class:`Phase` (warming up, captured, failed and eager
+for good) instead of flags, its count of eager steps and the static tensors that outlive one
+capture (an optimizer graph's loss and gradient norm).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +27,20 @@ from tgraph.layers.signature import Template
 from tgraph.step.grad_buffers import GradBuffers
 from tgraph.step.host_state import BakedNumbers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
+
+
+class Phase(enum.Enum):
+    """Where a whole-step entry (or one batch signature of it) stands; a record exists exactly
+    in :attr:`CAPTURED`."""
+
+    WARMUP = "warmup"
+    """Eager steps before the capture (more while a step creates optimizer state)."""
+    CAPTURED = "captured"
+    """Replays of the record."""
+    FAILED = "failed"
+    """The capture failed (its error was raised); the next step warns and runs eagerly."""
+    EAGER = "eager"
+    """Eager for good after a failed capture (warned once)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -52,4 +71,4 @@ class StepRecord:
         return why
 
 
-__all__ = ["StepRecord"]
+__all__ = ["Phase", "StepRecord"]
