@@ -292,7 +292,7 @@ class FullIterationGraph:
             _refuse_non_tensors(out)
         except BaseException as exc:
             entry.phase = Phase.FAILED
-            step.fail(exc)  # undone, raised as a CaptureError naming the cause
+            step.fail(exc)  # undone; a CaptureError naming the cause (a ValueError as is)
         self._hparams = step.hparams
         outputs, template = split(out)
         entry.phase = Phase.CAPTURED

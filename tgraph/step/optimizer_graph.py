@@ -267,7 +267,7 @@ class OptimizerGraph(OptimizerHooks):
                 step.undo()
                 return self._eager()
             self._phase = Phase.FAILED
-            step.fail(exc)  # undone, raised as a CaptureError naming the cause
+            step.fail(exc)  # undone; a CaptureError naming the cause (a ValueError as is)
         if self._state_layouts() != layout:
             return self._eager_instead(step)
         self._phase = Phase.CAPTURED

@@ -4,8 +4,8 @@ steps another kind of optimizer overrides (megatron-core's, in
 and own ``.grad`` buffers (:class:`tgraph.step.grad_buffers.GradBuffers`).
 
 The hooks read the public :class:`tgraph.OptimizerGraph` attributes they need (``optimizer``,
-``clip_grad_norm``, ``norm_type``, ``guard``, ``bound_grads``); each runs inside the captured step or around it as
-its docstring says, and none may sync with the host.
+``clip_grad_norm``, ``norm_type``, ``guard``, ``bound_grads``); each runs inside the captured
+step or around it as its docstring says, and none may sync with the host.
 """
 
 from __future__ import annotations
