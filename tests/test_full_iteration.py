@@ -160,7 +160,7 @@ def test_planted_extra_step_at_capture_is_caught(backend, device, monkeypatch):
 
     def capture_then_replay(self, entry, batch, tensors):  # the old capture-restore-replay bug
         out = real(self, entry, batch, tensors)
-        entry.graph.replay()
+        entry.record.graph.replay()
         return out
 
     monkeypatch.setattr(full_iteration.FullIterationGraph, "_capture", capture_then_replay)
@@ -198,7 +198,7 @@ def test_kept_outputs_hold_their_own_step(backend, device, monkeypatch):
     monkeypatch.setattr(
         full_iteration.FullIterationGraph,
         "_outputs",
-        lambda self, entry: entry.template.fill(list(entry.outputs)),
+        lambda self, rec: rec.template.fill(list(rec.outputs)),
     )
     (eager_losses, _, _), (graph_losses, _, _) = run_pair(backend, device, "sgd")
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
@@ -363,7 +363,9 @@ def test_accumulated_gradients_restart_from_zero_after_set_to_none(backend, devi
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         if graphed and backend == "cuda":  # the path under test: the graph adds into .grad
-            assert {mode for e in step._entries.values() for *_, mode in e.grads} == {"add"}
+            assert {mode for e in step._entries.values() for *_, mode in e.record.grad_modes} == {
+                "add"
+            }
         finals.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*finals):
         torch.testing.assert_close(b, a, **TOL)

@@ -235,7 +235,7 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
 
     def refresh_grads(self) -> None:
         """Nothing to copy; refuse a ``main_grad`` that moved since the capture."""
-        for p, g in self._grads:
+        for p, g in self.bound_grads:
             if p.main_grad is not g:
                 raise ValueError(
                     "MegatronOptimizerGraph: a parameter's main_grad moved since capture (the DDP "

@@ -21,9 +21,11 @@ in the same order, whichever entry asks:
 
     step = StepCapture(factory, "the training step of X", optimizers, elsewhere=..., held=hps)
     step.save(params, buffers)
-    with step.undone_on_failure():
+    try:
         out = step.capture(fn)
-    hparams = step.hparams          # held plus the ones this capture prepared
+    except BaseException as exc:
+        step.fail(exc)                                      # undone, raised as CaptureError
+    record = step.record(outputs=..., static_inputs=...)   # what the replays read, frozen
 """
 
 from __future__ import annotations
@@ -31,16 +33,22 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn
 
 import torch
 
 from tgraph.backend import GraphFactory, stale_stream_override
 from tgraph.guards import RefuseLrWrites, check_lr_unwritten, explain_capture_failure
 from tgraph.snapshot import Snapshot
-from tgraph.step.host_state import HostWrites, check_graphable_optimizer, fused_groups_capturable
-from tgraph.step.hyperparams import HyperParams
+from tgraph.step.host_state import (
+    BakedNumbers,
+    HostWrites,
+    check_graphable_optimizer,
+    fused_groups_capturable,
+)
+from tgraph.step.hyperparams import BakedLayout, HyperParams
+from tgraph.step.record import StepRecord
 
 
 def check_optimizers(
@@ -156,6 +164,22 @@ class StepCapture:
         self.pool_bytes = f.memory_allocated() - before
         return out
 
+    def record(self, **parts: Any) -> StepRecord:
+        """After a successful :meth:`capture`: the frozen :class:`tgraph.step.record.StepRecord`
+        a replay reads, with the graph, its hyper-parameters, what the optimizers baked in
+        (their layout and Python numbers, taken now) and the capture's cost; ``parts`` are
+        the entry's own fields (static batch, outputs, gradients, ``baked``)."""
+        return StepRecord(
+            graph=self.graph,
+            factory=self.factory,
+            hparams=tuple(self.hparams),
+            layout=BakedLayout(self.optimizers),
+            numbers=BakedNumbers(self.optimizers),
+            seconds=self.seconds,
+            pool_bytes=self.pool_bytes,
+            **parts,
+        )
+
     def undo(self) -> None:
         """Put back what :meth:`save` saved and undo the hyper-parameters this capture
         prepared (the graph itself is the caller's to reset)."""
@@ -166,18 +190,14 @@ class StepCapture:
             self.fresh.restore()
         self.hparams = [hp for hp in self.hparams if hp is not self.fresh]
 
-    @contextlib.contextmanager
-    def undone_on_failure(self) -> Iterator[None]:
-        """Step 5: an exception inside undoes the capture (:meth:`undo`); a ``ValueError``
-        is re-raised as it is, anything else as a :class:`tgraph.CaptureError` naming the
-        likely cause (its ``__cause__`` is the original exception)."""
-        try:
-            yield
-        except BaseException as exc:
-            self.undo()
-            if isinstance(exc, ValueError):
-                raise
-            raise explain_capture_failure(self.what, exc) from exc
+    def fail(self, exc: BaseException) -> NoReturn:
+        """Step 5, for ``exc`` raised by :meth:`capture` (or by a check of its output): undo
+        the capture (:meth:`undo`) and raise: a ``ValueError`` as it is, anything else as a
+        :class:`tgraph.CaptureError` naming the likely cause (its ``__cause__`` is ``exc``)."""
+        self.undo()
+        if isinstance(exc, ValueError):
+            raise exc
+        raise explain_capture_failure(self.what, exc) from exc
 
 
 def _covered(group: dict, held: Sequence[HyperParams]) -> bool:

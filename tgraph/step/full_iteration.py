@@ -76,7 +76,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,34 +92,24 @@ from tgraph.layers.signature import call_key, first_difference, split
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
-from tgraph.step.host_state import BakedNumbers
-from tgraph.step.hyperparams import BakedLayout, HyperParams
+from tgraph.step.hyperparams import HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
+from tgraph.step.record import Phase, StepRecord
 from tgraph.step.step_grads import grad_modes, grads_weakly, sync_grads_in
 from tgraph.step.watch import DDP_MIN_WARMUP, Watch, check_not_nested
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class _Entry:
-    """One batch signature: its warmup count, static buffers and graph."""
+    """One batch signature: its phase, its count of eager calls and, captured, its record."""
 
     key: tuple
     factory: GraphFactory
+    phase: Phase = Phase.WARMUP
     eager_calls: int = 0
-    failed: bool = False
-    warned: bool = False
-    graph: Any = None
-    static: list[torch.Tensor] = field(default_factory=list)
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    template: Any = None  # the structure of fn's outputs (tgraph.layers.signature.Template)
-    layout: BakedLayout | None = None  # the optimizers' groups and state tensors at capture
-    numbers: BakedNumbers | None = None  # the optimizers' Python-number attributes at capture
-    baked: Any = None  # what the step's modules baked in (tgraph.baked.Baked)
-    grads: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)  # CUDA
-    capture_seconds: float = 0.0
-    pool_bytes: int = 0
+    record: StepRecord | None = None  # exactly in Phase.CAPTURED
 
 
 class FullIterationGraph:
@@ -181,7 +171,7 @@ class FullIterationGraph:
     @property
     def num_graphs(self) -> int:
         """Number of captured graphs (one per batch signature)."""
-        return sum(e.graph is not None for e in self._entries.values())
+        return sum(e.phase is Phase.CAPTURED for e in self._entries.values())
 
     @property
     def skipped_steps(self) -> int:
@@ -211,10 +201,10 @@ class FullIterationGraph:
         tensors: list[torch.Tensor] = []
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
-        if entry is not None and entry.graph is not None:
-            why = entry.layout.change() or entry.numbers.change() or entry.baked.changed()
+        if entry is not None and entry.phase is Phase.CAPTURED:
+            why = entry.record.change()
             if why is None:
-                return self._replay(entry, tensors)
+                return self._replay(entry.record, tensors)
             if why not in self._recaptured:
                 self._recaptured.add(why)
                 warnings.warn(
@@ -227,15 +217,15 @@ class FullIterationGraph:
             entry = None
         if entry is None:
             entry = self._new_entry(key, tensors)
-        if entry.failed or entry.eager_calls < self.warmup_steps:
+        if entry.phase is not Phase.WARMUP or entry.eager_calls < self.warmup_steps:
             return self._eager(entry, batch)
         return self._capture(entry, batch, tensors)
 
     def reset(self) -> None:
         """Drop every graph; learning rates become Python floats again; calls warm up anew."""
         for e in self._entries.values():
-            if e.graph is not None:
-                e.graph.reset()
+            if e.record is not None:
+                e.record.graph.reset()
         self._entries.clear()
         for hp in self._hparams:
             hp.restore()
@@ -261,8 +251,8 @@ class FullIterationGraph:
         return entry
 
     def _eager(self, entry: _Entry, batch: Any) -> Any:
-        if entry.failed and not entry.warned:
-            entry.warned = True
+        if entry.phase is Phase.FAILED:
+            entry.phase = Phase.EAGER
             warnings.warn(
                 "FullIterationGraph: capture failed for this batch signature; running "
                 "the step eagerly from now on",
@@ -272,7 +262,7 @@ class FullIterationGraph:
         # The last warmup call before the capture runs unwatched: the capture runs without the
         # watch's global hook, and a torch.compile'd fn must compile for that state in the
         # warmup, not recompile inside the capture (dynamo guards on global module hooks).
-        last = 0 < entry.eager_calls == self.warmup_steps - 1 and not entry.failed
+        last = 0 < entry.eager_calls == self.warmup_steps - 1 and entry.phase is Phase.WARMUP
         with contextlib.nullcontext() if last else self._watch(), entry.factory.side_stream():
             out = self.fn(batch)
         entry.eager_calls += 1
@@ -290,83 +280,74 @@ class FullIterationGraph:
             elsewhere=_elsewhere(f.device),
             held=self._hparams,
         )
-        static_batch = self._static_batch(entry, batch, tensors)
+        static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        static_batch = split(batch)[1].fill(static)  # the graph's own copies of the batch
         for g in rng.graph_generators(f.device):
             step.graph.register_generator_state(g)
         params = self._params()
         step.save(params, self._buffers(), drops_grads=True)
         grads_before = grads_weakly(params)
         try:
-            with step.undone_on_failure():
-                out = step.capture(lambda: self.fn(static_batch), modules=self._modules.values())
-                _refuse_non_tensors(out)
-        except BaseException:
-            entry.failed = True
-            raise
+            out = step.capture(lambda: self.fn(static_batch), modules=self._modules.values())
+            _refuse_non_tensors(out)
+        except BaseException as exc:
+            entry.phase = Phase.FAILED
+            step.fail(exc)  # undone; a CaptureError naming the cause (a ValueError as is)
         self._hparams = step.hparams
-        self._keep(entry, step, out)
-        entry.grads = grad_modes(params, grads_before)
+        outputs, template = split(out)
+        entry.phase = Phase.CAPTURED
+        entry.record = rec = step.record(
+            static_inputs=tuple(static),
+            outputs=tuple(outputs),
+            template=template,
+            grad_modes=tuple(grad_modes(params, grads_before)),
+            # what the step's modules baked in (the modules that ran in it: tgraph.baked)
+            baked=Baked.of([(type(m).__name__, m) for m in self._modules.values()], []),
+        )
+        logger.info(
+            "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
+            f.backend,
+            rec.seconds,
+            rec.pool_bytes / 2**20,
+        )
         if f.executes_capture:
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
-            return self._outputs(entry)
-        return self._replay(entry, tensors, first=True)
+            return self._outputs(rec)
+        return self._replay(rec, tensors, first=True)
 
-    def _static_batch(self, entry: _Entry, batch: Any, tensors: list[torch.Tensor]) -> Any:
-        """The graph's own copies of the batch's tensors, in the batch's structure."""
-        entry.static = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
-        return split(batch)[1].fill(entry.static)
-
-    def _keep(self, entry: _Entry, step: StepCapture, out: Any) -> None:
-        """After a capture: the graph, its outputs and what it baked in."""
-        entry.capture_seconds, entry.pool_bytes = step.seconds, step.pool_bytes
-        entry.graph = step.graph
-        entry.layout = BakedLayout(self.optimizers)
-        entry.numbers = BakedNumbers(self.optimizers)
-        # what the step's modules baked in (the modules that ran in it: tgraph.baked)
-        entry.baked = Baked.of([(type(m).__name__, m) for m in self._modules.values()], [])
-        entry.outputs, entry.template = split(out)
-        logger.info(
-            "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
-            entry.factory.backend,
-            entry.capture_seconds,
-            entry.pool_bytes / 2**20,
-        )
-
-    def _outputs(self, entry: _Entry) -> Any:
+    def _outputs(self, rec: StepRecord) -> Any:
         """What a call returns: fresh detached clones of the graph's outputs, safe to keep past
         the next replay (which overwrites the graph's own)."""
-        return entry.template.fill([t.detach().clone() for t in entry.outputs])
+        return rec.template.fill([t.detach().clone() for t in rec.outputs])
 
-    def _replay(self, entry: _Entry, tensors: list[torch.Tensor], first: bool = False) -> Any:
-        for hp in self._hparams:
+    def _replay(self, rec: StepRecord, tensors: list[torch.Tensor], first: bool = False) -> Any:
+        for hp in rec.hparams:
             hp.refresh()
         with torch.no_grad():
-            for s, t in zip(entry.static, tensors):
+            for s, t in zip(rec.static_inputs, tensors):
                 if s.data_ptr() != t.data_ptr():
                     s.copy_(t)
             if not first:
-                sync_grads_in(entry.grads)
-        entry.graph.replay()
-        for p, grad, _ in entry.grads:  # the gradients the graph wrote are the params' .grad
+                sync_grads_in(rec.grad_modes)
+        rec.graph.replay()
+        for p, grad, _ in rec.grad_modes:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
-        return self._outputs(entry)
-
-    # -- what fn touches ---------------------------------------------------------------------
+        return self._outputs(rec)
 
     # -- reports -------------------------------------------------------------------------------
 
     def capture_report(self) -> CaptureReport:
         """What the captures made, in the shape of :func:`tgraph.create_graphs`'s report
         (``entry="FullIterationGraph"``; one graph per batch signature)."""
-        captured = [e for e in self._entries.values() if e.graph is not None]
+        captured = [e.record for e in self._entries.values() if e.record is not None]
         return CaptureReport(
             graphs=len(captured),
             runners=0,
             segments=0,
-            seconds=sum(e.capture_seconds for e in captured),
-            pool_bytes=sum(e.pool_bytes for e in captured),
-            backends=sorted({e.factory.backend for e in captured}),
+            seconds=sum(r.seconds for r in captured),
+            pool_bytes=sum(r.pool_bytes for r in captured),
+            backends=sorted({r.factory.backend for r in captured}),
             eager_modules=[],
             memory=self.memory_report(),
             entry="FullIterationGraph",
@@ -378,12 +359,13 @@ class FullIterationGraph:
         write (``param_grads``)."""
         report = MemoryReport()
         for e in self._entries.values():
-            if e.graph is None:
+            rec = e.record
+            if rec is None:
                 continue
             report.units += 1
-            report.static_inputs += tensor_bytes(e.static)
-            report.static_outputs += tensor_bytes(e.outputs)
-            report.param_grads += tensor_bytes(g for _, g, _ in e.grads)
+            report.static_inputs += tensor_bytes(rec.static_inputs)
+            report.static_outputs += tensor_bytes(rec.outputs)
+            report.param_grads += tensor_bytes(g for _, g, _ in rec.grad_modes)
         return report
 
     def _params(self) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ Used by :class:`tgraph.OptimizerGraph`'s default ``bind_grads`` and ``refresh_gr
 
 from __future__ import annotations
 
+import logging
 from itertools import compress, repeat
 from operator import attrgetter, is_, is_not, ne, or_
 
@@ -25,6 +26,7 @@ from tgraph.pool import at_address
 _RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
 _GRAD = attrgetter("grad")
 _data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
+logger = logging.getLogger(__name__)
 
 
 def _gradient_packings() -> list:
@@ -66,6 +68,8 @@ class GradBuffers:
         read_in_place: the per-layer gradient buffers it reads; their memory must outlive
             the graph (until ``tgraph.reset()``).
         own_bytes: the bytes of the buffers of its own.
+        held_elsewhere: the latest :meth:`refresh` found a landing buffer it would copy into
+            held elsewhere and copied nothing: that step runs eagerly.
     """
 
     def __init__(self) -> None:
@@ -73,6 +77,8 @@ class GradBuffers:
         self.gradless: list[torch.Tensor] = []
         self.read_in_place: list[torch.Tensor] = []
         self.own_bytes = 0
+        self.held_elsewhere = False
+        self._warned = False  # the held_elsewhere warning, once
         self._landing: dict[int, object] = {}  # id(param) -> the packing whose landing it reads
         self._params: tuple = ()
         self._bufs: list[torch.Tensor] = []
@@ -140,7 +146,7 @@ class GradBuffers:
         graph reads them into its buffers (autograd's own tensors: one multi-tensor copy). In
         the usual replay beside per-layer graphs that is a few C-level passes and no copy.
         Returns True, copying nothing, when a landing buffer it would copy into is held
-        elsewhere: run this step eagerly.
+        elsewhere: run this step eagerly (also kept in :attr:`held_elsewhere`; logged once).
 
         Raises:
             ValueError: a gradient the graph reads is missing, or a parameter it never steps
@@ -168,6 +174,7 @@ class GradBuffers:
                 f"{why}. The graph would step it (eager code would skip it); call reset() to "
                 "capture anew when the set of parameters with gradients changes."
             )
+        self.held_elsewhere = False
         moved = list(
             compress(
                 range(len(lives)),
@@ -181,6 +188,14 @@ class GradBuffers:
         if not moved:
             return False
         if self._held(moved):
+            self.held_elsewhere = True
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "OptimizerGraph: a gradient kept from an earlier step (e.g. by a hook) "
+                    "views memory the graph reads on this PyTorch (< 2.13, no storage swap); "
+                    "such steps run eagerly instead of overwriting it"
+                )
             return True
         torch._foreach_copy_([self._bufs[i] for i in moved], [lives[i] for i in moved])
         return False

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
 
 import torch
 
@@ -62,10 +61,9 @@ from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.grad_buffers import GradBuffers
-from tgraph.step.host_state import BakedNumbers
-from tgraph.step.hyperparams import BakedLayout, HyperParams
 from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout
 from tgraph.step.optimizer_hooks import OptimizerHooks
+from tgraph.step.record import Phase, StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -136,36 +134,25 @@ class OptimizerGraph(OptimizerHooks):
         self.zero_grad = zero_grad
         self.warmup_steps = warmup_steps
         self.backend = backend
-        self.capture_seconds = 0.0
-        self.pool_bytes = 0
         self._reset_state()
         step_capture.register(self)
 
     def _reset_state(self) -> None:
-        self._factory: GraphFactory | None = None
-        self._graph: Any = None
-        self._hparams: HyperParams | None = None
+        self._phase = Phase.WARMUP
+        self._record: StepRecord | None = None  # exactly in Phase.CAPTURED
+        self._factory: GraphFactory | None = None  # from the parameters' device, at the first step
         self._eager_calls = 0
-        self._state_changed = True  # the last eager step created optimizer state
         self._stepped: set[int] = set()  # parameters that had a gradient at an eager step
-        self._failed = self._warned = False
-        self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, graph's buffer)
-        self._gradless: list[torch.Tensor] = []
-        self._buffers: GradBuffers | None = None  # the default bind_grads' buffers
-        self._static_loss: torch.Tensor | None = None
-        self._with_loss: bool | None = None
-        self._norm: torch.Tensor | None = None
-        self._layout: BakedLayout | None = None
-        self._numbers: BakedNumbers | None = None
-        self._every: tuple = ()  # every parameter of the step, as at capture
-        self._eager_once = self._warned_held = False  # refresh_grads: this step runs eagerly
-        self.own_grad_bytes = 0  # gradient buffers of its own (the rest is read in place)
+        self._buffers: GradBuffers | None = None  # the gradient buffers bound at capture
+        self._with_loss: bool | None = None  # whether the first step was given a loss
+        self._static_loss: torch.Tensor | None = None  # the loss the graph reads
+        self._norm: torch.Tensor | None = None  # the gradient norm the graph writes
 
     def _clear_grads(self) -> None:
         """After a step (eager, captured or replayed): ``.grad = None``, as
         ``optimizer.zero_grad()``; the next backward hands autograd's tensors over unchanged."""
         if self.zero_grad:
-            for p in self._every or self.params():
+            for p in self._record.params if self._record is not None else self.params():
                 p.grad = None
 
     # -- the step ---------------------------------------------------------------------------
@@ -199,8 +186,8 @@ class OptimizerGraph(OptimizerHooks):
             tgraph.CaptureError: capture failed; later steps run eagerly (with a warning).
         """
         self._take_loss(loss)
-        if self._graph is not None:
-            why = self._layout.change() or self._numbers.change()
+        if self._phase is Phase.CAPTURED:
+            why = self._record.change()
             if why is None:
                 return self._replay()
             logger.warning("OptimizerGraph: %s; capturing the step again after warmup", why)
@@ -212,7 +199,11 @@ class OptimizerGraph(OptimizerHooks):
             # guard would mix with device tensors
             step_capture.check_optimizers(self.optimizers, device, _ELSEWHERE.format(device=device))
             self._factory = GraphFactory.for_device(self.backend, device)
-        if self._failed or self._eager_calls < self.warmup_steps or self._state_changed:
+        if self._phase is not Phase.WARMUP or self._eager_calls < self.warmup_steps:
+            return self._eager()
+        if self.guard is not None and self.guard.state_pending:
+            # The last eager step was a skipped first step and deleted the state it created:
+            # this step creates it again, which a capture must not contain.
             return self._eager()
         if any(p.grad is not None and id(p) not in self._stepped for p in self.params()):
             # a parameter's first step creates its optimizer state, which a capture must not
@@ -238,8 +229,8 @@ class OptimizerGraph(OptimizerHooks):
                     self._static_loss.copy_(loss.detach())
 
     def _eager(self) -> None:
-        if self._failed and not self._warned:
-            self._warned = True
+        if self._phase is Phase.FAILED:
+            self._phase = Phase.EAGER
             warnings.warn(
                 "OptimizerGraph: capture failed; running the optimizer step eagerly from now on",
                 stacklevel=3,
@@ -248,15 +239,11 @@ class OptimizerGraph(OptimizerHooks):
         with self._factory.side_stream():
             self._run()
         self._clear_grads()
-        # A skipped first step deleted the state it created: the next step creates it again,
-        # which a capture must not contain. (A capture that creates state anyway is undone
-        # and run eagerly, see _capture.)
-        self._state_changed = bool(self.guard and self.guard.state_pending)
         self._eager_calls += 1
 
     def _capture(self) -> None:
-        """The step-capture protocol (tgraph.step.capture) around :meth:`_run`; a captured step
-        that created optimizer state is undone and run eagerly (the next step captures)."""
+        """The step-capture protocol (tgraph.step.capture) around :meth:`_run`; a step that
+        created optimizer state is undone and run eagerly instead (the next step captures)."""
         f = self._factory
         step = StepCapture(
             f,
@@ -266,55 +253,56 @@ class OptimizerGraph(OptimizerHooks):
         )
         layout = self._state_layouts()
         live_grads = [(p, p.grad) for p in self.params()]
-        extra = [
-            t for t in (self._norm, self.guard and self.guard.skipped_steps_tensor) if t is not None
-        ]
-        step.save(self.params(), extra)
+        written = [self._norm, self.guard and self.guard.skipped_steps_tensor]
+        step.save(self.params(), [t for t in written if t is not None])
+        buffers = self._bind(step)
         try:
-            self._buffers = None  # the default bind_grads sets it
-            self._grads, self._gradless = self.bind_grads()
-            if self._buffers is None:  # a subclass's bind_grads bound its own pairs
-                self._buffers = GradBuffers()
-            # what the default refresh_grads compares, over the pairs whoever bound them
-            self._buffers.freeze(self._grads, self._gradless)
-        except BaseException:
-            step.undo()
-            raise
-        created = False
-        try:
-            with step.undone_on_failure():  # also deletes state the capture created
-                try:
-                    step.capture(self._run, refuse_lr_writes=True)
-                except BaseException:
-                    created = self._state_layouts() != layout
-                    raise
+            step.capture(self._run, refuse_lr_writes=True)
         except BaseException as exc:
-            self._grads, self._gradless = [], []
-            if (
-                created
-                and isinstance(exc, CaptureError)
-                and isinstance(exc.__cause__, CaptureError)
-            ):
-                # The step created optimizer state (SkipNonfinite refuses to capture that, e.g.
+            if isinstance(exc, CaptureError) and self._state_layouts() != layout:
+                # SkipNonfinite refuses to capture a step that creates optimizer state (e.g.
                 # the first step of a parameter that had no gradient before): not capturable,
-                # but not a failure either. Run it eagerly; capture at the next step.
+                # but not a failure either. Undo it (the snapshot deletes the state it
+                # created), run it eagerly; capture at the next step.
+                step.undo()
                 return self._eager()
-            self._failed = True
-            raise
-        if self._state_layouts() != layout:  # created state: undo
-            step.undo()  # drop the state first: the graph's pool must hold no live tensor
-            step.graph.reset()
-            self._grads, self._gradless = [], []
-            return self._eager()
-        self.capture_seconds, self.pool_bytes = step.seconds, step.pool_bytes
-        self._graph, self._hparams = step.graph, step.fresh
-        self._layout = BakedLayout(self.optimizers)
-        self._numbers = BakedNumbers(self.optimizers)
-        self._every = tuple(self.params())
-        logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, self.capture_seconds)
+            self._phase = Phase.FAILED
+            step.fail(exc)  # undone; a CaptureError naming the cause (a ValueError as is)
+        if self._state_layouts() != layout:
+            return self._eager_instead(step)
+        self._phase = Phase.CAPTURED
+        self._record = step.record(
+            params=tuple(self.params()),
+            static_inputs=() if self._static_loss is None else (self._static_loss,),
+            grad_buffers=buffers,
+        )
+        logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, step.seconds)
         if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
             step.graph.replay()
         self._after_step(live_grads)
+
+    def _bind(self, step: StepCapture) -> GradBuffers:
+        """At capture, before the step is captured: the gradient buffers the graph reads
+        (:meth:`bind_grads`), frozen for :meth:`refresh_grads`. A failure undoes ``step`` and
+        raises as it is."""
+        self._buffers = None  # the default bind_grads sets it
+        try:
+            pairs, gradless = self.bind_grads()
+            if self._buffers is None:  # a subclass's bind_grads bound its own pairs
+                self._buffers = GradBuffers()
+            # what the default refresh_grads compares, over the pairs whoever bound them
+            self._buffers.freeze(pairs, gradless)
+        except BaseException:
+            step.undo()
+            raise
+        return self._buffers
+
+    def _eager_instead(self, step: StepCapture) -> None:
+        """A captured step that created optimizer state: undo it, the state first (the graph's
+        pool must hold no live tensor), drop the graph and run the step eagerly."""
+        step.undo()
+        step.graph.reset()
+        self._eager()
 
     def _state_layouts(self) -> list[dict[int, frozenset]]:
         return [state_layout(o) for o in self.optimizers]
@@ -327,23 +315,17 @@ class OptimizerGraph(OptimizerHooks):
                 p.grad = g
 
     def _replay(self) -> None:
-        self._hparams.refresh()
+        rec = self._record
+        for hp in rec.hparams:
+            hp.refresh()
         live = None if self.zero_grad else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
             self.refresh_grads()
-        if self._eager_once:  # the graph's gradient memory is held elsewhere (refresh_grads)
-            self._eager_once = False
-            if not self._warned_held:
-                self._warned_held = True
-                logger.warning(
-                    "OptimizerGraph: a gradient kept from an earlier step (e.g. by a hook) "
-                    "views memory the graph reads on this PyTorch (< 2.13, no storage swap); "
-                    "such steps run eagerly instead of overwriting it"
-                )
-            with self._factory.side_stream():
+        if rec.grad_buffers.held_elsewhere:  # the graph's gradient memory is held elsewhere
+            with rec.factory.side_stream():
                 self._run()
         else:
-            self._graph.replay()
+            rec.graph.replay()
         if live is not None:
             self._after_step(live)
         else:
@@ -353,7 +335,31 @@ class OptimizerGraph(OptimizerHooks):
 
     @property
     def captured(self) -> bool:
-        return self._graph is not None
+        """Whether the step is captured (the next steps replay it)."""
+        return self._phase is Phase.CAPTURED
+
+    @property
+    def bound_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``(parameter, buffer)`` pairs the captured graph reads its gradients from, as
+        :meth:`bind_grads` returned them (empty before the capture); what an override of
+        :meth:`refresh_grads` checks or fills."""
+        return [] if self._record is None else list(self._record.grad_buffers.pairs)
+
+    @property
+    def capture_seconds(self) -> float:
+        """Wall time of the capture (0.0 before it)."""
+        return 0.0 if self._record is None else self._record.seconds
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory the capture allocated (0 before it, and on the emulated backend)."""
+        return 0 if self._record is None else self._record.pool_bytes
+
+    @property
+    def own_grad_bytes(self) -> int:
+        """The bytes of the gradient buffers of the graph's own (the rest is read in place
+        where per-layer graphs leave it)."""
+        return 0 if self._buffers is None else self._buffers.own_bytes
 
     @property
     def skipped_steps(self) -> int:
@@ -373,9 +379,9 @@ class OptimizerGraph(OptimizerHooks):
             graphs=int(self.captured),
             runners=0,
             segments=0,
-            seconds=self.capture_seconds if self.captured else 0.0,
-            pool_bytes=self.pool_bytes if self.captured else 0,
-            backends=[self._factory.backend] if self.captured else [],
+            seconds=self.capture_seconds,
+            pool_bytes=self.pool_bytes,
+            backends=[self._record.factory.backend] if self.captured else [],
             eager_modules=[],
             memory=self.memory_report(),
             entry="OptimizerGraph",
@@ -389,16 +395,17 @@ class OptimizerGraph(OptimizerHooks):
             return MemoryReport()
         return MemoryReport(
             units=1,
-            static_inputs=tensor_bytes([self._static_loss]),
+            static_inputs=tensor_bytes(self._record.static_inputs),
             param_grads=self.own_grad_bytes,
         )
 
     def reset(self) -> None:
         """Drop the graph; learning rates become floats again; the next steps warm up anew."""
-        if self._graph is not None:
-            self._graph.reset()
-        if self._hparams is not None:
-            self._hparams.restore()
+        rec = self._record
+        if rec is not None:
+            rec.graph.reset()
+            for hp in rec.hparams:
+                hp.restore()
         self._reset_state()
 
 

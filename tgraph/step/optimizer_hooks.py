@@ -3,9 +3,9 @@ steps another kind of optimizer overrides (megatron-core's, in
 :mod:`tgraph.integrations.megatron_optimizer`), and their defaults, which step a torch optimizer
 and own ``.grad`` buffers (:class:`tgraph.step.grad_buffers.GradBuffers`).
 
-The hooks read the :class:`tgraph.OptimizerGraph` attributes they need (``optimizer``,
-``clip_grad_norm``, ``norm_type``, ``guard``); each runs inside the captured step or around it as
-its docstring says, and none may sync with the host.
+The hooks read the public :class:`tgraph.OptimizerGraph` attributes they need (``optimizer``,
+``clip_grad_norm``, ``norm_type``, ``guard``, ``bound_grads``); each runs inside the captured
+step or around it as its docstring says, and none may sync with the host.
 """
 
 from __future__ import annotations
@@ -108,7 +108,6 @@ class OptimizerHooks:
             ValueError: no gradient to step.
         """
         self._buffers = GradBuffers.bind(self.params())
-        self.own_grad_bytes = self._buffers.own_bytes
         return list(self._buffers.pairs), list(self._buffers.gradless)
 
     def refresh_grads(self) -> None:
@@ -120,7 +119,7 @@ class OptimizerHooks:
             ValueError: a gradient the graph reads is missing, or a parameter it never steps
                 has one now (call :meth:`reset`).
         """
-        self._eager_once = self._buffers.refresh()
+        self._buffers.refresh()
 
 
 __all__ = ["OptimizerHooks"]
