@@ -147,7 +147,7 @@ class _Manager:
                     fusion=state.main_grad_fusion,
                     direct=state.direct_grads,
                 )
-                runner.shared_with = [self.record.consumers(t) for t in tensors]
+                runner.draft.call.shared_with = [self.record.consumers(t) for t in tensors]
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
