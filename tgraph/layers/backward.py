@@ -54,17 +54,17 @@ def replay_backward(cap: Captured, state: ReplayState) -> None:
     replay's offset (then putting the generator back where it was) makes the recompute draw the
     forward's numbers: the same dropout masks as eager checkpointing.
     """
-    if not cap.recomputes or state.rng_at_forward is None:
+    if not cap.recomputes or state.inflight.rng_at_forward is None:
         cap.bwd_graph.replay()
         return
     gen = rng.default_generator(cap.device)
     now = gen.get_state()
-    gen.set_state(state.rng_at_forward)
+    gen.set_state(state.inflight.rng_at_forward)
     try:
         cap.bwd_graph.replay()
     finally:
         gen.set_state(now)
-        state.rng_at_forward = None
+        state.inflight.rng_at_forward = None
 
 
 def after_backward(cap: Captured, state: ReplayState) -> None:
@@ -90,7 +90,7 @@ def grads_for_autograd(
     packing = cap.packing
     clone = not (packing.in_graph and swaps_storage())  # see ParamGradPacking
     kept = cap.fusion.keep(packing.for_autograd(list(cap.param_grads), clone))
-    if not kept and state.autograd_params:  # the anchor leaf (see autograd_params)
+    if not kept and state.route.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
     grads = [*cap.static_grads, *kept]
     if not clone and packing.packed:  # rescued before the buffer may be overwritten
@@ -99,9 +99,9 @@ def grads_for_autograd(
     if active is not None and not all(active):
         for pos in cap.unused.none_positions(active):
             grads[pos] = None
-    if state.direct is not None:  # direct_grads: written to .grad here, not by autograd
+    if state.route.direct is not None:  # direct_grads: written to .grad here, not by autograd
         n = len(cap.static_grads)
-        grads[n:] = state.direct.deliver(grads[n:])
+        grads[n:] = state.route.direct.deliver(grads[n:])
     return grads
 
 

@@ -59,9 +59,9 @@ from tgraph.grads import (
 from tgraph.guards import RefuseHostSync
 from tgraph.layers.captured import Captured, ReplayState
 from tgraph.layers.draft import CaptureDraft, RecordedCall
-from tgraph.layers.follow import output_cdata, route
+from tgraph.layers.follow import route, track_outputs, unfollow
 from tgraph.memory import UnitMemory, tensor_bytes
-from tgraph.pool import NEVER, storage_uses, use_counts
+from tgraph.pool import NEVER, storage_uses
 
 _depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
 
@@ -390,8 +390,7 @@ class GraphedUnit:
         st.hook_epoch = baked.hook_epoch
         route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
-        st.output_cdata = output_cdata(outs)
-        st.output_uses = use_counts(st.output_cdata)
+        track_outputs(cap, st)
         self.cap, self.draft = cap, None  # the record holds what a replay needs
         for r in self.members:
             r.cap, r.state, r.draft = cap, st, None
@@ -444,6 +443,6 @@ class GraphedUnit:
         skip = {id(m): {k for m2, k, _ in st if m2 is m} for st in cap.stored for m, _, _ in st}
         baked = Baked.of(self.labelled_modules(), self.roots(), graph_memory=cap.baked, skip=skip)
         self.cap = dataclasses.replace(cap, baked=baked)
-        self.state.copy_in, self.state.rerouted, self.state.followed = [], False, None
+        unfollow(self.state)
         for r in self.members:
             r.cap = self.cap

@@ -15,6 +15,7 @@ from tgraph import fp8, memory
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import describe_hooks
 from tgraph.guards import CaptureError, explain_capture_failure
+from tgraph.layers.captured import InFlight
 from tgraph.layers.enable import reset_layer_graphs
 from tgraph.layers.manager import GraphFallbackWarning, _Manager, _manager
 from tgraph.layers.record import Turns
@@ -125,14 +126,16 @@ def _recorded_runners(m: _Manager) -> list[Runner]:
             "and backward) eagerly, then call tgraph.create_graphs()"
         )
     runners = list(dict.fromkeys(r for r, _ in m.record.events))
-    waiting = [r for r in runners if r.state.flight is not None and not r.state.held]
+    waiting = [
+        r for r in runners if r.state.inflight.token is not None and not r.state.inflight.held
+    ]
     if waiting:
         raise RuntimeError(
             f"create_graphs() was called while a graphed forward ({waiting[0]}) still awaits its "
             "backward; call it between iterations, after every backward of the recorded one"
         )
     for r in runners:  # recorded no-grad outputs that are still alive are eager tensors:
-        r.state.flight, r.state.held = None, False  # capturing cannot touch them
+        r.state.inflight = InFlight()  # capturing cannot touch them
     return runners
 
 
