@@ -87,17 +87,17 @@ def grads_for_autograd(
     ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
     parameters that only inactive outputs reach get None (:class:`tgraph.grads.UnusedOutputs`).
     """
-    packing = cap.packing
+    packing, hand = cap.packing, state.grads
     clone = not (packing.in_graph and swaps_storage())  # see ParamGradPacking
-    kept = cap.fusion.keep(packing.for_autograd(list(cap.param_grads), clone))
+    kept = cap.fusion.keep(hand.for_autograd(list(cap.param_grads), clone))
     if not kept and state.route.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
     grads = [*cap.static_grads, *kept]
     if not clone and packing.packed:  # rescued before the buffer may be overwritten
         storage = packing.flat.untyped_storage()._cdata
-        cap.ledger.hold_grads(state, cap.bwd_index, packing.rescue, storage, packing.baseline)
+        cap.ledger.hold_grads(state, cap.bwd_index, hand.rescue, storage, hand.baseline)
     if active is not None and not all(active):
-        for pos in cap.unused.none_positions(active):
+        for pos in cap.unused.none_positions(active, state.none_at):
             grads[pos] = None
     if state.route.direct is not None:  # direct_grads: written to .grad here, not by autograd
         n = len(cap.static_grads)

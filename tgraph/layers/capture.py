@@ -51,6 +51,7 @@ from tgraph.baked import Baked
 from tgraph.direct_grads import DirectGrads
 from tgraph.fp8 import FP8Region, FP8Replay
 from tgraph.grads import (
+    GradHandOff,
     MainGradFlags,
     MainGradFusion,
     reached_leaves,
@@ -391,6 +392,7 @@ class GraphedUnit:
         route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         track_outputs(cap, st)
+        st.grads = GradHandOff(cap.packing)
         self.cap, self.draft = cap, None  # the record holds what a replay needs
         for r in self.members:
             r.cap, r.state, r.draft = cap, st, None

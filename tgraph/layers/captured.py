@@ -12,8 +12,10 @@ What a replay must change lives in one :class:`ReplayState` per unit, in small o
 written by one owner: the call in flight (:class:`InFlight`: until its backward, the generator
 state a recomputing backward starts from, the latest outputs), the parameter route
 (:class:`ParamRoute`: where gradients go, what a re-pointed parameter is copied from), who holds
-the static outputs (:class:`HeldOutputs`), a merged stack's cursor (:class:`StackCursor`), and
-beside them which grad-output buffers hold zeros and the hook epoch last checked.
+the static outputs (:class:`HeldOutputs`), a merged stack's cursor (:class:`StackCursor`), the
+packed gradients' hand-off (:class:`tgraph.grads.GradHandOff`), and beside them which
+grad-output buffers hold zeros, which gradients a pattern of unused outputs hands as None, and
+the hook epoch last checked.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tgraph.baked import Baked
 from tgraph.direct_grads import DirectGrads, DirectRoute
 from tgraph.fp8 import FP8Replay
 from tgraph.grads import (
+    GradHandOff,
     MainGradFlags,
     MainGradFusion,
     ParamGradPacking,
@@ -168,7 +171,9 @@ class ReplayState:
         "route",
         "outputs",
         "stack",
+        "grads",
         "grad_out_zero",
+        "none_at",
         "hook_epoch",
     )
 
@@ -177,7 +182,10 @@ class ReplayState:
         self.route = ParamRoute()
         self.outputs = HeldOutputs()
         self.stack = StackCursor()
+        self.grads: GradHandOff | None = None  # the packed gradients' hand-off (set at bake)
         # per grad-output buffer: known to hold zeros (tgraph.layers.backward)
         self.grad_out_zero: list[bool] = []
+        # per pattern of outputs given a gradient: the gradients handed as None (backward)
+        self.none_at: dict[tuple[bool, ...], list[int]] = {}
         # torch's hook counter when the hooks were last found unchanged (replay.check)
         self.hook_epoch = -1
