@@ -1,4 +1,5 @@
-"""What a capture fills before it is frozen: one :class:`CaptureDraft` per unit and member.
+"""What a capture starts from and fills before it is frozen: one :class:`CaptureDraft` per unit
+(and member), from the unit's creation until its record is baked.
 
 A unit's capture (:mod:`tgraph.layers.capture`) runs in steps, one graph at a time, in the
 pool's recorded order: the forward graph with its warmup, the parameters its autograd graph
