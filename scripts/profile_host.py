@@ -389,7 +389,7 @@ def time_checks() -> dict:
     def checks():  # as bridge.refusal runs them
         for cap, state in pairs:
             bridge.check(cap, state)
-            if use_counts(state.output_cdata) != state.output_uses:
+            if use_counts(state.outputs.cdata) != state.outputs.uses:
                 bridge.move_out_held_outputs(cap, state)
 
     n = 500

@@ -24,7 +24,7 @@ from layer_models import (
 
 import tgraph
 from tgraph import grads
-from tgraph.grads import ParamGradPacking, UnusedOutputs
+from tgraph.grads import GradHandOff, ParamGradPacking, UnusedOutputs
 from tgraph.layers import replay as bridge
 
 
@@ -50,7 +50,7 @@ def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypa
     if not grads.swaps_storage():  # .grad gets a copy of the static memory: nothing to plant
         pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")
     # The static memory is handed over (PyTorch >= 2.13) and, planted, never moved out:
-    monkeypatch.setattr(ParamGradPacking, "rescue", lambda self: None)
+    monkeypatch.setattr(GradHandOff, "rescue", lambda self: None)
     with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
         check_gradient_accumulation(backend, device)
 
@@ -79,7 +79,7 @@ def test_usual_step_hands_over_gradients_without_a_copy(backend, device, swaps):
     assert (flat is not None) == swaps, "packed inside the graph exactly when it can swap"
     handed = mod.lin.weight.grad.untyped_storage().data_ptr() in static
     assert handed == swaps, "handed over without a copy exactly when memory can be swapped"
-    landing = None if swaps else unit.cap.packing.landing.untyped_storage().data_ptr()
+    landing = None if swaps else unit.state.grads.landing.untyped_storage().data_ptr()
     if not swaps:  # the one copy lands where an optimizer graph reads it
         assert mod.lin.weight.grad.untyped_storage().data_ptr() == landing
     mod(2 * x).sum().backward()  # accumulate: the first gradient was moved out before replay
@@ -93,7 +93,7 @@ def test_usual_step_hands_over_gradients_without_a_copy(backend, device, swaps):
 
 
 def test_packed_gradients_are_the_views_unflatten_gives(swaps):
-    """ParamGradPacking hands autograd, per parameter, a contiguous alias of the flat buffer at
+    """GradHandOff hands autograd, per parameter, a contiguous alias of the flat buffer at
     its offset (a fresh tensor where empty): the layout torch's unflatten_dense_tensors gives,
     for 0-d, 1-d, n-d and empty gradients; detached, so not autograd views of the buffer, and
     fresh tensors at every backward, which AccumulateGrad can adopt."""
@@ -101,8 +101,9 @@ def test_packed_gradients_are_the_views_unflatten_gives(swaps):
     gs = [torch.randn(s) for s in shapes]
     packing = ParamGradPacking()
     packing.set_outputs(packing.pack([gs[0], None, *gs[1:]]))
-    got = packing.for_autograd([], clone=not swaps)
-    flat = packing.flat if swaps else packing.landing  # the graph's buffer, or the copy's
+    hand = GradHandOff(packing)
+    got = hand.for_autograd([], clone=not swaps)
+    flat = packing.flat if swaps else hand.landing  # the graph's buffer, or the copy's
     assert got[1] is None
     want = torch._C._nn.unflatten_dense_tensors(flat, gs)
     ptr = flat.untyped_storage().data_ptr()
@@ -117,7 +118,7 @@ def test_packed_gradients_are_the_views_unflatten_gives(swaps):
         assert a._version == b._version and a.requires_grad == b.requires_grad
         assert (a.dtype, a.device) == (b.dtype, b.device)
         torch.testing.assert_close(a, g, rtol=0, atol=0)
-    again = packing.for_autograd([])
+    again = hand.for_autograd([])
     assert all(x is not y for x, y in zip(got, again) if x is not None)
 
 
@@ -185,7 +186,7 @@ def test_unused_output_gives_no_gradient(backend, device):
 
 
 def test_planted_bug_unused_output_gives_zeros_is_caught(backend, device, monkeypatch):
-    monkeypatch.setattr(UnusedOutputs, "none_positions", lambda self, active: [])
+    monkeypatch.setattr(UnusedOutputs, "none_positions", lambda self, active, memo: [])
     torch.manual_seed(0)
     mod = TwoOut().to(device)
     tgraph.enable(mod, backend=backend, strict=True)

@@ -40,7 +40,7 @@ def test_ten_steps_match_eager(backend, device, which, merge):
     }
     for u in units.values():  # every block parameter gets its gradient from the backward graph
         members = u.runners if merge else [u]
-        assert [id(p) for p in u.state.params] == [
+        assert [id(p) for p in u.state.route.params] == [
             id(p) for r in members for p in r.module.parameters()
         ]
     report = tgraph.layers.manager._manager.report

@@ -18,7 +18,9 @@ def test_memory_report_adds_up(backend, device):
     x, y = gpt_batches(device, 1)[0]
     model(x, y)[1].backward()  # recorded: each block's runner clones its input as a sample
     model.zero_grad(set_to_none=True)
-    samples = sum(s.nbytes for r in tgraph.layers.manager._manager.all_runners() for s in r.samples)
+    samples = sum(
+        s.nbytes for r in tgraph.layers.manager._manager.all_runners() for s in r.draft.call.samples
+    )
     report = tgraph.create_graphs()  # frees the samples
     mem = tgraph.memory_report()
     assert report.memory == mem and mem.units == 1
@@ -80,7 +82,9 @@ def test_capture_samples_are_dropped_before_the_backward_captures(backend, devic
     capture_backward = GraphedUnit.capture_backward
 
     def spy(self, factory):
-        seen.append(sum(len(r.samples) for r in tgraph.layers.manager._manager.all_runners()))
+        seen.append(
+            sum(len(r.draft.call.samples) for r in tgraph.layers.manager._manager.all_runners())
+        )
         return capture_backward(self, factory)
 
     monkeypatch.setattr(GraphedUnit, "capture_backward", spy)

@@ -86,7 +86,9 @@ def test_planted_bug_missing_version_check_is_caught(backend, device, monkeypatc
     real_take = bridge.take
 
     def take_without_version_check(cap, state, j, tensors):
-        state.versions = [t._version for s in state.pending or [] for t in s] or state.versions
+        state.stack.versions = [
+            t._version for s in state.stack.pending or [] for t in s
+        ] or state.stack.versions
         return real_take(cap, state, j, tensors)
 
     monkeypatch.setattr(bridge, "take", take_without_version_check)

@@ -151,9 +151,9 @@ class ParamGradPacking:
     ``zero_grad(set_to_none=True)``).
 
     Those ``.grad`` tensors then alias static memory, so before anything may overwrite it (this
-    unit's next backward, or a replay of a graph captured before it) :meth:`rescue` moves the
-    graph's memory out from under every tensor still viewing it, which keeps a copy: gradient
-    accumulation stays exact, unlike ``make_graphed_callables``, whose aliases are overwritten
+    unit's next backward, or a replay of a graph captured before it)
+    :meth:`GradHandOff.rescue` moves the graph's memory out from under every tensor still
+    viewing it, which keeps a copy: gradient accumulation stays exact, unlike ``make_graphed_callables``, whose aliases are overwritten
     (pytorch issue 181723). Aliases are counted on the buffer's storage, so a gradient kept
     anywhere (``.grad``, a hook's list, a loop variable) is protected alike. Moving memory from
     under a storage needs PyTorch >= 2.13 (``UntypedStorage._swap_data_ptr_``).
@@ -165,8 +165,12 @@ class ParamGradPacking:
     still views the landing buffer from before (a ``.grad`` being accumulated, a kept
     gradient) it hands views of a fresh copy instead. The landing buffer stays at one address,
     so :class:`tgraph.OptimizerGraph` reads it in place as it reads the static buffer on
-    PyTorch >= 2.13 (:meth:`reader_buffer`): the gradients are copied once per backward, never
-    again for the optimizer step.
+    PyTorch >= 2.13 (:meth:`GradHandOff.reader_buffer`): the gradients are copied once per
+    backward, never again for the optimizer step.
+
+    The packing is decided at capture and never changes after it (it is part of the unit's
+    frozen record); what the hand-off changes at replays (the views handed out, the uses of the
+    buffer that are tgraph's own, the landing buffer) lives in the unit's :class:`GradHandOff`.
     """
 
     def __init__(self) -> None:
@@ -176,11 +180,6 @@ class ParamGradPacking:
         self._numels: list[int] = []  # per packed gradient, its length in the flat buffer
         self._reshape: list[tuple[int, tuple]] = []  # (k, view args): gradients not 1-D
         self._empty: list[tuple[int, tuple]] = []  # (k, shape): packed gradients of no element
-        self._baseline = 0
-        self.landing: torch.Tensor | None = None  # PyTorch < 2.13: the hand-off's buffer
-        self._landing_own = 0  # uses of the landing buffer's storage that are tgraph's own
-        self._flat_views: list[torch.Tensor] = []  # per packed gradient, its view (_views)
-        self._landing_views: list[torch.Tensor] = []
         self.in_graph = True  # the graph packs (the storage swap exists); else: _static
         self._static: list[torch.Tensor] = []  # not in_graph: the graph's per-gradient outputs
 
@@ -216,7 +215,7 @@ class ParamGradPacking:
         """After capture: the backward graph's parameter-gradient outputs (what :meth:`pack`
         returned, as static tensors)."""
         if self.in_graph:
-            self.set_flat(outputs[0])
+            self.flat = outputs[0]
         else:
             self._static = [outputs[i] for i in self._index]
 
@@ -224,17 +223,12 @@ class ParamGradPacking:
         """The static memory the gradients leave the graph in."""
         return [self.flat] if self.in_graph else list(self._static)
 
-    def set_flat(self, flat: torch.Tensor) -> None:
-        """After capture: the static flat buffer; nothing but its own views aliases it yet."""
-        self.flat = flat
-        self._flat_views = self._views(flat)
-        self._baseline = self._aliases()
-
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``flat`` per packed gradient, shaped as the gradient: what
         unflatten_dense_tensors(flat, shapes) gives, in a third less host time (the 1-D views
         in one C++ call, then a view with its shape for every other gradient). Made once per
-        buffer: each backward hands autograd detached aliases of them (:meth:`for_autograd`)."""
+        buffer: each backward hands autograd detached aliases of them
+        (:meth:`GradHandOff.for_autograd`)."""
         views = list(flat.split_with_sizes(self._numels))
         for k, shape in self._reshape:
             views[k] = views[k].view(*shape)
@@ -244,74 +238,97 @@ class ParamGradPacking:
     def packed(self) -> bool:
         return bool(self._index)
 
-    @property
-    def baseline(self) -> int:
-        """Uses of the flat buffer's storage that are tgraph's own (:meth:`aliased`)."""
-        return self._baseline
+    def new_buffer(self) -> torch.Tensor:
+        like = self.flat if self.in_graph else self._static[0]
+        return like.new_empty(sum(self._numels))
 
-    def _aliases(self) -> int:
-        return storage_uses(self.flat)
+
+class GradHandOff:
+    """What handing one unit's packed gradients to autograd changes at replays; its
+    :class:`ParamGradPacking` (``plan``) stays as captured.
+
+    Created when the unit's record is baked, when nothing but its own views aliases the static
+    buffer; it lives in the unit's replay state (:class:`tgraph.layers.captured.ReplayState`).
+    """
+
+    __slots__ = ("plan", "flat_views", "baseline", "landing", "landing_own", "landing_views")
+
+    def __init__(self, plan: ParamGradPacking) -> None:
+        self.plan = plan
+        flat = plan.flat if plan.packed and plan.in_graph else None
+        self.flat_views = plan.views(flat) if flat is not None else []  # per packed gradient
+        self.baseline = storage_uses(flat) if flat is not None else 0  # uses that are tgraph's
+        self.landing: torch.Tensor | None = None  # PyTorch < 2.13: the hand-off's buffer
+        self.landing_own = 0  # uses of the landing buffer's storage that are tgraph's own
+        self.landing_views: list[torch.Tensor] = []
+
+    @property
+    def flat(self) -> torch.Tensor | None:
+        return self.plan.flat
+
+    @property
+    def packed(self) -> bool:
+        return self.plan.packed
 
     def aliased(self) -> bool:
         """Some tensor other than the static buffer itself still views its memory."""
-        return self.packed and self._aliases() > self._baseline
+        return self.plan.packed and storage_uses(self.plan.flat) > self.baseline
 
     def for_autograd(self, unpacked: list[torch.Tensor | None], clone: bool = False) -> list:
         """Per-parameter gradients for autograd after a replay: aliases of the flat buffer
         (``clone``: of a copy of it, in the landing buffer or a fresh one)."""
-        if not self.packed:
+        plan = self.plan
+        if not plan.packed:
             return unpacked  # held references make AccumulateGrad clone them
-        if not clone and self.in_graph:
-            views = self._flat_views
+        if not clone and plan.in_graph:
+            views = self.flat_views
         else:
             views = self._land()
         # Every backward, one tensor per parameter: a detached alias of its view made once per
         # buffer (one C-level pass; a view per parameter would cost three times as much).
         handed = list(map(_detach, views))
-        for k, shape in self._empty:  # a fresh tensor where empty, as unflatten gives
+        for k, shape in plan._empty:  # a fresh tensor where empty, as unflatten gives
             handed[k] = views[k].new_empty(0).view(shape)
-        if len(handed) == self._n:
+        if len(handed) == plan._n:
             return handed
-        out: list[torch.Tensor | None] = [None] * self._n
-        for i, t in zip(self._index, handed):
+        out: list[torch.Tensor | None] = [None] * plan._n
+        for i, t in zip(plan._index, handed):
             out[i] = t
         return out
 
     def _land(self) -> list[torch.Tensor]:
         """Copy the graph's gradients into the landing buffer when nothing views it from
-        before, else into a fresh buffer (class docstring); the views of the copy."""
+        before, else into a fresh buffer (:class:`ParamGradPacking`); the views of the copy."""
+        plan = self.plan
         if self.landing is None:
-            self.landing = self._new_buffer()
-            self._landing_views = self._views(self.landing)
-            self._landing_own = storage_uses(self.landing)
-        if storage_uses(self.landing) == self._landing_own:
-            buf, views = self.landing, self._landing_views
+            self.landing = plan.new_buffer()
+            self.landing_views = plan.views(self.landing)
+            self.landing_own = storage_uses(self.landing)
+        if storage_uses(self.landing) == self.landing_own:
+            buf, views = self.landing, self.landing_views
         else:
-            buf = self._new_buffer()
-            views = self._views(buf)
-        if self.in_graph:
-            buf.copy_(self.flat)
+            buf = plan.new_buffer()
+            views = plan.views(buf)
+        if plan.in_graph:
+            buf.copy_(plan.flat)
         else:
-            torch._foreach_copy_(views, self._static)
+            torch._foreach_copy_(views, plan._static)
         return views
-
-    def _new_buffer(self) -> torch.Tensor:
-        like = self.flat if self.in_graph else self._static[0]
-        return like.new_empty(sum(self._numels))
 
     def reader_buffer(self) -> torch.Tensor | None:
         """Where the last backward's parameter gradients are, at an address that stays: the
         static buffer where storage memory can be swapped (:meth:`rescue` moves held views off
         it), else the landing buffer (None before the first backward replay)."""
-        if not self.packed:
+        plan = self.plan
+        if not plan.packed:
             return None
-        return self.flat if self.in_graph and swaps_storage() else self.landing
+        return plan.flat if plan.in_graph and swaps_storage() else self.landing
 
     def held_elsewhere(self, on_it: int) -> bool:
         """Not in_graph: whether something besides tgraph and ``on_it`` gradients handed to
         autograd views the landing buffer (a gradient a hook kept, say), which writing into it
         would overwrite."""
-        return self.landing is not None and storage_uses(self.landing) > self._landing_own + on_it
+        return self.landing is not None and storage_uses(self.landing) > self.landing_own + on_it
 
     @torch.no_grad()
     def rescue(self) -> None:
@@ -320,11 +337,12 @@ class ParamGradPacking:
         under them: their storage gets a copy of the values, the buffer keeps the original
         memory, which the graph writes. One copy, only when something is still held.
         """
-        if not self.in_graph or not self.aliased():
+        plan = self.plan
+        if not plan.in_graph or not self.aliased():
             return
-        move_memory_out(self.flat, [self.flat])  # every alias views a copy, the buffer does not
-        self._flat_views = self._views(self.flat)  # the old ones view the copy now
-        self._baseline = self._aliases()
+        move_memory_out(plan.flat, [plan.flat])  # every alias views a copy, the buffer does not
+        self.flat_views = plan.views(plan.flat)  # the old ones view the copy now
+        self.baseline = storage_uses(plan.flat)
 
 
 def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -382,24 +400,23 @@ class UnusedOutputs:
         self.reach: list[tuple[frozenset[int], frozenset[int]]] = []
         self.input_index: list[int] = []  # position of each differentiable input in the result
         self.leaf_index: list[int | None] = []  # position of each leaf's gradient, None if fused
-        self._cache: dict[tuple[bool, ...], list[int]] = {}
 
     def setup(self, outputs, inputs, in_rg, leaves) -> None:
         self.reach = output_reach(outputs, inputs, leaves)
         self.input_index = list(in_rg)
-        self._cache = {}
 
     def place_leaves(self, n_inputs: int, kept: list[int | None]) -> None:
         """``kept[j]``: index of leaf j among the parameters handed to autograd (None: fused)."""
         self.leaf_index = [None if k is None else n_inputs + k for k in kept]
 
-    def none_positions(self, active: tuple[bool, ...]) -> list[int]:
-        """Positions of the gradients no active output reaches."""
-        found = self._cache.get(active)
+    def none_positions(self, active: tuple[bool, ...], memo: dict) -> list[int]:
+        """Positions of the gradients no active output reaches; ``memo`` (the replay
+        state's, by ``active``) keeps them for the next backward with the same pattern."""
+        found = memo.get(active)
         if found is None:
             ins = set().union(*(r[0] for r, a in zip(self.reach, active) if a))
             leaves = set().union(*(r[1] for r, a in zip(self.reach, active) if a))
             found = [p for k, p in enumerate(self.input_index) if k not in ins]
             found += [p for j, p in enumerate(self.leaf_index) if p is not None and j not in leaves]
-            self._cache[active] = found
+            memo[active] = found
         return found

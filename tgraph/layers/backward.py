@@ -54,17 +54,17 @@ def replay_backward(cap: Captured, state: ReplayState) -> None:
     replay's offset (then putting the generator back where it was) makes the recompute draw the
     forward's numbers: the same dropout masks as eager checkpointing.
     """
-    if not cap.recomputes or state.rng_at_forward is None:
+    if not cap.recomputes or state.inflight.rng_at_forward is None:
         cap.bwd_graph.replay()
         return
     gen = rng.default_generator(cap.device)
     now = gen.get_state()
-    gen.set_state(state.rng_at_forward)
+    gen.set_state(state.inflight.rng_at_forward)
     try:
         cap.bwd_graph.replay()
     finally:
         gen.set_state(now)
-        state.rng_at_forward = None
+        state.inflight.rng_at_forward = None
 
 
 def after_backward(cap: Captured, state: ReplayState) -> None:
@@ -87,21 +87,21 @@ def grads_for_autograd(
     ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
     parameters that only inactive outputs reach get None (:class:`tgraph.grads.UnusedOutputs`).
     """
-    packing = cap.packing
+    packing, hand = cap.packing, state.grads
     clone = not (packing.in_graph and swaps_storage())  # see ParamGradPacking
-    kept = cap.fusion.keep(packing.for_autograd(list(cap.param_grads), clone))
-    if not kept and state.autograd_params:  # the anchor leaf (see autograd_params)
+    kept = cap.fusion.keep(hand.for_autograd(list(cap.param_grads), clone))
+    if not kept and state.route.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
     grads = [*cap.static_grads, *kept]
     if not clone and packing.packed:  # rescued before the buffer may be overwritten
         storage = packing.flat.untyped_storage()._cdata
-        cap.ledger.hold_grads(state, cap.bwd_index, packing.rescue, storage, packing.baseline)
+        cap.ledger.hold_grads(state, cap.bwd_index, hand.rescue, storage, hand.baseline)
     if active is not None and not all(active):
-        for pos in cap.unused.none_positions(active):
+        for pos in cap.unused.none_positions(active, state.none_at):
             grads[pos] = None
-    if state.direct is not None:  # direct_grads: written to .grad here, not by autograd
+    if state.route.direct is not None:  # direct_grads: written to .grad here, not by autograd
         n = len(cap.static_grads)
-        grads[n:] = state.direct.deliver(grads[n:])
+        grads[n:] = state.route.direct.deliver(grads[n:])
     return grads
 
 

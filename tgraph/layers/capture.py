@@ -6,8 +6,10 @@ Two kinds of unit exist, and they differ only in how their forward runs:
 * :class:`tgraph.layers.segment.Segment`: a stack of runners called back to back, as one graph pair.
 
 Everything else of a capture lives here, once: warmup, the forward graph, leaf discovery, the
-backward graph, and :meth:`GraphedUnit.bake`, which freezes it all into a
-:class:`tgraph.layers.captured.Captured` record once every graph of the pool is captured. A replay
+backward graph, each filling the unit's :class:`tgraph.layers.draft.CaptureDraft`, and
+:meth:`GraphedUnit.bake`, which freezes the draft into a
+:class:`tgraph.layers.captured.Captured` record once every graph of the pool is captured and
+drops it. A replay
 works on that record and the unit's :class:`tgraph.layers.captured.ReplayState` alone
 (:mod:`tgraph.layers.replay`), never on the unit.
 
@@ -49,18 +51,18 @@ from tgraph.baked import Baked
 from tgraph.direct_grads import DirectGrads
 from tgraph.fp8 import FP8Region, FP8Replay
 from tgraph.grads import (
+    GradHandOff,
     MainGradFlags,
     MainGradFusion,
-    ParamGradPacking,
-    UnusedOutputs,
     reached_leaves,
     swaps_storage,
 )
 from tgraph.guards import RefuseHostSync
 from tgraph.layers.captured import Captured, ReplayState
-from tgraph.layers.follow import output_cdata, route
+from tgraph.layers.draft import CaptureDraft, RecordedCall
+from tgraph.layers.follow import route, track_outputs, unfollow
 from tgraph.memory import UnitMemory, tensor_bytes
-from tgraph.pool import NEVER, storage_uses, use_counts
+from tgraph.pool import NEVER, storage_uses
 
 _depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
 
@@ -139,38 +141,29 @@ class GraphedUnit:
     left_eager: str | None = None
 
     def _init_unit(
-        self, device: torch.device, grad_mode: bool, fusion: bool, direct: bool = False
+        self,
+        device: torch.device,
+        grad_mode: bool,
+        fusion: bool,
+        direct: bool = False,
+        call: RecordedCall | None = None,
     ) -> None:
         self.device = device
         self.grad_mode = grad_mode
-        self.debug = False
-        self.fusion = MainGradFusion(fusion)
-        self.direct = DirectGrads(direct)
-        self.state = ReplayState()  # what replays change (tgraph.layers.captured)
-        self.host_reads: list[torch.Tensor] = []  # CPU scalars its kernels read (run_warmup)
-        self._drop_capture()
-
-    def _drop_capture(self) -> None:
-        """The capture's draft, which :meth:`bake` freezes into :attr:`cap`."""
+        self.debug = False  # poison the static buffers after each backward (enable(debug=True))
+        self.main_grad_fusion = fusion  # options (MainGradFusion, DirectGrads)
+        self.direct_grads = direct
         self.cap: Captured | None = None  # the frozen record, once every graph is captured
-        self.ledger = None  # the pool's replay-order guard (tgraph.pool)
-        self.fwd_graph = None
-        self.bwd_graph = None
-        self.static_outputs: list[torch.Tensor] = []
-        self.static_grads: list[torch.Tensor | None] = []
-        self.static_grad_outputs: list[torch.Tensor] = []
-        self.params: list[torch.Tensor] = []  # parameters the backward differentiates
-        self.needs_backward = False
-        self.unused = UnusedOutputs()
-        self.memory = UnitMemory()
-        self.packing = ParamGradPacking()
-        self.fusion = MainGradFusion(self.fusion.enabled)
-        self._out_rg: list[int] = []
-        self._out_nodiff: list[int] = []
-        self._leaves: list[torch.Tensor] = []  # what the backward differentiates (aliases)
-        self._param_grads: list[torch.Tensor | None] = []
-        self._flags: MainGradFlags | None = None
-        self.recomputes = False  # the forward checkpoints (torch.utils.checkpoint)
+        self.state = ReplayState()  # what replays change (tgraph.layers.captured)
+        self.draft: CaptureDraft | None = None  # the capture's findings until bake
+        self.new_draft(call)
+
+    def new_draft(self, call: RecordedCall | None = None) -> None:
+        """A fresh :class:`tgraph.layers.draft.CaptureDraft` (before a capture, and again after
+        a failed one, from the same recorded ``call``); :meth:`bake` drops it."""
+        if call is None and self.draft is not None:
+            call = self.draft.call
+        self.draft = CaptureDraft(MainGradFusion(self.main_grad_fusion), call)
 
     # ----------------------------------------------------------------- capture
     def _run_forward(self) -> list[torch.Tensor]:
@@ -180,34 +173,35 @@ class GraphedUnit:
         raise NotImplementedError
 
     def _aliases(self) -> list[torch.Tensor]:
-        return [a for r in self.members for a in r.aliases.values()]
+        return [a for r in self.members for a in r.draft.aliases.values()]
 
     def capture_forward(self, factory: GraphFactory, warmup: int) -> None:
         """Warm up, then capture the forward graph (and find the parameters it reaches)."""
         self._prepare_capture()
         for r in self.members:  # copied into static inputs (or unused): drop them before the
-            r.samples = []  # later captures, whose peak they would otherwise add to
-        self.ledger = factory.ledger
+            r.draft.call.samples = []  # later captures, whose peak they would otherwise add to
+        self.draft.ledger = factory.ledger
         head = self.head
         graph = factory.new_graph()
         for g in rng.graph_generators(self.device):
             graph.register_generator_state(g)
-        inputs = [head.static_inputs[i] for i in head.in_rg]
+        inputs = [head.draft.static_inputs[i] for i in head.draft.in_rg]
         with factory.side_stream():
             base, peak = factory.memory_allocated(), factory.max_memory_allocated()
             self._warmup(inputs, warmup)
             warm_peak = factory.max_memory_allocated()
             before = factory.memory_allocated()
-            self.static_outputs = graph.capture(self._run_forward)
+            self.draft.static_outputs = graph.capture(self._run_forward)
             captured = factory.memory_allocated() - before
-        self.fwd_graph = graph
+        d = self.draft
+        d.fwd_graph = graph
         self._account_forward(captured, warm_peak - base if warm_peak > peak else 0)
-        self._out_rg = [i for i, o in enumerate(self.static_outputs) if o.requires_grad]
-        self._out_nodiff = [i for i, o in enumerate(self.static_outputs) if not o.requires_grad]
-        self.needs_backward = self.grad_mode and bool(self._out_rg)
-        if self.needs_backward:
+        d.out_rg = [i for i, o in enumerate(d.static_outputs) if o.requires_grad]
+        d.out_nodiff = [i for i, o in enumerate(d.static_outputs) if not o.requires_grad]
+        d.needs_backward = self.grad_mode and bool(d.out_rg)
+        if d.needs_backward:
             self._find_params(inputs)
-            self.recomputes = rng.recomputes([self.static_outputs[i] for i in self._out_rg])
+            d.recomputes = rng.recomputes([d.static_outputs[i] for i in d.out_rg])
 
     @property
     def compiled(self) -> bool:
@@ -218,100 +212,105 @@ class GraphedUnit:
     def _warmup(self, inputs: list[torch.Tensor], warmup: int) -> None:
         """Eager passes before capture (:func:`run_warmup`); a merged stack overrides this."""
         passes = warmup_passes(warmup, self.compiled)
-        run_warmup(self._run_forward, inputs, passes, self.device, host_scalars=self.host_reads)
+        run_warmup(
+            self._run_forward, inputs, passes, self.device, host_scalars=self.draft.host_reads
+        )
 
     def _account_forward(self, captured: int, warmup_peak: int) -> None:
         """Bytes of the forward's buffers (tgraph.memory); ``captured``: allocated by the
         capture (CUDA), ``warmup_peak``: the warmup's rise of the peak (0 if it did not)."""
         head, m = self.head, UnitMemory(warmup_peak=warmup_peak)
-        shared = [t for t, s in zip(head.static_inputs, head.shared_inputs) if s]
+        shared = [t for t, s in zip(head.draft.static_inputs, head.draft.shared_inputs) if s]
         m.static_inputs = tensor_bytes(
-            head.static_inputs, skip=[t.untyped_storage().data_ptr() for t in shared]
+            head.draft.static_inputs, skip=[t.untyped_storage().data_ptr() for t in shared]
         )
-        m.static_outputs = tensor_bytes(self.static_outputs)
-        m.saved_activations = self.fwd_graph.saved_activation_bytes(captured, m.static_outputs)
-        self.memory = m
+        m.static_outputs = tensor_bytes(self.draft.static_outputs)
+        m.saved_activations = self.draft.fwd_graph.saved_activation_bytes(
+            captured, m.static_outputs
+        )
+        self.draft.memory = m
 
     def _find_params(self, inputs: list[torch.Tensor]) -> None:
         """The parameters the forward's autograd graph reaches: module order, then leaves
         from outside (e.g. weights tied from another module)."""
-        rg_outs = [self.static_outputs[i] for i in self._out_rg]
-        static_in = {id(t) for t in self.head.static_inputs}
+        rg_outs = [self.draft.static_outputs[i] for i in self.draft.out_rg]
+        static_in = {id(t) for t in self.head.draft.static_inputs}
         reached = [t for t in reached_leaves(rg_outs) if id(t) not in static_in]
         reached_ids = {id(t) for t in reached}
         for r in self.members:
             for p in r.module.parameters():
-                alias = r.aliases[id(p)]
+                alias = r.draft.aliases[id(p)]
                 if id(alias) in reached_ids:
-                    self._leaves.append(alias)
-                    self.params.append(p)
+                    self.draft.leaves.append(alias)
+                    self.draft.params.append(p)
         aliases = {id(a) for a in self._aliases()}
         foreign = [t for t in reached if id(t) not in aliases]
-        self._leaves += foreign
-        self.params += foreign
-        self.unused.setup(rg_outs, inputs, self.head.in_rg, self._leaves)
+        self.draft.leaves += foreign
+        self.draft.params += foreign
+        self.draft.unused.setup(rg_outs, inputs, self.head.draft.in_rg, self.draft.leaves)
 
     def _run_backward(self) -> tuple:
-        if self.recomputes:
+        if self.draft.recomputes:
             # One draw, so that the backward graph's replays always load the generator's
             # offset (a CUDA graph whose draws add up to nothing skips that; the recompute's
             # fork_rng restores the offset it started from).
             torch.empty(1, device=self.device).uniform_()
         head = self.head
-        ins = [head.static_inputs[i] for i in head.in_rg] + self._leaves
+        ins = [head.draft.static_inputs[i] for i in head.draft.in_rg] + self.draft.leaves
         grads = torch.autograd.grad(
-            [self.static_outputs[i] for i in self._out_rg],
+            [self.draft.static_outputs[i] for i in self.draft.out_rg],
             ins,
-            grad_outputs=self.static_grad_outputs,
+            grad_outputs=self.draft.static_grad_outputs,
             allow_unused=True,
         )
-        n = len(head.in_rg)
-        rest = self.fusion.apply(self._leaves, self.params, list(grads[n:]))
-        avoid = [*self.static_grad_outputs, *head.static_inputs]
-        return (*grads[:n], *self.packing.pack(rest, avoid))
+        n = len(head.draft.in_rg)
+        rest = self.draft.fusion.apply(self.draft.leaves, self.draft.params, list(grads[n:]))
+        avoid = [*self.draft.static_grad_outputs, *head.draft.static_inputs]
+        return (*grads[:n], *self.draft.packing.pack(rest, avoid))
 
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph; its
         capture frees the forward's saved activations (tgraph.pool)."""
         head = self.head
-        self.static_grad_outputs = [torch.zeros_like(self.static_outputs[i]) for i in self._out_rg]
-        self._flags = MainGradFlags(zip(self._leaves, self.params))
-        graph = factory.new_graph(frees=self.fwd_graph)
+        d = self.draft
+        d.static_grad_outputs = [torch.zeros_like(d.static_outputs[i]) for i in d.out_rg]
+        self.draft.flags = MainGradFlags(zip(self.draft.leaves, self.draft.params))
+        graph = factory.new_graph(frees=self.draft.fwd_graph)
         for g in rng.graph_generators(self.device):  # as on CUDA, where every graph has them
             graph.register_generator_state(g)
-        self._flags.before_capture()
+        self.draft.flags.before_capture()
         try:
             with factory.side_stream():
                 grads = graph.capture(self._run_backward)
         finally:
-            self._flags.after_capture()
-        self.bwd_graph = graph
-        n_in, n_rg = len(head.static_inputs), len(head.in_rg)
-        self.static_grads = [None] * n_in
-        for k, i in enumerate(head.in_rg):
-            self.static_grads[i] = grads[k]
-        if self.packing.packed:
-            self.packing.set_outputs(list(grads[n_rg:]))
+            self.draft.flags.after_capture()
+        self.draft.bwd_graph = graph
+        n_in, n_rg = len(head.draft.static_inputs), len(head.draft.in_rg)
+        self.draft.static_grads = [None] * n_in
+        for k, i in enumerate(head.draft.in_rg):
+            self.draft.static_grads[i] = grads[k]
+        if self.draft.packing.packed:
+            self.draft.packing.set_outputs(list(grads[n_rg:]))
         else:
-            self._param_grads = list(grads[n_rg:])
-        kept = self.fusion.keep(list(range(len(self.params))))
+            self.draft.param_grads = list(grads[n_rg:])
+        kept = self.draft.fusion.keep(list(range(len(self.draft.params))))
         where = {j: k for k, j in enumerate(kept)}
-        self.unused.place_leaves(n_in, [where.get(j) for j in range(len(self.params))])
-        m = self.memory
-        m.grad_outputs = tensor_bytes(self.static_grad_outputs)
-        m.input_grads = tensor_bytes(self.static_grads)
-        held = self.packing.held() if self.packing.packed else self._param_grads
+        self.draft.unused.place_leaves(n_in, [where.get(j) for j in range(len(self.draft.params))])
+        m = self.draft.memory
+        m.grad_outputs = tensor_bytes(self.draft.static_grad_outputs)
+        m.input_grads = tensor_bytes(self.draft.static_grads)
+        held = self.draft.packing.held() if self.draft.packing.packed else self.draft.param_grads
         m.param_grads = tensor_bytes(held)
-        copied = not (self.packing.packed and self.packing.in_graph and swaps_storage())
-        to_autograd = self.params and (self.fusion.keep(self.params) or not head.in_rg)
+        d = self.draft
+        copied = not (d.packing.packed and d.packing.in_graph and swaps_storage())
+        to_autograd = d.params and (d.fusion.keep(d.params) or not head.draft.in_rg)
         m.param_grad_copy = m.param_grads if copied and to_autograd else 0
 
     def drop_graphs(self) -> None:
         """Forget every graph and buffer (after a failed capture or on reset)."""
-        self._drop_capture()
-        self.state = ReplayState()
-        for r in self.members:
-            r.drop_capture_state()
+        self.cap, self.state = None, ReplayState()
+        for r in {id(u): u for u in [self, *self.members]}.values():
+            r.new_draft()
 
     # ----------------------------------------------------- what the graphs baked in
     def labelled_modules(self) -> list[tuple[str, torch.nn.Module]]:
@@ -330,61 +329,61 @@ class GraphedUnit:
         alone uses (a re-pointed parameter's old memory may then be written; one swapped into
         another tensor may not), and set the replay state up. ``internal``: per static buffer's
         data pointer, tgraph's own tensors on it (all units')."""
-        stored = tuple(r.stored for r in self.members)
+        stored = tuple(r.draft.stored for r in self.members)
         skip = {id(m): {k for m2, k, _ in st if m2 is m} for st in stored for m, _, _ in st}
         baked = Baked.of(self.labelled_modules(), self.roots(), skip=skip)
-        head, outs = self.head, self.static_outputs
+        head, outs = self.head, self.draft.static_outputs
         where = {id(r()): i for i, r in enumerate(baked.refs)}
-        ins = {t.untyped_storage().data_ptr() for t in head.static_inputs}
+        ins = {t.untyped_storage().data_ptr() for t in head.draft.static_inputs}
         cap = Captured(
             name=repr(self),
             device=self.device,
-            ledger=self.ledger,
-            fwd_graph=self.fwd_graph,
-            bwd_graph=self.bwd_graph,
-            fwd_index=self.fwd_graph.index,
-            bwd_index=self.bwd_graph.index if self.bwd_graph is not None else NEVER,
-            needs_backward=self.needs_backward,
-            recomputes=self.recomputes,
+            ledger=self.draft.ledger,
+            fwd_graph=self.draft.fwd_graph,
+            bwd_graph=self.draft.bwd_graph,
+            fwd_index=self.draft.fwd_graph.index,
+            bwd_index=self.draft.bwd_graph.index if self.draft.bwd_graph is not None else NEVER,
+            needs_backward=self.draft.needs_backward,
+            recomputes=self.draft.recomputes,
             debug=self.debug,
-            static_inputs=tuple(head.static_inputs),
-            shared_inputs=tuple(head.shared_inputs),
-            input_ptrs=tuple(t.data_ptr() for t in head.static_inputs),
-            input_strides=tuple(t.stride() for t in head.static_inputs),
+            static_inputs=tuple(head.draft.static_inputs),
+            shared_inputs=tuple(head.draft.shared_inputs),
+            input_ptrs=tuple(t.data_ptr() for t in head.draft.static_inputs),
+            input_strides=tuple(t.stride() for t in head.draft.static_inputs),
             static_outputs=tuple(outs),
-            out_rg=tuple(self._out_rg),
-            out_nodiff=tuple(self._out_nodiff),
+            out_rg=tuple(self.draft.out_rg),
+            out_nodiff=tuple(self.draft.out_nodiff),
             aliasing_outputs=tuple(
                 i for i, o in enumerate(outs) if o.untyped_storage().data_ptr() in ins
             ),
             output_internal=tuple(
                 tuple(internal.get(o.untyped_storage().data_ptr(), [o])) for o in outs
             ),
-            templates=tuple(r.out_template for r in self.members),
+            templates=tuple(r.draft.out_template for r in self.members),
             slices=tuple(self._member_slices()),
             sources=tuple(tuple(src) for src in self._member_sources()),
-            static_grad_outputs=tuple(self.static_grad_outputs),
-            static_grads=tuple(self.static_grads),
-            param_grads=tuple(self._param_grads),
+            static_grad_outputs=tuple(self.draft.static_grad_outputs),
+            static_grads=tuple(self.draft.static_grads),
+            param_grads=tuple(self.draft.param_grads),
             # a module's parameter is found in the modules (its slot): not held here, so one
             # replaced by load_state_dict(assign=True) is freed and the unit can re-bind
-            params=tuple(p if id(p) not in where else None for p in self.params),
-            packing=self.packing,
-            fusion=self.fusion,
-            direct=self.direct,
-            flags=self._flags,
-            unused=self.unused,
+            params=tuple(p if id(p) not in where else None for p in self.draft.params),
+            packing=self.draft.packing,
+            fusion=self.draft.fusion,
+            direct=DirectGrads(self.direct_grads),
+            flags=self.draft.flags,
+            unused=self.draft.unused,
             baked=baked,
-            slot=tuple(where.get(id(p)) for p in self.params),  # None: a foreign leaf
-            others_use=tuple(storage_uses(t) - 1 for t in baked.held),
-            memory=self.memory,
+            slot=tuple(where.get(id(p)) for p in self.draft.params),  # None: a foreign leaf
+            others_use=(),  # counted once no draft holds an alias (count_uses)
+            memory=self.draft.memory,
             fp8=self._fp8_replay(),
             stored=stored if any(stored) else (),
             mutated_inputs=self._mutated_inputs(),
             foreign_host=self._foreign_host(),
             host_values=tuple(
                 (i, t.item())
-                for i, t in enumerate(head.static_inputs)
+                for i, t in enumerate(head.draft.static_inputs)
                 if self.device.type == "cuda" and t.device.type == "cpu" and t.numel() == 1
             ),
         )
@@ -392,19 +391,28 @@ class GraphedUnit:
         st.hook_epoch = baked.hook_epoch
         route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
-        st.output_cdata = output_cdata(outs)
-        st.output_uses = use_counts(st.output_cdata)
-        self._drop_capture()  # the record holds what a replay needs
-        self.cap = cap
+        track_outputs(cap, st)
+        st.grads = GradHandOff(cap.packing)
+        self.cap, self.draft = cap, None  # the record holds what a replay needs
         for r in self.members:
-            r.cap, r.state = cap, st
+            r.cap, r.state, r.draft = cap, st, None
+
+    def count_uses(self) -> None:
+        """Once every unit of the pool is baked, so that no draft holds a parameter's alias any
+        more: per baked tensor, how many uses of its memory are tgraph's own (a re-pointed
+        parameter's old memory may be written only while nothing else uses it)."""
+        cap = self.cap
+        uses = tuple(storage_uses(t) - 1 for t in cap.baked.held)
+        self.cap = dataclasses.replace(cap, others_use=uses)
+        for r in self.members:
+            r.cap = self.cap
 
     def _foreign_host(self) -> tuple[tuple[torch.Tensor, Any], ...]:
         """The CPU scalars the CUDA kernels read other than the call's own arguments (a tensor
         attribute left on the CPU, a closure), with the values the graphs keep."""
-        ins = self.head.static_inputs
+        ins = self.head.draft.static_inputs
         found: dict[int, torch.Tensor] = {}
-        for t in self.host_reads:
+        for t in self.draft.host_reads:
             if all(t is not x for x in ins):
                 found.setdefault(id(t), t)
         return tuple((t, t.item()) for t in found.values())
@@ -412,9 +420,10 @@ class GraphedUnit:
     def _mutated_inputs(self) -> tuple[int, ...]:
         """The head's static inputs that a member's forward writes in place (a later member
         writes the head's input when it takes that input too)."""
-        found = set(self.head.mutated)
+        found = set(self.head.draft.mutated)
         for r, src in zip(self.members[1:], self._member_sources()[1:]):
-            found |= {k for i, (from_prev, k) in enumerate(src) if not from_prev and i in r.mutated}
+            mutated = r.draft.mutated
+            found |= {k for i, (from_prev, k) in enumerate(src) if not from_prev and i in mutated}
         return tuple(sorted(found))
 
     def _fp8_replay(self) -> FP8Replay | None:
@@ -423,7 +432,7 @@ class GraphedUnit:
         return None if region is None else FP8Replay(region, [r.module for r in self.members])
 
     def _member_slices(self) -> list[slice]:
-        return [slice(0, len(self.static_outputs))]
+        return [slice(0, len(self.draft.static_outputs))]
 
     def _member_sources(self) -> list[list[tuple[bool, int]]]:
         return [[]]
@@ -436,6 +445,6 @@ class GraphedUnit:
         skip = {id(m): {k for m2, k, _ in st if m2 is m} for st in cap.stored for m, _, _ in st}
         baked = Baked.of(self.labelled_modules(), self.roots(), graph_memory=cap.baked, skip=skip)
         self.cap = dataclasses.replace(cap, baked=baked)
-        self.state.copy_in, self.state.rerouted, self.state.followed = [], False, None
+        unfollow(self.state)
         for r in self.members:
             r.cap = self.cap

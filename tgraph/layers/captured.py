@@ -8,10 +8,14 @@ checks compare. The autograd bridge (:mod:`tgraph.layers.replay`) closes over th
 The record is never changed; a re-bound parameter (``load_state_dict(assign=True)``) gets a new
 record over the same graphs (:meth:`tgraph.layers.capture.GraphedUnit.rebind`).
 
-What a replay must change lives in one :class:`ReplayState` per unit: whether the unit is in
-flight, which grad-output buffers hold zeros, the generator state a recomputing backward starts
-from, the outputs the caller holds, the parameters gradients go to, and the stack a merged
-member takes its outputs from.
+What a replay must change lives in one :class:`ReplayState` per unit, in small objects each
+written by one owner: the call in flight (:class:`InFlight`: until its backward, the generator
+state a recomputing backward starts from, the latest outputs), the parameter route
+(:class:`ParamRoute`: where gradients go, what a re-pointed parameter is copied from), who holds
+the static outputs (:class:`HeldOutputs`), a merged stack's cursor (:class:`StackCursor`), the
+packed gradients' hand-off (:class:`tgraph.grads.GradHandOff`), and beside them which
+grad-output buffers hold zeros, which gradients a pattern of unused outputs hands as None, and
+the hook epoch last checked.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from tgraph.baked import Baked
 from tgraph.direct_grads import DirectGrads, DirectRoute
 from tgraph.fp8 import FP8Replay
 from tgraph.grads import (
+    GradHandOff,
     MainGradFlags,
     MainGradFusion,
     ParamGradPacking,
@@ -92,15 +97,24 @@ class Captured:
         return len(self.templates)
 
 
-class ReplayState:
-    """What replays of one unit change (the module docstring)."""
+class InFlight:
+    """One call's replay, until its backward (written by :mod:`tgraph.layers.replay` and its
+    backward, :mod:`tgraph.layers.backward`)."""
+
+    __slots__ = ("token", "held", "rng_at_forward", "last_outputs")
+
+    def __init__(self) -> None:
+        self.token: int | None = None  # id of the Flight token while in flight
+        self.held = False  # in flight only because a no-grad call's outputs are alive
+        self.rng_at_forward: torch.Tensor | None = None  # a recomputing forward's RNG state
+        self.last_outputs: weakref.ref | None = None  # LiveOutputs of the latest replay
+
+
+class ParamRoute:
+    """Where parameter gradients go and what a replay copies into the graph's memory
+    (written only by :mod:`tgraph.layers.follow`)."""
 
     __slots__ = (
-        "flight",
-        "held",
-        "grad_out_zero",
-        "rng_at_forward",
-        "last_outputs",
         "params",
         "autograd_params",
         "accumulators",
@@ -109,23 +123,9 @@ class ReplayState:
         "followed",
         "live",
         "rerouted",
-        "hook_epoch",
-        "output_cdata",
-        "output_uses",
-        "pending",
-        "versions",
-        "head_inputs",
-        "head_versions",
-        "next",
-        "fell_back",
     )
 
     def __init__(self) -> None:
-        self.flight: int | None = None  # id of the Flight token while in flight
-        self.held = False  # in flight only because a no-grad call's outputs are alive
-        self.grad_out_zero: list[bool] = []  # per grad-output buffer: known to hold zeros
-        self.rng_at_forward: torch.Tensor | None = None  # a recomputing forward's RNG state
-        self.last_outputs: weakref.ref | None = None  # LiveOutputs of the latest replay
         self.params: list[torch.Tensor] = []  # where parameter gradients go (re-routed)
         self.autograd_params: list[torch.Tensor] = []  # the autograd node's parameter inputs
         self.accumulators: list = []  # ... their AccumulateGrad nodes, held (follow.set_params)
@@ -134,13 +134,58 @@ class ReplayState:
         self.followed: tuple | None = None  # ... decided for these addresses and layouts
         self.live: tuple[torch.Tensor, ...] = ()  # ... and the tensors copied from
         self.rerouted = False  # some gradient goes to a tensor other than the captured one
-        self.hook_epoch = -1  # torch's hook counter when the hooks were last found unchanged
-        self.output_cdata: tuple[int, ...] = ()  # each static output's storage (its _cdata)
-        self.output_uses: tuple[int, ...] = ()  # ... and its uses by tgraph alone
-        # a merged stack, between the head's replay and the last member's call:
+
+
+class HeldOutputs:
+    """Who else uses the static outputs' memory (written only by :mod:`tgraph.layers.follow`,
+    which moves held outputs out)."""
+
+    __slots__ = ("cdata", "uses", "rescued")
+
+    def __init__(self) -> None:
+        self.cdata: tuple[int, ...] = ()  # each static output's storage (its _cdata)
+        self.uses: tuple[int, ...] = ()  # ... and its uses by tgraph alone
+        self.rescued: weakref.ref | None = None  # the InFlight.last_outputs already moved out
+
+
+class StackCursor:
+    """A merged stack between the head's replay and the last member's call (written only by
+    :func:`tgraph.layers.replay.call` and the functions it calls)."""
+
+    __slots__ = ("pending", "versions", "head_inputs", "head_versions", "next", "fell_back")
+
+    def __init__(self) -> None:
         self.pending: list[list[torch.Tensor]] | None = None  # every member's outputs
         self.versions: list[int] = []  # ... their version counters
         self.head_inputs: list[torch.Tensor] = []  # the head call's tensors
         self.head_versions: list[int] = []
         self.next = 0  # the member whose call comes next
         self.fell_back: str | None = None  # why the head's last call ran eagerly
+
+
+class ReplayState:
+    """What replays of one unit change (the module docstring), by owner."""
+
+    __slots__ = (
+        "inflight",
+        "route",
+        "outputs",
+        "stack",
+        "grads",
+        "grad_out_zero",
+        "none_at",
+        "hook_epoch",
+    )
+
+    def __init__(self) -> None:
+        self.inflight = InFlight()
+        self.route = ParamRoute()
+        self.outputs = HeldOutputs()
+        self.stack = StackCursor()
+        self.grads: GradHandOff | None = None  # the packed gradients' hand-off (set at bake)
+        # per grad-output buffer: known to hold zeros (tgraph.layers.backward)
+        self.grad_out_zero: list[bool] = []
+        # per pattern of outputs given a gradient: the gradients handed as None (backward)
+        self.none_at: dict[tuple[bool, ...], list[int]] = {}
+        # torch's hook counter when the hooks were last found unchanged (replay.check)
+        self.hook_epoch = -1

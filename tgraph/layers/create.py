@@ -15,6 +15,7 @@ from tgraph import fp8, memory
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import describe_hooks
 from tgraph.guards import CaptureError, explain_capture_failure
+from tgraph.layers.captured import InFlight
 from tgraph.layers.enable import reset_layer_graphs
 from tgraph.layers.manager import GraphFallbackWarning, _Manager, _manager
 from tgraph.layers.record import Turns
@@ -125,14 +126,16 @@ def _recorded_runners(m: _Manager) -> list[Runner]:
             "and backward) eagerly, then call tgraph.create_graphs()"
         )
     runners = list(dict.fromkeys(r for r, _ in m.record.events))
-    waiting = [r for r in runners if r.state.flight is not None and not r.state.held]
+    waiting = [
+        r for r in runners if r.state.inflight.token is not None and not r.state.inflight.held
+    ]
     if waiting:
         raise RuntimeError(
             f"create_graphs() was called while a graphed forward ({waiting[0]}) still awaits its "
             "backward; call it between iterations, after every backward of the recorded one"
         )
     for r in runners:  # recorded no-grad outputs that are still alive are eager tensors:
-        r.state.flight, r.state.held = None, False  # capturing cannot touch them
+        r.state.inflight = InFlight()  # capturing cannot touch them
     return runners
 
 
@@ -161,17 +164,15 @@ def _capture_in_recorded_order(
             continue
         unit = r.segment or r
         f = factory_of[r]
-        if phase == "fwd" and unit.fwd_graph is None and r.seg_index == 0:
+        d = unit.draft
+        if phase == "fwd" and d.fwd_graph is None and r.seg_index == 0:
             _capture(unit, "fwd", f, runners, eager)
         elif (
-            phase == "bwd"
-            and unit.fwd_graph is not None
-            and unit.needs_backward
-            and unit.bwd_graph is None
+            phase == "bwd" and d.fwd_graph is not None and d.needs_backward and d.bwd_graph is None
         ):
             _capture(unit, "bwd", f, runners, eager)
     for unit in dict.fromkeys(r.segment or r for r in runners if r not in eager):
-        if unit.needs_backward and unit.bwd_graph is None:  # its backward never ran
+        if unit.draft.needs_backward and unit.draft.bwd_graph is None:  # its backward never ran
             _capture(unit, "bwd", factory_of[unit.head], runners, eager)
 
 
@@ -185,7 +186,8 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
     enter the pool's ledger; a CUDA capture that raised was ended (:class:`CudaGraph`) and the
     device is synchronized before the next capture, so a failure surfaces here, not later.
     """
-    samples = [r.samples for r in unit.members]  # the capture drops them; a split needs them
+    # the capture drops the recorded samples; a split needs them
+    samples = [r.draft.call.samples for r in unit.members]
     try:
         if phase == "fwd":
             unit.capture_forward(f, f.warmup_steps(unit.head.module._tgraph.warmup))
@@ -194,7 +196,7 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
         return
     except Exception as exc:
         for r, kept in zip(unit.members, samples):
-            r.samples = kept
+            r.draft.call.samples = kept
         error = explain_capture_failure(f"{unit}", exc)
         split = phase == "fwd" and len(unit.members) > 1  # to find the member that failed
         if not split and any(r.module._tgraph.strict for r in unit.members):
@@ -205,7 +207,7 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
             raise error from exc  # the device is unusable: nothing can be graphed after this
         reason = str(error)
     members = list(unit.members)
-    outputs = {t.untyped_storage().data_ptr() for t in unit.static_outputs}
+    outputs = {t.untyped_storage().data_ptr() for t in unit.draft.static_outputs}
     unit.drop_graphs()  # a merged stack's drop also releases its members (segment.py)
     for r in members:
         r.seg_index = 0
@@ -216,9 +218,10 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
     for r in members:
         eager[r] = reason
     for r in runners:  # units reading its static outputs as their static inputs copy instead
-        for i, t in enumerate(r.static_inputs):
-            if r.shared_inputs[i] and t.untyped_storage().data_ptr() in outputs:
-                r.shared_inputs[i] = False
+        d = r.draft
+        for i, t in enumerate(d.static_inputs):
+            if d.shared_inputs[i] and t.untyped_storage().data_ptr() in outputs:
+                d.shared_inputs[i] = False
 
 
 def _bake(units: list) -> None:
@@ -226,10 +229,13 @@ def _bake(units: list) -> None:
     tensors on its static buffers are tgraph's own (the others are held by the caller)."""
     internal: dict[int, list[torch.Tensor]] = {}
     for u in units:
-        for t in [*u.static_outputs, *(x for r in u.members for x in r.static_inputs)]:
+        ins = (x for r in u.members for x in r.draft.static_inputs)
+        for t in [*u.draft.static_outputs, *ins]:
             internal.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     for u in units:
         u.bake(internal)
+    for u in units:
+        u.count_uses()
 
 
 def _undeclared_hooks(runners: list[Runner]) -> dict[Runner, str]:
@@ -291,7 +297,7 @@ def _leave_eager(m: _Manager, eager: dict[Runner, str]) -> list[str]:
         for r in members:
             r.left_eager = f"it runs eagerly: create_graphs() could not graph it ({reason})"
             r.module._tgraph.warned.add(r.left_eager)
-            r.samples = []  # kept for a capture that will not come
+            r.draft.call.samples = []  # kept for a capture that will not come
         warnings.warn(
             f"tgraph.create_graphs(): {', '.join(labels)} cannot be graphed and "
             f"run{'s' if len(labels) == 1 else ''} eagerly (the others keep their graphs). "

@@ -123,8 +123,8 @@ def enable(
         if old is not None:  # enabled again: new options, same recorded runners
             m._tgraph.runners = old.runners
             for r in (r for rs in old.runners.values() for r in rs):
-                r.merge, r.fusion.enabled = merge, main_grad_fusion
-                r.direct.enabled = direct_grads
+                r.merge, r.main_grad_fusion = merge, main_grad_fusion
+                r.direct_grads = direct_grads
         _manager.modules.add(m)
     _manager.roots.add(model)
     return model

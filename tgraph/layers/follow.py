@@ -26,7 +26,7 @@ def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ..
     :func:`tgraph.baked.where` of ``live``; decided again whenever it changes (a parameter
     followed already may be re-pointed again, to another dtype or layout)."""
     b = cap.baked
-    if now != state.followed:
+    if now != state.route.followed:
         moved = b.moved(now)
         why = b.relaid(live, moved)
         if why is not None:
@@ -49,23 +49,23 @@ def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ..
                 cap.name,
                 ", ".join(b.names[i] for i in moved),
             )
-        state.copy_in, state.followed = moved, now
+        state.route.copy_in, state.route.followed = moved, now
         # The held AccumulateGrad nodes (torch renews a leaf's node when its dtype changes, as
         # in model.double().float()) and direct_grads' route (a parameter laid out otherwise
         # gets autograd's path, whose AccumulateGrad gives .grad the parameter's strides).
-        set_params(cap, state, state.params)
-    if state.copy_in:
+        set_params(cap, state, state.route.params)
+    if state.route.copy_in:
         with torch.no_grad():
-            for i in state.copy_in:
+            for i in state.route.copy_in:
                 b.held[i].copy_(live[i])
-        state.live = live
+        state.route.live = live
     return None
 
 
 def route(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...]) -> None:
     """Hand the parameters' gradients to ``live`` (the modules' current tensors)."""
     set_params(cap, state, [p if k is None else live[k] for p, k in zip(cap.params, cap.slot)])
-    state.rerouted = any(r() is not t for r, t in zip(cap.baked.refs, live))
+    state.route.rerouted = any(r() is not t for r, t in zip(cap.baked.refs, live))
 
 
 def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) -> None:
@@ -77,17 +77,17 @@ def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) ->
     without a holder every step's ``Function.apply`` builds each one anew and its backward
     frees them: about 0.2 us a parameter on the head's host path (DDP holds them the same
     way, for its hooks)."""
-    state.params = params
+    state.route.params = params
     kept = cap.fusion.keep(params)
-    state.direct = cap.direct.route(kept, cap.device, cap.packing.packed) if kept else None
-    if state.direct is not None:  # direct_grads: the anchor stands in for the direct ones
-        state.autograd_params = state.direct.inputs(kept)
+    state.route.direct = cap.direct.route(kept, cap.device, cap.packing.packed) if kept else None
+    if state.route.direct is not None:  # direct_grads: the anchor stands in for the direct ones
+        state.route.autograd_params = state.route.direct.inputs(kept)
     else:
-        state.autograd_params = autograd_params(cap, params)
+        state.route.autograd_params = autograd_params(cap, params)
     with torch.enable_grad():
-        state.accumulators = [
+        state.route.accumulators = [
             p.view_as(p).grad_fn.next_functions[0][0]
-            for p in state.autograd_params
+            for p in state.route.autograd_params
             if p.requires_grad and p.is_leaf
         ]
 
@@ -108,14 +108,15 @@ def autograd_params(cap: Captured, params: list[torch.Tensor]) -> list[torch.Ten
 def move_out_held_outputs(cap: Captured, state: ReplayState) -> str | None:
     """Before the forward replays again: outputs of its last replay that the caller still
     holds (a ``.detach()`` or a view kept across steps) get their own memory."""
-    uses = list(state.output_uses)
+    uses = list(state.outputs.uses)
     for i, o in enumerate(cap.static_outputs):
-        if use_counts((state.output_cdata[i],))[0] > uses[i]:
-            token = state.last_outputs() if state.last_outputs is not None else None
+        if use_counts((state.outputs.cdata[i],))[0] > uses[i]:
+            last = state.inflight.last_outputs
+            token = last() if last is not None and last is not state.outputs.rescued else None
             if token is not None:  # the returned tensors themselves: re-pointed, one copy
                 token.rescue()
-                state.last_outputs = None
-            if use_counts((state.output_cdata[i],))[0] <= uses[i]:
+                state.outputs.rescued = last
+            if use_counts((state.outputs.cdata[i],))[0] <= uses[i]:
                 continue
             if not grads_module.swaps_storage():
                 return (
@@ -124,10 +125,23 @@ def move_out_held_outputs(cap: Captured, state: ReplayState) -> str | None:
                     "(UntypedStorage._swap_data_ptr_, PyTorch >= 2.13); clone outputs you keep"
                 )
             move_memory_out(o, list(cap.output_internal[i]))
-            state.output_cdata = output_cdata(cap.static_outputs)  # o has a new storage
-            uses[i] = use_counts((state.output_cdata[i],))[0]
-    state.output_uses = tuple(uses)
+            state.outputs.cdata = output_cdata(cap.static_outputs)  # o has a new storage
+            uses[i] = use_counts((state.outputs.cdata[i],))[0]
+    state.outputs.uses = tuple(uses)
     return None
+
+
+def track_outputs(cap: Captured, state: ReplayState) -> None:
+    """The static outputs' storages and their uses by tgraph alone, at bake: a replay finds a
+    held output by a use count above these."""
+    state.outputs.cdata = output_cdata(cap.static_outputs)
+    state.outputs.uses = use_counts(state.outputs.cdata)
+
+
+def unfollow(state: ReplayState) -> None:
+    """A new record over the same graphs (:meth:`tgraph.layers.capture.GraphedUnit.rebind`):
+    nothing is followed yet; :func:`tgraph.layers.replay.check` decides anew."""
+    state.route.copy_in, state.route.rerouted, state.route.followed = [], False, None
 
 
 def output_cdata(outputs) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from torch.nn.modules import module as nn_module
 
 from tgraph.baked import call_with_own_hooks, hooks_run_outside
 from tgraph.errors import GraphFallbackError
-from tgraph.grads import ParamGradPacking
+from tgraph.grads import GradHandOff
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.record import NoteBackward, Record, Turns
@@ -147,7 +147,7 @@ class _Manager:
                     fusion=state.main_grad_fusion,
                     direct=state.direct_grads,
                 )
-                runner.shared_with = [self.record.consumers(t) for t in tensors]
+                runner.draft.call.shared_with = [self.record.consumers(t) for t in tensors]
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
@@ -316,7 +316,7 @@ def capture_report() -> CaptureReport:
     return CaptureReport(0, 0, 0, 0.0, 0, [], [])
 
 
-def gradient_packings() -> list[ParamGradPacking]:
+def gradient_packings() -> list[GradHandOff]:
     """The packed parameter gradients of every captured per-layer unit: where their backward
-    graphs leave them (:meth:`tgraph.grads.ParamGradPacking.reader_buffer`)."""
-    return [u.cap.packing for u in _manager.units if u.cap.packing.packed]
+    graphs leave them (:meth:`tgraph.grads.GradHandOff.reader_buffer`)."""
+    return [u.state.grads for u in _manager.units if u.cap.packing.packed]

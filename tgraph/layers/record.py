@@ -71,10 +71,10 @@ class Record:
         live = [
             (f[1], f[2])
             for f in self._first.values()
-            if f[0].state.flight is not None and not f[0].state.held
+            if f[0].state.inflight.token is not None and not f[0].state.inflight.held
         ]
         for r in runners:
-            if r.state.flight is not None:
+            if r.state.inflight.token is not None:
                 continue
             at = self._first[id(r)][1] if id(r) in self._first else math.inf
             if all(low < at < high for low, high in live):

@@ -79,16 +79,18 @@ class Flight:
     def __init__(self, state: ReplayState, cap: Captured | None = None, held: bool = False):
         self.state = state
         self.fp8_first = False  # holds the first FP8 module of its te.autocast region
-        state.flight = id(self)
-        state.held = held
+        inflight = state.inflight
+        inflight.token = id(self)
+        inflight.held = held
         self.ledger = cap.ledger if cap is not None and not held else None
         if self.ledger is not None:
             self.ledger.enter(id(self), state, cap.name, cap.fwd_index, cap.bwd_index)
 
     def land(self) -> None:
-        if self.state.flight == id(self):
-            self.state.flight = None
-            self.state.held = False
+        inflight = self.state.inflight
+        if inflight.token == id(self):
+            inflight.token = None
+            inflight.held = False
         if self.ledger is not None:
             self.ledger.leave(id(self))
             self.ledger = None
@@ -122,60 +124,64 @@ def call(cap: Captured | None, state: ReplayState, j: int, tensors: list[torch.T
         outs = take(cap, state, j, tensors)
         if outs is not None:
             return outs
-        if state.fell_back is not None:  # the stack runs eagerly, for the head's reason
-            return f"the merged stack {cap.name} it belongs to runs eagerly: {state.fell_back}"
+        if state.stack.fell_back is not None:  # the stack runs eagerly, for the head's reason
+            return (
+                f"the merged stack {cap.name} it belongs to runs eagerly: {state.stack.fell_back}"
+            )
         return (
             f"it was captured as module {j} of a merged stack ({cap.name}) but was not called "
             "right after the previous module with that module's unmodified output and the "
             "inputs shared with the first module (pass merge=False to tgraph.enable to graph "
             "it alone)"
         )
-    if state.flight is not None:
+    if state.inflight.token is not None:
         return BUSY
     why = refusal(cap, state, tensors)
     if why is not None:  # a reason, or REBIND
         if len(cap.slices) > 1:
-            state.fell_back = why if isinstance(why, str) else None
+            state.stack.fell_back = why if isinstance(why, str) else None
         return why
     outs = replay(cap, state, tensors)
     if len(cap.slices) == 1:
         return outs
-    state.fell_back = None
+    state.stack.fell_back = None
     return start(cap, state, outs, tensors)
 
 
 def start(cap: Captured, state: ReplayState, outs: list, inputs: list) -> list[torch.Tensor]:
     """After a merged stack's replay on the head's ``inputs``: keep every member's outputs (and
     the inputs, which later members may share); return the head's outputs."""
-    state.pending = [outs[s] for s in cap.slices]
-    state.versions = [t._version for t in outs]
-    state.head_inputs = inputs  # the call's own fresh list
-    state.head_versions = [t._version for t in inputs]
-    state.next = 1
-    return state.pending[0]
+    stack = state.stack
+    stack.pending = [outs[s] for s in cap.slices]
+    stack.versions = [t._version for t in outs]
+    stack.head_inputs = inputs  # the call's own fresh list
+    stack.head_versions = [t._version for t in inputs]
+    stack.next = 1
+    return stack.pending[0]
 
 
 def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | None:
     """Outputs of member ``j`` if this call continues the replayed stack as captured: each
     input is the very tensor it was (the previous member's output, or the head's input),
     unmodified."""
-    pending = state.pending
-    if pending is None or j != state.next:
+    stack = state.stack
+    pending = stack.pending
+    if pending is None or j != stack.next:
         return None
-    prev, base, versions = pending[j - 1], cap.slices[j - 1].start, state.versions
-    head, head_versions = state.head_inputs, state.head_versions
+    prev, base, versions = pending[j - 1], cap.slices[j - 1].start, stack.versions
+    head, head_versions = stack.head_inputs, stack.head_versions
     for t, (from_prev, k) in zip(tensors, cap.sources[j]):
         if from_prev:
             if t is prev[k] and t._version == versions[base + k]:
                 continue
         elif t is head[k] and t._version == head_versions[k]:
             continue
-        state.pending = None  # the stack was left: release its outputs
-        state.head_inputs = []
+        stack.pending = None  # the stack was left: release its outputs
+        stack.head_inputs = []
         return None
-    state.next = j + 1
+    stack.next = j + 1
     if j + 1 == len(pending):
-        state.pending, state.head_inputs = None, []
+        stack.pending, stack.head_inputs = None, []
     return pending[j]
 
 
@@ -200,7 +206,7 @@ def refusal(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
                 f"a closure) holds {t.item()} where the graph baked in {value} (a CUDA graph "
                 "keeps a host scalar's value; move it to the GPU to graph every value)"
             )
-    if use_counts(state.output_cdata) != state.output_uses:
+    if use_counts(state.outputs.cdata) != state.outputs.uses:
         why = move_out_held_outputs(cap, state)
         if why is not None:
             return why
@@ -231,30 +237,32 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]) -> li
         flight = Flight(state, cap)
         flight.fp8_first = fp8_first
         if cap.recomputes:
-            state.rng_at_forward = rng.default_generator(cap.device).get_state()
+            state.inflight.rng_at_forward = rng.default_generator(cap.device).get_state()
         if _functorch_active():
-            if state.direct is not None:
+            if state.route.direct is not None:
                 raise RuntimeError(
                     f"tgraph: {cap.name} was enabled with direct_grads=True, whose node writes "
                     ".grad itself, under a torch.func transform (which takes gradients through "
                     "autograd). Enable without direct_grads to graph it under torch.func."
                 )
-            outs = list(GraphedCall.apply(cap, state, flight, *tensors, *state.autograd_params))
+            outs = list(
+                GraphedCall.apply(cap, state, flight, *tensors, *state.route.autograd_params)
+            )
         else:  # Function.apply without its Python wrapper's per-argument pass
-            outs = list(_apply(cap, state, flight, *tensors, *state.autograd_params))
+            outs = list(_apply(cap, state, flight, *tensors, *state.route.autograd_params))
     if cap.mutated_inputs:  # the forward writes these inputs in place: so must the replay
         with torch.no_grad():
             for i in cap.mutated_inputs:
                 if tensors[i].data_ptr() != cap.input_ptrs[i]:
                     tensors[i].copy_(cap.static_inputs[i])
-    if state.copy_in:
+    if state.route.copy_in:
         with torch.no_grad():  # a buffer the forward updates (running statistics)
             b = cap.baked
-            for i in state.copy_in:
+            for i in state.route.copy_in:
                 if b.is_buffer[i]:
-                    state.live[i].copy_(b.held[i])
+                    state.route.live[i].copy_(b.held[i])
     token = LiveOutputs(cap.ledger, state, cap.fwd_index, outs)  # no other graph overwrites them
-    state.last_outputs = weakref.ref(token)  # (tgraph.pool) nor this unit's next replay
+    state.inflight.last_outputs = weakref.ref(token)  # (tgraph.pool) nor this unit's next replay
     return outs
 
 
@@ -290,8 +298,8 @@ def check(cap: Captured, state: ReplayState):
         why = b.changed_hooks(scan=True)
         if why is not None:
             return why
-        if state.direct is not None and epoch != state.hook_epoch:  # a hook on a parameter:
-            set_params(cap, state, state.params)  # autograd's path for it
+        if state.route.direct is not None and epoch != state.hook_epoch:  # a hook on a parameter:
+            set_params(cap, state, state.route.params)  # autograd's path for it
         state.hook_epoch = epoch  # scanned: unchanged as of this epoch
     try:
         same = (
@@ -323,7 +331,7 @@ def check(cap: Captured, state: ReplayState):
         live = tuple(map(getitem, b.tensor_tables, b.tensor_keys))
     except KeyError:
         return b.replaced_tensors()  # names the removed parameter or buffer
-    if state.rerouted or tuple(map(id, live)) != b.tensor_ids:
+    if state.route.rerouted or tuple(map(id, live)) != b.tensor_ids:
         route(cap, state, live)  # gradients go to the tensors the modules hold now
         if b.replaced_tensors(live) is not None:
             kept = [n for n, r, t in zip(b.names, b.refs, live) if r() is not None and r() is not t]
@@ -337,7 +345,7 @@ def check(cap: Captured, state: ReplayState):
             return REBIND
     # baked.where, spelled out here: the hot path stays out of baked.py unless a check fails
     now = (tuple(map(_data_ptr, live)), tuple(map(_stride, live)), tuple(map(_size, live)))
-    if state.copy_in or now != b.place:
+    if state.route.copy_in or now != b.place:
         return follow_moved(cap, state, live, now)
     return None
 
@@ -370,7 +378,7 @@ class GraphedCall(torch.autograd.Function):
                 "module eagerly for this loss: call it with a signature that was not recorded, "
                 "or tgraph.disable(model) for the gradient-penalty step."
             )
-        if state.flight != id(flight):
+        if state.inflight.token != id(flight):
             raise StaleBackwardError(
                 f"backward through {cap.name} ran after its graph buffers were reused by a newer "
                 "forward (a second backward with retain_graph=True, or a backward of an old step). "
@@ -385,8 +393,8 @@ class GraphedCall(torch.autograd.Function):
                 "the output before modifying it (y = block(x).clone())."
             ) from exc
         cap.fusion.check()
-        if state.direct is not None:
-            state.direct.check_backward(cap.name, RemovableHandle.next_id != state.hook_epoch)
+        if state.route.direct is not None:
+            state.route.direct.check_backward(cap.name, RemovableHandle.next_id != state.hook_epoch)
         active = tuple(grads[i] is not None for i in cap.out_rg)
         if not any(active):  # nothing reached this node's outputs: no gradient anywhere
             flight.land()

@@ -1,8 +1,9 @@
 """A runner: one graphed module called with one signature (a :class:`~tgraph.layers.capture.GraphedUnit`).
 
-What is the runner's own: the first call's arguments as a template, its static input buffers
-(or the producer's static output, shared), parameter aliases, and how its module's forward runs
-under the recorded grad mode, autocast and ``training`` flags. Capture and the buffers' ownership
+What is the runner's own: its recorded first call (:class:`tgraph.layers.draft.RecordedCall`),
+from which its capture fills its static input buffers (or the producer's static output, shared)
+and parameter aliases in its draft, and how its module's forward runs under the recorded grad
+mode, autocast and ``training`` flags. Capture and the buffers' ownership
 are the unit's (:mod:`tgraph.layers.capture`); a replay works on the unit's frozen record
 (:mod:`tgraph.layers.replay`).
 """
@@ -21,7 +22,8 @@ from tgraph.baked import hooks_run_outside
 from tgraph.fp8 import FP8Region, first_microbatch, set_weight_caching
 from tgraph.guards import CaptureError
 from tgraph.layers.capture import GraphedUnit, graphed_region
-from tgraph.layers.signature import CallKey, Template, split
+from tgraph.layers.draft import RecordedCall
+from tgraph.layers.signature import CallKey, split
 
 
 class Runner(GraphedUnit):
@@ -55,59 +57,59 @@ class Runner(GraphedUnit):
     ) -> None:
         self.module = module
         self.key = key
-        self.links = links
         self.merge = merge
-        # per tensor, the earlier recorded calls that took the very same tensor (tgraph.layers.segment)
-        self.shared_with: list[list[tuple[Runner, int]]] = [[] for _ in tensors]
-        self._in_template: Template = split((args, kwargs))[1]
-        self.samples = [t.detach().clone() for t in tensors]
-        self._requires_grad = [t.requires_grad for t in tensors]
-        self.mutated: set[int] = set()  # inputs its forward writes in place (_run_forward)
         self.segment = None  # the Segment this runner belongs to, if merged
         self.seg_index = 0
-        self.head, self.members = self, [self]
+        shapes = [tuple(t.shape) for t in tensors]
+        self.label = f"Runner({named(module)}, inputs={shapes}, grad={key.grad})"
+        call = RecordedCall(
+            template=split((args, kwargs))[1],
+            samples=[t.detach().clone() for t in tensors],
+            requires_grad=[t.requires_grad for t in tensors],
+            links=links,
+            shared_with=[[] for _ in tensors],  # set by the record (tgraph.layers.manager)
+        )
         device = tensors[0].device if tensors else next(module.parameters()).device
-        self._init_unit(device, key.grad, fusion, direct)
-        self.drop_capture_state()
+        self._init_unit(device, key.grad, fusion, direct, call)
 
-    def drop_capture_state(self) -> None:
-        """Forget the buffers the runner owns as a member of a unit."""
-        self.static_inputs: list[torch.Tensor] = []
-        self.shared_inputs: list[bool] = []
-        self.in_rg: list[int] = []
-        self.aliases: dict[int, torch.Tensor] = {}  # id(param) -> alias leaf used in graphs
-        self.out_template: Template | None = None
-        self.stored: tuple = ()  # (submodule, attribute, output index): _run_forward
+    @property
+    def head(self) -> Runner:
+        return self
+
+    @property
+    def members(self) -> list[Runner]:
+        return [self]
 
     def __repr__(self) -> str:
-        shapes = [tuple(s.shape) for s in self.samples or self.static_inputs]
-        return f"Runner({named(self.module)}, inputs={shapes}, grad={self.grad_mode})"
+        return self.label
 
     # ----------------------------------------------------------------- capture
     def _prepare_capture(self) -> None:
-        self.static_inputs = [self._static_input(i, s) for i, s in enumerate(self.samples)]
-        self.in_rg = [i for i, t in enumerate(self.static_inputs) if t.requires_grad]
+        d = self.draft
+        d.static_inputs = [self._static_input(i, s) for i, s in enumerate(d.call.samples)]
+        d.in_rg = [i for i, t in enumerate(d.static_inputs) if t.requires_grad]
         self.make_aliases()
 
     def _static_input(self, i: int, sample: torch.Tensor) -> torch.Tensor:
-        link = self.links[i]
+        link = self.draft.call.links[i]
         producer = link[0] if link is not None else None
         # Share the producer's static output only if the producer has a backward: then it
         # stays in flight (cannot replay again) until after this runner's backward, which may
         # read this buffer as a saved activation.
         shared = (
             producer is not None
-            and bool(producer.static_outputs)
-            and (producer.segment or producer).needs_backward
+            and producer.draft is not None
+            and bool(producer.draft.static_outputs)
+            and (producer.segment or producer).draft.needs_backward
         )
-        self.shared_inputs.append(shared)
+        self.draft.shared_inputs.append(shared)
         if shared:  # the producer's static output is this static input: no copy at replay
-            buf = producer.static_outputs[link[1]].detach()
+            buf = producer.draft.static_outputs[link[1]].detach()
         else:
             buf = torch.empty_like(sample)
             with torch.no_grad():
                 buf.copy_(sample)  # realistic values for warmup (indices must be valid)
-        return buf.requires_grad_(self._requires_grad[i])
+        return buf.requires_grad_(self.draft.call.requires_grad[i])
 
     def make_aliases(self) -> None:
         """One alias leaf per parameter: same storage, its own autograd identity.
@@ -119,20 +121,20 @@ class Runner(GraphedUnit):
         (cudaErrorStreamCaptureImplicit). Aliases get fresh nodes on the capture stream. Their
         Python attributes start as copies of the parameter's (``main_grad`` is shared).
         """
-        self.aliases = {}
+        aliases = self.draft.aliases = {}
         for p in self.module.parameters():
             alias = p.detach().requires_grad_(p.requires_grad)
             alias.__dict__.update(vars(p))
-            self.aliases[id(p)] = alias
+            aliases[id(p)] = alias
 
     @contextlib.contextmanager
     def _parameters_aliased(self) -> Iterator[None]:
-        swapped = []
+        swapped, aliases = [], self.draft.aliases
         for mod in self.module.modules():
             for name, p in mod._parameters.items():
-                if p is not None and id(p) in self.aliases:
+                if p is not None and id(p) in aliases:
                     swapped.append((mod, name, p))
-                    mod._parameters[name] = self.aliases[id(p)]
+                    mod._parameters[name] = aliases[id(p)]
         try:
             yield
         finally:
@@ -140,7 +142,8 @@ class Runner(GraphedUnit):
                 mod._parameters[name] = p
 
     def _run_forward(self) -> list[torch.Tensor]:
-        args, kwargs = self._in_template.fill(self.static_inputs)
+        d = self.draft
+        args, kwargs = d.call.template.fill(d.static_inputs)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad_mode))
             stack.enter_context(_training_flags(self.module, self.key.training))
@@ -155,12 +158,12 @@ class Runner(GraphedUnit):
                     )
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
-            versions = [t._version for t in self.static_inputs]
+            versions = [t._version for t in d.static_inputs]
             attrs = _tensor_attributes(self.module)
             out = module_call(self.module)(*args, **kwargs)
         # inputs the forward writes in place (running statistics passed as an argument): a
         # replay writes the static buffer, which is copied back to the caller's tensor
-        self.mutated |= {i for i, t in enumerate(self.static_inputs) if t._version != versions[i]}
+        d.mutated |= {i for i, t in enumerate(d.static_inputs) if t._version != versions[i]}
         tensors, template = split(out)
         if not tensors:
             raise TypeError(
@@ -176,10 +179,10 @@ class Runner(GraphedUnit):
                 at = len(tensors) + len(extra)
                 extra.append(t)
             stored.append((m, k, at))
-        if self.out_template is None:  # warmup; replays keep the capture's template
-            self.out_template = template
-            self.stored = tuple(stored)
-        elif [(m, k) for m, k, _ in stored] != [(m, k) for m, k, _ in self.stored]:
+        if d.out_template is None:  # warmup; replays keep the capture's template
+            d.out_template = template
+            d.stored = tuple(stored)
+        elif [(m, k) for m, k, _ in stored] != [(m, k) for m, k, _ in d.stored]:
             raise CaptureError(
                 f"the forward of {type(self.module).__name__} stores tensors in other module "
                 "attributes at each pass; graph it only if it stores the same ones every call"

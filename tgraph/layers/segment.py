@@ -42,7 +42,7 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
     order = sorted({id(r): r for r, _ in events}.values(), key=lambda r: first[(id(r), "fwd")])
 
     def follows(head: Runner, prev: Runner, nxt: Runner) -> bool:
-        if not (nxt.merge and prev.merge and nxt.links and nxt.device == prev.device):
+        if not (nxt.merge and prev.merge and nxt.draft.call.links and nxt.device == prev.device):
             return False
         # Modules with buffers (e.g. BatchNorm statistics) stay apart: if a merged member
         # falls back to eager, the segment's replay would already have updated its buffers.
@@ -50,9 +50,9 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
             return False
         if nxt.grad_mode != prev.grad_mode or nxt.key.autocast != prev.key.autocast:
             return False
-        if nxt.fusion.enabled != prev.fusion.enabled:  # one segment, one main_grad treatment
+        if nxt.main_grad_fusion != prev.main_grad_fusion:  # one segment, one main_grad treatment
             return False
-        if nxt.direct.enabled != prev.direct.enabled:  # ... and one way to .grad
+        if nxt.direct_grads != prev.direct_grads:  # ... and one way to .grad
             return False
         if first[(id(nxt), "fwd")] != first[(id(prev), "fwd")] + 1:
             return False
@@ -79,7 +79,8 @@ def sources(head: Runner, prev: Runner, nxt: Runner) -> list[tuple[bool, int]] |
     input ``j``. None when some input is neither, or when no input comes from ``prev``.
     """
     found = []
-    for link, shared in zip(nxt.links, nxt.shared_with):
+    call = nxt.draft.call
+    for link, shared in zip(call.links, call.shared_with):
         if link is not None and link[0] is prev:
             found.append((True, link[1]))
             continue
@@ -102,9 +103,8 @@ class Segment(GraphedUnit):
         self._sources = [[]] + [
             sources(self.head, prev, r) for prev, r in zip(runners, runners[1:])
         ]
-        self._slices: list[slice] = []
         head = self.head
-        self._init_unit(head.device, head.grad_mode, head.fusion.enabled, head.direct.enabled)
+        self._init_unit(head.device, head.grad_mode, head.main_grad_fusion, head.direct_grads)
 
     def __repr__(self) -> str:
         first, last = named(self.head.module), named(self.runners[-1].module)
@@ -117,15 +117,15 @@ class Segment(GraphedUnit):
             r.make_aliases()
 
     def _run_forward(self) -> list[torch.Tensor]:
-        head_in = self.head.static_inputs
+        head_in = self.head.draft.static_inputs
         outs = self.head._run_forward()
         flat = list(outs)
-        self._slices = [slice(0, len(outs))]
+        slices = self.draft.slices = [slice(0, len(outs))]
         for r, src in zip(self.runners[1:], self._sources[1:]):
             # rj reads r(j-1)'s outputs of this very run: one autograd graph for the stack
-            r.static_inputs = [outs[k] if from_prev else head_in[k] for from_prev, k in src]
+            r.draft.static_inputs = [outs[k] if from_prev else head_in[k] for from_prev, k in src]
             outs = r._run_forward()
-            self._slices.append(slice(len(flat), len(flat) + len(outs)))
+            slices.append(slice(len(flat), len(flat) + len(outs)))
             flat += outs
         return flat
 
@@ -134,13 +134,13 @@ class Segment(GraphedUnit):
         the next block's, on a detached copy of the previous block's output, so the warmup
         holds one block's activations instead of the whole stack's (H200, 12 blocks d256: the
         warmup's rise 278 -> 101 MiB; docs/BENCHMARKS.md)."""
-        head_in = self.head.static_inputs
+        head_in = self.head.draft.static_inputs
         for n in range(warmup_passes(warmup, self.compiled)):
             prev: list[torch.Tensor] = []
             for r, src in zip(self.runners, self._sources):
                 if r is not self.head:  # the previous block's output of this pass, or shared
-                    r.static_inputs = [prev[k] if p else head_in[k] for p, k in src]
-                leaves = [t for t in r.static_inputs if t.requires_grad]
+                    r.draft.static_inputs = [prev[k] if p else head_in[k] for p, k in src]
+                leaves = [t for t in r.draft.static_inputs if t.requires_grad]
                 # the host-sync check in the first pass only (warmup_passes says why)
                 prev = run_warmup(
                     r._run_forward,
@@ -148,18 +148,18 @@ class Segment(GraphedUnit):
                     1,
                     self.device,
                     check_first=n == 0,
-                    host_scalars=self.host_reads,
+                    host_scalars=self.draft.host_reads,
                 )
         for r in self.runners[1:]:
-            r.static_inputs = []
+            r.draft.static_inputs = []
 
     def capture_forward(self, factory, warmup: int) -> None:
         super().capture_forward(factory, warmup)
-        for r, sl in zip(self.runners, self._slices):
-            r.static_outputs = self.static_outputs[sl]
+        for r, sl in zip(self.runners, self.draft.slices):
+            r.draft.static_outputs = self.draft.static_outputs[sl]
 
     def _member_slices(self) -> list[slice]:
-        return self._slices
+        return self.draft.slices
 
     def _member_sources(self) -> list[list[tuple[bool, int]]]:
         return self._sources
