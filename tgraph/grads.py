@@ -169,7 +169,7 @@ class ParamGradPacking:
     backward, never again for the optimizer step.
 
     The packing is decided at capture and never changes after it (it is part of the unit's
-    frozen record); what the hand-off changes at replays (the views handed out, the uses of the
+    frozen capture result); what the hand-off changes at replays (the views handed out, the uses of the
     buffer that are tgraph's own, the landing buffer) lives in the unit's :class:`GradHandOff`.
     """
 
@@ -247,7 +247,7 @@ class GradHandOff:
     """What handing one unit's packed gradients to autograd changes at replays; its
     :class:`ParamGradPacking` (``plan``) stays as captured.
 
-    Created when the unit's record is baked, when nothing but its own views aliases the static
+    Created when the unit's capture result is baked, when nothing but its own views aliases the static
     buffer; it lives in the unit's replay state (:class:`tgraph.layers.captured.ReplayState`).
     """
 

@@ -7,7 +7,7 @@ per-layer graphs'; a whole-step graph fills the ones it has (its static batch or
 ``static_inputs``, its outputs in ``static_outputs``, the gradients it writes or owns in
 ``param_grads``) and leaves the others 0.
 
-Every unit records, at capture, the bytes of each kind of buffer it owns (:class:`UnitMemory`);
+Every unit notes, at capture, the bytes of each kind of buffer it owns (:class:`UnitMemory`);
 :func:`memory_report` adds them up over every captured unit. The kinds:
 
 * ``static_inputs``: input buffers the forward graph reads (outside the pool; shared inputs,
@@ -152,10 +152,11 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], skip: Iterable[int] = (
     return total
 
 
-def memory_report(records: Iterable, grads_at_capture: int = 0) -> MemoryReport:
-    """Add up the :class:`UnitMemory` of ``records`` (:class:`tgraph.layers.captured.Captured`)."""
+def memory_report(caps: Iterable, grads_at_capture: int = 0) -> MemoryReport:
+    """Add up the :class:`UnitMemory` of ``caps``, the units' capture results
+    (:class:`tgraph.layers.captured.Captured`)."""
     report = MemoryReport(grads_at_capture=grads_at_capture)
-    for c in records:
+    for c in caps:
         m = c.memory
         report.units += 1
         for f in fields(UnitMemory):
