@@ -6,7 +6,7 @@ carry ``main_grad`` (an fp32 accumulation buffer at a fixed address) and a flag
 ``main_grad`` inside backward and set the flag, returning a dummy ``.grad``; Megatron's DDP hook
 then adds ``.grad`` into ``main_grad`` only when the flag is not set. Inside a graph the
 accumulation kernel is captured and replays into the same ``main_grad``, but the Python
-assignment of the flag is not: :class:`MainGradFlags` records, at capture, which parameters'
+assignment of the flag is not: :class:`MainGradFlags` notes, at capture, which parameters'
 flags the backward sets and sets them again after every replay. Parameters whose wgrad comes
 back through autograd are untouched (their hook accumulates eagerly, as in eager execution), so
 ``main_grad`` and the flags end exactly as eager execution leaves them.

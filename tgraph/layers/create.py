@@ -29,7 +29,8 @@ logger = logging.getLogger("tgraph.layers.manager")  # one logger for the per-la
 
 
 def create_graphs() -> CaptureReport:
-    """Capture every recorded runner's forward, then backward graph, in recorded order.
+    """Create the graphs: warm up and capture every recorded runner's forward, then backward
+    graph, in recorded order, then bake each unit's capture result.
 
     A unit that cannot be graphed (its capture fails: a host sync such as ``.item()``, a CPU
     tensor copied to the GPU, a data-dependent shape; or hooks on its submodules that
