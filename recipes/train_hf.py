@@ -245,7 +245,7 @@ class TrainStep:
             return self.full((x, y))
         loss = self.eager_step(x, y)
         if self.calls == 1 and self.a.graph in ("layer", "layer+opt"):
-            # the recorded step's gradients would add their size to the capture's peak
+            # the recorded step's gradients would add their size to the peak of creating the graphs
             if self.opt_graph is None:  # (OptimizerGraph owns its .grad tensors: kept)
                 self.opt.zero_grad(set_to_none=True)
             logger.info("%s", tgraph.create_graphs())

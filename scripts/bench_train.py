@@ -150,8 +150,8 @@ def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False):  # noq
         synchronize(s.device)
         t_record = time.perf_counter()
         eager_step(model, opt, *s.batch(0), s)  # recorded iteration (a real training step)
-        # As README's loop: the recorded step's gradients are dropped before capture (the next
-        # step would drop them anyway); alive, they add their size to the capture's peak.
+        # As README's loop: the recorded step's gradients are dropped before creating the graphs
+        # (the next step would drop them anyway); alive, they add their size to its peak.
         opt.zero_grad(set_to_none=True)
         synchronize(s.device)
         t0 = time.perf_counter()

@@ -160,7 +160,7 @@ def test_planted_extra_step_at_capture_is_caught(backend, device, monkeypatch):
 
     def capture_then_replay(self, entry, batch, tensors):  # the old capture-restore-replay bug
         out = real(self, entry, batch, tensors)
-        entry.record.graph.replay()
+        entry.cap.graph.replay()
         return out
 
     monkeypatch.setattr(full_iteration.FullIterationGraph, "_capture", capture_then_replay)
@@ -363,7 +363,7 @@ def test_accumulated_gradients_restart_from_zero_after_set_to_none(backend, devi
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         if graphed and backend == "cuda":  # the path under test: the graph adds into .grad
-            assert {mode for e in step._entries.values() for *_, mode in e.record.grad_modes} == {
+            assert {mode for e in step._entries.values() for *_, mode in e.cap.grad_modes} == {
                 "add"
             }
         finals.append([p.detach().clone() for p in model.parameters()])

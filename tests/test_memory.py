@@ -52,8 +52,8 @@ def test_report_names_every_kind_it_holds(backend, device):
 
 
 def test_report_counts_the_recorded_steps_grads(backend, device):
-    """Gradients still alive at create_graphs() add to the capture's peak: the report says how
-    much, and how to avoid it; zeroed first, it reports none."""
+    """Gradients still alive at create_graphs() add to the peak of creating the graphs: the
+    report says how much, and how to avoid it; zeroed first, it reports none."""
     # Models of earlier tests that were enabled and never disabled stay among tgraph's roots
     # (and their gradients in the count) until the garbage collector frees them (a module and
     # its runners form a cycle); on CUDA, GraphFactory collects before counting, emulated not.
@@ -75,7 +75,7 @@ def test_report_counts_the_recorded_steps_grads(backend, device):
 
 def test_capture_samples_are_dropped_before_the_backward_captures(backend, device, monkeypatch):
     """A runner's recorded inputs are copied into its static inputs when its forward is
-    captured; held on, every later capture would hold them too (the capture's peak)."""
+    captured; held on, every later capture would hold them too (the peak of creating the graphs)."""
     from tgraph.layers.capture import GraphedUnit
 
     seen = []

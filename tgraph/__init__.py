@@ -3,8 +3,8 @@
 Per-layer graphs (:class:`GraphableModule`, :func:`enable`, :func:`create_graphs`,
 :func:`reset_layer_graphs`), whole-step graphs (:class:`FullIterationGraph`,
 :class:`OptimizerGraph`) and graph-served decode (:mod:`tgraph.decode`); :func:`reset` drops
-every graph of the first two. Every capture reports in one shape (:class:`CaptureReport`,
-:class:`MemoryReport`). Importing tgraph has no side effects.
+every graph of the first two. Creating the graphs reports in one shape, whichever entry
+(:class:`CaptureReport`, :class:`MemoryReport`). Importing tgraph has no side effects.
 
 ``__all__`` lists what a user calls or catches. ``tgraph.rng`` is the submodule behind
 :func:`register_generator` and :func:`unregister_generator`.

@@ -1,9 +1,9 @@
 """Graph backends: one interface (`capture` a callable, `replay` it) over two implementations.
 
 * ``"cuda"`` (:class:`CudaBackend`, here) wraps :class:`torch.cuda.CUDAGraph`: kernels are
-  recorded once and replayed on the same memory addresses.
-* ``"emulated"`` (:class:`tgraph.emulated.EmulatedBackend`) is a CPU stand-in that records the
-  ATen operations of the capture and replays that tape on the captured memory, running no
+  captured once and replayed on the same memory addresses.
+* ``"emulated"`` (:class:`tgraph.emulated.EmulatedBackend`) is a CPU stand-in that writes the
+  ATen operations of the capture onto a tape and replays that tape on the captured memory, running no
   Python, as a CUDA graph.
 
 ``"auto"`` picks ``"cuda"`` for CUDA tensors and ``"emulated"`` otherwise; the environment
@@ -220,8 +220,8 @@ class Backend(Protocol):
     name: str
     """``"cuda"`` or ``"emulated"``."""
     executes_capture: bool
-    """Whether a capture runs the captured function once (emulated: it records what it runs)
-    or only records kernels (CUDA: nothing executes until the first replay)."""
+    """Whether a capture runs the captured function once (emulated: it tapes what it runs)
+    or only captures kernels (CUDA: nothing executes until the first replay)."""
     default_warmup: int
     """Eager warmup passes before a per-layer capture when the user sets none."""
     min_warmup: int

@@ -1,8 +1,9 @@
-"""What a captured per-layer graph baked in beyond its static inputs, and the check before replay.
+"""What a captured per-layer graph baked in beyond its static inputs (the baked inventory),
+and the check before replay.
 
 A graph runs no Python: it keeps the memory each parameter and buffer lived in at capture, the
 effect of every Python value its forward read and of every hook that ran. :class:`Baked` is the
-frozen record of those, taken right after the forward capture; before each replay
+frozen inventory of those, taken right after the forward capture; before each replay
 :func:`tgraph.layers.replay.check` asks it what differs now (:meth:`Baked.changed_hooks`,
 :meth:`Baked.changed_attrs`, :meth:`Baked.moved`: a few microseconds, tuple comparisons of cached
 getters).
@@ -90,7 +91,7 @@ def _slots(where: str, table: dict, keys: list[str], by_id: bool) -> _Slots | No
 
 @dataclass(frozen=True)
 class Baked:
-    """The record of one unit's capture (see the module docstring)."""
+    """The baked inventory of one unit's graphs (see the module docstring)."""
 
     attrs: tuple[_Slots, ...]
     tensors: tuple[_Slots, ...]  # parameters and buffers, by identity
@@ -117,8 +118,8 @@ class Baked:
     dict_sizes: tuple[int, ...] = ()  # shadowing a class attribute) changes its size
     dict_names: tuple[str, ...] = ()
     dict_keys: tuple[frozenset, ...] = ()
-    hook_epoch: int = -1  # torch's hook-handle counter at the record: no hook registered since
-    any_hooks: bool = True  # a hook (other than transformers' inactive ones) at the record
+    hook_epoch: int = -1  # torch's hook-handle counter when taken: no hook registered since
+    any_hooks: bool = True  # a hook (other than transformers' inactive ones) when taken
 
     @classmethod
     def of(
@@ -128,9 +129,9 @@ class Baked:
         graph_memory: Baked | None = None,
         skip: dict[int, set[str]] | None = None,
     ) -> Baked:
-        """Record ``modules`` (qualified name, module) as they are now; ``roots``: the graphed
+        """The inventory of ``modules`` (qualified name, module) as they are now; ``roots``: the graphed
         modules among them (their own forward hooks run eagerly at every call, see
-        :func:`call_with_own_hooks`); ``graph_memory``: keep the memory of an earlier record
+        :func:`call_with_own_hooks`); ``graph_memory``: keep the memory of an earlier inventory
         as what the graph reads (after a re-bind); ``skip``: per module (by id), attributes
         a replay itself stores (tensors the forward leaves in module state)."""
         attrs, objects, tensors, memory, names, hooks, is_buffer = [], [], [], [], [], [], []
@@ -194,8 +195,8 @@ class Baked:
 
     # ------------------------------------------------------------------ checks
     def changed_hooks(self, scan: bool = False) -> str | None:
-        """Why the hooks differ from the record's (None: they do not). Without ``scan``, the
-        tables are read only if a hook was registered anywhere since the record, or one was
+        """Why the hooks differ from the inventory's (None: they do not). Without ``scan``, the
+        tables are read only if a hook was registered anywhere since it was taken, or one was
         present (it may have been removed)."""
         if not scan and RemovableHandle.next_id == self.hook_epoch and not self.any_hooks:
             return None  # no hook registered anywhere since, none to remove: unchanged
@@ -267,7 +268,7 @@ class Baked:
         return None
 
     def changed(self) -> str | None:
-        """Anything changed since the record, followed or not (a whole-step graph captures
+        """Anything changed since the inventory was taken, followed or not (a whole-step graph captures
         again): a parameter or buffer replaced or re-pointed, a hook, an attribute."""
         live = self.live()
         if live is None or self.replaced_tensors(live) is not None:
@@ -281,7 +282,7 @@ class Baked:
         return self.changed_hooks() or self.changed_attrs()
 
     def live(self) -> tuple[torch.Tensor, ...] | None:
-        """The parameters and buffers the modules hold now, in the record's order (None when
+        """The parameters and buffers the modules hold now, in the inventory's order (None when
         one was removed)."""
         try:
             return tuple(map(getitem, self.tensor_tables, self.tensor_keys))

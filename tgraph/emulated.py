@@ -4,13 +4,13 @@ Every CPU test trusts this backend as its model of what a CUDA graph does, so it
 graph's essential properties, not just its interface:
 
 * **Replay runs no Python.** :meth:`EmulatedGraph.capture` runs the function once under a
-  ``TorchDispatchMode`` that records every ATen operation it executes (the backward's too, since
+  ``TorchDispatchMode`` that writes every ATen operation it executes onto a tape (the backward's too, since
   autograd dispatches its kernels on the same thread): the operator, its arguments and its
   outputs. :meth:`EmulatedGraph.replay` executes exactly that tape. A module attribute read in
   ``forward`` (``dropout.p``, a temperature), a hook, ``torch.func.functional_call``'s
   substituted weights, a Python branch, a global: each keeps its capture-time effect, as on a
   GPU.
-* **Fixed addresses.** Tensors are recorded by their memory, not by their Python object: the
+* **Fixed addresses.** Tensors are taped by their memory, not by their Python object: the
   tape holds, for every tensor an operation read or wrote, a tensor on the same raw address
   (:func:`_Pins.pin`). Re-pointing a parameter (``p.data = other``) after capture leaves the
   replay reading the old memory, exactly like a CUDA graph. Each result of a replayed operation
@@ -86,7 +86,7 @@ class _Pins:
 
 
 class _Op:
-    """One recorded operation: run ``func`` on the pinned arguments, write fresh results into
+    """One operation of the tape: run ``func`` on the pinned arguments, write fresh results into
     the memory the capture's results occupy (``outs``); views and in-place writes need no
     copy (they already touch the captured memory)."""
 
@@ -119,8 +119,9 @@ class _RngMark:
         self.base: torch.Tensor | None = None  # the state that replay started from
 
 
-class _Recorder(TorchDispatchMode):
-    """Records the operations a captured function executes (see the module docstring)."""
+class _TapeWriter(TorchDispatchMode):
+    """Writes the operations a captured function executes onto the tape (see the module
+    docstring)."""
 
     def __init__(self, graph: EmulatedGraph) -> None:
         super().__init__()
@@ -141,10 +142,10 @@ class _Recorder(TorchDispatchMode):
         if gen is not None:
             check_registered(gen, self._graph._registered)
         out = func(*args, **kwargs)
-        self.tape.append(self._record(func, args, kwargs, out))
+        self.tape.append(self._to_op(func, args, kwargs, out))
         return out
 
-    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> _Op | None:
+    def _to_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> _Op | None:
         name = func._schema.name
         inputs = {
             t.untyped_storage().data_ptr()
@@ -208,29 +209,29 @@ class EmulatedGraph:
         return any(g._cdata == generator._cdata for g in self._registered)
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` once, recording its operations; returns its output (static memory)."""
+        """Run ``fn`` once, taping its operations; returns its output (static memory)."""
         from tgraph import rng  # rng imports nothing of ours; keep the import graph flat
 
         self.index = self._stamp() if self._stamp is not None else 0
         known = [torch.default_generator]
         known += [g for g in rng.extra_generators() if g.device.type == "cpu"]
         self._frozen = [(g, g.get_state()) for g in known if not self.registers(g)]
-        recorder = _Recorder(self)
-        with emulated_capture(), _rng_positions(recorder), RefuseHostReads(), recorder:
+        writer = _TapeWriter(self)
+        with emulated_capture(), _rng_positions(writer), RefuseHostReads(), writer:
             out = fn()
-        self._tape = [op for op in recorder.tape if op is not None]
-        self._keep = recorder.pins.keep
+        self._tape = [op for op in writer.tape if op is not None]
+        self._keep = writer.pins.keep
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         # only outputs on memory the capture allocated are the pool's: one on a parameter's or
         # a static input's memory (a parameter returned as is) is never reused by another graph
         self._outputs = [
-            recorder.pins.pin(t) for t in leaves if t.untyped_storage().data_ptr() in recorder.fresh
+            writer.pins.pin(t) for t in leaves if t.untyped_storage().data_ptr() in writer.fresh
         ]
         own = {t.untyped_storage().data_ptr() for t in leaves}
         self._saved = [
-            recorder.pins.pin(t)
+            writer.pins.pin(t)
             for t in saved_activations(leaves)
-            if t.untyped_storage().data_ptr() in recorder.fresh - own
+            if t.untyped_storage().data_ptr() in writer.fresh - own
         ]
         if self._pool is not None:
             self._pool.captured(self)
@@ -288,7 +289,7 @@ def _no_autocast() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _rng_positions(recorder: _Recorder) -> Iterator[None]:
+def _rng_positions(writer: _TapeWriter) -> Iterator[None]:
     """During capture, ``torch.get_rng_state`` / ``torch.set_rng_state`` (default generator)
     also mark and seek positions on the tape (module docstring, Generators)."""
     saved = (torch.get_rng_state, torch.set_rng_state)
@@ -301,7 +302,7 @@ def _rng_positions(recorder: _Recorder) -> Iterator[None]:
         def at_replay(base: torch.Tensor) -> None:
             mark.state, mark.base = torch.default_generator.get_state(), base
 
-        recorder.tape.append(at_replay)
+        writer.tape.append(at_replay)
         return state
 
     def set_rng_state(new_state: torch.Tensor) -> None:
@@ -317,7 +318,7 @@ def _rng_positions(recorder: _Recorder) -> Iterator[None]:
             if not torch.equal(mark.base, base):  # same position, another replay offset
                 torch.empty(1).random_()
 
-        recorder.tape.append(at_replay)
+        writer.tape.append(at_replay)
 
     torch.get_rng_state, torch.set_rng_state = get_rng_state, set_rng_state
     try:
@@ -379,7 +380,7 @@ class EmulatedBackend:
     counters)."""
 
     name = "emulated"
-    executes_capture = True  # the capture runs the function once, recording it
+    executes_capture = True  # the capture runs the function once, taping it
     default_warmup = 1
     min_warmup = 0
 

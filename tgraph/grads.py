@@ -6,7 +6,7 @@ carry ``main_grad`` (an fp32 accumulation buffer at a fixed address) and a flag
 ``main_grad`` inside backward and set the flag, returning a dummy ``.grad``; Megatron's DDP hook
 then adds ``.grad`` into ``main_grad`` only when the flag is not set. Inside a graph the
 accumulation kernel is captured and replays into the same ``main_grad``, but the Python
-assignment of the flag is not: :class:`MainGradFlags` records, at capture, which parameters'
+assignment of the flag is not: :class:`MainGradFlags` notes, at capture, which parameters'
 flags the backward sets and sets them again after every replay. Parameters whose wgrad comes
 back through autograd are untouched (their hook accumulates eagerly, as in eager execution), so
 ``main_grad`` and the flags end exactly as eager execution leaves them.
@@ -169,7 +169,7 @@ class ParamGradPacking:
     backward, never again for the optimizer step.
 
     The packing is decided at capture and never changes after it (it is part of the unit's
-    frozen record); what the hand-off changes at replays (the views handed out, the uses of the
+    frozen capture result); what the hand-off changes at replays (the views handed out, the uses of the
     buffer that are tgraph's own, the landing buffer) lives in the unit's :class:`GradHandOff`.
     """
 
@@ -247,7 +247,7 @@ class GradHandOff:
     """What handing one unit's packed gradients to autograd changes at replays; its
     :class:`ParamGradPacking` (``plan``) stays as captured.
 
-    Created when the unit's record is baked, when nothing but its own views aliases the static
+    Created when the unit's capture result is baked, when nothing but its own views aliases the static
     buffer; it lives in the unit's replay state (:class:`tgraph.layers.captured.ReplayState`).
     """
 

@@ -7,7 +7,7 @@ per-layer graphs'; a whole-step graph fills the ones it has (its static batch or
 ``static_inputs``, its outputs in ``static_outputs``, the gradients it writes or owns in
 ``param_grads``) and leaves the others 0.
 
-Every unit records, at capture, the bytes of each kind of buffer it owns (:class:`UnitMemory`);
+Every unit notes, at capture, the bytes of each kind of buffer it owns (:class:`UnitMemory`);
 :func:`memory_report` adds them up over every captured unit. The kinds:
 
 * ``static_inputs``: input buffers the forward graph reads (outside the pool; shared inputs,
@@ -24,7 +24,7 @@ Every unit records, at capture, the bytes of each kind of buffer it owns (:class
 * ``warmup_peak``: the most memory one unit's eager warmup held at once above what was
   allocated before it (transient; CUDA only).
 
-Not the graphs' own, but reported because it adds to the capture's peak:
+Not the graphs' own, but reported because it adds to the peak of creating the graphs:
 :attr:`MemoryReport.grads_at_capture`, the parameter ``.grad`` of the recorded step that were
 still alive when ``create_graphs()`` ran.
 
@@ -72,8 +72,8 @@ class MemoryReport(UnitMemory):
     """:class:`UnitMemory` summed over every captured unit (``warmup_peak``: the largest)."""
 
     units: int = 0
-    #: bytes of parameter ``.grad`` alive while ``create_graphs()`` captured (the recorded
-    #: step's, not the graphs'): they add to the capture's peak; zeroing them first saves it
+    #: bytes of parameter ``.grad`` alive while ``create_graphs()`` created the graphs (the
+    #: recorded step's, not the graphs'): they add to its peak; zeroing them first saves it
     grads_at_capture: int = 0
 
     @property
@@ -101,7 +101,7 @@ class MemoryReport(UnitMemory):
 
 @dataclass
 class CaptureReport:
-    """What a capture made: :func:`tgraph.create_graphs` returns one (``entry="layers"``);
+    """What creating the graphs made: :func:`tgraph.create_graphs` returns one (``entry="layers"``);
     :meth:`tgraph.FullIterationGraph.capture_report` and
     :meth:`tgraph.OptimizerGraph.capture_report` give the same shape."""
 
@@ -112,9 +112,10 @@ class CaptureReport:
     segments: int
     """Number of merged stacks (each one forward and one backward graph for several runners)."""
     seconds: float
-    """Wall time of warmup plus capture (per-layer), or of the captures (whole-step)."""
+    """Wall time of creating the graphs (per-layer: warmup, captures, bake), or of the captures
+    (whole-step)."""
     pool_bytes: int
-    """CUDA memory held after capture minus before (0 on the emulated backend)."""
+    """CUDA memory held after creating the graphs minus before (0 on the emulated backend)."""
     backends: list[str]
     """Backends used."""
     eager_modules: list[str]
@@ -152,10 +153,11 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], skip: Iterable[int] = (
     return total
 
 
-def memory_report(records: Iterable, grads_at_capture: int = 0) -> MemoryReport:
-    """Add up the :class:`UnitMemory` of ``records`` (:class:`tgraph.layers.captured.Captured`)."""
+def memory_report(caps: Iterable, grads_at_capture: int = 0) -> MemoryReport:
+    """Add up the :class:`UnitMemory` of ``caps``, the units' capture results
+    (:class:`tgraph.layers.captured.Captured`)."""
     report = MemoryReport(grads_at_capture=grads_at_capture)
-    for c in records:
+    for c in caps:
         m = c.memory
         report.units += 1
         for f in fields(UnitMemory):

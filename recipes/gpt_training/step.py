@@ -135,8 +135,8 @@ class TrainStep:
             # so create_graphs() captures a graph for it and validation replays instead of
             # falling back to eager with a warning. Its loss is discarded; it draws no RNG.
             self.record_eval()
-            # the recorded step's gradients would add their size to the capture's peak; the
-            # next step drops them anyway
+            # the recorded step's gradients would add their size to the peak of creating the
+            # graphs; the next step drops them anyway
             self.opt.zero_grad(set_to_none=True)
             report = tgraph.create_graphs()  # logs the report
             return StepOutput(loss, report.seconds)

@@ -108,7 +108,7 @@ def train(cfg: TrainConfig) -> dict:
         agreed = True  # decided from all-reduced values: every rank raises at the same step
         raise
     finally:
-        tgraph.reset()  # drop graphs and records even when training failed
+        tgraph.reset()  # drop the graphs and the record even when training failed
         shutdown(env, agreed)
 
 

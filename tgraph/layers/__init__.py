@@ -5,7 +5,7 @@ replayed inside ordinary autograd.
 (:class:`GraphableModule`, whose calls record, replay or run eagerly; ``create``:
 :func:`create_graphs`) -> ``record`` (the recorded iteration) and ``signature`` (call keys,
 output templates) -> ``capture`` (warmup and capture of a unit; ``runner``: one module,
-``segment``: a merged stack) -> ``captured`` (the frozen record a capture returns) -> ``replay``
-(the autograd bridge that replays from that record; ``backward``: its backward half;
+``segment``: a merged stack) -> ``captured`` (the frozen capture result a unit's captures end in) -> ``replay``
+(the autograd bridge that replays from that capture result; ``backward``: its backward half;
 ``follow``: the rare paths after a check found a change).
 """

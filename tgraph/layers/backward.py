@@ -1,8 +1,8 @@
 """The backward half of a graphed call: what :class:`tgraph.layers.replay.GraphedCall`'s
 backward does once it has checked that this backward may run.
 
-Like the forward replay, everything here works on a frozen
-:class:`tgraph.layers.captured.Captured` record and its unit's
+Like the forward replay, everything here works on the unit's frozen capture
+result (:class:`tgraph.layers.captured.Captured`) and its
 :class:`tgraph.layers.captured.ReplayState`: :func:`copy_grad_outputs` copies the incoming
 gradients into the static grad-output buffers, :func:`replay_backward` replays the backward
 graph (from the forward's generator offset when the unit recomputes), :func:`after_backward`

@@ -7,10 +7,9 @@ Two kinds of unit exist, and they differ only in how their forward runs:
 
 Everything else of a capture lives here, once: warmup, the forward graph, leaf discovery, the
 backward graph, each filling the unit's :class:`tgraph.layers.draft.CaptureDraft`, and
-:meth:`GraphedUnit.bake`, which freezes the draft into a
-:class:`tgraph.layers.captured.Captured` record once every graph of the pool is captured and
-drops it. A replay
-works on that record and the unit's :class:`tgraph.layers.captured.ReplayState` alone
+:meth:`GraphedUnit.bake`, which freezes the draft into the unit's capture
+result (:class:`tgraph.layers.captured.Captured`) once every graph of the pool is captured and
+drops it. A replay works on that capture result and the unit's :class:`tgraph.layers.captured.ReplayState` alone
 (:mod:`tgraph.layers.replay`), never on the unit.
 
 Ownership and aliasing (what a user of the outputs must know):
@@ -153,7 +152,7 @@ class GraphedUnit:
         self.debug = False  # poison the static buffers after each backward (enable(debug=True))
         self.main_grad_fusion = fusion  # options (MainGradFusion, DirectGrads)
         self.direct_grads = direct
-        self.cap: Captured | None = None  # the frozen record, once every graph is captured
+        self.cap: Captured | None = None  # the frozen capture result, once every graph is captured
         self.state = ReplayState()  # what replays change (tgraph.layers.captured)
         self.draft: CaptureDraft | None = None  # the capture's findings until bake
         self.new_draft(call)
@@ -393,7 +392,7 @@ class GraphedUnit:
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         track_outputs(cap, st)
         st.grads = GradHandOff(cap.packing)
-        self.cap, self.draft = cap, None  # the record holds what a replay needs
+        self.cap, self.draft = cap, None  # the capture result holds what a replay needs
         for r in self.members:
             r.cap, r.state, r.draft = cap, st, None
 
@@ -439,7 +438,7 @@ class GraphedUnit:
 
     def rebind(self) -> None:
         """The modules hold new parameter objects (``load_state_dict(assign=True)``), the
-        old ones are gone: a new record over the same graphs and memory, with the new objects
+        old ones are gone: a new capture result over the same graphs and memory, with the new objects
         baked in (:func:`tgraph.layers.replay.check` asked for it)."""
         cap = self.cap
         skip = {id(m): {k for m2, k, _ in st if m2 is m} for st in cap.stored for m, _, _ in st}

@@ -1,12 +1,13 @@
 """What one capture made, frozen, and the little that a replay changes.
 
-A unit's capture (:mod:`tgraph.layers.capture`: a runner or a merged stack) ends in a :class:`Captured`
-record: the two graphs, the static buffers, the outputs' templates, the gradient plumbing and
-what the graphs baked in (:class:`tgraph.baked.Baked`), with the flat tuples the per-call
-checks compare. The autograd bridge (:mod:`tgraph.layers.replay`) closes over the record, as
+A unit's captures (:mod:`tgraph.layers.capture`: a runner or a merged stack) end in its capture
+result, a :class:`Captured`: the two graphs, the static buffers, the outputs' templates, the
+gradient plumbing and the baked inventory (:class:`tgraph.baked.Baked`, what the graphs baked
+in), with the flat tuples the per-call checks compare. The autograd bridge
+(:mod:`tgraph.layers.replay`) closes over the capture result, as
 ``torch.cuda.make_graphed_callables``' ``Graphed`` function closes over its capture's tuples.
-The record is never changed; a re-bound parameter (``load_state_dict(assign=True)``) gets a new
-record over the same graphs (:meth:`tgraph.layers.capture.GraphedUnit.rebind`).
+A capture result is never changed; a re-bound parameter (``load_state_dict(assign=True)``) gets
+a new one over the same graphs (:meth:`tgraph.layers.capture.GraphedUnit.rebind`).
 
 What a replay must change lives in one :class:`ReplayState` per unit, in small objects each
 written by one owner: the call in flight (:class:`InFlight`: until its backward, the generator

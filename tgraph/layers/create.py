@@ -1,5 +1,6 @@
-"""``create_graphs``: capture every graph of the recorded iteration, in its order, into one pool
-per backend and device, then freeze each unit's record (what its graphs baked in). A unit that
+"""``create_graphs``: create the graphs of the recorded iteration: capture each, in the record's
+order, into one pool per backend and device, then bake each unit's capture result (with the
+baked inventory, what its graphs baked in). A unit that
 cannot be captured stays eager, named; the others keep their graphs."""
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ logger = logging.getLogger("tgraph.layers.manager")  # one logger for the per-la
 
 
 def create_graphs() -> CaptureReport:
-    """Capture every recorded runner's forward, then backward graph, in recorded order.
+    """Create the graphs: warm up and capture every recorded runner's forward, then backward
+    graph, in recorded order, then bake each unit's capture result.
 
     A unit that cannot be graphed (its capture fails: a host sync such as ``.item()``, a CPU
     tensor copied to the GPU, a data-dependent shape; or hooks on its submodules that
@@ -86,9 +88,9 @@ def create_graphs() -> CaptureReport:
         st.turns = {k: t for k, rs in st.runners.items() if (t := Turns.of(m.record.events, rs))}
     m.record.clear()
     called = {id(r.module) for r in runners}
-    records = [u.cap for u in units]
+    caps = [u.cap for u in units]
     m.report = CaptureReport(
-        graphs=sum(1 + (c.bwd_graph is not None) for c in records),
+        graphs=sum(1 + (c.bwd_graph is not None) for c in caps),
         runners=len(runners) - len(eager),
         segments=len(m.segments),
         seconds=time.perf_counter() - start,
@@ -100,7 +102,7 @@ def create_graphs() -> CaptureReport:
             if id(mod) not in called
         ]
         + _leave_eager(m, eager),
-        memory=memory.memory_report(records, grads_at_capture=grads_alive),
+        memory=memory.memory_report(caps, grads_at_capture=grads_alive),
     )
     logger.info("%s", m.report)
     return m.report
@@ -225,7 +227,7 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
 
 
 def _bake(units: list) -> None:
-    """Each unit's frozen record, once every graph of the pool exists; each learns which
+    """Each unit's frozen capture result, once every graph of the pool exists; each learns which
     tensors on its static buffers are tgraph's own (the others are held by the caller)."""
     internal: dict[int, list[torch.Tensor]] = {}
     for u in units:

@@ -1,14 +1,14 @@
 """What a capture starts from and fills before it is frozen: one :class:`CaptureDraft` per unit
-(and member), from the unit's creation until its record is baked.
+(and member), from the unit's creation until its capture result is baked.
 
 A unit's capture (:mod:`tgraph.layers.capture`) runs in steps, one graph at a time, in the
 pool's recorded order: the forward graph with its warmup, the parameters its autograd graph
 reaches, the backward graph. Between the steps, and until every graph of the pool exists, what
 they found lives here: the static buffers, the graphs, the gradient plumbing being built, the
 bookkeeping of the warmup. Once every graph of the pool is captured,
-:meth:`tgraph.layers.capture.GraphedUnit.bake` freezes the draft into the unit's
-:class:`tgraph.layers.captured.Captured` record and drops it: a captured unit keeps its identity,
-its options, its record (``cap``) and its replay state, nothing of the capture's way there.
+:meth:`tgraph.layers.capture.GraphedUnit.bake` freezes the draft into the unit's capture
+result (:class:`tgraph.layers.captured.Captured`) and drops it: a captured unit keeps its
+identity, its options, its capture result (``cap``) and its replay state, nothing of the capture's way there.
 
 A runner's draft has three parts: the recorded call the capture starts from
 (:class:`RecordedCall`, kept when a failed capture starts over), the unit's (a runner may be

@@ -6,7 +6,7 @@
 per-module state (its options and where its parameters and ``training`` flags are read), which
 the call path in :mod:`tgraph.layers.manager` reads at every call; :func:`reset_layer_graphs`
 drops the per-layer graphs and the record of the process, so that enabled modules record again
-(``create_graphs``, which captures them, is in :mod:`tgraph.layers.create`).
+(``create_graphs``, which creates their graphs, is in :mod:`tgraph.layers.create`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A parameter or buffer re-pointed after capture (``p.data = ...``) is copied into
 graph reads at each call (:func:`follow_moved`); gradients go to the tensors the modules hold now
 (:func:`route`); outputs of the last replay that the caller still holds get memory of their own
 before the graph overwrites them (:func:`move_out_held_outputs`). These run only when the
-record's checks found a difference, never on an unchanged replay.
+capture result's checks found a difference, never on an unchanged replay.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def track_outputs(cap: Captured, state: ReplayState) -> None:
 
 
 def unfollow(state: ReplayState) -> None:
-    """A new record over the same graphs (:meth:`tgraph.layers.capture.GraphedUnit.rebind`):
+    """A new capture result over the same graphs (:meth:`tgraph.layers.capture.GraphedUnit.rebind`):
     nothing is followed yet; :func:`tgraph.layers.replay.check` decides anew."""
     state.route.copy_in, state.route.rerouted, state.route.followed = [], False, None
 

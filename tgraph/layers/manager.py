@@ -8,7 +8,7 @@ Life cycle::
     model = GPT(cfg)                     # its blocks subclass tgraph.GraphableModule
     tgraph.enable(model)                 # graphed modules start recording
     train_step(model, batch)             # iteration 1 runs eagerly; forwards and backwards recorded
-    tgraph.create_graphs()               # capture every graph, in recorded order, one pool
+    tgraph.create_graphs()               # create the graphs: capture each, in recorded order, one pool
     train_step(model, batch)             # later iterations replay graphs inside ordinary autograd
 
 After ``create_graphs()`` a call that no graph was captured for (new shape, dtype,
@@ -17,8 +17,8 @@ naming what changed; with ``strict=True`` it raises instead. A graph is never re
 it was not captured for.
 
 The mechanisms this life cycle drives live in their own files: the switches in enable.py, the
-recorded iteration in record.py, the capture of every graph in create.py and of one unit in
-capture.py (frozen into captured.py's record), its replay and autograd node in replay.py (its
+recorded iteration (the record) in record.py, the creation of the graphs in create.py, a unit's
+warmup and captures in capture.py (frozen into captured.py's capture result), its replay and autograd node in replay.py (its
 backward in backward.py), the shared memory pool in tgraph/pool.py.
 """
 
@@ -179,8 +179,8 @@ class _Manager:
         return self._eager(module, state, args, kwargs, reason)
 
     def _rebind(self, runner: Runner, tensors: list):
-        """The modules of ``runner``'s unit hold new parameter objects: record them in a new
-        record (:meth:`tgraph.layers.capture.GraphedUnit.rebind`) and key calls on them, then replay."""
+        """The modules of ``runner``'s unit hold new parameter objects: bake them into a new
+        capture result (:meth:`tgraph.layers.capture.GraphedUnit.rebind`) and key calls on them, then replay."""
         unit = runner.segment or runner
         unit.rebind()
         out = replay_call(runner.cap, runner.state, runner.seg_index, tensors)

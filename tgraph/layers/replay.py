@@ -1,6 +1,6 @@
 """The replay of a captured unit, and the autograd bridge: one ``autograd.Function`` node.
 
-Everything here works on a frozen :class:`tgraph.layers.captured.Captured` record and its unit's
+Everything here works on a unit's frozen capture result (:class:`tgraph.layers.captured.Captured`) and its
 :class:`tgraph.layers.captured.ReplayState`, never on the unit itself (:mod:`tgraph.layers.capture` captures;
 ``torch.cuda.make_graphed_callables``' ``Graphed`` function closes over its capture the same
 way). :func:`call` answers one graphed call: the head of a unit checks what the graphs baked
@@ -55,7 +55,8 @@ DIFFERENT_SHARED_INPUT = (
 
 class Rebind:
     """:func:`check`'s answer when the modules hold new parameter objects on memory of their
-    own: the unit records them again (:meth:`tgraph.layers.capture.GraphedUnit.rebind`), then retries."""
+    own: the unit bakes them into a new capture result
+    (:meth:`tgraph.layers.capture.GraphedUnit.rebind`), then retries."""
 
 
 REBIND = Rebind()
@@ -67,7 +68,7 @@ class Flight:
 
     Args:
         state: the unit's replay state.
-        cap: the unit's record once captured: a flight of a replay also enters the pool's
+        cap: the unit's capture result once captured: a flight of a replay also enters the pool's
             :class:`tgraph.pool.PoolLedger`, which checks that no replay overwrites memory
             the unit still needs.
         held: in flight because the outputs of a call without backward are alive, not because
@@ -116,7 +117,7 @@ def hold_while_alive(state: ReplayState, outputs: list[torch.Tensor]) -> None:
 
 # ----------------------------------------------------------------------------- calls
 def call(cap: Captured | None, state: ReplayState, j: int, tensors: list[torch.Tensor]):
-    """The outputs of member ``j``'s call (the record's ``j``-th template fills them), or the
+    """The outputs of member ``j``'s call (the capture result's ``j``-th template fills them), or the
     reason it must run eagerly, or :data:`REBIND`."""
     if cap is None:
         return BUSY

@@ -4,7 +4,7 @@ What is the runner's own: its recorded first call (:class:`tgraph.layers.draft.R
 from which its capture fills its static input buffers (or the producer's static output, shared)
 and parameter aliases in its draft, and how its module's forward runs under the recorded grad
 mode, autocast and ``training`` flags. Capture and the buffers' ownership
-are the unit's (:mod:`tgraph.layers.capture`); a replay works on the unit's frozen record
+are the unit's (:mod:`tgraph.layers.capture`); a replay works on the unit's frozen capture result
 (:mod:`tgraph.layers.replay`).
 """
 

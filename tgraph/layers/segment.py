@@ -21,7 +21,7 @@ caller may also use intermediate outputs (e.g. collect hidden states); their gra
 added in the backward graph.
 
 A segment is a :class:`tgraph.layers.capture.GraphedUnit` like a runner; only its forward differs. Its
-record's ``slices`` and ``sources`` say which outputs each member returns and where each later
+capture result's ``slices`` and ``sources`` say which outputs each member returns and where each later
 member's inputs come from; the calls themselves are answered by :func:`tgraph.layers.replay.call`
 (the head replays, :func:`tgraph.layers.replay.take` serves the later members).
 """

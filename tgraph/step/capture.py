@@ -25,7 +25,7 @@ in the same order, whichever entry asks:
         out = step.capture(fn)
     except BaseException as exc:
         step.fail(exc)                                      # undone, raised as CaptureError
-    record = step.record(outputs=..., static_inputs=...)   # what the replays read, frozen
+    cap = step.result(outputs=..., static_inputs=...)      # what the replays read, frozen
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 from tgraph.backend import GraphFactory, stale_stream_override
 from tgraph.guards import RefuseLrWrites, check_lr_unwritten, explain_capture_failure
 from tgraph.snapshot import Snapshot
+from tgraph.step.captured import CapturedStep
 from tgraph.step.host_state import (
     BakedNumbers,
     HostWrites,
@@ -48,7 +49,6 @@ from tgraph.step.host_state import (
     fused_groups_capturable,
 )
 from tgraph.step.hyperparams import BakedLayout, HyperParams
-from tgraph.step.record import StepRecord
 
 
 def check_optimizers(
@@ -164,12 +164,13 @@ class StepCapture:
         self.pool_bytes = f.memory_allocated() - before
         return out
 
-    def record(self, **parts: Any) -> StepRecord:
-        """After a successful :meth:`capture`: the frozen :class:`tgraph.step.record.StepRecord`
-        a replay reads, with the graph, its hyper-parameters, what the optimizers baked in
-        (their layout and Python numbers, taken now) and the capture's cost; ``parts`` are
+    def result(self, **parts: Any) -> CapturedStep:
+        """After a successful :meth:`capture`: the step's capture result, the frozen
+        :class:`tgraph.step.captured.CapturedStep` a replay reads, with the graph, its
+        hyper-parameters, what the optimizers baked in (their layout and Python numbers, taken
+        now) and the capture's cost; ``parts`` are
         the entry's own fields (static batch, outputs, gradients, ``baked``)."""
-        return StepRecord(
+        return CapturedStep(
             graph=self.graph,
             factory=self.factory,
             hparams=tuple(self.hparams),

@@ -92,9 +92,9 @@ from tgraph.layers.signature import call_key, first_difference, split
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
+from tgraph.step.captured import CapturedStep, Phase
 from tgraph.step.hyperparams import HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
-from tgraph.step.record import Phase, StepRecord
 from tgraph.step.step_grads import grad_modes, grads_weakly, sync_grads_in
 from tgraph.step.watch import DDP_MIN_WARMUP, Watch, check_not_nested
 
@@ -103,13 +103,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    """One batch signature: its phase, its count of eager calls and, captured, its record."""
+    """One batch signature: its phase, its count of eager calls and, captured, its capture
+    result."""
 
     key: tuple
     factory: GraphFactory
     phase: Phase = Phase.WARMUP
     eager_calls: int = 0
-    record: StepRecord | None = None  # exactly in Phase.CAPTURED
+    cap: CapturedStep | None = None  # exactly in Phase.CAPTURED
 
 
 class FullIterationGraph:
@@ -202,9 +203,9 @@ class FullIterationGraph:
         key = call_key((batch,), {}, (False,), tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.phase is Phase.CAPTURED:
-            why = entry.record.change()
+            why = entry.cap.change()
             if why is None:
-                return self._replay(entry.record, tensors)
+                return self._replay(entry.cap, tensors)
             if why not in self._recaptured:
                 self._recaptured.add(why)
                 warnings.warn(
@@ -224,8 +225,8 @@ class FullIterationGraph:
     def reset(self) -> None:
         """Drop every graph; learning rates become Python floats again; calls warm up anew."""
         for e in self._entries.values():
-            if e.record is not None:
-                e.record.graph.reset()
+            if e.cap is not None:
+                e.cap.graph.reset()
         self._entries.clear()
         for hp in self._hparams:
             hp.restore()
@@ -296,7 +297,7 @@ class FullIterationGraph:
         self._hparams = step.hparams
         outputs, template = split(out)
         entry.phase = Phase.CAPTURED
-        entry.record = rec = step.record(
+        entry.cap = cap = step.result(
             static_inputs=tuple(static),
             outputs=tuple(outputs),
             template=template,
@@ -307,40 +308,40 @@ class FullIterationGraph:
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
             f.backend,
-            rec.seconds,
-            rec.pool_bytes / 2**20,
+            cap.seconds,
+            cap.pool_bytes / 2**20,
         )
         if f.executes_capture:
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
-            return self._outputs(rec)
-        return self._replay(rec, tensors, first=True)
+            return self._outputs(cap)
+        return self._replay(cap, tensors, first=True)
 
-    def _outputs(self, rec: StepRecord) -> Any:
+    def _outputs(self, cap: CapturedStep) -> Any:
         """What a call returns: fresh detached clones of the graph's outputs, safe to keep past
         the next replay (which overwrites the graph's own)."""
-        return rec.template.fill([t.detach().clone() for t in rec.outputs])
+        return cap.template.fill([t.detach().clone() for t in cap.outputs])
 
-    def _replay(self, rec: StepRecord, tensors: list[torch.Tensor], first: bool = False) -> Any:
-        for hp in rec.hparams:
+    def _replay(self, cap: CapturedStep, tensors: list[torch.Tensor], first: bool = False) -> Any:
+        for hp in cap.hparams:
             hp.refresh()
         with torch.no_grad():
-            for s, t in zip(rec.static_inputs, tensors):
+            for s, t in zip(cap.static_inputs, tensors):
                 if s.data_ptr() != t.data_ptr():
                     s.copy_(t)
             if not first:
-                sync_grads_in(rec.grad_modes)
-        rec.graph.replay()
-        for p, grad, _ in rec.grad_modes:  # the gradients the graph wrote are the params' .grad
+                sync_grads_in(cap.grad_modes)
+        cap.graph.replay()
+        for p, grad, _ in cap.grad_modes:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
-        return self._outputs(rec)
+        return self._outputs(cap)
 
     # -- reports -------------------------------------------------------------------------------
 
     def capture_report(self) -> CaptureReport:
         """What the captures made, in the shape of :func:`tgraph.create_graphs`'s report
         (``entry="FullIterationGraph"``; one graph per batch signature)."""
-        captured = [e.record for e in self._entries.values() if e.record is not None]
+        captured = [e.cap for e in self._entries.values() if e.cap is not None]
         return CaptureReport(
             graphs=len(captured),
             runners=0,
@@ -359,13 +360,13 @@ class FullIterationGraph:
         write (``param_grads``)."""
         report = MemoryReport()
         for e in self._entries.values():
-            rec = e.record
-            if rec is None:
+            cap = e.cap
+            if cap is None:
                 continue
             report.units += 1
-            report.static_inputs += tensor_bytes(rec.static_inputs)
-            report.static_outputs += tensor_bytes(rec.outputs)
-            report.param_grads += tensor_bytes(g for _, g, _ in rec.grad_modes)
+            report.static_inputs += tensor_bytes(cap.static_inputs)
+            report.static_outputs += tensor_bytes(cap.outputs)
+            report.param_grads += tensor_bytes(g for _, g, _ in cap.grad_modes)
         return report
 
     def _params(self) -> list[torch.Tensor]:

@@ -60,10 +60,10 @@ from tgraph.guards import CaptureError
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
+from tgraph.step.captured import CapturedStep, Phase
 from tgraph.step.grad_buffers import GradBuffers
 from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout
 from tgraph.step.optimizer_hooks import OptimizerHooks
-from tgraph.step.record import Phase, StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class OptimizerGraph(OptimizerHooks):
 
     def _reset_state(self) -> None:
         self._phase = Phase.WARMUP
-        self._record: StepRecord | None = None  # exactly in Phase.CAPTURED
+        self._cap: CapturedStep | None = None  # exactly in Phase.CAPTURED
         self._factory: GraphFactory | None = None  # from the parameters' device, at the first step
         self._eager_calls = 0
         self._stepped: set[int] = set()  # parameters that had a gradient at an eager step
@@ -152,7 +152,7 @@ class OptimizerGraph(OptimizerHooks):
         """After a step (eager, captured or replayed): ``.grad = None``, as
         ``optimizer.zero_grad()``; the next backward hands autograd's tensors over unchanged."""
         if self.zero_grad:
-            for p in self._record.params if self._record is not None else self.params():
+            for p in self._cap.params if self._cap is not None else self.params():
                 p.grad = None
 
     # -- the step ---------------------------------------------------------------------------
@@ -187,7 +187,7 @@ class OptimizerGraph(OptimizerHooks):
         """
         self._take_loss(loss)
         if self._phase is Phase.CAPTURED:
-            why = self._record.change()
+            why = self._cap.change()
             if why is None:
                 return self._replay()
             logger.warning("OptimizerGraph: %s; capturing the step again after warmup", why)
@@ -271,7 +271,7 @@ class OptimizerGraph(OptimizerHooks):
         if self._state_layouts() != layout:
             return self._eager_instead(step)
         self._phase = Phase.CAPTURED
-        self._record = step.record(
+        self._cap = step.result(
             params=tuple(self.params()),
             static_inputs=() if self._static_loss is None else (self._static_loss,),
             grad_buffers=buffers,
@@ -315,17 +315,17 @@ class OptimizerGraph(OptimizerHooks):
                 p.grad = g
 
     def _replay(self) -> None:
-        rec = self._record
-        for hp in rec.hparams:
+        cap = self._cap
+        for hp in cap.hparams:
             hp.refresh()
         live = None if self.zero_grad else [(p, p.grad) for p in self.params()]
         with torch.no_grad():
             self.refresh_grads()
-        if rec.grad_buffers.held_elsewhere:  # the graph's gradient memory is held elsewhere
-            with rec.factory.side_stream():
+        if cap.grad_buffers.held_elsewhere:  # the graph's gradient memory is held elsewhere
+            with cap.factory.side_stream():
                 self._run()
         else:
-            rec.graph.replay()
+            cap.graph.replay()
         if live is not None:
             self._after_step(live)
         else:
@@ -343,17 +343,17 @@ class OptimizerGraph(OptimizerHooks):
         """The ``(parameter, buffer)`` pairs the captured graph reads its gradients from, as
         :meth:`bind_grads` returned them (empty before the capture); what an override of
         :meth:`refresh_grads` checks or fills."""
-        return [] if self._record is None else list(self._record.grad_buffers.pairs)
+        return [] if self._cap is None else list(self._cap.grad_buffers.pairs)
 
     @property
     def capture_seconds(self) -> float:
         """Wall time of the capture (0.0 before it)."""
-        return 0.0 if self._record is None else self._record.seconds
+        return 0.0 if self._cap is None else self._cap.seconds
 
     @property
     def pool_bytes(self) -> int:
         """Device memory the capture allocated (0 before it, and on the emulated backend)."""
-        return 0 if self._record is None else self._record.pool_bytes
+        return 0 if self._cap is None else self._cap.pool_bytes
 
     @property
     def own_grad_bytes(self) -> int:
@@ -381,7 +381,7 @@ class OptimizerGraph(OptimizerHooks):
             segments=0,
             seconds=self.capture_seconds,
             pool_bytes=self.pool_bytes,
-            backends=[self._record.factory.backend] if self.captured else [],
+            backends=[self._cap.factory.backend] if self.captured else [],
             eager_modules=[],
             memory=self.memory_report(),
             entry="OptimizerGraph",
@@ -395,16 +395,16 @@ class OptimizerGraph(OptimizerHooks):
             return MemoryReport()
         return MemoryReport(
             units=1,
-            static_inputs=tensor_bytes(self._record.static_inputs),
+            static_inputs=tensor_bytes(self._cap.static_inputs),
             param_grads=self.own_grad_bytes,
         )
 
     def reset(self) -> None:
         """Drop the graph; learning rates become floats again; the next steps warm up anew."""
-        rec = self._record
-        if rec is not None:
-            rec.graph.reset()
-            for hp in rec.hparams:
+        cap = self._cap
+        if cap is not None:
+            cap.graph.reset()
+            for hp in cap.hparams:
                 hp.restore()
         self._reset_state()
 

@@ -1,7 +1,7 @@
-"""A captured unit's record is never changed: replays change only its replay state.
+"""A captured unit's capture result is never changed: replays change only its replay state.
 
-Every field of each unit's :class:`tgraph.layers.captured.Captured` record, and every attribute
-of its parts (the gradient packing and plumbing, what the graphs baked in, the memory
+Every field of each unit's capture result (:class:`tgraph.layers.captured.Captured`), and every
+attribute of its parts (the gradient packing and plumbing, the baked inventory, the memory
 accounting), keeps its identity and its value over training steps that replay the graphs,
 accumulate gradients (the packed buffer's views are moved out at every replay) and evaluate.
 """
@@ -48,7 +48,7 @@ def _attributes(obj) -> dict:
 
 
 def _snapshot(units) -> list:
-    """Per unit: its record's identity and fields, and each frozen part's attributes."""
+    """Per unit: its capture result's identity and fields, and each frozen part's attributes."""
     out = []
     for u in units:
         cap = u.cap
@@ -69,7 +69,7 @@ def _train(model, batches, accumulate: int) -> None:
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "per_layer"])
-def test_replays_never_change_the_record(backend, device, merge):
+def test_replays_never_change_the_capture_result(backend, device, merge):
     model = tiny_gpt(device)
     tgraph.enable(model, backend=backend, merge=merge, strict=True)
     batches = gpt_batches(device, 6)
@@ -85,7 +85,7 @@ def test_replays_never_change_the_record(backend, device, merge):
     assert _snapshot(units) == before
 
 
-def test_a_replay_that_changes_the_record_is_caught(backend, device, monkeypatch):
+def test_a_replay_that_changes_the_capture_result_is_caught(backend, device, monkeypatch):
     """Planted: the hand-off's rescue (at every replay while gradients are held) re-plans the
     packing it reads, as the packing did when it held its own replay-time views."""
     views = ParamGradPacking.views

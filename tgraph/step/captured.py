@@ -1,16 +1,17 @@
 """What a captured whole step's replay reads, frozen, and where a whole-step entry stands.
 
-A whole-step capture (:class:`tgraph.step.capture.StepCapture`) ends in a :class:`StepRecord`:
-the graph, the static batch and outputs, the hyper-parameters whose tensors it reads, the
-optimizers' layout and Python numbers it baked in, the gradients it reads or writes and what the
-step's modules baked in. :class:`tgraph.FullIterationGraph` (one record per batch signature) and
-:class:`tgraph.OptimizerGraph` replay from the record alone, as the per-layer wing replays from
-its :class:`tgraph.layers.captured.Captured` record. The record is never changed; a change it
-cannot follow (:meth:`StepRecord.change`) drops it and the entry warms up anew.
+A whole-step capture (:class:`tgraph.step.capture.StepCapture`) ends in the step's capture
+result, a :class:`CapturedStep`: the graph, the static batch and outputs, the hyper-parameters
+whose tensors it reads, the optimizers' layout and Python numbers it baked in, the gradients it
+reads or writes and what the step's modules baked in. :class:`tgraph.FullIterationGraph` (one
+capture result per batch signature) and :class:`tgraph.OptimizerGraph` replay from it alone, as
+the per-layer wing replays from a unit's :class:`tgraph.layers.captured.Captured`. A capture
+result is never changed; a change it cannot follow (:meth:`CapturedStep.change`) drops it and
+the entry warms up anew.
 
-Besides the record, an entry keeps its :class:`Phase` (warming up, captured, failed and eager
-for good) instead of flags, its count of eager steps and the static tensors that outlive one
-capture (an optimizer graph's loss and gradient norm).
+Besides its capture result, an entry keeps its :class:`Phase` (warming up, captured, failed and
+eager for good) instead of flags, its count of eager steps and the static tensors that outlive
+one capture (an optimizer graph's loss and gradient norm).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from tgraph.step.hyperparams import BakedLayout, HyperParams
 
 
 class Phase(enum.Enum):
-    """Where a whole-step entry (or one batch signature of it) stands; a record exists exactly
-    in :attr:`CAPTURED`."""
+    """Where a whole-step entry (or one batch signature of it) stands; a capture result exists
+    exactly in :attr:`CAPTURED`."""
 
     WARMUP = "warmup"
     """Eager steps before the capture (more while a step creates optimizer state)."""
     CAPTURED = "captured"
-    """Replays of the record."""
+    """Replays of the capture result."""
     FAILED = "failed"
     """The capture failed (its error was raised); the next step warns and runs eagerly."""
     EAGER = "eager"
@@ -44,7 +45,7 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class StepRecord:
+class CapturedStep:
     """One captured whole step: what its replay reads and checks (module docstring)."""
 
     graph: Any
@@ -71,4 +72,4 @@ class StepRecord:
         return why
 
 
-__all__ = ["Phase", "StepRecord"]
+__all__ = ["Phase", "CapturedStep"]
