@@ -39,6 +39,24 @@ def backend(request) -> str:
 
 
 @pytest.fixture
+def replays(monkeypatch) -> list[int]:
+    """Counts graph replays on either backend (a test that claims replays proves them)."""
+    from tgraph.backend import CudaGraph
+    from tgraph.emulated import EmulatedGraph
+
+    count = [0]
+    for cls in (EmulatedGraph, CudaGraph):
+        original = cls.replay
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "replay", counted)
+    return count
+
+
+@pytest.fixture
 def device(backend) -> torch.device:
     return torch.device("cuda" if backend == "cuda" else "cpu")
 

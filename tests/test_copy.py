@@ -14,8 +14,6 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel
 
 import tgraph
-from tgraph.backend import CudaGraph
-from tgraph.emulated import EmulatedGraph
 from tgraph.layers.enable import is_enabled
 
 D = 8
@@ -43,20 +41,6 @@ def make_batches(device: torch.device, n: int = STEPS):
         (torch.randn(4, D, generator=g).to(device), torch.randn(4, 1, generator=g).to(device))
         for _ in range(n)
     ]
-
-
-@pytest.fixture
-def replays(monkeypatch) -> list[int]:
-    count = [0]
-    for cls in (EmulatedGraph, CudaGraph):
-        original = cls.replay
-
-        def counted(self, *args, _original=original, **kwargs):
-            count[0] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "replay", counted)
-    return count
 
 
 @pytest.fixture

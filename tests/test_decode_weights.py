@@ -9,27 +9,11 @@ import pytest
 import torch
 from test_decode import engines, prompts, tiny_gpt
 
-from tgraph.backend import CudaGraph
 from tgraph.decode import DecodeEngine
 from tgraph.decode.requests import Request, make_requests
-from tgraph.emulated import EmulatedGraph
 
 NEW = 12
 SHAPE = dict(max_batch_size=4, max_seq_len=64)
-
-
-@pytest.fixture
-def replays(monkeypatch) -> list[int]:
-    count = [0]
-    for cls in (EmulatedGraph, CudaGraph):
-        original = cls.replay
-
-        def counted(self, *args, _original=original, **kwargs):
-            count[0] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "replay", counted)
-    return count
 
 
 def new_weights(device, seed: int = 5) -> dict[str, torch.Tensor]:

@@ -14,8 +14,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tgraph
-from tgraph.backend import CudaGraph
-from tgraph.emulated import EmulatedGraph
 from tgraph.guards import CaptureError
 from tgraph.step import capture as step_capture
 
@@ -35,21 +33,6 @@ def make_batches(device: torch.device, n: int = STEPS) -> list[tuple[torch.Tenso
         (torch.randn(4, D, generator=g).to(device), torch.randn(4, 1, generator=g).to(device))
         for _ in range(n)
     ]
-
-
-@pytest.fixture
-def replays(monkeypatch) -> list[int]:
-    """Counts graph replays on either backend (a test that claims replays proves them)."""
-    count = [0]
-    for cls in (EmulatedGraph, CudaGraph):
-        original = cls.replay
-
-        def counted(self, *args, _original=original, **kwargs):
-            count[0] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "replay", counted)
-    return count
 
 
 def run(entry: str, backend: str, device: torch.device, make_opt, *, schedule: bool = False):
