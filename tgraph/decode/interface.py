@@ -51,14 +51,42 @@ imports transformers, yet ``DecodeEngine(hf_model, ...)`` finds the transformers
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from tgraph.decode.buffers import PrefillInputs, StepInputs
 from tgraph.decode.kv_cache import KVCache
+
+
+class ServedInEval:
+    """An adapter's ``serving()``: ``model`` in eval mode while the engine captures or generates,
+    its own train/eval mode restored after, so sampling between training steps leaves it
+    training. Nested calls (every decode step inside ``generate``) leave the mode to the
+    outermost and cost nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._active = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self._active:
+            yield
+            return
+        was_training = self.model.training
+        self.model.eval()
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            self.model.train(was_training)
 
 
 @runtime_checkable

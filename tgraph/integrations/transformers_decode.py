@@ -53,15 +53,14 @@ import transformers; the first model whose class lives in ``transformers`` that 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from tgraph.decode.buffers import PrefillInputs, StepInputs
-from tgraph.decode.interface import as_decode_model
+from tgraph.decode.interface import ServedInEval, as_decode_model
 from tgraph.decode.kv_cache import KVCache
 
 try:
@@ -82,7 +81,7 @@ class TransformersDecoder:
 
     Args:
         model: one of :data:`SUPPORTED`; in eval mode while the engine captures or generates
-            (:meth:`serving`), in its own train/eval mode after. Its weights are used in place
+            (:attr:`serving`), in its own train/eval mode after. Its weights are used in place
             (graphs captured before a weight is *reallocated*, e.g. by ``model.to``, keep
             reading the old memory: build a new engine after moving the model).
         tokenizer: optional transformers tokenizer for text prompts (``encode``/``decode``).
@@ -104,7 +103,8 @@ class TransformersDecoder:
                 "adapter with @tgraph.decode.as_decode_model.register"
             )
         self.model = model
-        self._serving = False
+        # serving(): eval mode while the engine captures or generates, its own mode after
+        self.serving = ServedInEval(model)
         self.architecture = family
         cfg = model.config
         self.vocab_size = cfg.vocab_size
@@ -117,23 +117,6 @@ class TransformersDecoder:
         self.n_layer = len(self.layers)
         self.n_query_heads = self.n_head * self.groups
         self._set_tokenizer(tokenizer)
-
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """Eval mode while the engine captures or generates; the model's own mode restored
-        after (nested calls leave it to the outermost), so sampling between training steps
-        leaves the model training."""
-        if self._serving:
-            yield
-            return
-        was_training = self.model.training
-        self.model.eval()
-        self._serving = True
-        try:
-            yield
-        finally:
-            self._serving = False
-            self.model.train(was_training)
 
     # -- set-up per family ------------------------------------------------------------------
 

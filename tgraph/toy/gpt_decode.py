@@ -5,7 +5,7 @@
 block's ``ln_1``, ``attn.split_heads`` (``c_attn``), ``attn.c_proj``, ``ln_2``, ``mlp``, then
 ``ln_f`` and ``lm_head``, exactly as ``GPT.forward`` does, but attends to cached keys and values
 instead of recomputing the whole sequence. Dropout is skipped: the model is in eval mode while
-the engine runs it (:meth:`GPTDecoder.serving`) and gets its own mode back afterwards, so a model
+the engine runs it (:attr:`GPTDecoder.serving`) and gets its own mode back afterwards, so a model
 sampled from between training steps keeps training with dropout (and its per-layer graphs).
 
 Registered as the :func:`~tgraph.decode.interface.as_decode_model` adapter of ``GPT``, so
@@ -14,14 +14,11 @@ Registered as the :func:`~tgraph.decode.interface.as_decode_model` adapter of ``
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 
 from tgraph.decode.buffers import PrefillInputs, StepInputs
-from tgraph.decode.interface import as_decode_model
+from tgraph.decode.interface import ServedInEval, as_decode_model
 from tgraph.decode.kv_cache import KVCache
 from tgraph.toy import gpt as gpt_model
 
@@ -30,7 +27,7 @@ class GPTDecoder:
     """Serve a :class:`~tgraph.toy.gpt.GPT` through the decode interface.
 
     Args:
-        model: the GPT; in eval mode (dropout off) inside :meth:`serving`, its own mode outside.
+        model: the GPT; in eval mode (dropout off) inside :attr:`serving`, its own mode outside.
             Its weights are used in place, so later weight updates are seen by the decoder (but
             not by graphs captured earlier if parameters are reallocated, e.g. by
             ``model.to(...)``).
@@ -39,7 +36,8 @@ class GPTDecoder:
     def __init__(self, model: gpt_model.GPT) -> None:
         cfg = model.config
         self.model = model
-        self._serving = False
+        # serving(): eval mode while the engine captures or generates, its own mode after
+        self.serving = ServedInEval(model)
         self.n_layer = cfg.n_layer
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
@@ -48,22 +46,6 @@ class GPTDecoder:
         weight = model.wte.weight
         self.dtype = weight.dtype
         self.device = weight.device
-
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """Eval mode while the engine captures or generates; the model's own mode restored
-        after (nested calls leave it to the outermost)."""
-        if self._serving:
-            yield
-            return
-        was_training = self.model.training
-        self.model.eval()
-        self._serving = True
-        try:
-            yield
-        finally:
-            self._serving = False
-            self.model.train(was_training)
 
     @staticmethod
     def encode(text: str) -> list[int]:
