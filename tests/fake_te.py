@@ -66,9 +66,13 @@ class FP8GlobalStateManager:
         return first
 
     @classmethod
+    def get_buffer_info(cls) -> str:
+        return "buffer_index_and_autocast_key"
+
+    @classmethod
     def add_fp8_tensors_to_global_buffer(cls, meta: dict) -> None:
-        if "buffer_index" not in meta:
-            meta["buffer_index"] = len(cls.quantization_state.buffer)
+        if cls.get_buffer_info() not in meta:
+            meta[cls.get_buffer_info()] = len(cls.quantization_state.buffer)
             cls.quantization_state.buffer.append(meta)
 
     @classmethod

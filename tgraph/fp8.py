@@ -130,7 +130,8 @@ class FP8Replay:
 
     def __init__(self, fp8: FP8Region, modules: list[torch.nn.Module]) -> None:
         self.region = fp8
-        self.metas = tuple(_metas(modules))
+        # those with delayed-scaling state: the only ones TE's global amax buffers take
+        self.metas = tuple(m for m in _metas(modules) if "scaling_fwd" in m or "scaling_bwd" in m)
 
     def __repr__(self) -> str:
         return f"FP8Replay({self.region!r}, {len(self.metas)} FP8 modules)"
@@ -142,8 +143,9 @@ class FP8Replay:
         this unit holds the region's first FP8 module."""
         te = sys.modules[_QUANT].FP8GlobalStateManager
         if self.region.enabled:
+            registered = te.get_buffer_info()  # the key TE marks a registered module with
             for meta in self.metas:
-                if "scaling_fwd" in meta or "scaling_bwd" in meta:
+                if registered not in meta:  # TE would return at once: skip its Python call
                     meta["fp8_group"] = self.region.group
                     meta["recipe"] = self.region.recipe
                     te.add_fp8_tensors_to_global_buffer(meta)
