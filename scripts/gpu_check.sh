@@ -24,9 +24,10 @@
 #   bash scripts/gpu_check.sh versions OLD   # `pytest -m cuda`; the toy benchmark of the tree in
 #                                        # OLD and of this one; the HF Llama cells
 #   bash scripts/gpu_check.sh compiled  # torch.compile modes beside tgraph on the HF Llama cells
-#   bash scripts/gpu_check.sh te         # TE + megatron-core installed, `pytest -m cuda` with both,
-#                                        # the TE benchmark in bf16 and FP8 (carry .te/pkg,
-#                                        # .te/prune and .whl)
+#   bash scripts/gpu_check.sh te         # TE + megatron-core installed, `pytest -m cuda` with both
+#                                        # (3 processes), the TE benchmark in bf16 and FP8 (carry
+#                                        # .te/pkg, .te/prune and .whl); `te-verify`: the same,
+#                                        # then host time per call instead of the TE benchmark
 #   bash scripts/gpu_check.sh verify     # `pytest -m cuda`, then the CPU cases on this machine
 #                                        # (the emulated backend where CUDA is present), then
 #                                        # host time per call on the GPU (toy and HF Llama)
@@ -139,10 +140,11 @@ compiled)
   archive_end
   exit 0
   ;;
-te)
+te | te-verify)
   # TransformerEngine and megatron-core on a bare machine, then `pytest -m cuda` with both (TE's
-  # tests included) and the TE benchmark in bf16 and FP8. Carry .te/pkg, .te/prune (staged by
-  # ../shared/tools/te/stage_local.sh) and .whl (../shared/tools/fetch_device_wheels.sh).
+  # tests included, in three processes side by side: scripts/pytest_shards.sh), then for `te` the
+  # TE benchmark in bf16 and FP8, for `te-verify` host time per call (toy and HF Llama). Carry
+  # .te/pkg, .te/prune (../shared/tools/te/stage_local.sh) and .whl (fetch_device_wheels.sh).
   env_stage
   stage te-install 120 bash .te/pkg/install_on_device.sh prune
   # shellcheck disable=SC1091
@@ -150,10 +152,16 @@ te)
   stage megatron-install 60 python -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PWD:$PYTHONPATH"
-  stage pytest-cuda 330 python -m pytest -m cuda -q -p no:cacheprovider -rf \
-    --ignore=tests/test_train_recipe.py
-  stage bench-te-bf16 100 python scripts/bench_te.py --fp8 none --out "$OUT"
-  stage bench-te-fp8 100 python scripts/bench_te.py --fp8 delayed --out "$OUT"
+  stage pytest-cuda 300 bash scripts/pytest_shards.sh "$OUT/pytest" 3
+  if [ "$CHECK" = te ]; then
+    stage bench-te-bf16 100 python scripts/bench_te.py --fp8 none --out "$OUT"
+    stage bench-te-fp8 100 python scripts/bench_te.py --fp8 delayed --out "$OUT"
+  else
+    stage profile-host 60 python scripts/profile_host.py --device cuda --backend cuda \
+      --model both --steps 200 --reps 3 --out "$OUT/profile"
+    stage profile-host-direct 60 python scripts/profile_host.py --device cuda --backend cuda \
+      --model both --direct --steps 200 --reps 3 --out "$OUT/profile_direct"
+  fi
   printf '%s\n' "${STAGES[@]}"
   exit 0
   ;;
@@ -216,7 +224,7 @@ hf)
   stage bench-hf 300 python scripts/bench_train.py --hf --out "$OUT/hf"
   ;;
 *)
-  echo "unknown check '$CHECK'; expected one of: default final versions perf compiled verify decode memory optimizer megatron host hf" >&2
+  echo "unknown check '$CHECK'; expected one of: default final versions perf compiled verify decode memory optimizer megatron host hf te te-verify" >&2
   exit 2
   ;;
 esac
