@@ -22,7 +22,27 @@ def make_model(device: torch.device) -> GPT:
     return GPT(CFG).to(device)
 
 
+class GroupStepSGD(torch.optim.Optimizer):
+    """Keeps its step count where TransformerEngine's capturable FusedAdam does: a device tensor
+    in the param group (``group["step"]``), not in ``optimizer.state``; the update depends on it."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if "step" not in group:
+                group["step"] = torch.zeros((), device=params[0].device)
+            group["step"] += 1
+            scale = -group["lr"] / group["step"].sqrt()
+            torch._foreach_add_(params, torch._foreach_mul([p.grad for p in params], scale))
+
+
 def make_optimizer(model: GPT, device: torch.device, kind: str = "adamw"):
+    if kind == "group_step":
+        return GroupStepSGD(model.parameters(), lr=LR * 32)
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=LR * 32, momentum=0.9, fused=True)
     extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
@@ -105,6 +125,10 @@ def assert_same_training_state(model, opt, ref_model, ref_opt, exact: bool = Tru
             assert torch.equal(p, q), f"parameter {i} differs from eager"
         else:
             torch.testing.assert_close(p, q, **TOL)
+    for i, (g, h) in enumerate(zip(opt.param_groups, ref_opt.param_groups)):
+        for k, v in h.items():
+            if isinstance(v, torch.Tensor):  # e.g. a step count kept in the group
+                assert torch.equal(g[k], v), f"param group {i} {k!r} differs from eager"
     for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
         got, ref = opt.state[p], ref_opt.state[q]
         assert set(got) == set(ref), f"optimizer state {i} has keys {set(got)}, eager {set(ref)}"

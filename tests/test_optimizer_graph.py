@@ -72,6 +72,19 @@ def test_nonfinite_step_is_skipped_bitwise(backend, device, kind, k):
     assert graph.guard.last_way == expected_way(device)
 
 
+@pytest.mark.parametrize("k", [0, 5], ids=["first_eager_step", "replay"])
+def test_skipped_step_restores_a_step_count_kept_in_the_param_group(backend, device, k):
+    """TransformerEngine's capturable FusedAdam advances ``group["step"]`` (a device tensor in
+    the param group, not in ``optimizer.state``): a skipped step must put it back too."""
+    model, opt, graph = train_graphed(
+        backend, device, bad={k}, kind="grad_nan", opt_kind="group_step"
+    )
+    ref_model, ref_opt = train_eager(device, bad={k}, kind="grad_nan", opt_kind="group_step")
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    assert graph.skipped_steps == 1
+    assert graph.guard.last_way == "snapshot"
+
+
 def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
     """The naive version: compute the flag, but let the step through anyway (neither the
     fused kernels' found_inf mask nor the snapshot select)."""

@@ -43,8 +43,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Parameters and tensor-valued optimizer state: what a step may change."""
+    """Parameters, tensor-valued optimizer state and tensor-valued param-group entries: what a
+    step may change. (TransformerEngine's capturable FusedAdam keeps its step count in
+    ``group["step"]``, a device tensor it advances in place.)"""
     out = {id(p): p for g in opt.param_groups for p in g["params"]}
+    for g in opt.param_groups:
+        out.update(
+            (id(v), v) for k, v in g.items() if k != "params" and isinstance(v, torch.Tensor)
+        )
     for st in opt.state.values():
         out.update((id(v), v) for v in st.values() if isinstance(v, torch.Tensor))
     return list(out.values())
@@ -60,10 +66,14 @@ def masks_with_found_inf(opt: torch.optim.Optimizer) -> bool:
     )
 
 
-def state_layout(opt: torch.optim.Optimizer) -> dict[int, frozenset]:
-    return {
+def state_layout(opt: torch.optim.Optimizer) -> dict[int | tuple[str, int], frozenset]:
+    """The keys of each parameter's state (by ``id``) and of each param group (by
+    ``("group", index)``): a first step adds some."""
+    layout: dict[int | tuple[str, int], frozenset] = {
         id(p): frozenset(k for k, v in st.items() if v is not None) for p, st in opt.state.items()
     }
+    layout.update((("group", i), frozenset(g)) for i, g in enumerate(opt.param_groups))
+    return layout
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -199,7 +209,7 @@ class _Step:
         self._extra = extra
         self._way = way
         self._ok = ok
-        self._layouts: list[dict[int, frozenset]] = []
+        self._layouts: list[dict[int | tuple[str, int], frozenset]] = []
         self._snap: _Protected | None = None
 
     def __enter__(self) -> Callable[[torch.Tensor], None]:
@@ -267,6 +277,9 @@ class _Step:
                 else:
                     for k in [k for k in opt.state[p] if k not in keys]:
                         del opt.state[p][k]
+            for i, g in enumerate(opt.param_groups):  # e.g. TE FusedAdam's first group["step"]
+                for k in [k for k in g if k not in before.get(("group", i), g.keys())]:
+                    del g[k]
         return True
 
 

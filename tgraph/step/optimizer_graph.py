@@ -304,7 +304,7 @@ class OptimizerGraph(OptimizerHooks):
         step.graph.reset()
         self._eager()
 
-    def _state_layouts(self) -> list[dict[int, frozenset]]:
+    def _state_layouts(self) -> list[dict[int | tuple[str, int], frozenset]]:
         return [state_layout(o) for o in self.optimizers]
 
     def _after_step(self, live_grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
