@@ -177,5 +177,7 @@ def test_profile_host_writes_per_call_figures(tmp_path: Path) -> None:
         calls = payload["models"][model]["per_call"]
         assert calls["calls_per_step"] == 2
         assert calls["per_call_us"] > 0 and calls["call_key_us"] > 0
-        assert payload["models"][model]["parts"]["call_key"]["calls_per_step"] == 2
+        # the two layers are one merged stack: only the head's call computes its call key, the
+        # second is answered from its learned shape (tgraph/layers/shortcut.py)
+        assert payload["models"][model]["parts"]["call_key"]["calls_per_step"] == 1
     assert "position_embeddings" in payload["models"]["llama"]["per_call"]["kwargs"]  # HF's call

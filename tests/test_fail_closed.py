@@ -155,6 +155,33 @@ def test_an_equivalent_layout_in_the_same_memory_keeps_replaying(backend, device
     assert_same_params(model, ref)
 
 
+def _python_pointer_pass(tensors, ptrs, indices):
+    """torch._C._tensors_data_ptrs_at_indices_equal, as CPU builds of torch lack it."""
+    return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["pointer_pass", "planted_blind_pass"])
+def test_the_cpp_pointer_pass_still_follows_and_refuses(backend, device, monkeypatch, planted):
+    """The hot path's address check uses torch's C++ pass where torch has it (CUDA builds):
+    the same cases are followed (re-pointed) and refused (laid out anew). Planted: a pass that
+    sees no move lets the graphs read the old memory, and the test says so."""
+    from tgraph.layers import replay
+
+    fake = (lambda *a: True) if planted else (replay._ptrs_equal or _python_pointer_pass)
+    monkeypatch.setattr(replay, "_ptrs_equal", fake)
+
+    def run():
+        test_repointed_parameters_train_graphed_on_live_weights(backend, device, _reclone)
+        tgraph.reset()
+        test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device)
+
+    if planted:
+        with pytest.raises(AssertionError):
+            run()
+    else:
+        run()
+
+
 def test_repointed_parameters_do_not_fall_back_under_strict(backend, device):
     """Following a re-pointed parameter is not a fallback: strict mode does not raise."""
     model, ref = make_pair(device)

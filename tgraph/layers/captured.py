@@ -153,15 +153,26 @@ class StackCursor:
     """A merged stack between the head's replay and the last member's call (written only by
     :func:`tgraph.layers.replay.call` and the functions it calls)."""
 
-    __slots__ = ("pending", "versions", "head_inputs", "head_versions", "next", "fell_back")
+    __slots__ = (
+        "pending",
+        "versions",
+        "head_inputs",
+        "head_versions",
+        "head_call",
+        "next",
+        "fell_back",
+        "shapes",
+    )
 
     def __init__(self) -> None:
         self.pending: list[list[torch.Tensor]] | None = None  # every member's outputs
         self.versions: list[int] = []  # ... their version counters
         self.head_inputs: list[torch.Tensor] = []  # the head call's tensors
         self.head_versions: list[int] = []
+        self.head_call: tuple | None = None  # the head call's (args, kwargs, their values)
         self.next = 0  # the member whose call comes next
         self.fell_back: str | None = None  # why the head's last call ran eagerly
+        self.shapes: dict = {}  # member -> its calls' tgraph.layers.shortcut.Shape, once learned
 
 
 class ReplayState:

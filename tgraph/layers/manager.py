@@ -45,6 +45,7 @@ from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
 from tgraph.layers.runner import Runner, module_call, named
 from tgraph.layers.segment import Segment
+from tgraph.layers.shortcut import Shape, same_mode
 from tgraph.layers.signature import MutableArgument, call_key, difference, split
 from tgraph.memory import CaptureReport, MemoryReport
 
@@ -116,6 +117,10 @@ class _Manager:
             )
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
+        if self.captured:  # a later member of a replayed merged stack: no call key needed
+            out = self._continue_stack(state, args, kwargs, training)
+            if out is not None:
+                return out
         try:
             try:  # requires_grad of the parameters the module holds now
                 params = map(operator.getitem, state.param_tables, state.param_keys)
@@ -158,16 +163,18 @@ class _Manager:
                 cap = r.cap
                 if not j and cap is not None and cap.stored:
                     _release_stored(cap.stored)
+                shape = self._shape_of(r, j, args, kwargs) if j else None
                 out = replay_call(cap, r.state, j, tensors)
                 if out is REBIND:
                     out = self._rebind(r, tensors)
                 if out.__class__ is list:
                     if turns is not None:
                         turns.took(r)
-                    template = r.cap.templates[j]
-                    if r.cap.stored and r.cap.stored[j]:
-                        out = _store(r.cap.stored[j], out, template)
-                    return out[0] if template.bare else template.fill(out)
+                    if shape is not None:
+                        r.state.stack.shapes[j] = shape
+                    elif not j and len(r.cap.slices) > 1:
+                        r.state.stack.head_call = (args, kwargs, (*args, *kwargs.values()))
+                    return _outputs(r, j, out)
                 if out is BUSY and r.left_eager is not None:
                     out = r.left_eager  # create_graphs() could not graph it (said so there)
                 if reason is BUSY:
@@ -177,6 +184,42 @@ class _Manager:
         else:
             reason = "the module was not called during the recorded iteration"
         return self._eager(module, state, args, kwargs, reason)
+
+    def _continue_stack(self, state: _ModuleState, args: tuple, kwargs: dict, training: tuple):
+        """The outputs of this call if it continues a replayed merged stack the way a
+        learned :class:`~tgraph.layers.shortcut.Shape` says; None: take the long way."""
+        for runners in state.runners.values():
+            for r in runners:
+                j, cap = r.seg_index, r.cap
+                if not j or cap is None:
+                    continue
+                stack = r.state.stack
+                shape = stack.shapes.get(j)
+                if shape is None or stack.pending is None or stack.next != j:
+                    continue
+                prev = stack.pending[j - 1]
+                if not shape.matches(stack, prev, args, kwargs):
+                    return None
+                try:
+                    params = map(operator.getitem, state.param_tables, state.param_keys)
+                    frozen = tuple(map(_REQUIRES_GRAD, params))
+                except (KeyError, AttributeError):
+                    return None
+                if not same_mode(r.key, training, frozen):
+                    return None
+                head = stack.head_inputs
+                tensors = [prev[k] if p else head[k] for p, k in cap.sources[j]]
+                out = replay_call(cap, r.state, j, tensors)
+                return _outputs(r, j, out) if out.__class__ is list else None
+        return None
+
+    @staticmethod
+    def _shape_of(r: Runner, j: int, args: tuple, kwargs: dict) -> Shape | None:
+        """Before a member's call answered the long way: its shape, to remember if it takes."""
+        stack = r.state.stack
+        if j in stack.shapes or stack.pending is None or stack.next != j or not stack.head_call:
+            return None
+        return Shape.learn(stack, stack.pending[j - 1], args, kwargs)
 
     def _rebind(self, runner: Runner, tensors: list):
         """The modules of ``runner``'s unit hold new parameter objects: bake them into a new
@@ -230,8 +273,17 @@ class _Manager:
 
 _manager = _Manager()
 _TRAINING = operator.attrgetter("training")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _inference_mode = torch.is_inference_mode_enabled
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+
+
+def _outputs(r: Runner, j: int, out: list) -> Any:
+    """Member ``j``'s outputs of a replay, in the structure its forward returns."""
+    template = r.cap.templates[j]
+    if r.cap.stored and r.cap.stored[j]:
+        out = _store(r.cap.stored[j], out, template)
+    return out[0] if template.bare else template.fill(out)
 
 
 def _release_stored(stored: tuple) -> None:

@@ -43,6 +43,8 @@ _grad_enabled = torch._C.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 _OUTPUT_CAPTURING = "transformers.utils.output_capturing"
+# the data-pointer pass of inductor's cudagraph trees, in C++; absent from CPU builds of torch
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 BUSY = (
     "every graph captured for this signature is awaiting its backward "
@@ -178,11 +180,11 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
         elif t is head[k] and t._version == head_versions[k]:
             continue
         stack.pending = None  # the stack was left: release its outputs
-        stack.head_inputs = []
+        stack.head_inputs, stack.head_call = [], None
         return None
     stack.next = j + 1
     if j + 1 == len(pending):
-        stack.pending, stack.head_inputs = None, []
+        stack.pending, stack.head_inputs, stack.head_call = None, [], None
     return pending[j]
 
 
@@ -345,10 +347,21 @@ def check(cap: Captured, state: ReplayState):
                 )
             return REBIND
     # baked.where, spelled out here: the hot path stays out of baked.py unless a check fails
-    now = (tuple(map(_data_ptr, live)), tuple(map(_stride, live)), tuple(map(_size, live)))
-    if state.route.copy_in or now != b.place:
+    if state.route.copy_in or not _in_place(live, b.place):
+        now = (tuple(map(_data_ptr, live)), tuple(map(_stride, live)), tuple(map(_size, live)))
         return follow_moved(cap, state, live, now)
     return None
+
+
+def _in_place(live: tuple, place: tuple) -> bool:
+    """Whether ``live`` sit at the addresses, with the strides and sizes, of ``place``."""
+    ptrs, strides, sizes = place
+    if _ptrs_equal is None:
+        if tuple(map(_data_ptr, live)) != ptrs:
+            return False
+    elif not _ptrs_equal(live, ptrs, range(len(ptrs))):  # one C++ pass (CUDA builds of torch)
+        return False
+    return tuple(map(_stride, live)) == strides and tuple(map(_size, live)) == sizes
 
 
 # ------------------------------------------------------------------- the autograd node

@@ -1,0 +1,93 @@
+"""The call of a later member of a merged stack, answered without its call key.
+
+After the head of a merged stack replays, each later member's call normally computes its full
+call key (:func:`tgraph.layers.signature.call_key`, a walk over every argument leaf) only to
+find the runner that :func:`tgraph.layers.replay.take` then checks against the replayed stack.
+In a stack of transformer layers the members are called with the head's own objects (the
+attention mask, the position embeddings, the same ``None`` and ``False``) plus the previous
+member's output. So once a member's call has been answered the long way, its :class:`Shape`
+remembers, per top-level argument, whether it was the previous member's output ``k`` or the
+very object the head got at the same position; a later call shaped the same way is answered from
+that.
+
+Why that is the call key: the head replayed, so its key (which describes the head's objects)
+equals its captured key. An argument that *is* the head's object at the same position has the
+head's description there, as it had when the shape was learned, when the member's full key
+equalled its runner's key. An argument that is the previous member's output is a static output
+of this very replay (same shape, dtype, device). The argument structure follows from the number
+of positional arguments, the keyword names and the identical objects. The remaining fields of
+the key (grad mode, autocast, ``training`` flags, which parameters require grad) are compared
+directly. Only tensors, plain values and flat tuples of them are taken by identity: a list or a
+dict could have been changed in place since the head's call. Versions are then checked by
+:func:`~tgraph.layers.replay.take`, as on the long way.
+"""
+
+from __future__ import annotations
+
+from sys import modules as _sys_modules
+
+import torch
+
+from tgraph.fp8 import _QUANT as FP8_MODULE
+from tgraph.fp8 import region as fp8_region
+from tgraph.layers.captured import StackCursor
+from tgraph.layers.signature import _VALUE_SET, CallKey, autocast_state
+
+_grad_enabled = torch._C.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+HEAD = -1  # a top-level argument that is the head's own object at the same position
+
+
+def _by_identity(v: object) -> bool:
+    cls = type(v)
+    if cls in _VALUE_SET or isinstance(v, torch.Tensor):
+        return True
+    return cls is tuple and all(type(x) in _VALUE_SET or isinstance(x, torch.Tensor) for x in v)
+
+
+class Shape:
+    """How one member's call is made of the head's call and the previous member's outputs."""
+
+    __slots__ = ("nargs", "names", "where")
+
+    def __init__(self, nargs: int, names: tuple, where: tuple[int, ...]) -> None:
+        self.nargs = nargs  # positional arguments
+        self.names = names  # keyword names, in order
+        self.where = where  # per top-level argument: an output of the previous member, or HEAD
+
+    @classmethod
+    def learn(cls, stack: StackCursor, prev: list, args: tuple, kwargs: dict) -> Shape | None:
+        """The shape of a member call that was just answered the long way (None: not one)."""
+        head_args, head_kwargs, head = stack.head_call
+        if len(args) != len(head_args) or tuple(kwargs) != tuple(head_kwargs):
+            return None
+        where = []
+        for v, h in zip((*args, *kwargs.values()), head):
+            k = next((k for k, o in enumerate(prev) if v is o), None)
+            if k is not None:
+                where.append(k)
+            elif v is h and _by_identity(v):
+                where.append(HEAD)
+            else:
+                return None
+        return cls(len(args), tuple(kwargs), tuple(where))
+
+    def matches(self, stack: StackCursor, prev: list, args: tuple, kwargs: dict) -> bool:
+        if len(args) != self.nargs or tuple(kwargs) != self.names:
+            return False
+        for v, h, k in zip((*args, *kwargs.values()), stack.head_call[2], self.where):
+            if v is not (h if k == HEAD else prev[k]):
+                return False
+        return True
+
+
+def same_mode(key: CallKey, training: tuple, frozen: tuple) -> bool:
+    """The call key's fields other than the arguments, compared with the call's state now."""
+    if _grad_enabled() != key.grad or training != key.training or frozen != key.frozen:
+        return False
+    autocast = autocast_state() if _any_autocast() else ()
+    if FP8_MODULE in _sys_modules:  # TransformerEngine imported: te.autocast's region too
+        fp8 = fp8_region()
+        if fp8 is not None:
+            autocast = (*autocast, fp8)
+    return autocast == key.autocast
