@@ -1,4 +1,5 @@
-"""tgraph graphs on megatron-core's ``GPTModel`` (local layer spec, no TransformerEngine).
+"""tgraph graphs on megatron-core's ``GPTModel`` (local layer spec; the TransformerEngine spec, bf16
+and FP8 through :mod:`tgraph.integrations.megatron_te`).
 
 What a megatron-core user adds, with the model built by ``GPTModel(config,
 get_gpt_layer_local_spec(), ...)`` and ``config.cuda_graph_impl == "none"``::
@@ -117,6 +118,9 @@ def enable_layer_graphs(model: nn.Module, **options) -> nn.Module:
             )
         if not isinstance(layer, GraphableModule):
             layer.__class__ = _graphable(type(layer))
+    from tgraph.integrations.megatron_te import mark_te_host_flags
+
+    mark_te_host_flags(model)  # TE spec: megatron's host-side weight-caching flag (see there)
     overlap = _ddp_overlaps_grad_reduce(model)
     fusion = options.pop("main_grad_fusion", None)
     if fusion is None:
@@ -176,21 +180,35 @@ def build_gpt(
     dropout: float = 0.0,
     seed: int = 1234,
     cuda_graph_impl: str = "none",
+    spec: str = "local",
+    bf16: bool = False,
+    fp8: str | None = None,
+    fp8_amax_history_len: int = 16,
 ) -> nn.Module:
-    """megatron-core GPTModel (local spec, fp32) wrapped in its DDP.
+    """megatron-core GPTModel wrapped in its DDP (and in its ``Float16Module`` with ``bf16``).
 
     ``cuda_graph_impl`` stays ``"none"`` for tgraph; ``"local"`` builds megatron-core's own
-    per-layer graphs (for side-by-side benchmarks).
+    per-layer graphs and ``"transformer_engine"`` its TE graphs (side-by-side benchmarks).
+    ``spec``: ``"local"`` (megatron's own modules) or ``"te"`` (TransformerEngine's layer spec,
+    causal fused attention: call :func:`forward_backward` with ``attention_mask=False``).
+    ``bf16``: bf16 parameters, as megatron's training builds them (``params_dtype`` and
+    ``Float16Module``); ``fp8="delayed"``: TE's delayed scaling (needs ``spec="te"``, ``bf16``;
+    fields in :func:`tgraph.integrations.megatron_te.precision_kwargs`).
 
     Every parameter gets ``main_grad`` (megatron-core DDP's contiguous fp32 grad buffer).
     Weights are initialized on the CPU from ``seed``, so two calls build identical models.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tgraph.integrations.megatron_te import layer_spec, precision_kwargs
+
+    if fp8 is not None and spec != "te":
+        raise ValueError("fp8 needs TransformerEngine's layer spec: spec='te'")
+    precision = precision_kwargs(bf16=bf16, fp8=fp8, amax_history_len=fp8_amax_history_len)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
     config = TransformerConfig(
@@ -201,10 +219,13 @@ def build_gpt(
         attention_dropout=dropout,
         use_cpu_initialization=True,
         cuda_graph_impl=cuda_graph_impl,
+        **precision,
     )
     gpt = GPTModel(
-        config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=seq_length
+        config, layer_spec(spec), vocab_size=vocab_size, max_sequence_length=seq_length
     ).cuda()
+    if bf16:
+        gpt = Float16Module(config, gpt)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     # DDP creates (and keeps) the AccumulateGrad nodes its hooks hang on: create them on the
     # capture stream, so a whole-step capture never syncs with the default stream.
@@ -239,8 +260,16 @@ def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return position_ids, mask[None, None]
 
 
-def forward_backward(model: nn.Module, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
+def forward_backward(
+    model: nn.Module,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    attention_mask: bool = True,
+):
     """One step's forward and backward through megatron-core's schedule; returns the mean loss.
+
+    ``attention_mask=False`` passes no mask: TransformerEngine's layer spec attends causally by
+    its mask type (megatron's runs without a mask in the data loader do the same).
 
     ``main_grad`` is zeroed first and synchronized after (megatron DDP), so this function is
     the whole gradient computation of a step: eager, per-layer graphed, or inside a
@@ -255,7 +284,7 @@ def forward_backward(model: nn.Module, microbatches: list[tuple[torch.Tensor, to
     def forward_step(data_iterator, m):
         tokens, labels = next(data_iterator)
         position_ids, mask = causal_inputs(tokens)
-        per_token = m(tokens, position_ids, mask, labels=labels)  # (B, S)
+        per_token = m(tokens, position_ids, mask if attention_mask else None, labels=labels)
 
         def loss_func(output):
             loss = output.float().mean()
