@@ -140,7 +140,7 @@ compiled)
   archive_end
   exit 0
   ;;
-te | te-verify)
+te | te-verify | te-megatron)
   # TransformerEngine and megatron-core on a bare machine, then `pytest -m cuda` with both (TE's
   # tests included, in three processes side by side: scripts/pytest_shards.sh), then for `te` the
   # TE benchmark in bf16 and FP8, for `te-verify` host time per call (toy and HF Llama). Carry
@@ -156,6 +156,13 @@ te | te-verify)
   if [ "$CHECK" = te ]; then
     stage bench-te-bf16 100 python scripts/bench_te.py --fp8 none --out "$OUT"
     stage bench-te-fp8 100 python scripts/bench_te.py --fp8 delayed --out "$OUT"
+  elif [ "$CHECK" = te-megatron ]; then  # megatron GPTModel with TE's spec, its graphs beside ours
+    for f in none delayed; do
+      stage "bench-megatron-te-$f" 125 python scripts/bench_megatron_te.py --fp8 $f --layers 4 \
+        --hidden 512 --seq 256 --batch 4 --steps 20 --mode-seconds 25 --out "$OUT"
+    done
+    stage profile-host 45 python scripts/profile_host.py --device cuda --backend cuda \
+      --model both --steps 100 --reps 3 --out "$OUT/profile"
   else
     stage profile-host 60 python scripts/profile_host.py --device cuda --backend cuda \
       --model both --steps 200 --reps 3 --out "$OUT/profile"
@@ -224,7 +231,7 @@ hf)
   stage bench-hf 300 python scripts/bench_train.py --hf --out "$OUT/hf"
   ;;
 *)
-  echo "unknown check '$CHECK'; expected one of: default final versions perf compiled verify decode memory optimizer megatron host hf te te-verify" >&2
+  echo "unknown check '$CHECK'; expected one of: default final versions perf compiled verify decode memory optimizer megatron host hf te te-verify te-megatron" >&2
   exit 2
   ;;
 esac
