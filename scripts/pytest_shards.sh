@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `pytest -m cuda` in N processes side by side on the one GPU: the test files are dealt
-# round-robin, largest first; each shard writes DIR/shardI.log and DIR/shardI.xml. Extra
+# round-robin, largest first; each shard writes DIR/shardI.log. Extra
 # arguments go to every pytest. Exit code: the worst shard's. One process needs more than 330 s
 # for the whole suite on the H200 machine; three fit in about half that.
 #   bash scripts/pytest_shards.sh DIR N [pytest args...]
@@ -12,8 +12,8 @@ pids=()
 for ((i = 0; i < n; i++)); do
   mine=$(echo "$files" | awk -v n="$n" -v i="$i" 'NR % n == i')
   # shellcheck disable=SC2086
-  python -m pytest -m cuda -q -p no:cacheprovider -rfE --durations=5 "$@" \
-    --junitxml="$dir/shard$i.xml" $mine >"$dir/shard$i.log" 2>&1 &
+  python -m pytest -m cuda -q -p no:cacheprovider -rfE --tb=short --durations=5 "$@" \
+    $mine >"$dir/shard$i.log" 2>&1 &
   pids+=($!)
 done
 rc=0

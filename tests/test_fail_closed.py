@@ -156,7 +156,10 @@ def test_an_equivalent_layout_in_the_same_memory_keeps_replaying(backend, device
 
 
 def _python_pointer_pass(tensors, ptrs, indices):
-    """torch._C._tensors_data_ptrs_at_indices_equal, as CPU builds of torch lack it."""
+    """torch._C._tensors_data_ptrs_at_indices_equal, as CPU builds of torch lack it, binding
+    included: it takes lists only (pybind11 refuses a tuple or a range, found on the H200)."""
+    if not all(type(a) is list for a in (tensors, ptrs, indices)):
+        raise TypeError("_tensors_data_ptrs_at_indices_equal(): incompatible function arguments")
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
 
 
@@ -168,6 +171,7 @@ def test_the_cpp_pointer_pass_still_follows_and_refuses(backend, device, monkeyp
     from tgraph.layers import replay
 
     fake = (lambda *a: True) if planted else (replay._ptrs_equal or _python_pointer_pass)
+    assert fake is not None
     monkeypatch.setattr(replay, "_ptrs_equal", fake)
 
     def run():

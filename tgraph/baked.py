@@ -26,7 +26,7 @@ import operator
 import sys
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import getitem
 
 import torch
@@ -118,6 +118,8 @@ class Baked:
     dict_sizes: tuple[int, ...] = ()  # shadowing a class attribute) changes its size
     dict_names: tuple[str, ...] = ()
     dict_keys: tuple[frozenset, ...] = ()
+    ptr_list: list = field(default_factory=list)  # place's addresses and their indices, as
+    all_indices: list = field(default_factory=list)  # lists: torch's C++ pointer pass takes lists
     hook_epoch: int = -1  # torch's hook-handle counter when taken: no hook registered since
     any_hooks: bool = True  # a hook (other than transformers' inactive ones) when taken
 
@@ -165,12 +167,15 @@ class Baked:
             hooks += [(f"{name}.{h}", d[h]) for h in _HOOKS if h not in own]
         hooks += [(f"torch.nn.modules.module.{h}", getattr(nn_module, h)) for h in _GLOBAL_HOOKS]
         held = tuple(t.detach() for t in memory) if graph_memory is None else graph_memory.held
+        place = where(held)
         return cls(
             attrs=tuple(attrs),
             tensors=tuple(tensors),
             refs=tuple(weakref.ref(t) for t in memory),
             held=held,
-            place=where(held),
+            place=place,
+            ptr_list=list(place[0]),
+            all_indices=list(range(len(held))),
             names=tuple(names),
             is_buffer=tuple(is_buffer),
             hooks=tuple(hooks),

@@ -210,7 +210,14 @@ def build_gpt(
         raise ValueError("fp8 needs TransformerEngine's layer spec: spec='te'")
     precision = precision_kwargs(bf16=bf16, fp8=fp8, amax_history_len=fp8_amax_history_len)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
+    # TE's attention refuses any RNG tracker but TE's own inside a graph capture (megatron's
+    # TECudaRNGStatesTracker, graph-safe generators): the TE spec takes it, as megatron does
+    te = spec == "te"
+    model_parallel_cuda_manual_seed(
+        seed, te_rng_tracker=te, use_cudagraphable_rng=True, force_reset_rng=True
+    )
+    if te:
+        precision["use_te_rng_tracker"] = True
     config = TransformerConfig(
         num_layers=num_layers,
         hidden_size=hidden_size,

@@ -347,19 +347,19 @@ def check(cap: Captured, state: ReplayState):
                 )
             return REBIND
     # baked.where, spelled out here: the hot path stays out of baked.py unless a check fails
-    if state.route.copy_in or not _in_place(live, b.place):
+    if state.route.copy_in or not _in_place(live, b):
         now = (tuple(map(_data_ptr, live)), tuple(map(_stride, live)), tuple(map(_size, live)))
         return follow_moved(cap, state, live, now)
     return None
 
 
-def _in_place(live: tuple, place: tuple) -> bool:
-    """Whether ``live`` sit at the addresses, with the strides and sizes, of ``place``."""
-    ptrs, strides, sizes = place
+def _in_place(live: tuple, b) -> bool:
+    """Whether ``live`` sit at the addresses, with the strides and sizes, of ``b.place``."""
+    ptrs, strides, sizes = b.place
     if _ptrs_equal is None:
         if tuple(map(_data_ptr, live)) != ptrs:
             return False
-    elif not _ptrs_equal(live, ptrs, range(len(ptrs))):  # one C++ pass (CUDA builds of torch)
+    elif not _ptrs_equal(list(live), b.ptr_list, b.all_indices):  # one C++ pass (lists only)
         return False
     return tuple(map(_stride, live)) == strides and tuple(map(_size, live)) == sizes
 
