@@ -27,7 +27,9 @@ class GroupStepSGD(torch.optim.Optimizer):
     in the param group (``group["step"]``), not in ``optimizer.state``; the update depends on it."""
 
     def __init__(self, params, lr: float) -> None:
-        super().__init__(params, dict(lr=lr))
+        # capturable: tgraph holds its lr in a device tensor, which a skipped step must not
+        # write (the step never does; a schedule does, outside the step)
+        super().__init__(params, dict(lr=lr, capturable=True))
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -85,6 +85,17 @@ def test_skipped_step_restores_a_step_count_kept_in_the_param_group(backend, dev
     assert graph.guard.last_way == "snapshot"
 
 
+def test_a_skipped_step_restores_what_a_step_writes_not_the_hyperparameters(backend, device):
+    """The snapshot of a skipped step holds ``group["step"]`` (written by the step) but not the
+    learning-rate tensor (written by a schedule, between steps): restoring it inside a captured
+    step is a write the lr guard refuses (every capturable optimizer failed so on the H200)."""
+    _, opt, _ = train_graphed(backend, device, bad={5}, kind="grad_nan", opt_kind="group_step")
+    held = {id(t) for t in nonfinite.optimizer_tensors(opt)}
+    group = opt.param_groups[0]
+    assert isinstance(group["lr"], torch.Tensor) and id(group["lr"]) not in held
+    assert id(group["step"]) in held
+
+
 def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
     """The naive version: compute the flag, but let the step through anyway (neither the
     fused kernels' found_inf mask nor the snapshot select)."""

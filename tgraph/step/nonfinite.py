@@ -43,13 +43,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Parameters, tensor-valued optimizer state and tensor-valued param-group entries: what a
-    step may change. (TransformerEngine's capturable FusedAdam keeps its step count in
-    ``group["step"]``, a device tensor it advances in place.)"""
+    """Parameters, tensor-valued optimizer state and the tensors a step keeps in its param
+    groups: what a step may change. (TransformerEngine's capturable FusedAdam keeps its step
+    count in ``group["step"]``, a device tensor it advances in place.) The hyper-parameters
+    (the keys of ``opt.defaults``: ``lr``, ``betas``, ...) are read by a step, not written: a
+    schedule writes them between steps, and a captured step must not (tgraph.guards)."""
     out = {id(p): p for g in opt.param_groups for p in g["params"]}
+    hyper = {"params", "initial_lr", *getattr(opt, "defaults", ())}
     for g in opt.param_groups:
         out.update(
-            (id(v), v) for k, v in g.items() if k != "params" and isinstance(v, torch.Tensor)
+            (id(v), v) for k, v in g.items() if k not in hyper and isinstance(v, torch.Tensor)
         )
     for st in opt.state.values():
         out.update((id(v), v) for v in st.values() if isinstance(v, torch.Tensor))
