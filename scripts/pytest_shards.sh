@@ -12,7 +12,8 @@ pids=()
 for ((i = 0; i < n; i++)); do
   mine=$(echo "$files" | awk -v n="$n" -v i="$i" 'NR % n == i')
   # shellcheck disable=SC2086
-  python -m pytest -m cuda -q -p no:cacheprovider -rfE --tb=short --durations=5 "$@" \
+  # each shard its own rendezvous port (megatron's tests and recipe runs bind MASTER_PORT)
+  MASTER_PORT=$((29600 + i)) python -m pytest -m cuda -q -p no:cacheprovider -rfE --tb=short --durations=5 "$@" \
     $mine >"$dir/shard$i.log" 2>&1 &
   pids+=($!)
 done
