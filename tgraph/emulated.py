@@ -119,6 +119,17 @@ class _RngMark:
         self.base: torch.Tensor | None = None  # the state that replay started from
 
 
+def _count_writes(schema: Any, args: tuple) -> None:
+    """Bump the version counters of the tensors an in-place ``_foreach_`` op wrote: under a
+    dispatch mode torch leaves them unchanged (without one, and on CUDA, they move), which hid
+    a captured write to a learning-rate tensor from the emulated backend (found on the H200)."""
+    for arg, value in zip(schema.arguments, args):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            for t in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(t, torch.Tensor):
+                    torch.autograd.graph.increment_version(t)
+
+
 class _TapeWriter(TorchDispatchMode):
     """Writes the operations a captured function executes onto the tape (see the module
     docstring)."""
@@ -142,6 +153,8 @@ class _TapeWriter(TorchDispatchMode):
         if gen is not None:
             check_registered(gen, self._graph._registered)
         out = func(*args, **kwargs)
+        if func._schema.name.startswith("aten::_foreach_") and func._schema.is_mutable:
+            _count_writes(func._schema, args)
         self.tape.append(self._to_op(func, args, kwargs, out))
         return out
 
