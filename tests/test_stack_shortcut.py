@@ -183,6 +183,13 @@ def test_a_list_argument_is_never_taken_by_identity(backend, device, keys):
     torch.testing.assert_close(got, run(eager, xs[3], grow, flags=[1]), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("planted", ["grad_unchecked"])
+def test_planted_requires_grad_bug_is_caught(backend, device, monkeypatch, planted):
+    monkeypatch.setattr(manager, "same_grad", lambda stack: True)
+    with pytest.raises(AssertionError):
+        test_a_shared_input_made_to_require_grad_between_members_gets_its_gradient(backend, device)
+
+
 @pytest.mark.parametrize("planted", ["modes_unchecked", "any_object_matches"])
 def test_planted_shortcut_bugs_are_caught(backend, device, monkeypatch, planted):
     if planted == "modes_unchecked":
@@ -197,3 +204,24 @@ def test_planted_shortcut_bugs_are_caught(backend, device, monkeypatch, planted)
     with pytest.raises(AssertionError):
         got = run(model, xs[2], tweak)
         torch.testing.assert_close(got, run(eager, xs[2], tweak), rtol=RTOL, atol=ATOL)
+
+
+def test_a_shared_input_made_to_require_grad_between_members_gets_its_gradient(backend, device):
+    """``requires_grad_`` moves no version counter: the shortcut compares the head's inputs'
+    requires_grad too, so block 2 (called the long way, eagerly) gives the mask its gradient."""
+    model, eager, xs = setup(backend, device)
+    run(model, xs[1]), run(eager, xs[1])
+    grads = []
+    for m in (model, eager):
+        x = xs[2]
+        h = m.inp(x)
+        mask = (x[:, :1] > 0).float()
+        kwargs = dict(mask=mask, pos=(h.cos(), h.sin()), scale=0.5, flags=())
+        for i, b in enumerate(m.blocks):
+            if i == 2:
+                mask.requires_grad_(True)
+            h = b(h, **kwargs)
+        h.pow(2).mean().backward()
+        grads.append(mask.grad)
+    assert grads[1] is not None
+    torch.testing.assert_close(grads[0], grads[1], rtol=RTOL, atol=ATOL)

@@ -159,6 +159,7 @@ class StackCursor:
         "head_inputs",
         "head_versions",
         "head_call",
+        "head_grad",
         "next",
         "fell_back",
         "shapes",
@@ -170,6 +171,7 @@ class StackCursor:
         self.head_inputs: list[torch.Tensor] = []  # the head call's tensors
         self.head_versions: list[int] = []
         self.head_call: tuple | None = None  # the head call's (args, kwargs, their values)
+        self.head_grad: tuple[bool, ...] = ()  # ... and its tensors' requires_grad
         self.next = 0  # the member whose call comes next
         self.fell_back: str | None = None  # why the head's last call ran eagerly
         self.shapes: dict = {}  # member -> its calls' tgraph.layers.shortcut.Shape, once learned

@@ -45,7 +45,7 @@ from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
 from tgraph.layers.runner import Runner, module_call, named
 from tgraph.layers.segment import Segment
-from tgraph.layers.shortcut import Shape, same_mode
+from tgraph.layers.shortcut import Shape, same_grad, same_mode
 from tgraph.layers.signature import MutableArgument, call_key, difference, split
 from tgraph.memory import CaptureReport, MemoryReport
 
@@ -173,7 +173,9 @@ class _Manager:
                     if shape is not None:
                         r.state.stack.shapes[j] = shape
                     elif not j and len(r.cap.slices) > 1:
-                        r.state.stack.head_call = (args, kwargs, (*args, *kwargs.values()))
+                        stack = r.state.stack
+                        stack.head_call = (args, kwargs, (*args, *kwargs.values()))
+                        stack.head_grad = tuple(map(_REQUIRES_GRAD, stack.head_inputs))
                     return _outputs(r, j, out)
                 if out is BUSY and r.left_eager is not None:
                     out = r.left_eager  # create_graphs() could not graph it (said so there)
@@ -207,10 +209,18 @@ class _Manager:
                     return None
                 if not same_mode(r.key, training, frozen):
                     return None
+                if not same_grad(stack):
+                    return None
                 head = stack.head_inputs
                 tensors = [prev[k] if p else head[k] for p, k in cap.sources[j]]
                 out = replay_call(cap, r.state, j, tensors)
-                return _outputs(r, j, out) if out.__class__ is list else None
+                if out.__class__ is not list:
+                    return None
+                if len(runners) > 1:  # several runners share the key: keep their turns
+                    turns = state.turns.get(r.key)
+                    if turns is not None:
+                        turns.took(r)
+                return _outputs(r, j, out)
         return None
 
     @staticmethod

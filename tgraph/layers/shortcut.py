@@ -24,6 +24,7 @@ dict could have been changed in place since the head's call. Versions are then c
 
 from __future__ import annotations
 
+import operator
 from sys import modules as _sys_modules
 
 import torch
@@ -91,3 +92,12 @@ def same_mode(key: CallKey, training: tuple, frozen: tuple) -> bool:
         if fp8 is not None:
             autocast = (*autocast, fp8)
     return autocast == key.autocast
+
+
+def same_grad(stack: StackCursor) -> bool:
+    """The head's tensors still require grad as at the head's call (``requires_grad_()`` moves
+    no version counter, which :func:`~tgraph.layers.replay.take` checks)."""
+    return tuple(map(_requires_grad, stack.head_inputs)) == stack.head_grad
+
+
+_requires_grad = operator.attrgetter("requires_grad")
