@@ -70,7 +70,7 @@ versions)
   # -C .old`, carried) and of this tree with the same harness, then the HF Llama cells.
   OLD="${2:?versions needs the directory of the older tree}"
   archive_begin versions
-  pytest_cuda 280
+  pytest_cuda 200
   BENCH_ARGS="--configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_full" \
     bounded bench_versions 130 bash scripts/bench_versions.sh "$W" old="$OLD" new="$PWD"
   hf_cells
@@ -82,7 +82,7 @@ perf | final)
   # the toy at batch 8 and 1 against the hand-written whole step, host time per graphed call.
   # (`final`, the closing check of a tree, is the same check.)
   archive_begin perf
-  pytest_cuda 320
+  pytest_cuda 200
   hf_cells
   TOY_MODES=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_direct,tgraph_layer_opt
   bounded bench_toy 50 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 \

@@ -45,7 +45,7 @@ archive_end() {
   tar czf "$OUT/$(basename "$W").tgz" -C /tmp "$(basename "$W")"
   cat "$OUT/summary.txt"
 }
-pytest_cuda() {  # `pytest -m cuda`, the recipes' kill-and-resume tests apart (time)
-  bounded pytest_cuda "$1" python -m pytest -m cuda -q -p no:cacheprovider -rf \
-    --ignore=tests/test_train_recipe.py --junitxml="$W/pytest_cuda.xml"
+pytest_cuda() {  # `pytest -m cuda` in 3 processes (scripts/pytest_shards.sh), the recipes'
+  # kill-and-resume tests apart (time); the shards' logs go into the archive
+  bounded pytest_cuda "$1" bash scripts/pytest_shards.sh "$W/pytest" 3
 }
