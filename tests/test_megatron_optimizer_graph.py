@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron_float16_models import (
+    FakeFloat16Optimizer,
+    assert_same_float16_state,
+    float16_run,
+    make_bf16_model,
+)
 from optimizer_models import (
     HAS_TE,
+    STEPS,
     assert_same_training_state,
     make_batches,
     make_model,
@@ -112,6 +119,83 @@ def test_megatron_protocol_skips_nonfinite_bitwise(backend, device):
     ref_model, ref_opt, _ = megatron_like_run(backend, device, "graph_safe_eager", bad={5})
     assert_same_training_state(model, opt, ref_model, ref_opt)
     assert graph.skipped_steps == 1
+
+
+# -- megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params) on a CPU stand-in ------
+
+
+def test_megatron_bf16_optimizer_graph_matches_megatron_step(backend, device, replays):
+    """No clipping (the norm stays below clip_grad): the graph's step is megatron's eager step
+    bit for bit: main_grad into the fp32 masters' .grad, AdamW on the masters, masters into
+    the bf16 model parameters, all replayed."""
+    _, mopt, graph = float16_run(backend, device, "graph", clip=100.0)
+    _, ref, _ = float16_run(backend, device, "megatron", clip=100.0)
+    assert graph.captured
+    # one eager warmup step, the capture (executed on the emulated backend; replayed once
+    # right after a CUDA capture), then a replay per step
+    assert replays[0] == STEPS - 2 + (backend == "cuda")
+    assert float(graph.grad_norm) < 100.0  # megatron's clip coefficient was >= 1: no clipping
+    assert_same_float16_state(mopt, ref)
+    assert all(p.grad is None for p in [*mopt.float16_groups[0], *mopt.get_parameters()])
+
+
+def test_megatron_bf16_clipped_graph_matches_graph_safe_step(backend, device, replays):
+    """With clipping, the graph is graph_safe_step bit for bit. (megatron's eager step computes
+    the clip coefficient in double on the host: rounding, which bf16 training amplifies once a
+    bf16 weight rounds the other way; that comparison is the GPU test's.)"""
+    _, mopt, graph = float16_run(backend, device, "graph")
+    _, ref, _ = float16_run(backend, device, "safe")
+    assert graph.captured and replays[0] >= STEPS - 2
+    assert_same_float16_state(mopt, ref)
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])  # found_inf in the fused kernel; snapshot
+@pytest.mark.parametrize("mode", ["graph", "full"])
+def test_megatron_bf16_skips_nonfinite_bitwise(backend, device, replays, mode, inner):
+    """A NaN step is skipped: the bf16 model parameters, the fp32 masters and the optimizer
+    state stay bitwise as if the step had not been taken (MegatronOptimizerGraph, and
+    graph_safe_step inside FullIterationGraph)."""
+    _, mopt, graph = float16_run(backend, device, mode, bad={5}, inner=inner)
+    _, ref, _ = float16_run(backend, device, "safe", bad={5}, inner=inner)
+    assert replays[0] >= 4  # the NaN step was replayed
+    assert graph.skipped_steps == 1
+    assert_same_float16_state(mopt, ref)
+
+
+def test_megatron_bf16_planted_copy_outside_graph_is_caught(backend, device):
+    """Planted: the master-to-model copy runs eagerly but is left out of the captured step."""
+    _, mopt, _ = float16_run(backend, device, "graph", copy_back="eager_only")
+    _, ref, _ = float16_run(backend, device, "safe")
+    with pytest.raises(AssertionError, match="model parameter"):
+        assert_same_float16_state(mopt, ref)
+
+
+@pytest.mark.parametrize("mode", ["graph", "full"])
+def test_megatron_bf16_planted_unprotected_model_params_are_caught(backend, device, mode):
+    """Planted: a skipped step restores the masters but not the bf16 model parameters they
+    were copied into (SGD: restored by snapshot after the copy)."""
+    from tgraph.integrations import megatron_optimizer as tmo
+
+    with pytest.MonkeyPatch.context() as mp:
+        if mode == "graph":
+            mp.setattr(tmo.MegatronOptimizerGraph, "protected_tensors", lambda self: [])
+        else:
+            mp.setattr(tmo, "protect_also", lambda optimizer, tensors: None)
+        _, mopt, _ = float16_run(backend, device, mode, bad={5}, inner="sgd")
+    _, ref, _ = float16_run(backend, device, "safe", bad={5}, inner="sgd")
+    with pytest.raises(AssertionError, match="model parameter"):
+        assert_same_float16_state(mopt, ref)
+
+
+def test_megatron_fp16_loss_scaler_is_refused(device):
+    from tgraph.integrations import megatron as tm
+
+    mopt = FakeFloat16Optimizer(make_bf16_model(device), device, clip_grad=1.0)
+    mopt.grad_scaler = object()  # megatron's DynamicGradScaler (fp16)
+    with pytest.raises(ValueError, match="loss scaler"):
+        tm.MegatronOptimizerGraph(mopt)
+    with pytest.raises(ValueError, match="loss scaler"):
+        tm.make_graph_safe(mopt)
 
 
 # -- on the GPU: no host sync over 20 replays; megatron-core's real optimizer ------------------
