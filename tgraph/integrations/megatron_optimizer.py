@@ -37,8 +37,8 @@ def _sub_optimizers(mopt) -> list:
 def _model_params(sub) -> list[torch.Tensor]:
     """The bf16 model parameters of a ``Float16OptimizerWithFloat16Params`` (its
     ``float16_groups``): they hold ``main_grad``, and its step copies the fp32 master weights it
-    steps (``get_parameters()``) into them. None for ``FP32Optimizer``, whose model parameters
-    are its parameters."""
+    steps (``get_parameters()``) into them. Empty for ``FP32Optimizer``, whose model
+    parameters are its parameters."""
     return [p for group in getattr(sub, "float16_groups", ()) for p in group]
 
 
@@ -202,8 +202,7 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
 
     It overrides :class:`tgraph.OptimizerGraph`'s extension points (its docstring lists them):
     :attr:`optimizers`, :meth:`params`, :meth:`protected_tensors`, :meth:`norm_and_clip`,
-    :meth:`inner_step`,
-    :meth:`bind_grads` and :meth:`refresh_grads`.
+    :meth:`inner_step`, :meth:`bind_grads` and :meth:`refresh_grads`.
     """
 
     def __init__(
