@@ -315,7 +315,8 @@ class SkipNonfiniteStep:
     Every optimizer stepping inside ``fn`` is protected from its first ``step()`` call (hook):
     there the gradient flag is computed (after any clipping in ``fn``) and the parameters, the
     state and the tensors :func:`protect_also` named for it are saved; after ``fn`` returns,
-    the flag is combined with the loss's and each step is kept or reverted. Eager warmups, the capture and (emulated) replays all run this wrapper.
+    the flag is combined with the loss's and each step is kept or reverted. Eager warmups, the
+    capture and (emulated) replays all run this wrapper.
     """
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
