@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron_float16_models import (
+    FakeFloat16Optimizer,
+    assert_same_float16_state,
+    float16_run,
+    make_bf16_model,
+)
 from optimizer_models import (
     HAS_TE,
+    STEPS,
     assert_same_training_state,
     make_batches,
     make_model,
@@ -114,6 +121,83 @@ def test_megatron_protocol_skips_nonfinite_bitwise(backend, device):
     assert graph.skipped_steps == 1
 
 
+# -- megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params) on a CPU stand-in ------
+
+
+def test_megatron_bf16_optimizer_graph_matches_megatron_step(backend, device, replays):
+    """No clipping (the norm stays below clip_grad): the graph's step is megatron's eager step
+    bit for bit: main_grad into the fp32 masters' .grad, AdamW on the masters, masters into
+    the bf16 model parameters, all replayed."""
+    _, mopt, graph = float16_run(backend, device, "graph", clip=100.0)
+    _, ref, _ = float16_run(backend, device, "megatron", clip=100.0)
+    assert graph.captured
+    # one eager warmup step, the capture (executed on the emulated backend; replayed once
+    # right after a CUDA capture), then a replay per step
+    assert replays[0] == STEPS - 2 + (backend == "cuda")
+    assert float(graph.grad_norm) < 100.0  # megatron's clip coefficient was >= 1: no clipping
+    assert_same_float16_state(mopt, ref)
+    assert all(p.grad is None for p in [*mopt.float16_groups[0], *mopt.get_parameters()])
+
+
+def test_megatron_bf16_clipped_graph_matches_graph_safe_step(backend, device, replays):
+    """With clipping, the graph is graph_safe_step bit for bit. (megatron's eager step computes
+    the clip coefficient in double on the host: rounding, which bf16 training amplifies once a
+    bf16 weight rounds the other way; that comparison is the GPU test's.)"""
+    _, mopt, graph = float16_run(backend, device, "graph")
+    _, ref, _ = float16_run(backend, device, "safe")
+    assert graph.captured and replays[0] >= STEPS - 2
+    assert_same_float16_state(mopt, ref)
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])  # found_inf in the fused kernel; snapshot
+@pytest.mark.parametrize("mode", ["graph", "full"])
+def test_megatron_bf16_skips_nonfinite_bitwise(backend, device, replays, mode, inner):
+    """A NaN step is skipped: the bf16 model parameters, the fp32 masters and the optimizer
+    state stay bitwise as if the step had not been taken (MegatronOptimizerGraph, and
+    graph_safe_step inside FullIterationGraph)."""
+    _, mopt, graph = float16_run(backend, device, mode, bad={5}, inner=inner)
+    _, ref, _ = float16_run(backend, device, "safe", bad={5}, inner=inner)
+    assert replays[0] >= 4  # the NaN step was replayed
+    assert graph.skipped_steps == 1
+    assert_same_float16_state(mopt, ref)
+
+
+def test_megatron_bf16_planted_copy_outside_graph_is_caught(backend, device):
+    """Planted: the master-to-model copy runs eagerly but is left out of the captured step."""
+    _, mopt, _ = float16_run(backend, device, "graph", copy_back="eager_only")
+    _, ref, _ = float16_run(backend, device, "safe")
+    with pytest.raises(AssertionError, match="model parameter"):
+        assert_same_float16_state(mopt, ref)
+
+
+@pytest.mark.parametrize("mode", ["graph", "full"])
+def test_megatron_bf16_planted_unprotected_model_params_are_caught(backend, device, mode):
+    """Planted: a skipped step restores the masters but not the bf16 model parameters they
+    were copied into (SGD: restored by snapshot after the copy)."""
+    from tgraph.integrations import megatron_optimizer as tmo
+
+    with pytest.MonkeyPatch.context() as mp:
+        if mode == "graph":
+            mp.setattr(tmo.MegatronOptimizerGraph, "protected_tensors", lambda self: [])
+        else:
+            mp.setattr(tmo, "protect_also", lambda optimizer, tensors: None)
+        _, mopt, _ = float16_run(backend, device, mode, bad={5}, inner="sgd")
+    _, ref, _ = float16_run(backend, device, "safe", bad={5}, inner="sgd")
+    with pytest.raises(AssertionError, match="model parameter"):
+        assert_same_float16_state(mopt, ref)
+
+
+def test_megatron_fp16_loss_scaler_is_refused(device):
+    from tgraph.integrations import megatron as tm
+
+    mopt = FakeFloat16Optimizer(make_bf16_model(device), device, clip_grad=1.0)
+    mopt.grad_scaler = object()  # megatron's DynamicGradScaler (fp16)
+    with pytest.raises(ValueError, match="loss scaler"):
+        tm.MegatronOptimizerGraph(mopt)
+    with pytest.raises(ValueError, match="loss scaler"):
+        tm.make_graph_safe(mopt)
+
+
 # -- on the GPU: no host sync over 20 replays; megatron-core's real optimizer ------------------
 
 
@@ -145,23 +229,27 @@ def test_no_host_sync_over_20_replays():
 MDIMS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32)
 
 
-def megatron_run(mode: str, steps: int = 10, bad=()):
+def megatron_run(mode: str, steps: int = 10, bad=(), bf16: bool = False, keep=None):
     """megatron GPTModel + DDP + get_megatron_optimizer(adam); NaN planted into a main_grad.
 
     mode: "megatron" (its own step, with host syncs), "safe" (graph_safe_step, eager),
     "layer+opt" (per-layer graphs + MegatronOptimizerGraph), "full" (FullIterationGraph).
-    A step in ``bad`` is planted with NaN; the eager modes do not step it.
+    A step in ``bad`` is planted with NaN; the eager modes do not step it. ``bf16``: bf16
+    parameters, megatron's Float16OptimizerWithFloat16Params. ``keep``, a dict, receives the
+    initial parameters, the megatron optimizer and whether the graph was captured at the end.
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from tgraph.integrations import megatron as tm
 
     tm.init_single_gpu()
-    model = tm.build_gpt(**MDIMS)
+    model = tm.build_gpt(**MDIMS, bf16=bf16)
     # With TransformerEngine installed megatron steps TE's FusedAdam, whose step count is a
     # Python int unless it is built capturable (make_graph_safe refuses it otherwise).
-    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, optimizer_cuda_graph=HAS_TE)
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, optimizer_cuda_graph=HAS_TE)
     mopt = get_megatron_optimizer(cfg, [model])
+    if keep is not None:
+        keep.update(init={id(p): p.detach().clone() for p in model.parameters()}, mopt=mopt)
     poison = torch.ones((), device="cuda")  # 1.0 (an exact product) or NaN
     first = next(model.parameters())
     g = torch.Generator().manual_seed(0)
@@ -203,6 +291,8 @@ def megatron_run(mode: str, steps: int = 10, bad=()):
                 tgraph.create_graphs()
         elif i not in bad:
             mopt.step() if mode == "megatron" else tm.graph_safe_step(mopt)
+    if keep is not None:
+        keep["captured"] = graph is not None and graph.captured
     if mode == "layer+opt":
         tgraph.reset()
         tgraph.disable(model)
@@ -269,6 +359,53 @@ def test_megatron_full_iteration_matches_graph_safe_eager():
         if isinstance(b[k], torch.Tensor) and not torch.allclose(a[k], b[k], **close)
     ]
     assert not bad, f"{len(bad)} tensors differ from eager graph_safe_step: {bad[:8]}"
+
+
+def _relative_gap(got, ref, init) -> float:
+    """|got - ref| over how far training moved ref from init (all tensors, as one vector)."""
+
+    def flat(ts):
+        return torch.cat([t.detach().float().flatten() for t in ts])
+
+    return float((flat(got) - flat(ref)).norm() / (flat(ref) - flat(init)).norm())
+
+
+@pytest.mark.megatron
+@pytest.mark.cuda
+@pytest.mark.parametrize("bad", [(), (6,)], ids=["finite", "nan_at_6"])
+def test_megatron_bf16_optimizer_graph_near_megatron_eager(bad):
+    """bf16 parameters (Float16OptimizerWithFloat16Params, no loss scale): per-layer graphs and
+    MegatronOptimizerGraph against megatron's own eager step (which does not step the NaN step).
+
+    Tolerance: the graphed step differs from megatron's eager one in rounding only (capturable
+    AdamW's fp32 bias correction on the device, the clip coefficient in fp32, main_grad summed
+    inside the layer graphs), but a master weight off by rounding can round to the other bf16
+    neighbour, and the next forward, in bf16, carries that ulp into every gradient; Adam then
+    scales small gradient differences up to ~lr. So the parameters are compared by how far
+    they are apart relative to how far training moved them: the CPU stand-in
+    (test_megatron_bf16_* above) measured 0.1% between megatron's eager step and the graph,
+    with clipping, and 84% with the master-to-model copy left out of the graph; a step not
+    skipped puts NaN everywhere. Each bf16 model parameter must also be exactly the bf16 value
+    of its fp32 master (the copy ran at the last replay)."""
+    ref_keep, keep = {}, {}
+    ref, ref_params, _, _ = megatron_run("megatron", bad=bad, bf16=True, keep=ref_keep)
+    got, params, _, graph = megatron_run("layer+opt", bad=bad, bf16=True, keep=keep)
+    mopt = keep["mopt"]
+    assert type(mopt).__name__ == "Float16OptimizerWithFloat16Params"
+    assert keep["captured"]
+    assert graph.skipped_steps == len(bad)
+    # bf16 forwards: weights a bf16 ulp apart move the loss (about ln 256) well below 1e-3
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=0.0)
+    assert _relative_gap(params, ref_params, list(keep["init"].values())) < 0.02
+    model_params = [p for g in mopt.float16_groups for p in g]  # megatron's group order
+    masters = [p for g in mopt.fp32_from_float16_groups for p in g]
+    ref_masters = [p for g in ref_keep["mopt"].fp32_from_float16_groups for p in g]
+    assert model_params and all(p.dtype == torch.bfloat16 for p in model_params)
+    assert all(m.dtype == torch.float32 for m in masters)
+    for i, (p, m) in enumerate(zip(model_params, masters)):
+        assert torch.equal(p, m.to(p.dtype)), f"bf16 parameter {i} is not its master's copy"
+    master_init = [keep["init"][id(p)].float() for p in model_params]
+    assert _relative_gap(masters, ref_masters, master_init) < 0.02
 
 
 @pytest.mark.megatron

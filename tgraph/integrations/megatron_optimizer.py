@@ -13,6 +13,7 @@ import math
 import torch
 
 import tgraph
+from tgraph.step.nonfinite import protect_also
 
 # -- megatron-core's own optimizer without host syncs -------------------------------------------
 #
@@ -31,6 +32,21 @@ def _sub_optimizers(mopt) -> list:
     """The megatron optimizers of a ChainedOptimizer (or ``[mopt]``), stubs left out."""
     subs = list(getattr(mopt, "chained_optimizers", [mopt]))
     return [s for s in subs if not getattr(s, "is_stub_optimizer", False)]
+
+
+def _model_params(sub) -> list[torch.Tensor]:
+    """The bf16 model parameters of a ``Float16OptimizerWithFloat16Params`` (its
+    ``float16_groups``): they hold ``main_grad``, and its step copies the fp32 master weights it
+    steps (``get_parameters()``) into them. Empty for ``FP32Optimizer``, whose model
+    parameters are its parameters."""
+    return [p for group in getattr(sub, "float16_groups", ()) for p in group]
+
+
+def _grad_holders(subs: list) -> list[torch.Tensor]:
+    """Every tensor whose ``.grad`` megatron's step sets: the parameters it steps, and the
+    model parameters whose ``.grad`` ``prepare_grads()`` sets to None (Float16)."""
+    out = {id(p): p for sub in subs for p in [*sub.get_parameters(), *_model_params(sub)]}
+    return list(out.values())
 
 
 def make_graph_safe(mopt) -> list[torch.optim.Optimizer]:
@@ -93,6 +109,8 @@ def make_graph_safe(mopt) -> list[torch.optim.Optimizer]:
                 st = inner.state.get(p, {})
                 if isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
                     st["step"] = st["step"].to(p.device, torch.float32)
+        # a skipped step restores the bf16 model weights too (FullIterationGraph's skip_nonfinite)
+        protect_also(inner, _model_params(sub))
         inners.append(inner)
     return inners
 
@@ -123,20 +141,24 @@ def _norm_and_clip(subs: list) -> torch.Tensor:
 def graph_safe_step(mopt) -> torch.Tensor:
     """``mopt.step()`` without host syncs: the same gradient norm, clipping and inner step.
 
-    Per sub-optimizer: ``prepare_grads()`` (``.grad`` = ``main_grad``), the fp32 norm of
+    Per sub-optimizer: ``prepare_grads()`` (``.grad`` = ``main_grad``; with bf16 parameters,
+    megatron's ``Float16OptimizerWithFloat16Params``, the fp32 master weights' ``.grad`` = the
+    model parameters' ``main_grad`` in fp32), the fp32 norm of
     megatron's gradients for the norm (summed over its grad-stats group when that has several
     ranks), clipping by ``clip_grad / (norm + 1e-6)`` clamped at 1, then
-    ``step_with_ready_grads()``. ``.grad`` is left as before the call (megatron leaves it
+    ``step_with_ready_grads()`` (the inner step; with bf16 parameters, then the copy of the
+    master weights into the model's). ``.grad`` is left as before the call (megatron leaves it
     aliasing ``main_grad`` until ``zero_grad()``; a graph replay cannot run that Python). Call
     :func:`make_graph_safe` once first. Usable eagerly and inside a
-    :class:`tgraph.FullIterationGraph` (whose ``skip_nonfinite`` protects the inner step).
+    :class:`tgraph.FullIterationGraph` (whose ``skip_nonfinite`` protects the inner step, and
+    the bf16 model weights :func:`make_graph_safe` named for it).
 
     Returns:
         The total gradient norm before clipping, a 0-dim fp32 device tensor (megatron returns a
         float).
     """
     subs = _sub_optimizers(mopt)
-    saved = [(p, p.grad) for sub in subs for p in sub.get_parameters()]
+    saved = [(p, p.grad) for p in _grad_holders(subs)]
     try:
         for sub in subs:
             sub.prepare_grads()
@@ -164,8 +186,14 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
     Gradients are megatron DDP's ``main_grad`` buffers, which never move: the graph reads them
     directly, and ``model.zero_grad_buffer()`` zeroes them in place before the next backward (so
     ``zero_grad`` is False here). Clipping follows ``OptimizerConfig.clip_grad``. With
-    ``skip_nonfinite``, the inner optimizer's parameters and state, and every parameter of the
-    optimizer's ``model_chunks``, are restored bitwise when the loss or the norm is not finite.
+    ``skip_nonfinite``, the inner optimizer's parameters and state, the bf16 model parameters
+    (``Float16OptimizerWithFloat16Params``) and every parameter of the optimizer's
+    ``model_chunks`` are restored bitwise when the loss or the norm is not finite.
+
+    With bf16 parameters (``OptimizerConfig(bf16=True)``, no loss scale) the graph holds
+    megatron's whole mixed-precision step: the copy of the model's ``main_grad`` into the fp32
+    master weights' ``.grad``, norm and clipping, the inner step, and the copy of the master
+    weights into the bf16 model parameters.
 
     Args:
         mopt: what ``get_megatron_optimizer`` returned (made graph-safe here).
@@ -173,8 +201,8 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
             of ``skip_nonfinite`` is False there and here).
 
     It overrides :class:`tgraph.OptimizerGraph`'s extension points (its docstring lists them):
-    :attr:`optimizers`, :meth:`protected_tensors`, :meth:`norm_and_clip`, :meth:`inner_step`,
-    :meth:`bind_grads` and :meth:`refresh_grads`.
+    :attr:`optimizers`, :meth:`params`, :meth:`protected_tensors`, :meth:`norm_and_clip`,
+    :meth:`inner_step`, :meth:`bind_grads` and :meth:`refresh_grads`.
     """
 
     def __init__(
@@ -201,16 +229,27 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._inners)
 
+    def params(self) -> list[torch.Tensor]:
+        """The parameters the step writes: the inner optimizers' (fp32 master weights with
+        bf16 parameters), then the bf16 model parameters whose ``main_grad`` it reads."""
+        subs = _sub_optimizers(self.megatron_optimizer)
+        out = {id(p): p for p in super().params()}
+        out.update((id(p), p) for sub in subs for p in _model_params(sub))
+        return list(out.values())
+
     def protected_tensors(self) -> list[torch.Tensor]:
-        """Every parameter of the optimizer's ``model_chunks`` (the fp32 master weights are
-        copied into them)."""
+        """The bf16 model parameters and every parameter of the optimizer's ``model_chunks``
+        (the fp32 master weights are copied into them)."""
         chunks = getattr(self.megatron_optimizer, "model_chunks", None) or []
-        return [p for chunk in chunks for p in chunk.parameters()]
+        out = {id(p): p for chunk in chunks for p in chunk.parameters()}
+        subs = _sub_optimizers(self.megatron_optimizer)
+        out.update((id(p), p) for sub in subs for p in _model_params(sub))
+        return list(out.values())
 
     def norm_and_clip(self) -> torch.Tensor:
         """megatron's ``prepare_grads()`` then its fp32 norm and clipping, on the device."""
         subs = _sub_optimizers(self.megatron_optimizer)
-        self._saved_grads = [(p, p.grad) for sub in subs for p in sub.get_parameters()]
+        self._saved_grads = [(p, p.grad) for p in _grad_holders(subs)]
         for sub in subs:
             sub.prepare_grads()
         return _norm_and_clip(subs)

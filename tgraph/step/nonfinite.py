@@ -18,6 +18,7 @@ only after ``fn`` returns, after the step).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -294,14 +295,28 @@ def _capturing() -> bool:
         return False
 
 
+# optimizer -> tensors besides its own that a skipped step restores (SkipNonfiniteStep)
+_ALSO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def protect_also(optimizer: torch.optim.Optimizer, tensors: Iterable[torch.Tensor]) -> None:
+    """Name tensors that a step of ``optimizer`` skipped by :class:`SkipNonfiniteStep` restores
+    besides its parameters and state: the model weights a mixed-precision optimizer copies its
+    master weights into after the step (megatron-core's bf16 optimizer,
+    :func:`tgraph.integrations.megatron_optimizer.make_graph_safe`). Replaces any earlier
+    list; held as long as the optimizer lives."""
+    _ALSO[optimizer] = list(tensors)
+
+
 class SkipNonfiniteStep:
     """``fn`` of a :class:`tgraph.FullIterationGraph` whose optimizer steps are skipped on the
     device when ``fn``'s loss (its first tensor output) or the gradients are not finite.
 
     Every optimizer stepping inside ``fn`` is protected from its first ``step()`` call (hook):
-    there the gradient flag is computed (after any clipping in ``fn``) and the parameters and
-    state are saved; after ``fn`` returns, the flag is combined with the loss's and each step is
-    kept or reverted. Eager warmups, the capture and (emulated) replays all run this wrapper.
+    there the gradient flag is computed (after any clipping in ``fn``) and the parameters, the
+    state and the tensors :func:`protect_also` named for it are saved; after ``fn`` returns,
+    the flag is combined with the loss's and each step is kept or reverted. Eager warmups, the
+    capture and (emulated) replays all run this wrapper.
     """
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
@@ -319,7 +334,7 @@ class SkipNonfiniteStep:
                     p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None
                 ]
                 ok = finite(total_norm(grads)) if grads else None
-            step = self.guard.protect([opt])
+            step = self.guard.protect([opt], extra=_ALSO.get(opt, ()))
             steps[id(opt)] = (step, ok, step.__enter__())
 
         handle = register_optimizer_step_pre_hook(before_step)
@@ -346,5 +361,6 @@ __all__ = [
     "SkipNonfinite",
     "SkipNonfiniteStep",
     "finite",
+    "protect_also",
     "total_norm",
 ]
