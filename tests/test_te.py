@@ -219,6 +219,60 @@ def test_fp8_recipe_change_after_capture_runs_eagerly():
         tgraph.disable(model)
 
 
+def _fp8_primary_run(model, recipe, *, graphed: bool) -> torch.Tensor:
+    """Steps of TE's FusedAdam with fp32 master weights (what FP8 primary weights train with;
+    eager: TE refuses a capturable FusedAdam over FP8 weights)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    te = _te()
+    opt = FusedAdam(model.parameters(), lr=1e-3, master_weights=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(SEQ, BATCH, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        with te.autocast(enabled=True, recipe=recipe):
+            y = x
+            for blk in model:
+                y = blk(y)
+        loss = y.float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if graphed and step == 0:
+            tgraph.create_graphs()
+    return torch.stack(losses)
+
+
+def test_fp8_primary_weights_equal_eager():
+    """FP8 primary weights (``te.quantized_model_init``: the parameters are FP8 tensors, their
+    fp32 masters in the optimizer): per-layer graphs replay (strict) and train as eager, bit
+    for bit, while the optimizer re-quantizes the weights in place between steps."""
+    te = _te()
+    recipe = _recipe("delayed")
+
+    def build():
+        torch.manual_seed(0)
+        with te.quantized_model_init(enabled=True, recipe=recipe):
+            return torch.nn.Sequential(*[LinearBlock() for _ in range(3)]).cuda()
+
+    eager, graphed = build(), build()
+    quantized = [n for n, p in graphed.named_parameters() if hasattr(p, "dequantize")]
+    assert quantized, "quantized_model_init made no FP8 parameter"
+    tgraph.enable(graphed, strict=True)
+    try:
+        want = _fp8_primary_run(eager, recipe, graphed=False)
+        got = _fp8_primary_run(graphed, recipe, graphed=True)
+    finally:
+        tgraph.reset()
+        tgraph.disable(graphed)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for (n, p), q in zip(graphed.named_parameters(), eager.parameters()):
+        a = p.dequantize() if hasattr(p, "dequantize") else p
+        b = q.dequantize() if hasattr(q, "dequantize") else q
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+
+
 def test_recipe_hopper_cannot_run_is_refused():
     from transformer_engine.common import recipe
 
