@@ -248,14 +248,27 @@ def test_hf_checkpoint_loads_with_from_pretrained(tmp_path, monkeypatch):
     assert set(manifest["sha256"]["model.safetensors"]) == set(saved)
 
 
-@pytest.mark.parametrize("name", ["train_gpt", "train_hf"])
-def test_torchrun_two_processes(name, tmp_path):
-    out = tmp_path / "run"
+def _torchrun(name: str, out: Path, graph: str = "none") -> dict[str, torch.Tensor]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(RECIPES / f"{name}.py"), *TINY, "--steps=4", f"--out={out}"]  # fmt: skip
+           str(RECIPES / f"{name}.py"), *TINY, "--steps=4", f"--out={out}", f"--graph={graph}"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
     assert ckpts(out) == ["step_000002", "step_000004"]
+    return weights(out / "checkpoints" / "latest")
+
+
+@pytest.mark.parametrize("name", ["train_gpt", "train_hf"])
+def test_torchrun_two_processes(name, tmp_path):
+    _torchrun(name, tmp_path / "run")
+
+
+def test_torchrun_hf_graph_modes_match_eager(tmp_path):
+    """DDP (layer+opt) and the full graph's own all-reduce: the eager run's weights, bitwise."""
+    eager = _torchrun("train_hf", tmp_path / "none")
+    for graph in ("layer+opt", "full"):
+        got = _torchrun("train_hf", tmp_path / graph.replace("+", "_"), graph)
+        for k in eager:
+            torch.testing.assert_close(got[k], eager[k], rtol=0, atol=0, msg=f"{graph} {k}")
