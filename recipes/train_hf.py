@@ -4,7 +4,7 @@
     python recipes/train_hf.py --arch qwen2 --graph layer+opt --out runs/hf_qwen2
     python recipes/train_hf.py --config my_config.json --graph full --out runs/hf_custom
     torchrun --standalone --nproc-per-node=2 recipes/train_hf.py --arch gpt2 --graph layer
-    python recipes/train_hf.py --out runs/hf_llama --resume latest --steps 400   # train on
+    python recipes/train_hf.py --out runs/hf_llama --resume latest --steps 400   # train on (same --arch)
 
 The model is ``AutoModelForCausalLM.from_config`` of a preset (``--arch``, sized by
 ``--n-layer``, ``--n-embd``, ``--n-head``, ``--block-size``) or of a config file (``--config``, a
