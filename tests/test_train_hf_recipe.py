@@ -1,5 +1,8 @@
 """recipes/train_hf.py: the four graph modes agree, checkpoints load with from_pretrained, resume.
 
+The recipe runs on the shared trainer (``gpt_training``); the protections it shares with
+recipes/train_gpt.py are tested against both in tests/test_recipe_common.py.
+
 In-process runs train on a small random byte stream (the corpus takes seconds to read); one
 command-line run trains on the real corpus. Tolerance: bitwise on the emulated backend (the same
 kernels, fused AdamW in every mode); 1e-4 relative on CUDA, where graphs may pick other cuBLAS
@@ -24,7 +27,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_hf.py"
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
         "--batch-size", "2", "--warmup-steps", "1", "--lr", "1e-2", "--log-every", "2",
-        "--ckpt-every", "2"]  # fmt: skip
+        "--ckpt-every", "2", "--eval-every", "2", "--eval-batches", "2", "--no-progress"]  # fmt: skip
 
 
 def _load_recipe():
@@ -36,13 +39,14 @@ def _load_recipe():
 
 
 th = _load_recipe()
+from gpt_training import trainer  # noqa: E402  (recipes/ is on sys.path: tests/conftest.py)
 
 
 @pytest.fixture
 def run(tmp_path, backend, device, monkeypatch):
     """``run(name, *flags) -> the latest checkpoint's parameters`` (from_pretrained)."""
     data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(th, "load_split", lambda *a, **k: data.to(torch.uint8))
+    monkeypatch.setattr(trainer, "load_split", lambda *a, **k: data.to(torch.uint8))
 
     def go(name: str, *flags: str) -> dict[str, torch.Tensor]:
         out = tmp_path / name
@@ -75,24 +79,26 @@ class Killed(Exception):
 def test_a_killed_run_resumes_bit_for_bit(run, backend, monkeypatch):
     """Killed right after its step-2 checkpoint, the run continues from it as if never stopped."""
     straight = run("straight", "--steps", "4")
-    save = th.save_checkpoint
+    save = trainer.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         save(*args, **kwargs)
         raise Killed
 
-    monkeypatch.setattr(th, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
     with pytest.raises(Killed):
         run("killed", "--steps", "4")
-    monkeypatch.setattr(th, "save_checkpoint", save)
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
     resumed = run("killed", "--steps", "4", "--resume", "latest")
     torch.testing.assert_close(resumed, straight, **tol(backend))
 
 
-def test_a_fresh_run_into_an_out_with_checkpoints_is_refused(run):
+def test_a_fresh_run_into_an_out_with_checkpoints_is_refused(run, capsys):
     run("taken", "--steps", "2", "--graph", "none")
-    with pytest.raises(SystemExit, match="--resume latest"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         run("taken", "--steps", "2", "--graph", "none")
+    assert exit_info.value.code == 2 and "--resume latest" in capsys.readouterr().err
 
 
 def test_command_line_run_on_the_corpus(tmp_path):

@@ -159,7 +159,7 @@ def test_validation_without_recorded_eval_forward_falls_back(run_cfg, monkeypatc
 
     real = trainer.evaluate
     monkeypatch.setattr(
-        trainer, "evaluate", lambda m, b, env: 0.0 if len(b) == 1 else real(m, b, env)
+        trainer, "evaluate", lambda m, b, *rest: 0.0 if len(b) == 1 else real(m, b, *rest)
     )
     with pytest.warns(tgraph.GraphFallbackWarning, match="training changed from True to False"):
         tg.train(run_cfg("layer", graph="layer"))

@@ -1,8 +1,8 @@
 """Checkpoints: ``<out>/checkpoints/step_NNNNNN/{model files, trainer.pt}`` and the run directory's rules.
 
-A checkpoint holds the weights (``tgraph.toy.checkpoint``: safetensors with a sha256 per tensor) and
-``trainer.pt`` (optimizer, step, every rank's RNG states, config), its sha256 recorded beside the
-weights'. Each is written to a temporary directory and renamed into place, so a killed run leaves
+A checkpoint holds the weights (the model spec's files: safetensors with a manifest of a sha256 per
+tensor, ``spec.ModelSpec.save_weights``) and ``trainer.pt`` (optimizer, step, every rank's RNG
+states, config), its sha256 recorded in the weights' manifest. Each is written to a temporary directory and renamed into place, so a killed run leaves
 only complete checkpoints; ``checkpoints/latest`` links the newest checkpoint of the current run.
 A fresh run never writes into a directory holding another run's checkpoints without
 ``--overwrite``; a resume checks the checkpoint's config against the run's, except the run-only
@@ -30,6 +30,7 @@ from tgraph.toy.corpus import BatchSampler
 
 from .config import TrainConfig
 from .parallel import DistEnv
+from .spec import GPT_SPEC, ModelSpec
 
 logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
 
@@ -164,7 +165,9 @@ def claim_run_directory(cfg: TrainConfig, resume_dir: Path | None, env: DistEnv)
         dist.barrier()  # no rank starts before the old checkpoints are gone
 
 
-def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
+def read_checkpoint(
+    path: Path, cfg: TrainConfig, world_size: int, spec: ModelSpec = GPT_SPEC
+) -> dict:
     """Load and check ``path/trainer.pt`` against the current run.
 
     Returns:
@@ -176,7 +179,7 @@ def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
     """
     if not path.is_dir():
         raise CheckpointError(
-            f"no checkpoint at {path}: expected a directory written by recipes/train_gpt.py, "
+            f"no checkpoint at {path}: expected a directory written by {spec.recipe}, "
             f"e.g. {cfg.out}/checkpoints/step_000200, or --resume latest"
         )
     file = path / "trainer.pt"
@@ -186,12 +189,12 @@ def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
             "checkpoint into place only once every file is written, so the directory was copied "
             "or edited partially; resume from another checkpoint in its parent directory."
         )
-    recorded = _recorded_trainer_sha256(path)
+    recorded = _recorded_trainer_sha256(path, spec)
     data = file.read_bytes()
     if hashlib.sha256(data).hexdigest() != recorded:
         raise CheckpointError(
             f"checkpoint {path} is damaged: the sha256 of {file} differs from the one recorded "
-            f"in {path / checkpoint.CONFIG_NAME} when it was saved. {earlier_checkpoints_hint(path)}"
+            f"in {path / spec.manifest_name} when it was saved. {earlier_checkpoints_hint(path)}"
         )
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -225,19 +228,19 @@ def read_checkpoint(path: Path, cfg: TrainConfig, world_size: int) -> dict:
     return state
 
 
-def _recorded_trainer_sha256(path: Path) -> str:
-    """The sha256 of ``trainer.pt`` recorded in the checkpoint's config.json.
+def _recorded_trainer_sha256(path: Path, spec: ModelSpec) -> str:
+    """The sha256 of ``trainer.pt`` recorded in the checkpoint's manifest (the toy's config.json).
 
-    Nothing is resumed unverified: a missing or unreadable config.json, or one without the
+    Nothing is resumed unverified: a missing or unreadable manifest, or one without the
     digest, refuses the checkpoint (training on would write a new checkpoint with fresh
     checksums of whatever was loaded, laundering the damage).
 
     Raises:
         CheckpointError: naming the file and an earlier checkpoint to resume from.
     """
-    config = path / checkpoint.CONFIG_NAME
+    config = path / spec.manifest_name
     try:
-        _, extra = checkpoint.read_config(path)
+        extra = spec.read_extra(path)
     except (FileNotFoundError, CheckpointError) as e:
         raise CheckpointError(
             f"cannot resume from {path}: {e}. Without {config} its checksums cannot be "
@@ -252,17 +255,17 @@ def _recorded_trainer_sha256(path: Path) -> str:
     return digest
 
 
-def load_model_weights(model: torch.nn.Module, path: Path) -> None:
+def load_model_weights(model: torch.nn.Module, path: Path, spec: ModelSpec = GPT_SPEC) -> None:
     """Copy the weights of checkpoint ``path`` into ``model`` (strict: names and shapes).
 
-    The weights' sha256 checksums are verified (``tgraph.toy.checkpoint.load_state_dict``); a
-    checkpoint without them is refused.
+    The weights' sha256 checksums are verified (``spec.load_weights``); a checkpoint without them
+    is refused.
 
     Raises:
         CheckpointError: the model files are missing, damaged or of another shape.
     """
     try:
-        checkpoint.load_into(model, path, require_checksums=True)
+        spec.load_weights(model, path)
     except (FileNotFoundError, CheckpointError) as e:
         raise CheckpointError(
             f"cannot resume from {path}: {e}. {earlier_checkpoints_hint(path)}"
@@ -295,12 +298,13 @@ def save_checkpoint(
     env: DistEnv,
     extra_meta: dict,
     lr_decay_steps: int,
+    spec: ModelSpec = GPT_SPEC,
 ) -> Path:
     """Write ``root/step_NNNNNN`` atomically (every rank calls this: RNG states are gathered).
 
     Files go to ``root/.tmp-step_NNNNNN``, are flushed to disk, and the directory is renamed into
     place; ``root/latest`` is then re-pointed with an atomic symlink swap. ``trainer.pt`` is
-    written first and its sha256 recorded in ``config.json`` next to the weights' checksums.
+    written first and its sha256 recorded in the weights' manifest next to their checksums.
 
     Pruning keeps the ``keep_checkpoints`` newest checkpoints at or below ``step``: those of
     this run. Higher steps (left by a run resumed from an earlier checkpoint) are never pruned
@@ -332,7 +336,7 @@ def save_checkpoint(
         checkpoint.atomic_write_bytes(tmp / "trainer.pt", buf.getvalue())
         meta = {"train_config": asdict(cfg), "step": step, **extra_meta}
         meta["trainer_sha256"] = hashlib.sha256(buf.getvalue()).hexdigest()
-        checkpoint.save(model, tmp, extra=meta)
+        spec.save_weights(model, tmp, meta)
         if final.exists():  # the same step written again (a resumed run): swap it out first
             old = root / f".old-{final.name}"
             shutil.rmtree(old, ignore_errors=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tgraph.toy.gpt import GPTConfig
 
@@ -161,6 +162,8 @@ class JobConfig(RunOnly):
         # ``steps`` only moves where the run stops: the learning-rate schedule keeps the horizon
         # of the run's first start (see optim.lr_at), so a resumed run computes the same numbers.
         super().__post_init__()
+        if self.out.strip() in ("", "."):
+            raise self._invalid("out", "name a run directory of its own (e.g. runs/my_run)")
         if self.steps is not None:
             self._check_counts(("steps",))
 
@@ -182,16 +185,18 @@ class StepConfig(RunOnly):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.graph not in GRAPH_MODES:
-            raise self._invalid("graph", "use --graph none, layer or full")
+        modes = getattr(self, "graph_modes", GRAPH_MODES)  # RunConfig's: a recipe may add modes
+        if self.graph not in modes:
+            raise self._invalid("graph", f"use --graph {', '.join(modes)}")
         if self.backend not in ("auto", "cuda", "emulated"):
             raise self._invalid("backend", "use --backend auto, cuda or emulated")
         if self.on_nonfinite not in NONFINITE_MODES:
             raise self._invalid("on_nonfinite", "use --on-nonfinite stop or skip")
-        if self.on_nonfinite == "skip" and self.graph == "full":
+        if self.on_nonfinite == "skip" and self.graph in ("full", "layer+opt"):
             # A captured step always applies its update: the host cannot skip part of a graph.
             raise self._invalid(
-                "on_nonfinite", "skip needs --graph none or layer; use stop with --graph full"
+                "on_nonfinite",
+                f"skip needs --graph none or layer; use stop with --graph {self.graph}",
             )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise self._invalid("device", "use --device auto, cpu, cuda or cuda:N")
@@ -222,15 +227,14 @@ class ReportConfig(RunOnly):
         )
 
 
-# Bases in reverse order: dataclasses list the last base's fields first, so --help and
-# config.json read job, step, model, data, optimizer, report.
-@dataclass(kw_only=True)
-class TrainConfig(ReportConfig, OptimizerConfig, DataConfig, ModelConfig, StepConfig, JobConfig):
-    """Everything that defines a run; saved as ``<out>/config.json`` and in every checkpoint.
+class RunConfig:
+    """The methods every recipe's joined config shares (the toy's :class:`TrainConfig`, the
+    transformers recipe's config): its groups, the run-only fields, the run's ``--steps``."""
 
-    Built from flat keyword arguments (``TrainConfig(steps=100, n_layer=2)``); each group checks
-    its own fields and raises ``ValueError`` naming the field and the fix.
-    """
+    default_steps: ClassVar[int] = DEFAULT_STEPS
+    graph_modes: ClassVar[tuple[str, ...]] = GRAPH_MODES
+    cli_choices: ClassVar[dict] = {"graph": GRAPH_MODES, "on_nonfinite": NONFINITE_MODES}
+    cli_aliases: ClassVar[dict] = {}  # field -> extra flags (a recipe's own older spellings)
 
     @classmethod
     def groups(cls) -> list[type[ConfigGroup]]:
@@ -245,9 +249,22 @@ class TrainConfig(ReportConfig, OptimizerConfig, DataConfig, ModelConfig, StepCo
             f.name for g in cls.groups() if issubclass(g, RunOnly) for f in dataclasses.fields(g)
         )
 
-    def with_steps(self, checkpoint_steps: int | None) -> TrainConfig:
+    def with_steps(self, checkpoint_steps: int | None):
         """This config with ``steps`` set: as given, else the resumed checkpoint's total
-        (``checkpoint_steps``), else :data:`DEFAULT_STEPS`."""
+        (``checkpoint_steps``), else :attr:`default_steps`."""
         if self.steps is not None:
             return self
-        return dataclasses.replace(self, steps=checkpoint_steps or DEFAULT_STEPS)
+        return dataclasses.replace(self, steps=checkpoint_steps or self.default_steps)
+
+
+# Bases in reverse order: dataclasses list the last base's fields first, so --help and
+# config.json read job, step, model, data, optimizer, report.
+@dataclass(kw_only=True)
+class TrainConfig(
+    ReportConfig, OptimizerConfig, DataConfig, ModelConfig, StepConfig, JobConfig, RunConfig
+):
+    """Everything that defines a run; saved as ``<out>/config.json`` and in every checkpoint.
+
+    Built from flat keyword arguments (``TrainConfig(steps=100, n_layer=2)``); each group checks
+    its own fields and raises ``ValueError`` naming the field and the fix.
+    """

@@ -86,8 +86,11 @@ class StepTimes:
         return statistics.median(steady) if steady else float("nan")
 
 
-def write_config(cfg: TrainConfig, env: DistEnv, run: Path, resume_dir: Path | None) -> None:
-    """``<out>/config.json``: the config, and what it resolved to (rank 0)."""
+def write_config(
+    cfg: TrainConfig, env: DistEnv, run: Path, resume_dir: Path | None, model: dict | None = None
+) -> None:
+    """``<out>/config.json``: the config, and what it resolved to (rank 0); ``model`` is the
+    model spec's part (``ModelSpec.resolved``), the toy GPT's config by default."""
     run.mkdir(parents=True, exist_ok=True)
     resolved = {
         "world_size": env.world_size,
@@ -98,7 +101,7 @@ def write_config(cfg: TrainConfig, env: DistEnv, run: Path, resume_dir: Path | N
             corpus_stats(val_fraction=cfg.val_fraction, include_tests=cfg.include_tests)
         ),
         "resumed_from": str(resume_dir) if resume_dir else None,
-        "gpt": cfg.gpt_config().to_dict(),
+        **(model if model is not None else {"gpt": cfg.gpt_config().to_dict()}),
     }
     (run / "config.json").write_text(
         json.dumps({"train": dataclasses.asdict(cfg), "resolved": resolved}, indent=2) + "\n"

@@ -1,8 +1,10 @@
 """One training step in the configured graph mode: all of the recipe's graph-mode code.
 
-``--graph none`` runs the step eagerly. ``layer`` graphs every transformer block
-(``tgraph.enable``): the first step runs eagerly and is recorded, together with one validation
-forward, then ``tgraph.create_graphs()`` captures and later calls replay. ``full`` captures
+``--graph none`` runs the step eagerly. ``layer`` graphs every transformer block (the model
+spec's ``enable_graphs``: ``tgraph.enable``, or ``graph_layers`` for transformers models): the
+first step runs eagerly and is recorded, together with one validation forward, then
+``tgraph.create_graphs()`` captures and later calls replay. ``layer+opt`` (where the recipe's
+config offers it) adds clipping and AdamW as one graph (``tgraph.OptimizerGraph``). ``full`` captures
 forward, backward, the all-reduce and AdamW as one graph (``tgraph.FullIterationGraph``) after
 ``FULL_WARMUP`` eager calls. The three modes run the same eager step function, so they compute
 the same numbers.
@@ -31,6 +33,7 @@ from tgraph.backend import resolve_backend
 
 from .config import TrainConfig
 from .parallel import DistEnv, all_finite, synchronize
+from .spec import GPT_SPEC, ModelSpec
 
 logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
 
@@ -62,9 +65,13 @@ class TrainStep:
         opt: torch.optim.Optimizer,
         env: DistEnv,
         record_eval: Callable[[], object],
+        spec: ModelSpec = GPT_SPEC,
     ) -> None:
-        self.cfg, self.opt, self.env = cfg, opt, env
+        self.cfg, self.opt, self.env, self.spec = cfg, opt, env, spec
         self.params = list(model.parameters())
+        if spec.clip_in_optimizer_order:  # the order OptimizerGraph sums the norm in
+            self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.layered = cfg.graph in ("layer", "layer+opt")
         self.record_eval = record_eval
         self.calls = 0
         self.net: torch.nn.Module = model
@@ -76,8 +83,13 @@ class TrainStep:
             for p in self.params:
                 dist.broadcast(p.data, src=0)  # what DDP's constructor does for the others
         self.full_graph: tgraph.FullIterationGraph | None = None
-        if cfg.graph == "layer":
-            tgraph.enable(self.net, backend=cfg.backend)
+        self.opt_graph: tgraph.OptimizerGraph | None = None
+        if self.layered:
+            spec.enable_graphs(self.net, cfg.backend)
+        if cfg.graph == "layer+opt":
+            self.opt_graph = tgraph.OptimizerGraph(
+                opt, clip_grad_norm=cfg.grad_clip or None, skip_nonfinite=False, backend=cfg.backend
+            )
         elif cfg.graph == "full":
             self.full_graph = tgraph.FullIterationGraph(
                 lambda batch: self.eager_step(*batch), warmup_steps=FULL_WARMUP, backend=cfg.backend
@@ -97,9 +109,13 @@ class TrainStep:
         """One optimizer step, run eagerly (or recorded, or captured); returns the loss, or None
         when --on-nonfinite skip skipped it."""
         cfg, env, params = self.cfg, self.env, self.params
-        self.opt.zero_grad(set_to_none=True)
-        _, loss = self.net(x, y)
+        if self.opt_graph is None:  # (OptimizerGraph owns the .grad tensors and zeroes them)
+            self.opt.zero_grad(set_to_none=True)
+        loss = self.spec.loss(self.net, x, y)
         loss.backward()
+        if self.opt_graph is not None:  # clips, steps and zeroes the gradients
+            self.opt_graph.step(loss.detach())
+            return loss.detach()
         if env.world_size > 1 and cfg.graph == "full":
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # one all-reduce in all
             dist.all_reduce(flat)
@@ -130,22 +146,23 @@ class TrainStep:
             if self.calls == FULL_WARMUP + 1:
                 synchronize(self.env.device)  # this call captured the graph and replayed it once
                 return StepOutput(loss, time.perf_counter() - t0)
-        if first and self.cfg.graph == "layer":
+        if first and self.layered:
             # Record one validation forward too (eval mode, no grad, validation's batch shape),
             # so create_graphs() captures a graph for it and validation replays instead of
             # falling back to eager with a warning. Its loss is discarded; it draws no RNG.
             self.record_eval()
             # the recorded step's gradients would add their size to the peak of creating the
             # graphs; the next step drops them anyway
-            self.opt.zero_grad(set_to_none=True)
+            if self.opt_graph is None:
+                self.opt.zero_grad(set_to_none=True)
             report = tgraph.create_graphs()  # logs the report
             return StepOutput(loss, report.seconds)
         return StepOutput(loss, None)
 
     def close(self) -> None:
         """Give the model back without per-layer graphs (the end of a successful run)."""
-        if self.cfg.graph == "layer":
-            tgraph.disable(self.net)
+        if self.layered:
+            self.spec.disable_graphs(self.net)
 
 
 def make_step(
@@ -154,6 +171,7 @@ def make_step(
     opt: torch.optim.Optimizer,
     env: DistEnv,
     record_eval: Callable[[], object],
+    spec: ModelSpec = GPT_SPEC,
 ) -> TrainStep:
     """The training step of ``cfg.graph``, with the data parallelism that mode needs.
 
@@ -172,4 +190,4 @@ def make_step(
     Raises:
         ValueError: a backend tgraph cannot use on ``env.device`` (from tgraph).
     """
-    return TrainStep(cfg, model, opt, env, record_eval)
+    return TrainStep(cfg, model, opt, env, record_eval, spec)

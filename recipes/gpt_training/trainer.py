@@ -27,7 +27,6 @@ import torch
 
 import tgraph
 from tgraph.toy.corpus import BatchSampler, fixed_batches, load_split
-from tgraph.toy.gpt import GPT
 
 from .checkpointing import (
     RunDirectoryError,
@@ -43,6 +42,7 @@ from .config import TrainConfig
 from .metrics import Metrics, StepTimes, describe_run, peak_memory_mb, plot_losses, write_config
 from .optim import lr_at, make_optimizer, set_lr, tensor_lrs
 from .parallel import DistEnv, StopOnSigint, all_finite, all_reduce_mean, setup, shutdown
+from .spec import GPT_SPEC, ModelSpec
 from .step import TrainStep, make_step
 
 logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
@@ -74,19 +74,22 @@ def _nonfinite(done: int, what: str, last_ckpt: Path | None, fix: str) -> NonFin
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches, env: DistEnv) -> float:
+def evaluate(model: torch.nn.Module, batches, env: DistEnv, spec: ModelSpec = GPT_SPEC) -> float:
     """Mean validation loss over ``batches`` and every rank's shard."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=env.device)
     for x, y in batches:
-        total += model(x.to(env.device), y.to(env.device))[1]
+        total += spec.loss(model, x.to(env.device), y.to(env.device))
     model.train(was_training)
     return all_reduce_mean(total / len(batches), env).item()
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, spec: ModelSpec = GPT_SPEC) -> dict:
     """Run (or resume) training as configured. Every rank calls it.
+
+    ``spec`` is the recipe's model (the toy GPT by default); ``cfg`` the recipe's config, which
+    holds the fields ``spec.build`` reads.
 
     Returns:
         The run summary (also written to ``<out>/summary.json`` by rank 0).
@@ -101,7 +104,7 @@ def train(cfg: TrainConfig) -> dict:
     env = setup(cfg)
     agreed = False  # every rank ends here together: a barrier cannot hang
     try:
-        summary = _train(cfg, env)
+        summary = _train(cfg, env, spec)
         agreed = True
         return summary
     except (TrainingInterrupted, NonFiniteLossError):
@@ -112,10 +115,10 @@ def train(cfg: TrainConfig) -> dict:
         shutdown(env, agreed)
 
 
-def _train(cfg: TrainConfig, env: DistEnv) -> dict:
+def _train(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> dict:
     """Set up, run steps ``start + 1 .. cfg.steps`` (logging, validating, checkpointing when due),
     stop at Ctrl-C after a checkpoint, and return the summary."""
-    run = _setup(cfg, env)
+    run = _setup(cfg, env, spec)
     cfg = run.cfg
     with StopOnSigint(hard_second=env.world_size == 1, announce=env.is_main) as stop:
         for i in range(run.start, cfg.steps):
@@ -145,10 +148,11 @@ class Run:
 
     cfg: TrainConfig  # with the run's --steps (a resume without --steps keeps the checkpoint's)
     env: DistEnv
+    spec: ModelSpec
     start: int  # the first step to run: 0, or the resumed checkpoint's step
     decay_steps: int  # the cosine horizon of the learning rate (see optim.lr_at)
     last_ckpt: Path | None  # the newest checkpoint: the resumed one until a step writes one
-    model: GPT
+    model: torch.nn.Module
     opt: torch.optim.Optimizer
     sampler: BatchSampler
     val_batches: list
@@ -184,18 +188,19 @@ def _every(n: int, done: int) -> bool:
     return bool(n) and done % n == 0
 
 
-def _setup(cfg: TrainConfig, env: DistEnv) -> Run:
+def _setup(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> Run:
     """Everything before the first step: resume, build, the step, ``config.json``, metrics."""
-    cfg, state, resume_dir = _resume(cfg, env)
+    cfg, state, resume_dir = _resume(cfg, env, spec)
     start = state["step"] if state else 0
     # The cosine horizon of the run's first start, kept by every resume (see optim.lr_at).
     decay = state.get("lr_decay_steps", state["config"]["steps"]) if state else cfg.steps
-    model, opt, sampler, val_batches = _build(cfg, env, state, resume_dir)
+    model, opt, sampler, val_batches = _build(cfg, env, state, resume_dir, spec)
     out = Path(cfg.out)
     if env.is_main:
         logger.info(
-            "training a %.2fM-parameter GPT, steps %d to %d, --graph %s on %s; outputs in %s/",
+            "training a %.2fM-parameter %s, steps %d to %d, --graph %s on %s; outputs in %s/",
             sum(p.numel() for p in model.parameters()) / 1e6,
+            spec.title,
             start,
             cfg.steps,
             cfg.graph,
@@ -203,9 +208,11 @@ def _setup(cfg: TrainConfig, env: DistEnv) -> Run:
             out,
         )
     # Validation's graphs are recorded by a forward of the model itself (never DDP's wrapper).
-    step = make_step(cfg, model, opt, env, lambda: evaluate(model, val_batches[:1], env))
+    step = make_step(
+        cfg, model, opt, env, lambda: evaluate(model, val_batches[:1], env, spec), spec
+    )
     if env.is_main:
-        write_config(cfg, env, out, resume_dir)
+        write_config(cfg, env, out, resume_dir, spec.resolved(cfg, model))
     metrics = Metrics(out / "metrics.jsonl", env.is_main, start if state else None)
     bar = None
     if env.is_main and cfg.progress:
@@ -213,15 +220,29 @@ def _setup(cfg: TrainConfig, env: DistEnv) -> Run:
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train ({cfg.graph})", unit="step")
     return Run(
-        cfg, env, start, decay, resume_dir, model, opt, sampler, val_batches, step, metrics, bar
+        cfg,
+        env,
+        spec,
+        start,
+        decay,
+        resume_dir,
+        model,
+        opt,
+        sampler,
+        val_batches,
+        step,
+        metrics,
+        bar,
     )
 
 
-def _resume(cfg: TrainConfig, env: DistEnv) -> tuple[TrainConfig, dict | None, Path | None]:
+def _resume(
+    cfg: TrainConfig, env: DistEnv, spec: ModelSpec
+) -> tuple[TrainConfig, dict | None, Path | None]:
     """Resolve ``--resume`` and read its checkpoint, claim ``--out``; returns the config with the
     run's ``--steps``, the checkpoint's state and its directory (None, None on a fresh start)."""
     resume_dir = resolve_resume(cfg)
-    state = read_checkpoint(resume_dir, cfg, env.world_size) if resume_dir else None
+    state = read_checkpoint(resume_dir, cfg, env.world_size, spec) if resume_dir else None
     claim_run_directory(cfg, resume_dir, env)
     prepare_run_directory(Path(cfg.out))  # every rank: each raises the same error, none waits
     cfg = cfg.with_steps(state["config"].get("steps") if state else None)
@@ -236,13 +257,13 @@ def _resume(cfg: TrainConfig, env: DistEnv) -> tuple[TrainConfig, dict | None, P
 
 
 def _build(
-    cfg: TrainConfig, env: DistEnv, state: dict | None, resume_dir: Path | None
-) -> tuple[GPT, torch.optim.Optimizer, BatchSampler, list]:
+    cfg: TrainConfig, env: DistEnv, state: dict | None, resume_dir: Path | None, spec: ModelSpec
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSampler, list]:
     """The model, its optimizer, this rank's data; restored from ``state`` when resuming."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GPT(cfg.gpt_config()).to(env.device)
+    model = spec.build(cfg, env.device)
     if resume_dir:
-        load_model_weights(model, resume_dir)
+        load_model_weights(model, resume_dir, spec)
     torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout stream
     sampler, val_batches = _load_data(cfg, env)
     opt = make_optimizer(model, cfg, env.device)
@@ -340,7 +361,7 @@ def _log_interval(run: Run, done: int, lr: float, stop_requested: bool) -> bool:
 
 def _validate(run: Run, done: int) -> None:
     """The validation loss after step ``done`` (checked finite): a val line and a log line."""
-    run.last_val = evaluate(run.model, run.val_batches, run.env)
+    run.last_val = evaluate(run.model, run.val_batches, run.env, run.spec)
     if not math.isfinite(run.last_val):
         raise _nonfinite(done, "the validation loss", run.last_ckpt, NONFINITE_FIX)
     run.metrics.write(kind="val", step=done, loss=run.last_val, graph=run.cfg.graph)
@@ -361,6 +382,7 @@ def _checkpoint(run: Run, done: int) -> None:
         run.env,
         {"val_loss": run.last_val},
         run.decay_steps,
+        run.spec,
     )
 
 
@@ -405,7 +427,7 @@ def _summary(run: Run) -> dict:
         plot_losses(
             out / "metrics.jsonl",
             out / "loss.png",
-            f"toy GPT on stdlib bytes, --graph {cfg.graph} ({summary['device']})",
+            f"{run.spec.plot_name} on stdlib bytes, --graph {cfg.graph} ({summary['device']})",
         )
         logger.info("%s", describe_run(summary, out, run.step.backend))
     run.step.close()

@@ -1,0 +1,194 @@
+"""The model seam: what a recipe brings to the shared trainer (torchtitan's model specs).
+
+A :class:`ModelSpec` builds the model, computes its loss, turns graphs on and off for its layers,
+and writes and reads the model part of a checkpoint. Everything else (the loop, the data, the
+optimizer, ``trainer.pt``, the run directory's rules, metrics, Ctrl-C, torchrun) is the trainer's
+and the same for every recipe. :data:`GPT_SPEC` is the toy GPT's (``recipes/train_gpt.py``);
+``recipes/train_hf.py`` declares a transformers causal LM's.
+
+The model part of a checkpoint carries a manifest with the sha256 of every tensor and an
+``extra`` entry, in which the trainer records ``trainer.pt``'s sha256: nothing resumes unverified.
+The toy GPT's manifest is ``tgraph.toy.checkpoint``'s ``config.json``; a model that owns
+``config.json`` (transformers' ``save_pretrained``) uses :func:`write_manifest` and
+:func:`read_manifest` (``checkpoint.json`` beside its ``*.safetensors`` files).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import tgraph
+from tgraph.toy import checkpoint
+from tgraph.toy.checkpoint import CheckpointError
+from tgraph.toy.gpt import GPT
+
+MANIFEST_NAME = "checkpoint.json"
+MANIFEST_FORMAT = "tgraph-safetensors-manifest"
+
+
+class ModelError(ValueError):
+    """The model the command line asks for cannot be built (exit code 2, like a bad argument)."""
+
+
+class ModelSpec:
+    """A recipe's model, as the trainer sees it. Subclasses override every method."""
+
+    title = "model"  # the log line's name for it ("training a 0.80M-parameter GPT")
+    plot_name = "model"  # the loss plot's
+    recipe = "this recipe"  # the script that writes its checkpoints (for error messages)
+    manifest_name = MANIFEST_NAME  # the file recording the checksums
+    clip_in_optimizer_order = False  # sum the gradient norm in the optimizer's parameter order
+
+    def build(self, cfg, device: torch.device) -> torch.nn.Module:
+        """The model of ``cfg`` on ``device``, in training mode (the trainer seeds torch first)."""
+        raise NotImplementedError
+
+    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of ``net`` (the model or its DDP wrapper) on ``x`` -> ``y``."""
+        raise NotImplementedError
+
+    def enable_graphs(self, net: torch.nn.Module, backend: str) -> None:
+        """Per-layer graphs (``--graph layer``): the next step records, ``create_graphs``."""
+        raise NotImplementedError
+
+    def disable_graphs(self, net: torch.nn.Module) -> None:
+        raise NotImplementedError
+
+    def save_weights(self, model: torch.nn.Module, directory: Path, extra: dict) -> None:
+        """Write the weights and their manifest (``extra`` in it) into ``directory``."""
+        raise NotImplementedError
+
+    def read_extra(self, directory: Path) -> dict | None:
+        """The manifest's ``extra``. Raises FileNotFoundError or CheckpointError."""
+        raise NotImplementedError
+
+    def load_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        """Verify the weights against the manifest and copy them into ``model`` (strictly)."""
+        raise NotImplementedError
+
+    def resolved(self, cfg, model: torch.nn.Module) -> dict:
+        """What the model resolved to, for the run's ``config.json``."""
+        return {}
+
+
+class GPTSpec(ModelSpec):
+    """The toy GPT (``tgraph.toy.gpt``), its checkpoints ``tgraph.toy.checkpoint``'s."""
+
+    title = "GPT"
+    plot_name = "toy GPT"
+    recipe = "recipes/train_gpt.py"
+    manifest_name = checkpoint.CONFIG_NAME
+
+    def build(self, cfg, device):
+        return GPT(cfg.gpt_config()).to(device)
+
+    def loss(self, net, x, y):
+        return net(x, y)[1]
+
+    def enable_graphs(self, net, backend):
+        tgraph.enable(net, backend=backend)
+
+    def disable_graphs(self, net):
+        tgraph.disable(net)
+
+    def save_weights(self, model, directory, extra):
+        checkpoint.save(model, directory, extra=extra)
+
+    def read_extra(self, directory):
+        return checkpoint.read_config(directory)[1]
+
+    def load_weights(self, model, directory):
+        checkpoint.load_into(model, directory, require_checksums=True)
+
+    def resolved(self, cfg, model):
+        return {"gpt": cfg.gpt_config().to_dict()}
+
+
+GPT_SPEC = GPTSpec()
+
+
+# -- a manifest beside safetensors files another library wrote --------------------------------
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.safetensors"))
+
+
+def write_manifest(directory: Path, extra: dict) -> None:
+    """Record the sha256 of every tensor in ``directory``'s ``*.safetensors`` files, and
+    ``extra``, in ``directory/checkpoint.json`` (written last, atomically)."""
+    from safetensors.torch import load_file
+
+    sha = {}
+    for f in _weight_files(directory):
+        sha[f.name] = {k: checkpoint.tensor_sha256(t) for k, t in load_file(str(f)).items()}
+    if not sha:
+        raise CheckpointError(f"{directory}: no *.safetensors files were written")
+    body = {"format": MANIFEST_FORMAT, "version": 1, "sha256": sha, "extra": extra}
+    checkpoint.atomic_write_bytes(
+        directory / MANIFEST_NAME, (json.dumps(body, indent=2) + "\n").encode()
+    )
+
+
+def read_manifest(directory: Path) -> dict:
+    """``directory/checkpoint.json`` as written by :func:`write_manifest`.
+
+    Raises:
+        FileNotFoundError: no directory or no manifest.
+        CheckpointError: the manifest is not valid JSON or not one of ours.
+    """
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {directory} has no {MANIFEST_NAME}")
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt") from e
+    if not (isinstance(body, dict) and body.get("format") == MANIFEST_FORMAT):
+        raise CheckpointError(f"{path} is not a checkpoint manifest ({MANIFEST_FORMAT!r})")
+    if not isinstance(body.get("sha256"), dict):
+        raise CheckpointError(f"{path} records no sha256 checksums; the file is corrupt")
+    return body
+
+
+def load_verified(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``directory``'s ``*.safetensors`` files, each checked against the sha256
+    recorded in its manifest.
+
+    Raises:
+        FileNotFoundError: no manifest.
+        CheckpointError: an unreadable file, a file or tensor added, missing or changed.
+    """
+    from safetensors.torch import load_file
+
+    recorded = read_manifest(directory)["sha256"]
+    files = {f.name: f for f in _weight_files(directory)}
+    if set(files) != set(recorded):
+        raise CheckpointError(
+            f"checkpoint {directory} holds the weight files {sorted(files)} but its "
+            f"{MANIFEST_NAME} records {sorted(recorded)}; the directory was edited"
+        )
+    state = {}
+    for name, f in files.items():
+        try:
+            tensors = load_file(str(f), device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(
+                f"{f} is not a readable safetensors file ({type(e).__name__}: {e}); the "
+                "checkpoint is corrupt or truncated"
+            ) from e
+        want = recorded[name] if isinstance(recorded[name], dict) else {}
+        bad = sorted(k for k, t in tensors.items() if want.get(k) != checkpoint.tensor_sha256(t))
+        bad += sorted(want.keys() - tensors.keys())
+        if bad:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise CheckpointError(
+                f"{f} is corrupt: the data of {len(bad)} tensor(s) ({shown}) no longer matches "
+                f"the sha256 recorded in {MANIFEST_NAME} when it was saved (damaged on disk or "
+                "edited after saving)"
+            )
+        state.update(tensors)
+    return state

@@ -1,0 +1,274 @@
+"""Both training recipes, train_gpt.py and train_hf.py, get the same protections from the shared
+trainer (``recipes/gpt_training``): each test runs against both, through the recipe's ``main``.
+
+A damaged checkpoint is refused in one line and nothing is overwritten; ``--resume latest``
+without ``--steps`` continues to the run's own total, bit for bit; bad ``--out`` values are refused
+in one line before anything runs; a non-finite loss stops before a checkpoint; Ctrl-C writes a
+checkpoint; the run directory gets metrics, summary and plot; torchrun runs two processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gpt_training import trainer  # recipes/ is on sys.path: tests/conftest.py
+from safetensors.torch import load_file
+
+from tgraph.toy.corpus import BatchSampler
+
+pytest.importorskip("transformers", reason="needs transformers (pip install 'tgraph[dev]')")
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TINY = ["--n-layer=2", "--n-embd=32", "--n-head=2", "--block-size=16", "--batch-size=2",
+        "--warmup-steps=1", "--lr=1e-2", "--min-lr=1e-3", "--log-every=2", "--ckpt-every=2",
+        "--eval-every=2", "--eval-batches=2", "--device=cpu", "--graph=none", "--no-progress"]  # fmt: skip
+
+
+def _load(name: str):
+    path = RECIPES / f"{name}.py"
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+        return loaded  # another test file loaded it already: share its classes
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and inspect look classes up by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(params=["train_gpt", "train_hf"])
+def recipe(request, monkeypatch):
+    """The recipe module; both train on a small random byte stream (seconds, not the corpus)."""
+    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(trainer, "load_split", lambda *a, **k: data.to(torch.uint8))
+    return _load(request.param)
+
+
+def spec_of(recipe):
+    return getattr(recipe, "HF_SPEC", None) or recipe.GPT_SPEC
+
+
+def main(recipe, *argv: str) -> int:
+    """The recipe's exit code for ``argv`` (after the tiny flags), run in this process."""
+    try:
+        recipe.main([*TINY, *argv])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def ckpts(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def files(out: Path) -> dict[str, bytes]:
+    """Every file under ``out/checkpoints`` and its bytes (and where ``latest`` points)."""
+    root = out / "checkpoints"
+    got = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    return {**got, "latest ->": os.readlink(root / "latest").encode()}
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture
+def finished(recipe, tmp_path) -> Path:
+    """A finished 4-step run of the recipe: checkpoints at steps 2 and 4."""
+    out = tmp_path / "run"
+    assert main(recipe, f"--out={out}", "--steps=4") == 0
+    assert ckpts(out) == ["step_000002", "step_000004"]
+    return out
+
+
+def test_run_directory_has_metrics_summary_plot(finished):
+    for name in ("config.json", "metrics.jsonl", "summary.json", "loss.png"):
+        assert (finished / name).is_file(), name
+    rows = [json.loads(ln) for ln in (finished / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in rows} == {"train", "val"} and rows[-1]["step"] == 4
+    assert json.loads((finished / "summary.json").read_text())["steps"] == 4
+    manifest = (
+        "checkpoint.json"
+        if (finished / "checkpoints/latest/checkpoint.json").exists()
+        else "config.json"
+    )
+    recorded = json.loads((finished / "checkpoints" / "latest" / manifest).read_text())
+    assert recorded["sha256"] and recorded["extra"]["trainer_sha256"]
+
+
+def test_damaged_weights_are_refused_in_one_line_and_nothing_is_overwritten(
+    recipe, finished, capsys
+):
+    path = finished / "checkpoints" / "step_000004" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-6] ^= 0xFF  # two flipped bytes in the last tensor's data
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = files(finished)
+    capsys.readouterr()
+    code = main(recipe, f"--out={finished}", "--resume=latest", "--steps=8")
+    err = one_line_error(capsys)
+    assert code == 1 and err.startswith("error: cannot resume from "), err
+    assert "model.safetensors is corrupt" in err and "--resume " in err and "step_000002" in err
+    assert files(finished) == before  # nothing written, pruned or re-pointed
+
+
+def test_damaged_trainer_state_is_refused(recipe, finished, capsys):
+    path = finished / "checkpoints" / "step_000004" / "trainer.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = files(finished)
+    capsys.readouterr()
+    assert main(recipe, f"--out={finished}", "--resume=latest", "--steps=8") == 1
+    assert "trainer.pt differs from the one recorded" in one_line_error(capsys)
+    assert files(finished) == before
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing in the recipe catches it."""
+
+
+def test_resume_latest_without_steps_continues_to_the_runs_total_bit_for_bit(
+    recipe, tmp_path, monkeypatch
+):
+    straight = tmp_path / "straight"
+    assert main(recipe, f"--out={straight}", "--steps=6") == 0
+    killed = tmp_path / "killed"
+    save = trainer.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        path = save(*args, **kwargs)
+        if path.name == "step_000004":
+            raise _Killed
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(_Killed):
+        main(recipe, f"--out={killed}", "--steps=6")
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    assert main(recipe, f"--out={killed}", "--resume=latest") == 0  # no --steps: the run's 6
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["resumed_at"] == 4
+    assert ckpts(killed)[-1] == "step_000006"
+    got, want = weights(killed / "checkpoints" / "latest"), weights(straight / "checkpoints/latest")
+    assert got.keys() == want.keys()
+    for k in got:  # CPU kernels, same order, same thread count: bit for bit
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("out", ["", "."])
+def test_out_that_names_no_run_directory_is_refused(recipe, out, capsys):
+    assert main(recipe, f"--out={out}") == 2
+    assert "out=" in one_line_error(capsys)
+
+
+def test_out_holding_another_run_is_refused(recipe, finished, tmp_path, capsys):
+    before = files(finished)
+    capsys.readouterr()
+    assert main(recipe, f"--out={finished}", "--steps=2") == 2
+    err = one_line_error(capsys)
+    assert "already holds a run" in err and "--resume latest" in err and "--overwrite" in err
+    assert files(finished) == before
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a run\n")
+    assert main(recipe, f"--out={a_file}") == 2
+    assert "is a file, not a directory" in one_line_error(capsys)
+    other = shutil.copytree(finished, tmp_path / "other", symlinks=True)
+    resume = str(other / "checkpoints" / "step_000002")
+    assert main(recipe, f"--out={finished}", f"--resume={resume}", "--steps=8") == 2
+    assert "is not a checkpoint of the run" in one_line_error(capsys)
+
+
+def test_nonfinite_loss_stops_before_a_checkpoint(recipe, tmp_path, monkeypatch, capsys):
+    spec, calls = spec_of(recipe), [0]
+    real = spec.loss
+
+    def loss(net, x, y):  # nan at the third training step, between the checkpoints of 2 and 4
+        value = real(net, x, y)
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] == 3:
+                return value * float("nan")
+        return value
+
+    monkeypatch.setattr(spec, "loss", loss)
+    out = tmp_path / "run"
+    assert main(recipe, f"--out={out}", "--steps=4") == 1
+    assert "not finite" in one_line_error(capsys)
+    assert ckpts(out) == ["step_000002"]
+
+
+def test_ctrl_c_writes_a_checkpoint_and_stops(recipe, tmp_path, monkeypatch):
+    real, calls = BatchSampler.next, [0]
+
+    def next_with_ctrl_c(self):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # during step 3: it finishes, then stops
+        return real(self)
+
+    monkeypatch.setattr(BatchSampler, "next", next_with_ctrl_c)
+    out = tmp_path / "run"
+    assert main(recipe, f"--out={out}", "--steps=8") == 130
+    assert ckpts(out) == ["step_000002", "step_000003"]
+    assert os.readlink(out / "checkpoints" / "latest") == "step_000003"
+
+
+def test_hf_checkpoint_loads_with_from_pretrained(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(trainer, "load_split", lambda *a, **k: data.to(torch.uint8))
+    th = _load("train_hf")
+    out = tmp_path / "run"
+    assert main(th, f"--out={out}", "--steps=2", "--arch=gpt2", "--graph=layer") == 0
+    ckpt = out / "checkpoints" / "step_000002"
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    saved = weights(ckpt)
+    for k, v in model.state_dict().items():  # lm_head is tied to wte: save_pretrained drops it
+        torch.testing.assert_close(v, saved.get(k, saved["transformer.wte.weight"]), rtol=0, atol=0)
+    manifest = json.loads((ckpt / "checkpoint.json").read_text())
+    assert set(manifest["sha256"]["model.safetensors"]) == set(saved)
+
+
+def _torchrun(name: str, out: Path, graph: str = "none") -> dict[str, torch.Tensor]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(RECIPES / f"{name}.py"), *TINY, "--steps=4", f"--out={out}", f"--graph={graph}"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert ckpts(out) == ["step_000002", "step_000004"]
+    return weights(out / "checkpoints" / "latest")
+
+
+@pytest.mark.parametrize("name", ["train_gpt", "train_hf"])
+def test_torchrun_two_processes(name, tmp_path):
+    _torchrun(name, tmp_path / "run")
+
+
+def test_torchrun_hf_graph_modes_match_eager(tmp_path):
+    """DDP (layer+opt) and the full graph's own all-reduce: the eager run's weights, bitwise."""
+    eager = _torchrun("train_hf", tmp_path / "none")
+    for graph in ("layer+opt", "full"):
+        got = _torchrun("train_hf", tmp_path / graph.replace("+", "_"), graph)
+        for k in eager:
+            torch.testing.assert_close(got[k], eager[k], rtol=0, atol=0, msg=f"{graph} {k}")
