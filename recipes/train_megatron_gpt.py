@@ -1,13 +1,18 @@
 """Train megatron-core's GPTModel with megatron-core's own optimizer, eagerly or with tgraph graphs.
 
-    torchrun --standalone --nproc-per-node=1 recipes/train_megatron_gpt.py --graph layer
     python recipes/train_megatron_gpt.py --graph layer+opt --steps 200 --out runs/megatron_opt
+    torchrun --standalone --nproc-per-node=2 recipes/train_megatron_gpt.py --graph layer
+    python recipes/train_megatron_gpt.py --out runs/megatron_opt --resume latest --steps 400
 
-The optimizer is the one a megatron-core user runs:
+The model is megatron-core's ``GPTModel`` (local layer spec, fp32) built by
+``tgraph.integrations.megatron.build_gpt`` (``--n-layer``/``--num-layers``,
+``--n-embd``/``--hidden-size``, ``--n-head``/``--num-heads``, ``--block-size``/``--seq-length``)
+in megatron DDP. The optimizer is the one a megatron-core user runs:
 ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", ...), [model])`` (fp32, megatron's
-gradient clipping, no weight decay on biases and norms), with megatron's
-``OptimizerParamScheduler`` (linear warmup from 0, cosine decay to ``--min-lr``), stepped once
-per iteration. ``--graph`` picks how a step runs:
+gradient clipping ``--grad-clip``/``--clip-grad``, no weight decay on biases and norms), with
+megatron's ``OptimizerParamScheduler`` (linear warmup from 0, cosine decay to ``--min-lr``),
+stepped once per iteration. Each step's ``--batch-size`` sequences run as ``--micro-batches``
+micro-batches through megatron's ``forward_backward``. ``--graph`` picks how a step runs:
 
 * ``none``: megatron-core eager: ``mopt.zero_grad(); forward_backward(...); mopt.step()`` (its
   gradient norm and clipping read values on the host).
@@ -22,193 +27,142 @@ per iteration. ``--graph`` picks how a step runs:
 (``OptimizerConfig.optimizer_cuda_graph``: its step count lives on the GPU) and skip, on the
 device, a step whose loss or gradient norm is not finite; the device counter is read at log
 steps only (``skipped_steps``). The scheduler's learning rate reaches their graphs through device
-tensors (tgraph.step.hyperparams), which the scheduler refills in place. The eager modes step the scheduler only after a successful ``mopt.step()``, as
-megatron-LM's loop does; the graph modes step it at every iteration (knowing whether the device
-skipped the step would need a host sync). ``--optimizer-cuda-graph`` builds the capturable AdamW
-in the eager modes too, for like-for-like losses.
+tensors (tgraph.step.hyperparams), which the scheduler refills in place. The eager modes step the
+scheduler only after a successful ``mopt.step()``, as megatron-LM's loop does; the graph modes
+step it at every iteration (knowing whether the device skipped the step would need a host sync).
+``--optimizer-cuda-graph`` builds the capturable AdamW in the eager modes too, for like-for-like
+losses. Code: ``gpt_training/megatron_step.py``.
 
-Needs a GPU and megatron-core (``pip install "tgraph[megatron]"``, Python >= 3.12). Data
-parallel over all ranks (megatron DDP); tensor and pipeline parallel sizes are 1. Writes
-``metrics.jsonl`` and ``summary.json`` into ``--out``; an ``--out`` that already holds them is
-refused unless ``--overwrite`` is given. No checkpoints and no resume.
+This file adds only the model: :class:`MegatronSpec` and the config fields it reads. The loop,
+data, validation, checkpoints, the run directory's rules, metrics, Ctrl-C and torchrun are the
+shared trainer's (``gpt_training/``, that of ``recipes/train_gpt.py``), and so are its
+protections. Checkpoints go to ``--out/checkpoints/step_NNNNNN``: ``model.safetensors`` (the
+unwrapped GPTModel's ``state_dict``), ``checkpoint.json`` (the sha256 of every tensor and of
+``trainer.pt``, verified on resume) and ``trainer.pt`` (``mopt.state_dict()``, the scheduler's
+state, step, RNG states, config). A resume continues bit for bit with ``--dropout 0`` (the
+default); megatron's dropout RNG tracker is not checkpointed.
+
+Needs a CUDA GPU and megatron-core (``pip install "tgraph[megatron]"``, Python >= 3.12); without
+them it says so in one line (exit code 2). Data parallel over all ranks (megatron DDP); tensor and
+pipeline parallel sizes are 1.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
+import importlib.util
 import os
-import statistics
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from gpt_training import cli
+from gpt_training.config import (
+    GRAPH_MODES,
+    NONFINITE_MODES,
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ReportConfig,
+    RunConfig,
+    RunOnly,
+    StepConfig,
+)
+from gpt_training.megatron_step import OPTIMIZER, MegatronOptim, MegatronStep, capturable_adam
+from gpt_training.spec import ModelSpec, load_verified, read_manifest, write_manifest
 
-import tgraph
-from tgraph.toy.corpus import BatchSampler, load_split
+from tgraph.toy.checkpoint import CheckpointError
 
-GRAPH_MODES = ("none", "layer", "layer+opt", "full")
-OPTIMIZER = "megatron get_megatron_optimizer adam"
-FULL_WARMUP = 3  # eager calls of the FullIterationGraph before its capture
-RUN_FILES = ("metrics.jsonl", "summary.json")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The recipe's flags, each with its help text and default (``--help``)."""
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--graph",
-        choices=GRAPH_MODES,
-        default="layer",
-        help="how a step runs: none (eager), layer (per-layer graphs), layer+opt (and the "
-        "optimizer step as a graph) or full (the whole step as one graph); see the module "
-        "docstring",
-    )
-    p.add_argument("--steps", type=int, default=200, help="training iterations (at least 2)")
-    p.add_argument("--num-layers", type=int, default=12, help="TransformerLayers")
-    p.add_argument("--hidden-size", type=int, default=256, help="width of the residual stream")
-    p.add_argument(
-        "--num-heads", type=int, default=4, help="attention heads; must divide --hidden-size"
-    )
-    p.add_argument(
-        "--seq-length", type=int, default=128, help="bytes per sequence (the context length)"
-    )
-    p.add_argument(
-        "--micro-batch-size", type=int, default=8, help="sequences per micro-batch per rank"
-    )
-    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (after warmup)")
-    p.add_argument(
-        "--min-lr", type=float, default=1e-4, help="the cosine's floor (reached at --steps)"
-    )
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=10,
-        help="linear warmup from 0 (megatron's lr_warmup_steps; at most --steps - 1)",
-    )
-    p.add_argument("--weight-decay", type=float, default=0.01, help="OptimizerConfig.weight_decay")
-    p.add_argument(
-        "--clip-grad", type=float, default=1.0, help="OptimizerConfig.clip_grad; 0 disables it"
-    )
-    p.add_argument(
-        "--optimizer-cuda-graph",
-        action="store_true",
-        help="capturable AdamW in the eager modes too (OptimizerConfig.optimizer_cuda_graph; "
-        "layer+opt and full always step it)",
-    )
-    p.add_argument(
-        "--dropout", type=float, default=0.0, help="attention and hidden dropout probability"
-    )
-    p.add_argument(
-        "--seed", type=int, default=1234, help="seed of the initial weights and of the batches"
-    )
-    p.add_argument("--log-every", type=int, default=20, help="a metrics line every this many steps")
-    p.add_argument(
-        "--out", default="runs/megatron_gpt", help="run directory (metrics.jsonl, summary.json)"
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the metrics of a run already in --out (refused otherwise)",
-    )
-    return p
+VOCAB = 256  # the corpus is bytes
+WEIGHTS = "model.safetensors"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and check the flags.
-
-    Raises:
-        SystemExit: code 2, naming the bad flag.
-    """
-    p = build_parser()
-    a = p.parse_args(argv)
-    if a.steps < 2 or a.micro_batches < 1:
-        p.error("--steps must be >= 2 and --micro-batches >= 1")
-    if not 0.0 <= a.min_lr <= a.lr:
-        p.error(f"--min-lr must be in [0, --lr={a.lr}]")
-    if a.warmup_steps < 0 or a.weight_decay < 0 or a.clip_grad < 0 or a.log_every < 1:
-        p.error("--warmup-steps, --weight-decay and --clip-grad must be >= 0, --log-every >= 1")
-    a.warmup_steps = min(a.warmup_steps, a.steps - 1)  # megatron: lr_warmup_steps < decay steps
-    return a
+# ------------------------------------------------------------------------------- the config
 
 
-def claim_out(a: argparse.Namespace) -> Path:
-    """Refuse an ``--out`` that holds another run's metrics, unless ``--overwrite``."""
-    out = Path(a.out)
-    found = [name for name in RUN_FILES if (out / name).exists()]
-    if found and not a.overwrite:
-        print(
-            f"error: {out} already holds a run ({', '.join(found)}). Choose another --out, or "
-            "pass --overwrite to replace its metrics",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
-    return out
+@dataclass(kw_only=True)
+class MegatronStepConfig(RunOnly):
+    """How megatron-core runs a step (the same numbers as the graph modes' optimizer)."""
+
+    micro_batches: int = 1
+    """Micro-batches per step (megatron's gradient accumulation); must divide batch_size."""
+    optimizer_cuda_graph: bool = False
+    """Capturable AdamW in the eager modes too (OptimizerConfig.optimizer_cuda_graph; layer+opt and full always step it)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_counts(("micro_batches",))
+        if self.batch_size % self.micro_batches:
+            raise self._invalid("micro_batches", f"it must divide batch_size={self.batch_size}")
 
 
-def init(seed: int) -> tuple[int, int]:
-    """Process group (torchrun's environment, or a world of one), model parallel (1, 1)."""
+@dataclass(kw_only=True)
+class MegatronTrainConfig(
+    ReportConfig,
+    OptimizerConfig,
+    DataConfig,
+    ModelConfig,
+    MegatronStepConfig,
+    StepConfig,
+    JobConfig,
+    RunConfig,
+):
+    """The megatron-core recipe's run: the shared groups with this recipe's defaults."""
+
+    graph_modes = ("none", "layer", "layer+opt", "full")
+    default_steps = 200
+    cli_choices = {"graph": GRAPH_MODES, "on_nonfinite": NONFINITE_MODES}
+    cli_aliases = {  # the recipe's megatron-style flags before the port
+        "n_layer": ["--num-layers"],
+        "n_embd": ["--hidden-size"],
+        "n_head": ["--num-heads"],
+        "block_size": ["--seq-length"],
+        "grad_clip": ["--clip-grad"],
+    }
+
+    out: str = "runs/megatron_gpt"
+    n_layer: int = 12
+    n_embd: int = 256
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    beta2: float = 0.999  # megatron's OptimizerConfig.adam_beta2
+    seed: int = 1234
+    log_every: int = 20
+    ckpt_every: int = 100
+
+    def unavailable(self) -> str | None:
+        if self.device == "cpu":
+            return "megatron-core training needs a CUDA GPU; --device cpu cannot run it"
+        if not torch.cuda.is_available():
+            return "megatron-core training needs a CUDA GPU, and none is visible"
+        try:
+            found = importlib.util.find_spec("megatron.core") is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            from tgraph.integrations.megatron import INSTALL_HINT
+
+            return f"megatron-core training needs megatron-core; {INSTALL_HINT}"
+        return None
+
+
+# -------------------------------------------------------------------------------- the model
+
+
+def init_parallel(seed: int) -> None:
+    """A process group (torchrun's, started by the trainer, or a world of one) and megatron's
+    model parallel state (1, 1)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from tgraph.integrations import megatron as tm
 
     if "WORLD_SIZE" not in os.environ:
         tm.init_single_gpu(seed)
-        return 0, 1
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl")
-    if not parallel_state.model_parallel_is_initialized():
+    elif not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
-    return rank, world
-
-
-def capturable_adam(a: argparse.Namespace) -> bool:
-    return a.optimizer_cuda_graph or a.graph in ("layer+opt", "full")
-
-
-def build_optimizer(a: argparse.Namespace, model):
-    """megatron's own optimizer and learning-rate scheduler, as a megatron-core user builds them."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=a.lr,
-        min_lr=a.min_lr,
-        weight_decay=a.weight_decay,
-        clip_grad=a.clip_grad,
-        bf16=False,  # build_gpt's GPTModel is fp32: megatron's FP32Optimizer, no loss scaler
-        fp16=False,
-        # capturable inner AdamW: what the graph modes step (make_graph_safe would switch it
-        # anyway; building it so also serves an inner optimizer it cannot switch, e.g. TE's)
-        optimizer_cuda_graph=capturable_adam(a),
-    )
-    mopt = get_megatron_optimizer(config, [model])
-    sched = OptimizerParamScheduler(
-        mopt,
-        init_lr=0.0,
-        max_lr=a.lr,
-        min_lr=a.min_lr,
-        lr_warmup_steps=a.warmup_steps,
-        lr_decay_steps=a.steps,
-        lr_decay_style="cosine",
-        start_wd=a.weight_decay,
-        end_wd=a.weight_decay,
-        wd_incr_steps=a.steps,
-        wd_incr_style="constant",
-    )  # sets the learning rate of step 0 (and weight decay 0 on the wd_mult=0 groups)
-    return mopt, sched
 
 
 def megatron_version() -> str | None:
@@ -219,183 +173,110 @@ def megatron_version() -> str | None:
     return __version__
 
 
-def main(argv: list[str] | None = None) -> dict:
-    a = parse_args(argv)
-    out = claim_out(a)
-    if not torch.cuda.is_available():
-        raise SystemExit("error: megatron-core training needs a CUDA GPU")
-    from tgraph.integrations import megatron as tm
+def _gpt(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron DDP."""
+    return getattr(model, "module", model)
 
-    rank, world = init(a.seed)
-    model = tm.build_gpt(
-        num_layers=a.num_layers,
-        hidden_size=a.hidden_size,
-        num_attention_heads=a.num_heads,
-        vocab_size=256,
-        seq_length=a.seq_length,
-        dropout=a.dropout,
-        seed=a.seed,
-    )
-    mopt, sched = build_optimizer(a, model)
-    sampler = BatchSampler(
-        load_split("train", rank=rank, world_size=world),
-        a.micro_batch_size,
-        a.seq_length,
-        seed=a.seed + rank,
-    )
 
-    def next_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [
-            tuple(t.cuda(non_blocking=True) for t in sampler.next()) for _ in range(a.micro_batches)
-        ]
+class MegatronSpec(ModelSpec):
+    """megatron-core's GPTModel, optimizer, scheduler and step; its checkpoint part is the
+    GPTModel's ``state_dict`` as safetensors plus a manifest."""
 
-    layer_graphs = a.graph in ("layer", "layer+opt")
-    opt_graph = full_graph = None
-    eager_skipped = 0  # eager modes: megatron's mopt.step() reported no update
-    last_norm: float | torch.Tensor | None = None
-    updated = True  # whether the last step advances the schedule
-    gens_before = {id(g) for g in tgraph.rng.extra_generators()}
-    if layer_graphs:
-        tm.enable_layer_graphs(model)
-    if a.graph == "layer+opt":
-        opt_graph = tm.MegatronOptimizerGraph(mopt, skip_nonfinite=True)  # capturable AdamW
-    if a.graph == "full":
-        tm.make_graph_safe(mopt)  # capturable AdamW; refuses what needs the host every step
+    title = plot_name = "megatron-core GPTModel"
+    recipe = "recipes/train_megatron_gpt.py"
 
-        def full_step(microbatches):
-            loss = tm.forward_backward(model, microbatches)
-            norm = tm.graph_safe_step(mopt)  # megatron's norm, clipping and AdamW, no host sync
-            return loss.detach(), norm
+    def build(self, cfg, device):
+        from tgraph.integrations import megatron as tm
 
-        full_graph = tgraph.FullIterationGraph(
-            full_step, warmup_steps=FULL_WARMUP, skip_nonfinite=True
+        init_parallel(cfg.seed)
+        model = tm.build_gpt(
+            num_layers=cfg.n_layer,
+            hidden_size=cfg.n_embd,
+            num_attention_heads=cfg.n_head,
+            vocab_size=VOCAB,
+            seq_length=cfg.block_size,
+            dropout=cfg.dropout,
+            seed=cfg.seed,
         )
+        return model.train()
 
-    def train_step(microbatches) -> torch.Tensor:
-        """One iteration (forward, backward, optimizer step); returns the loss."""
-        nonlocal eager_skipped, last_norm, updated
-        if full_graph is not None:
-            loss, last_norm = full_graph(microbatches)
-            return loss
-        mopt.zero_grad()
-        loss = tm.forward_backward(model, microbatches)  # zero_grad_buffer, fwd/bwd, grad sync
-        if opt_graph is not None:
-            opt_graph.step(loss)
-            return loss.detach()
-        updated, last_norm, _ = mopt.step()  # megatron eager: host syncs inside
-        eager_skipped += not updated
-        return loss.detach()
+    def loss(self, net, x, y):
+        from tgraph.integrations.megatron import causal_inputs
 
-    def skipped_steps() -> int:
-        """Steps that changed nothing (graph modes: reads the device counter, one sync)."""
-        if opt_graph is not None:
-            return opt_graph.skipped_steps
-        if full_graph is not None:
-            return full_graph.skipped_steps
-        return eager_skipped
+        position_ids, mask = causal_inputs(x)
+        return net(x, position_ids, mask, labels=y).float().mean()  # per-token losses
 
-    def grad_norm() -> float | None:
-        if opt_graph is not None:
-            n = opt_graph.grad_norm
-            return None if n is None else float(n)
-        return None if last_norm is None else float(last_norm)
+    def enable_graphs(self, net, backend):
+        from tgraph.integrations import megatron as tm
 
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for name in RUN_FILES:  # --overwrite: a run that dies early leaves no old summary behind
-            (out / name).unlink(missing_ok=True)
-    metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None  # noqa: SIM115
-    times, losses, capture_s = [], [], 0.0
-    try:
-        for step in range(a.steps):
-            batch = next_batch()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = train_step(batch)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            if layer_graphs and step == 0:
-                t1 = time.perf_counter()
-                report = tgraph.create_graphs()
-                capture_s = time.perf_counter() - t1
-                if rank == 0:
-                    print(report, flush=True)
-            if opt_graph is not None and step == 1:  # captured at its second step
-                capture_s += opt_graph.capture_seconds
-            if full_graph is not None and step == FULL_WARMUP:  # capture and first replay
-                capture_s = dt
-            if step >= 5:
-                times.append(dt)
-            losses.append(loss.item())
-            if step % a.log_every == 0 or step == a.steps - 1:
-                lr = float(mopt.param_groups[0]["lr"])  # this step's (graph modes: a tensor)
-            if metrics and (step % a.log_every == 0 or step == a.steps - 1):
-                row = {
-                    "step": step,
-                    "loss": losses[-1],
-                    "lr": lr,
-                    "grad_norm": grad_norm(),
-                    "skipped_steps": skipped_steps(),
-                    "ms_per_step": 1e3 * dt,
-                    "graph": a.graph,
-                }
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                print(json.dumps(row), flush=True)
-            # megatron-LM steps the scheduler after a successful update; the graph modes cannot
-            # know without a host sync and step it always (a skipped step still advances it)
-            if updated:
-                sched.step(1)
-        skipped = skipped_steps()
-    finally:
-        if metrics:
-            metrics.close()
-        if full_graph is not None:
-            full_graph.reset()
-        if opt_graph is not None:
-            opt_graph.reset()
-        if layer_graphs:
-            tgraph.reset()
-            tgraph.disable(model)
-        for g in tgraph.rng.extra_generators():
-            if id(g) not in gens_before:  # megatron's RNG tracker (enable_layer_graphs)
-                tgraph.unregister_generator(g)
+        tm.enable_layer_graphs(net, backend=backend)
 
-    ms = 1e3 * statistics.median(times) if times else float("nan")
-    tokens = a.micro_batch_size * a.micro_batches * a.seq_length * world
-    summary = {
-        "graph": a.graph,
-        "optimizer": OPTIMIZER,
-        "optimizer_config": {
-            "lr": a.lr,
-            "min_lr": a.min_lr,
-            "warmup_steps": a.warmup_steps,
-            "lr_decay_style": "cosine",
-            "weight_decay": a.weight_decay,
-            "clip_grad": a.clip_grad,
-            "precision": "fp32",
-            "capturable_adam": capturable_adam(a),
-        },
-        "skip_nonfinite": a.graph in ("layer+opt", "full"),
-        "skipped_steps": skipped,
-        "steps": a.steps,
-        "world_size": world,
-        "median_ms_per_step": ms,
-        "tokens_per_s": tokens / (ms / 1e3) if math.isfinite(ms) else float("nan"),
-        "first_loss": losses[0],
-        "final_loss": losses[-1],
-        "final_lr": lr,
-        "capture_s": capture_s,
-        "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "megatron_core": megatron_version(),
-    }
-    if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print("done:", json.dumps(summary), flush=True)
-    return summary
+    def disable_graphs(self, net):
+        import tgraph
+
+        tgraph.disable(net)
+
+    def make_optimizer(self, model, cfg, device):
+        return MegatronOptim(model, cfg)
+
+    def load_optimizer(self, opt, state, device):
+        opt.load_state_dict(state)
+
+    def set_lr(self, opt, step, cfg, decay_steps):
+        return opt.lr()  # megatron's scheduler set it (stepped by MegatronStep)
+
+    def make_step(self, cfg, model, opt, env, record_eval):
+        return MegatronStep(cfg, model, opt, env, record_eval)
+
+    def save_weights(self, model, directory, extra):
+        from safetensors.torch import save_file
+
+        state = {
+            k: v.detach().cpu().contiguous()  # own copies: no shared storage for safetensors
+            for k, v in _gpt(model).state_dict().items()
+            if isinstance(v, torch.Tensor)  # megatron's _extra_state entries are None here
+        }
+        save_file(state, str(Path(directory) / WEIGHTS))
+        write_manifest(Path(directory), extra)
+
+    def read_extra(self, directory):
+        return read_manifest(Path(directory)).get("extra")
+
+    def load_weights(self, model, directory):
+        state = load_verified(Path(directory))
+        target = _gpt(model)
+        own = {k: v for k, v in target.state_dict().items() if isinstance(v, torch.Tensor)}
+        shapes = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
+        unexpected, missing = sorted(state.keys() - own.keys()), sorted(own.keys() - state.keys())
+        if shapes or unexpected or missing:
+            raise CheckpointError(
+                f"checkpoint {directory} does not match the model of this run: unexpected keys "
+                f"{unexpected}, missing keys {missing}, shape mismatches {shapes}"
+            )
+        target.load_state_dict(state, strict=False)  # every tensor key checked above
+
+    def resolved(self, cfg, model):
+        return {
+            "megatron_core": megatron_version(),
+            "optimizer": OPTIMIZER,
+            "capturable_adam": capturable_adam(cfg),
+        }
+
+
+MEGATRON_SPEC = MegatronSpec()
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+def parse_config(argv: list[str] | None = None) -> MegatronTrainConfig:
+    """A :class:`MegatronTrainConfig` from the command line (``gpt_training.cli.parse_config``)."""
+    return cli.parse_config(argv, MegatronTrainConfig, DESCRIPTION)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train; returns 0, or exits with the shared recipes' codes (``gpt_training.cli.main``)."""
+    cli.main(argv, MegatronTrainConfig, MEGATRON_SPEC, DESCRIPTION)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

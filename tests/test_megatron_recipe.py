@@ -1,6 +1,6 @@
-"""The megatron-core recipe: it fails clearly where it cannot run (no GPU, an --out holding a
-run), parses its flags, and (GPU + megatron-core) trains with megatron's own optimizer in every
-graph mode."""
+"""The megatron-core recipe on the shared trainer: it fails clearly where it cannot run (no GPU,
+bad flags), parses its flags, and (GPU + megatron-core) trains with megatron's own optimizer in
+every graph mode, checkpoints, resumes bit for bit and refuses a damaged checkpoint."""
 
 from __future__ import annotations
 
@@ -14,13 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_megatron_gpt.py"
 
 
 def _load_recipe():
+    loaded = sys.modules.get("train_megatron_gpt")
+    if loaded is not None and getattr(loaded, "__file__", None) == str(RECIPE):
+        return loaded
     spec = importlib.util.spec_from_file_location("train_megatron_gpt", RECIPE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["train_megatron_gpt"] = module  # dataclasses look classes up by module name
     spec.loader.exec_module(module)
     return module
 
@@ -35,63 +40,112 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _one_line(r: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    return r.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_without_a_gpu_the_recipe_says_so(tmp_path):
-    r = _run("--steps", "2", "--out", str(tmp_path / "run"))
-    assert r.returncode != 0
-    assert "needs a CUDA GPU" in r.stderr
+    out = tmp_path / "run"
+    r = _run("--steps", "2", "--out", str(out))
+    assert r.returncode == 2 and "needs a CUDA GPU" in _one_line(r)
+    assert not out.exists()  # refused before anything is created
+    r = _run("--device", "cpu", "--out", str(out))
+    assert r.returncode == 2 and "needs a CUDA GPU" in _one_line(r)
+
+
+def test_without_megatron_core_the_recipe_says_so(monkeypatch):
+    recipe = _load_recipe()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    why = recipe.MegatronTrainConfig().unavailable()
+    assert why.startswith("megatron-core training needs megatron-core") and "pip install" in why
 
 
 def test_every_flag_has_help_text():
-    parser = _load_recipe().build_parser()
-    assert [a.option_strings for a in parser._actions if not a.help] == []
+    from gpt_training import cli
+
+    recipe = _load_recipe()
+    docs = cli._field_docs(recipe.MegatronTrainConfig)
+    fields = [f.name for f in __import__("dataclasses").fields(recipe.MegatronTrainConfig)]
+    assert [f for f in fields if not docs.get(f)] == []
+    r = _run("--help")
+    assert r.returncode == 0
+    for flag in ("--num-layers", "--hidden-size", "--num-heads", "--seq-length", "--clip-grad",
+                 "--micro-batches", "--optimizer-cuda-graph", "--resume", "--overwrite"):  # fmt: skip
+        assert flag in r.stdout, flag
 
 
 def test_bad_flags_are_rejected():
-    r = _run("--steps", "1")
-    assert r.returncode == 2 and "--steps must be >= 2" in r.stderr
+    r = _run("--steps", "0")
+    assert r.returncode == 2 and "--steps must be a positive integer" in _one_line(r)
     r = _run("--lr", "1e-3", "--min-lr", "1e-2")
-    assert r.returncode == 2 and "--min-lr must be in" in r.stderr
+    assert r.returncode == 2 and "min_lr" in _one_line(r)
     r = _run("--graph", "opt")
-    assert r.returncode == 2 and "invalid choice" in r.stderr
+    assert r.returncode == 2 and "invalid choice" in _one_line(r)
+    r = _run("--batch-size", "8", "--micro-batches", "3")
+    assert r.returncode == 2 and "must divide batch_size=8" in _one_line(r)
+    r = _run("--graph", "full", "--on-nonfinite", "skip")
+    assert r.returncode == 2 and "on_nonfinite" in _one_line(r)
 
 
-def test_an_out_holding_a_run_is_refused_without_overwrite(tmp_path):
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "metrics.jsonl").write_text('{"step": 0, "loss": 5.5}\n')
-    r = _run("--steps", "2", "--out", str(out))
-    assert r.returncode == 2 and "already holds a run" in r.stderr and "--overwrite" in r.stderr
-    assert (out / "metrics.jsonl").read_text() == '{"step": 0, "loss": 5.5}\n'  # untouched
+def test_megatron_style_flags_set_the_shared_fields(monkeypatch):
+    from gpt_training import cli
+
+    recipe = _load_recipe()
+    monkeypatch.setattr(cli, "_check_hardware", lambda cfg, parser: None)  # no GPU needed here
+    argv = ["--num-layers", "3", "--hidden-size", "64", "--num-heads", "2", "--seq-length", "32",
+            "--clip-grad", "0.5"]  # fmt: skip
+    c = recipe.parse_config(argv)
+    assert (c.n_layer, c.n_embd, c.n_head, c.block_size, c.grad_clip) == (3, 64, 2, 32, 0.5)
+    assert c.graph == "layer" and c.beta2 == 0.999 and c.out == "runs/megatron_gpt"
+    assert recipe.MegatronTrainConfig.default_steps == 200
 
 
 # -- GPU + megatron-core: the four graph modes, 8 steps at a tiny size --------------------------
 
-TINY = ["--steps", "8", "--num-layers", "2", "--hidden-size", "64", "--num-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "4", "--micro-batches", "2", "--lr", "1e-2",
-        "--min-lr", "1e-3", "--warmup-steps", "2", "--log-every", "1"]  # fmt: skip
+TINY = ["--steps=8", "--num-layers=2", "--hidden-size=64", "--num-heads=4", "--seq-length=32",
+        "--batch-size=8", "--micro-batches=2", "--lr=1e-2", "--min-lr=1e-3", "--warmup-steps=2",
+        "--log-every=1", "--eval-every=4", "--eval-batches=2", "--ckpt-every=4",
+        "--no-progress"]  # fmt: skip
 RUNS = {  # name: extra flags
-    "none": ["--graph", "none"],
-    "layer": ["--graph", "layer"],
-    "layer+opt": ["--graph", "layer+opt"],
-    "full": ["--graph", "full"],
+    "none": ["--graph=none"],
+    "layer": ["--graph=layer"],
+    "layer+opt": ["--graph=layer+opt"],
+    "full": ["--graph=full"],
     # megatron eager with the capturable AdamW that layer+opt and full step
-    "none_capturable": ["--graph", "none", "--optimizer-cuda-graph"],
+    "none_capturable": ["--graph=none", "--optimizer-cuda-graph"],
 }
+
+
+def _main(*argv: str) -> int:
+    """The recipe's exit code, run in this process (megatron's process group of one is reused)."""
+    try:
+        _load_recipe().main([*TINY, *argv])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def _rows(out: Path, kind: str = "train") -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
-    """name -> (summary, metrics rows), every run in this process (as the recipe's main)."""
-    recipe = _load_recipe()
+    """name -> (summary, train metrics rows), every run in this process (the recipe's main)."""
     root = tmp_path_factory.mktemp("megatron_recipe")
     done = {}
     for name, flags in RUNS.items():
         out = root / name.replace("+", "_")
-        summary = recipe.main([*TINY, *flags, "--out", str(out)])
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
-        done[name] = (summary, rows)
+        assert _main(*flags, f"--out={out}") == 0, name
+        done[name] = (json.loads((out / "summary.json").read_text()), _rows(out))
     return done
 
 
@@ -100,24 +154,26 @@ def trained(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
 def test_every_mode_trains_with_megatrons_optimizer(trained):
     for name, (summary, rows) in trained.items():
         assert summary["optimizer"] == "megatron get_megatron_optimizer adam", name
-        assert summary["graph"] == RUNS[name][1]
-        assert summary["skipped_steps"] == 0, name
-        assert summary["skip_nonfinite"] == (name in ("layer+opt", "full"))
-        assert [r["step"] for r in rows] == list(range(8)), name
+        assert summary["graph"] == RUNS[name][0].split("=")[1]
+        assert summary["capturable_adam"] == (name not in ("none", "layer")), name
+        assert summary["skipped_steps"] == 0 and summary["steps"] == 8, name
+        assert [r["step"] for r in rows] == list(range(1, 9)), name
         assert all(math.isfinite(r["loss"]) for r in rows), (name, rows)
         assert all(r["skipped_steps"] == 0 for r in rows), name
+        assert all(r["optimizer"] == summary["optimizer"] for r in rows), name
         assert all(math.isfinite(r["grad_norm"]) for r in rows), name
-        assert rows[-1]["loss"] == summary["final_loss"], name
+        assert rows[-1]["loss"] == summary["final_train_loss"], name
+        assert math.isfinite(summary["final_val_loss"]), name
 
 
 @pytest.mark.cuda
 @pytest.mark.megatron
 def test_modes_agree_on_losses_and_follow_megatrons_schedule(trained):
-    ref, ref_rows = trained["none"]
+    _, ref_rows = trained["none"]
     for name in ("layer", "layer+opt", "full", "none_capturable"):
-        summary, rows = trained[name]
+        _, rows = trained[name]
         # the first loss is computed before any update: the same model, batch and kernels
-        torch.testing.assert_close(summary["first_loss"], ref["first_loss"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(rows[0]["loss"], ref_rows[0]["loss"], rtol=1e-6, atol=0)
         # the first step's gradient norm: megatron's (eager) against tgraph's device-side one
         torch.testing.assert_close(
             rows[0]["grad_norm"], ref_rows[0]["grad_norm"], rtol=1e-4, atol=0
@@ -126,15 +182,87 @@ def test_modes_agree_on_losses_and_follow_megatrons_schedule(trained):
         torch.testing.assert_close(
             [r["lr"] for r in rows], [r["lr"] for r in ref_rows], rtol=1e-6, atol=1e-9
         )
-    # warmup 2 steps from 0 to 1e-2, cosine to 1e-3 over 8 steps: step 7's rate
+    # warmup from 0 over 2 steps: steps 1, 2, 3 (1-based) run at 0, 5e-3 and 1e-2
+    assert [r["lr"] for r in ref_rows[:3]] == pytest.approx([0.0, 5e-3, 1e-2], rel=1e-6)
+    # then cosine to 1e-3 over 8 steps: the last step's (0-based 7) rate
     want = 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + math.cos(math.pi * (7 - 2) / (8 - 2)))
-    assert ref["final_lr"] == pytest.approx(want, rel=1e-6)
-    assert trained["full"][0]["final_lr"] == pytest.approx(want, rel=1e-6)
+    assert ref_rows[-1]["lr"] == pytest.approx(want, rel=1e-6)
+    assert trained["full"][1][-1]["lr"] == pytest.approx(want, rel=1e-6)
     # per-layer graphs with megatron's eager step: eager's numbers up to rounding
-    final = {name: s["final_loss"] for name, (s, _) in trained.items()}
+    final = {name: s["final_train_loss"] for name, (s, _) in trained.items()}
     assert final["layer"] == pytest.approx(final["none"], rel=2e-3)
     # both graph-stepped modes run the capturable AdamW: close to each other, and to megatron's
     # eager step with that AdamW (a learning rate frozen at capture would break this)
     assert final["layer+opt"] == pytest.approx(final["full"], rel=2e-3)
     assert final["layer+opt"] == pytest.approx(final["none_capturable"], rel=2e-3)
     assert final["full"] == pytest.approx(final["none_capturable"], rel=2e-3)
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing in the recipe catches it."""
+
+
+@pytest.mark.cuda
+@pytest.mark.megatron
+@pytest.mark.parametrize("graph", ["none", "layer", "layer+opt", "full"])
+def test_resume_continues_bit_for_bit(graph, tmp_path, monkeypatch):
+    """Killed after step 4's checkpoint, resumed: step 8's weights and optimizer state are
+    those of the run that went straight through (megatron's optimizer state, its scheduler, the
+    sampler and RNG states all come back)."""
+    from gpt_training import trainer
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert _main(f"--graph={graph}", f"--out={straight}") == 0
+    save = trainer.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        path = save(*args, **kwargs)
+        if path.name == "step_000004":
+            raise _Killed
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(_Killed):
+        _main(f"--graph={graph}", f"--out={killed}")
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    assert _main(f"--graph={graph}", f"--out={killed}", "--resume=latest") == 0
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["resumed_at"] == 4 and summary["steps"] == 8
+    got, want = _weights(killed / "checkpoints/latest"), _weights(straight / "checkpoints/latest")
+    assert got.keys() == want.keys() and got
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    assert [r["lr"] for r in _rows(killed)[-4:]] == [r["lr"] for r in _rows(straight)[-4:]]
+    a = torch.load(killed / "checkpoints/latest/trainer.pt", weights_only=True)
+    b = torch.load(straight / "checkpoints/latest/trainer.pt", weights_only=True)
+    assert a["optimizer"]["scheduler"] == b["optimizer"]["scheduler"]
+    assert a["optimizer"]["scheduler"]["num_steps"] == 8
+    for p, st in b["optimizer"]["megatron"]["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(a["optimizer"]["megatron"]["state"][p][k], v, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.megatron
+def test_damaged_checkpoint_is_refused_and_out_rules_hold(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _main("--graph=layer", f"--out={out}") == 0
+    ckpt = out / "checkpoints" / "step_000008"
+    manifest = json.loads((ckpt / "checkpoint.json").read_text())
+    assert set(manifest["sha256"]["model.safetensors"]) == set(_weights(ckpt))
+    assert manifest["extra"]["trainer_sha256"]
+    for name in ("config.json", "metrics.jsonl", "summary.json", "loss.png"):
+        assert (out / name).is_file(), name
+    capsys.readouterr()
+    assert _main("--graph=layer", f"--out={out}") == 2  # a fresh run into it: refused
+    assert "already holds a run" in capsys.readouterr().err
+    path = ckpt / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-6] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert _main("--graph=layer", f"--out={out}", "--resume=latest", "--steps=12") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors is corrupt" in err, err
+    assert "step_000004" in err  # the earlier checkpoint to resume from
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

@@ -104,6 +104,9 @@ def parse_config(
 
 def _check_hardware(cfg: TrainConfig, parser: OneLineErrorParser) -> None:
     """Refuse a GPU that is not there before anything runs or any directory is created."""
+    why = cfg.unavailable()
+    if why:
+        parser.error(why)
     if torch.cuda.is_available():
         return
     if cfg.device.startswith("cuda"):

@@ -236,6 +236,11 @@ class RunConfig:
     cli_choices: ClassVar[dict] = {"graph": GRAPH_MODES, "on_nonfinite": NONFINITE_MODES}
     cli_aliases: ClassVar[dict] = {}  # field -> extra flags (a recipe's own older spellings)
 
+    def unavailable(self) -> str | None:
+        """Why this machine cannot run the recipe at all (a missing GPU or library), or None;
+        the command line refuses the run with it in one line (exit code 2)."""
+        return None
+
     @classmethod
     def groups(cls) -> list[type[ConfigGroup]]:
         """The config groups, in field order."""

@@ -1,9 +1,11 @@
 """The model seam: what a recipe brings to the shared trainer (torchtitan's model specs).
 
 A :class:`ModelSpec` builds the model, computes its loss, turns graphs on and off for its layers,
-and writes and reads the model part of a checkpoint. Everything else (the loop, the data, the
-optimizer, ``trainer.pt``, the run directory's rules, metrics, Ctrl-C, torchrun) is the trainer's
-and the same for every recipe. :data:`GPT_SPEC` is the toy GPT's (``recipes/train_gpt.py``);
+and writes and reads the model part of a checkpoint. It may also bring its own optimizer,
+learning-rate schedule and step (``recipes/train_megatron_gpt.py``: megatron-core's); by default
+they are AdamW (``optim``) and ``step.TrainStep``. Everything else (the loop, the data,
+``trainer.pt``, the run directory's rules, metrics, Ctrl-C, torchrun) is the trainer's and the
+same for every recipe. :data:`GPT_SPEC` is the toy GPT's (``recipes/train_gpt.py``);
 ``recipes/train_hf.py`` declares a transformers causal LM's.
 
 The model part of a checkpoint carries a manifest with the sha256 of every tensor and an
@@ -72,6 +74,36 @@ class ModelSpec:
     def resolved(self, cfg, model: torch.nn.Module) -> dict:
         """What the model resolved to, for the run's ``config.json``."""
         return {}
+
+    # -- the optimizer and the step: AdamW and ``step.TrainStep`` unless a recipe brings its own
+
+    def make_optimizer(self, model: torch.nn.Module, cfg, device: torch.device):
+        """The optimizer; ``state_dict()`` / ``load_state_dict()`` are its part of ``trainer.pt``."""
+        from .optim import make_optimizer
+
+        return make_optimizer(model, cfg, device)
+
+    def load_optimizer(self, opt, state, device: torch.device) -> None:
+        """Restore what ``opt.state_dict()`` saved (a resumed run)."""
+        from .optim import tensor_lrs
+
+        opt.load_state_dict(state)
+        tensor_lrs(opt, device)
+
+    def set_lr(self, opt, step: int, cfg, decay_steps: int) -> float:
+        """Give ``opt`` the learning rate of step ``step`` (0-based); returns it."""
+        from .optim import lr_at, set_lr
+
+        lr = lr_at(step, cfg, decay_steps)
+        set_lr(opt, lr)
+        return lr
+
+    def make_step(self, cfg, model: torch.nn.Module, opt, env, record_eval):
+        """The training step of ``cfg.graph`` (``step.make_step``): ``step(x, y) -> StepOutput``,
+        ``step.backend``, ``step.report()`` (extra metrics) and ``step.close()``."""
+        from .step import make_step
+
+        return make_step(cfg, model, opt, env, record_eval, self)
 
 
 class GPTSpec(ModelSpec):

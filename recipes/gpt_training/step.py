@@ -159,6 +159,10 @@ class TrainStep:
             return StepOutput(loss, report.seconds)
         return StepOutput(loss, None)
 
+    def report(self) -> dict:
+        """Extra entries of the metrics lines and the summary (none here)."""
+        return {}
+
     def close(self) -> None:
         """Give the model back without per-layer graphs (the end of a successful run)."""
         if self.layered:

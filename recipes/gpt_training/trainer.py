@@ -40,10 +40,9 @@ from .checkpointing import (
 )
 from .config import TrainConfig
 from .metrics import Metrics, StepTimes, describe_run, peak_memory_mb, plot_losses, write_config
-from .optim import lr_at, make_optimizer, set_lr, tensor_lrs
 from .parallel import DistEnv, StopOnSigint, all_finite, all_reduce_mean, setup, shutdown
 from .spec import GPT_SPEC, ModelSpec
-from .step import TrainStep, make_step
+from .step import TrainStep
 
 logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
 
@@ -208,9 +207,7 @@ def _setup(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> Run:
             out,
         )
     # Validation's graphs are recorded by a forward of the model itself (never DDP's wrapper).
-    step = make_step(
-        cfg, model, opt, env, lambda: evaluate(model, val_batches[:1], env, spec), spec
-    )
+    step = spec.make_step(cfg, model, opt, env, lambda: evaluate(model, val_batches[:1], env, spec))
     if env.is_main:
         write_config(cfg, env, out, resume_dir, spec.resolved(cfg, model))
     metrics = Metrics(out / "metrics.jsonl", env.is_main, start if state else None)
@@ -266,10 +263,9 @@ def _build(
         load_model_weights(model, resume_dir, spec)
     torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout stream
     sampler, val_batches = _load_data(cfg, env)
-    opt = make_optimizer(model, cfg, env.device)
+    opt = spec.make_optimizer(model, cfg, env.device)
     if state:
-        opt.load_state_dict(state["optimizer"])
-        tensor_lrs(opt, env.device)
+        spec.load_optimizer(opt, state["optimizer"], env.device)
         set_rng_state(state["rng"][env.rank], sampler, env.device)
         logger.info("resumed from %s at step %d", resume_dir, state["step"])
     return model, opt, sampler, val_batches
@@ -298,8 +294,7 @@ def _load_data(cfg: TrainConfig, env: DistEnv) -> tuple[BatchSampler, list]:
 def _take_step(run: Run, i: int) -> float:
     """Run step ``i`` (0-based), count its loss or its skipped update; returns its learning rate."""
     env = run.env
-    lr = lr_at(i, run.cfg, run.decay_steps)
-    set_lr(run.opt, lr)
+    lr = run.spec.set_lr(run.opt, i, run.cfg, run.decay_steps)
     x, y = run.sampler.next()
     x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
     loss, captured_s = run.step(x, y)
@@ -351,6 +346,7 @@ def _log_interval(run: Run, done: int, lr: float, stop_requested: bool) -> bool:
             peak_mem_mb=peak_memory_mb(env.device),
             graph=cfg.graph,
             capture_s=run.capture_s,
+            **run.step.report(),
         )
         run.metrics.write(**row)
         if run.bar is not None:
@@ -421,6 +417,7 @@ def _summary(run: Run) -> dict:
         "peak_mem_mb": peak_memory_mb(env.device),
         "wall_s": wall,
         "torch": torch.__version__,
+        **run.step.report(),
     }
     if env.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
