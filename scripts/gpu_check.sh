@@ -210,6 +210,11 @@ optimizer)
   ;;
 megatron)
   env_stage
+  if ! python -c "import megatron.core" 2>/dev/null; then  # a bare machine: the carried wheel
+    stage megatron-install 60 python -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  fi
   stage pytest-recipe 150 python -m pytest -q -p no:cacheprovider -rfs -m cuda \
     tests/test_megatron_recipe.py
   for g in none layer layer+opt full; do
