@@ -213,14 +213,6 @@ def load_verified(directory: Path) -> dict[str, torch.Tensor]:
                 "checkpoint is corrupt or truncated"
             ) from e
         want = recorded[name] if isinstance(recorded[name], dict) else {}
-        bad = sorted(k for k, t in tensors.items() if want.get(k) != checkpoint.tensor_sha256(t))
-        bad += sorted(want.keys() - tensors.keys())
-        if bad:
-            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            raise CheckpointError(
-                f"{f} is corrupt: the data of {len(bad)} tensor(s) ({shown}) no longer matches "
-                f"the sha256 recorded in {MANIFEST_NAME} when it was saved (damaged on disk or "
-                "edited after saving)"
-            )
+        checkpoint.check_digests(tensors, want, f, MANIFEST_NAME)
         state.update(tensors)
     return state

@@ -42,11 +42,15 @@ def _model_params(sub) -> list[torch.Tensor]:
     return [p for group in getattr(sub, "float16_groups", ()) for p in group]
 
 
+def _unique(tensors) -> list[torch.Tensor]:
+    """``tensors`` in order, each once (by identity)."""
+    return list({id(t): t for t in tensors}.values())
+
+
 def _grad_holders(subs: list) -> list[torch.Tensor]:
     """Every tensor whose ``.grad`` megatron's step sets: the parameters it steps, and the
     model parameters whose ``.grad`` ``prepare_grads()`` sets to None (Float16)."""
-    out = {id(p): p for sub in subs for p in [*sub.get_parameters(), *_model_params(sub)]}
-    return list(out.values())
+    return _unique(p for sub in subs for p in [*sub.get_parameters(), *_model_params(sub)])
 
 
 def make_graph_safe(mopt) -> list[torch.optim.Optimizer]:
@@ -233,18 +237,19 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
         """The parameters the step writes: the inner optimizers' (fp32 master weights with
         bf16 parameters), then the bf16 model parameters whose ``main_grad`` it reads."""
         subs = _sub_optimizers(self.megatron_optimizer)
-        out = {id(p): p for p in super().params()}
-        out.update((id(p), p) for sub in subs for p in _model_params(sub))
-        return list(out.values())
+        return _unique([*super().params(), *(p for sub in subs for p in _model_params(sub))])
 
     def protected_tensors(self) -> list[torch.Tensor]:
         """The bf16 model parameters and every parameter of the optimizer's ``model_chunks``
         (the fp32 master weights are copied into them)."""
         chunks = getattr(self.megatron_optimizer, "model_chunks", None) or []
-        out = {id(p): p for chunk in chunks for p in chunk.parameters()}
         subs = _sub_optimizers(self.megatron_optimizer)
-        out.update((id(p), p) for sub in subs for p in _model_params(sub))
-        return list(out.values())
+        return _unique(
+            [
+                *(p for chunk in chunks for p in chunk.parameters()),
+                *(p for sub in subs for p in _model_params(sub)),
+            ]
+        )
 
     def norm_and_clip(self) -> torch.Tensor:
         """megatron's ``prepare_grads()`` then its fp32 norm and clipping, on the device."""

@@ -151,7 +151,8 @@ class HeldOutputs:
 
 class StackCursor:
     """A merged stack between the head's replay and the last member's call (written only by
-    :func:`tgraph.layers.replay.call` and the functions it calls)."""
+    :func:`tgraph.layers.replay.call` and the functions it calls; ``head_call``, ``head_grad``
+    and ``shapes``, what later members are answered from, by :mod:`tgraph.layers.shortcut`)."""
 
     __slots__ = (
         "pending",

@@ -45,7 +45,7 @@ from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
 from tgraph.layers.runner import Runner, module_call, named
 from tgraph.layers.segment import Segment
-from tgraph.layers.shortcut import Shape, same_grad, same_mode
+from tgraph.layers.shortcut import follow, remember_head, shape_of
 from tgraph.layers.signature import MutableArgument, call_key, difference, split
 from tgraph.memory import CaptureReport, MemoryReport
 
@@ -163,7 +163,7 @@ class _Manager:
                 cap = r.cap
                 if not j and cap is not None and cap.stored:
                     _release_stored(cap.stored)
-                shape = self._shape_of(r, j, args, kwargs) if j else None
+                shape = shape_of(r.state.stack, j, args, kwargs) if j else None
                 out = replay_call(cap, r.state, j, tensors)
                 if out is REBIND:
                     out = self._rebind(r, tensors)
@@ -173,9 +173,7 @@ class _Manager:
                     if shape is not None:
                         r.state.stack.shapes[j] = shape
                     elif not j and len(r.cap.slices) > 1:
-                        stack = r.state.stack
-                        stack.head_call = (args, kwargs, (*args, *kwargs.values()))
-                        stack.head_grad = tuple(map(_REQUIRES_GRAD, stack.head_inputs))
+                        remember_head(r.state.stack, args, kwargs)
                     return _outputs(r, j, out)
                 if out is BUSY and r.left_eager is not None:
                     out = r.left_eager  # create_graphs() could not graph it (said so there)
@@ -188,32 +186,20 @@ class _Manager:
         return self._eager(module, state, args, kwargs, reason)
 
     def _continue_stack(self, state: _ModuleState, args: tuple, kwargs: dict, training: tuple):
-        """The outputs of this call if it continues a replayed merged stack the way a
-        learned :class:`~tgraph.layers.shortcut.Shape` says; None: take the long way."""
+        """The outputs of this call if it continues a replayed merged stack the way a learned
+        :class:`~tgraph.layers.shortcut.Shape` says; None: take the long way."""
         for runners in state.runners.values():
             for r in runners:
-                j, cap = r.seg_index, r.cap
-                if not j or cap is None:
+                j = r.seg_index
+                if not j or r.cap is None:
                     continue
                 stack = r.state.stack
-                shape = stack.shapes.get(j)
-                if shape is None or stack.pending is None or stack.next != j:
+                if stack.next != j or stack.pending is None or j not in stack.shapes:
                     continue
-                prev = stack.pending[j - 1]
-                if not shape.matches(stack, prev, args, kwargs):
+                tensors = follow(state, r, args, kwargs, training)
+                if tensors is None:
                     return None
-                try:
-                    params = map(operator.getitem, state.param_tables, state.param_keys)
-                    frozen = tuple(map(_REQUIRES_GRAD, params))
-                except (KeyError, AttributeError):
-                    return None
-                if not same_mode(r.key, training, frozen):
-                    return None
-                if not same_grad(stack):
-                    return None
-                head = stack.head_inputs
-                tensors = [prev[k] if p else head[k] for p, k in cap.sources[j]]
-                out = replay_call(cap, r.state, j, tensors)
+                out = replay_call(r.cap, r.state, j, tensors)
                 if out.__class__ is not list:
                     return None
                 if len(runners) > 1:  # several runners share the key: keep their turns
@@ -222,14 +208,6 @@ class _Manager:
                         turns.took(r)
                 return _outputs(r, j, out)
         return None
-
-    @staticmethod
-    def _shape_of(r: Runner, j: int, args: tuple, kwargs: dict) -> Shape | None:
-        """Before a member's call answered the long way: its shape, to remember if it takes."""
-        stack = r.state.stack
-        if j in stack.shapes or stack.pending is None or stack.next != j or not stack.head_call:
-            return None
-        return Shape.learn(stack, stack.pending[j - 1], args, kwargs)
 
     def _rebind(self, runner: Runner, tensors: list):
         """The modules of ``runner``'s unit hold new parameter objects: bake them into a new
@@ -283,7 +261,6 @@ class _Manager:
 
 _manager = _Manager()
 _TRAINING = operator.attrgetter("training")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _inference_mode = torch.is_inference_mode_enabled
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 

@@ -25,17 +25,15 @@ dict could have been changed in place since the head's call. Versions are then c
 from __future__ import annotations
 
 import operator
-from sys import modules as _sys_modules
+from operator import getitem
+from typing import Any
 
 import torch
 
-from tgraph.fp8 import _QUANT as FP8_MODULE
-from tgraph.fp8 import region as fp8_region
 from tgraph.layers.captured import StackCursor
-from tgraph.layers.signature import _VALUE_SET, CallKey, autocast_state
+from tgraph.layers.signature import _VALUE_SET, CallKey, autocast_key
 
 _grad_enabled = torch._C.is_grad_enabled
-_any_autocast = torch._C._is_any_autocast_enabled
 HEAD = -1  # a top-level argument that is the head's own object at the same position
 
 
@@ -86,18 +84,47 @@ def same_mode(key: CallKey, training: tuple, frozen: tuple) -> bool:
     """The call key's fields other than the arguments, compared with the call's state now."""
     if _grad_enabled() != key.grad or training != key.training or frozen != key.frozen:
         return False
-    autocast = autocast_state() if _any_autocast() else ()
-    if FP8_MODULE in _sys_modules:  # TransformerEngine imported: te.autocast's region too
-        fp8 = fp8_region()
-        if fp8 is not None:
-            autocast = (*autocast, fp8)
-    return autocast == key.autocast
+    return autocast_key() == key.autocast
 
 
 def same_grad(stack: StackCursor) -> bool:
     """The head's tensors still require grad as at the head's call (``requires_grad_()`` moves
     no version counter, which :func:`~tgraph.layers.replay.take` checks)."""
     return tuple(map(_requires_grad, stack.head_inputs)) == stack.head_grad
+
+
+def remember_head(stack: StackCursor, args: tuple, kwargs: dict) -> None:
+    """After a merged stack's head replayed: the call its later members' shapes refer to."""
+    stack.head_call = (args, kwargs, (*args, *kwargs.values()))
+    stack.head_grad = tuple(map(_requires_grad, stack.head_inputs))
+
+
+def shape_of(stack: StackCursor, j: int, args: tuple, kwargs: dict) -> Shape | None:
+    """Before member ``j``'s call is answered the long way: its shape, to keep if it takes
+    (None when it is learned already or the call does not continue the stack)."""
+    if j in stack.shapes or stack.pending is None or stack.next != j or not stack.head_call:
+        return None
+    return Shape.learn(stack, stack.pending[j - 1], args, kwargs)
+
+
+def follow(state: Any, r: Any, args: tuple, kwargs: dict, training: tuple) -> list | None:
+    """The tensors of this call of later member ``r`` (a runner whose replayed stack awaits it,
+    with a learned :class:`Shape`) when the call is made the way the shape says, in the modes
+    of its key; None: the long way. ``state``: the module's
+    ``tgraph.layers.manager._ModuleState``."""
+    stack = r.state.stack
+    j = r.seg_index
+    prev = stack.pending[j - 1]
+    if not stack.shapes[j].matches(stack, prev, args, kwargs):
+        return None
+    try:
+        frozen = tuple(map(_requires_grad, map(getitem, state.param_tables, state.param_keys)))
+    except (KeyError, AttributeError):
+        return None
+    if not same_mode(r.key, training, frozen) or not same_grad(stack):
+        return None
+    head = stack.head_inputs
+    return [prev[k] if p else head[k] for p, k in r.cap.sources[j]]
 
 
 _requires_grad = operator.attrgetter("requires_grad")

@@ -128,6 +128,17 @@ def autocast_state() -> tuple:
     )
 
 
+def autocast_key() -> tuple:
+    """:attr:`CallKey.autocast` now: torch's autocast regions, then TransformerEngine's
+    ``te.autocast`` region once TE is imported."""
+    autocast = autocast_state() if _any_autocast() else ()
+    if FP8_MODULE in _sys_modules:
+        fp8 = fp8_region()
+        if fp8 is not None:
+            autocast = (*autocast, fp8)
+    return autocast
+
+
 class Structure:
     """The nested structure of a call's ``(args, kwargs)``: one object per distinct structure.
 
@@ -190,11 +201,7 @@ def call_key(
     # without per-element generator frames and without the named tuple's Python __new__.
     frozen = tuple(map(_REQUIRES_GRAD, params))
     grad = torch.is_grad_enabled()
-    autocast = autocast_state() if _any_autocast() else ()
-    if FP8_MODULE in _sys_modules:  # TransformerEngine imported: its te.autocast keys calls too
-        fp8 = fp8_region()
-        if fp8 is not None:
-            autocast = (*autocast, fp8)
+    autocast = autocast_key()
     n = len(tensors)
     descs: list = []
     shape: list = [len(args), *kwargs]

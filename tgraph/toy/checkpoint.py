@@ -338,14 +338,29 @@ def _verify_sha256(state: dict[str, torch.Tensor], recorded: object, path: Path)
             f"{path.parent / CONFIG_NAME}: 'sha256' must map tensor names to digests, got "
             f"{type(recorded).__name__}; the file is corrupt"
         )
+    check_digests(
+        state,
+        recorded,
+        path,
+        CONFIG_NAME,
+        ". Restore the file from a copy or use an earlier checkpoint",
+    )
+
+
+def check_digests(
+    state: dict[str, torch.Tensor], recorded: dict, path: Path, manifest: str, advice: str = ""
+) -> None:
+    """Raise :class:`CheckpointError` naming the tensors of ``state`` (read from ``path``)
+    whose sha256 is not the one ``recorded`` in ``manifest`` at save time, or that either
+    side lacks."""
     bad = sorted(k for k, t in state.items() if recorded.get(k) != tensor_sha256(t))
-    bad += sorted(k for k in recorded.keys() - state.keys())
+    bad += sorted(recorded.keys() - state.keys())
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise CheckpointError(
             f"{path} is corrupt: the data of {len(bad)} tensor(s) ({shown}) no longer matches "
-            f"the sha256 recorded in {CONFIG_NAME} when it was saved (damaged on disk or edited "
-            "after saving). Restore the file from a copy or use an earlier checkpoint"
+            f"the sha256 recorded in {manifest} when it was saved (damaged on disk or edited "
+            f"after saving){advice}"
         )
 
 
