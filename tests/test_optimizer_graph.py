@@ -14,6 +14,7 @@ import pytest
 import torch
 from optimizer_models import (
     LR,
+    STEPS,
     assert_same_training_state,
     make_batches,
     make_model,
@@ -73,7 +74,7 @@ def test_nonfinite_step_is_skipped_bitwise(backend, device, kind, k):
 
 
 @pytest.mark.parametrize("k", [0, 5], ids=["first_eager_step", "replay"])
-def test_skipped_step_restores_a_step_count_kept_in_the_param_group(backend, device, k):
+def test_skipped_step_restores_a_step_count_kept_in_the_param_group(backend, device, k, replays):
     """TransformerEngine's capturable FusedAdam advances ``group["step"]`` (a device tensor in
     the param group, not in ``optimizer.state``): a skipped step must put it back too."""
     model, opt, graph = train_graphed(
@@ -83,6 +84,9 @@ def test_skipped_step_restores_a_step_count_kept_in_the_param_group(backend, dev
     assert_same_training_state(model, opt, ref_model, ref_opt)
     assert graph.skipped_steps == 1
     assert graph.guard.last_way == "snapshot"
+    # every step replays after the eager one and the capture (and after the first step, when it
+    # was skipped: its new state was deleted, so the next step creates it again, eagerly)
+    assert replays[0] == STEPS - 2 - (k == 0)
 
 
 def test_a_skipped_step_restores_what_a_step_writes_not_the_hyperparameters(backend, device):
