@@ -153,6 +153,7 @@ te | te-verify | te-megatron)
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PWD:$PYTHONPATH"
   stage pytest-cuda 300 bash scripts/pytest_shards.sh "$OUT/pytest" 3
+  tar czf "$OUT/pytest.tgz" -C "$OUT" pytest && rm -r "$OUT/pytest"  # 8 files come back at most
   if [ "$CHECK" = te ]; then
     stage bench-te-bf16 100 python scripts/bench_te.py --fp8 none --out "$OUT"
     stage bench-te-fp8 100 python scripts/bench_te.py --fp8 delayed --out "$OUT"

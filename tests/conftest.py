@@ -70,13 +70,19 @@ def _one_cpu_thread():
     torch.set_num_threads(old)
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True, scope="module")
 def _close_process_group():
-    """The megatron tests open a one-rank NCCL group; closed here, at the session's end, instead
-    of by torch's exit handler (which warns that destroy_process_group() was not called)."""
+    """The megatron tests open a one-rank NCCL group (and megatron's parallel state); both are
+    closed after each test module, so no later module runs with torch.distributed initialized
+    (direct_grads refuses it) and torch's exit handler does not warn."""
     yield
+    import sys
+
     import torch.distributed as dist
 
+    parallel_state = getattr(sys.modules.get("megatron.core"), "parallel_state", None)
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

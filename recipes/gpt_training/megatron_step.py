@@ -98,6 +98,12 @@ class MegatronOptim:
             for g in inner["param_groups"]
         ]
         self.mopt.load_state_dict({**inner, "param_groups": groups})
+        # torch's load_state_dict keeps a group's tensors as loaded (on the host): TE's FusedAdam
+        # keeps its step count there, a device tensor its capturable step adds to
+        for g in self.mopt.param_groups:
+            for k, v in g.items():
+                if k != "params" and g["params"] and isinstance(v, torch.Tensor):
+                    g[k] = v.to(g["params"][0].device)
         self.sched.load_state_dict(state["scheduler"])  # sets this step's lr and weight decay
 
 
