@@ -272,3 +272,21 @@ def test_torchrun_hf_graph_modes_match_eager(tmp_path):
         got = _torchrun("train_hf", tmp_path / graph.replace("+", "_"), graph)
         for k in eager:
             torch.testing.assert_close(got[k], eager[k], rtol=0, atol=0, msg=f"{graph} {k}")
+
+
+def test_a_resumed_optimizer_gets_its_group_tensors_back():
+    """The megatron recipe's resume with TransformerEngine's capturable FusedAdam (failed on the
+    H200 before): its lr, a device tensor saved as a float, is filled back into the tensor this
+    run built; its step count, loaded on the host, moves to the parameters' device."""
+    from gpt_training.megatron_step import restore_group_tensors
+
+    p = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    lr = torch.tensor(0.5)
+    built = [{"params": [p], "lr": lr}]
+    loaded = [{"params": [p], "lr": 0.25, "step": torch.tensor(3.0)}]
+    restore_group_tensors(built, loaded)
+    assert loaded[0]["lr"] is lr and lr.item() == 0.25  # the same tensor (graphs hold it)
+    assert loaded[0]["step"].device.type == "meta"
+    plain = [{"params": [p], "lr": 0.25}]
+    restore_group_tensors([{"params": [p], "lr": 0.5}], plain)
+    assert plain[0]["lr"] == 0.25  # a float lr stays a float

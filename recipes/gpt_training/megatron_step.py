@@ -31,6 +31,24 @@ def capturable_adam(cfg) -> bool:
     return cfg.optimizer_cuda_graph or cfg.graph in ("layer+opt", "full")
 
 
+def restore_group_tensors(built: list[dict], loaded: list[dict]) -> None:
+    """Put a loaded optimizer's group tensors back where this run keeps them.
+
+    torch's ``load_state_dict`` keeps a param group's values as saved. TransformerEngine's
+    capturable FusedAdam keeps its lr (saved as a float: ``state_dict``) and its step count
+    (loaded on the host) in the group as device tensors its kernel takes: an lr that was a
+    tensor when built is filled in place, and a loaded tensor moves to its parameters' device.
+    """
+    for was, g in zip(built, loaded, strict=True):
+        for k, v in g.items():
+            if k == "params" or not g["params"]:
+                continue
+            if isinstance(was.get(k), torch.Tensor) and not isinstance(v, torch.Tensor):
+                g[k] = was[k].fill_(v)
+            elif isinstance(v, torch.Tensor):
+                g[k] = v.to(g["params"][0].device)
+
+
 class MegatronOptim:
     """megatron's optimizer (``mopt``) and learning-rate scheduler (``sched``), as one object."""
 
@@ -97,13 +115,9 @@ class MegatronOptim:
             {**g, "capturable": self.capturable} if "capturable" in g else dict(g)
             for g in inner["param_groups"]
         ]
+        built = [dict(g) for g in self.mopt.param_groups]
         self.mopt.load_state_dict({**inner, "param_groups": groups})
-        # torch's load_state_dict keeps a group's tensors as loaded (on the host): TE's FusedAdam
-        # keeps its step count there, a device tensor its capturable step adds to
-        for g in self.mopt.param_groups:
-            for k, v in g.items():
-                if k != "params" and g["params"] and isinstance(v, torch.Tensor):
-                    g[k] = v.to(g["params"][0].device)
+        restore_group_tensors(built, self.mopt.param_groups)
         self.sched.load_state_dict(state["scheduler"])  # sets this step's lr and weight decay
 
 
