@@ -70,7 +70,7 @@ versions)
   # -C .old`, carried) and of this tree with the same harness, then the HF Llama cells.
   OLD="${2:?versions needs the directory of the older tree}"
   archive_begin versions
-  pytest_cuda 200
+  [ "${PYTEST:-1}" = 1 ] && pytest_cuda 200  # PYTEST=0: the benchmarks alone
   BENCH_ARGS="--configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 3 --modes eager,floor,graphed_callables,tgraph_layer,tgraph_full" \
     bounded bench_versions 130 bash scripts/bench_versions.sh "$W" old="$OLD" new="$PWD"
   hf_cells
