@@ -42,6 +42,14 @@ unwrapped GPTModel's ``state_dict``), ``checkpoint.json`` (the sha256 of every t
 state, step, RNG states, config). A resume continues bit for bit with ``--dropout 0`` (the
 default); megatron's dropout RNG tracker is not checkpointed.
 
+Precision, with Megatron-LM's flag names: ``--transformer-impl transformer_engine`` builds the
+model with TransformerEngine's layer spec (``get_gpt_layer_with_transformer_engine_spec``, causal
+fused attention, TE's RNG tracker); ``--bf16`` trains bf16 parameters with megatron's
+``Float16OptimizerWithFloat16Params`` (fp32 master weights); ``--fp8-format hybrid`` (or
+``e4m3``) adds TE's FP8 with delayed scaling (``--fp8-recipe delayed``, amax history
+``--fp8-amax-history-len``), which needs the other two. With TE installed, megatron steps TE's
+FusedAdam.
+
 Needs a CUDA GPU and megatron-core (``pip install "tgraph[megatron]"``, Python >= 3.12); without
 them it says so in one line (exit code 2). Data parallel over all ranks (megatron DDP); tensor and
 pipeline parallel sizes are 1.
@@ -60,6 +68,7 @@ from gpt_training import cli
 from gpt_training.config import (
     GRAPH_MODES,
     NONFINITE_MODES,
+    ConfigGroup,
     DataConfig,
     JobConfig,
     ModelConfig,
@@ -98,11 +107,45 @@ class MegatronStepConfig(RunOnly):
 
 
 @dataclass(kw_only=True)
+class MegatronPrecisionConfig(ConfigGroup):
+    """Layer spec and number formats, as Megatron-LM's flags name them."""
+
+    transformer_impl: str = "local"
+    """local: megatron's own layers (fp32 or bf16); transformer_engine: TE's layer spec."""
+    bf16: bool = False
+    """bf16 parameters, fp32 master weights in megatron's optimizer (Float16Module)."""
+    fp8_format: str = "none"
+    """FP8 through TE (needs --transformer-impl transformer_engine and --bf16): hybrid (E4M3 forward, E5M2 gradients) or e4m3."""
+    fp8_recipe: str = "delayed"
+    """TE's FP8 scaling recipe; delayed scaling is the one this recipe runs."""
+    fp8_amax_history_len: int = 16
+    """Steps of amax history for delayed scaling."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_counts(("fp8_amax_history_len",))
+        if self.fp8_format != "none" and self.transformer_impl != "transformer_engine":
+            raise self._invalid("fp8_format", "FP8 needs --transformer-impl transformer_engine")
+        if self.fp8_format != "none" and not self.bf16:
+            raise self._invalid("fp8_format", "FP8 trains bf16 parameters: add --bf16")
+
+    @property
+    def te_spec(self) -> bool:
+        return self.transformer_impl == "transformer_engine"
+
+    @property
+    def fp8(self) -> str | None:
+        """build_gpt's ``fp8``: the scaling recipe, or None."""
+        return None if self.fp8_format == "none" else self.fp8_recipe
+
+
+@dataclass(kw_only=True)
 class MegatronTrainConfig(
     ReportConfig,
     OptimizerConfig,
     DataConfig,
     ModelConfig,
+    MegatronPrecisionConfig,
     MegatronStepConfig,
     StepConfig,
     JobConfig,
@@ -112,7 +155,13 @@ class MegatronTrainConfig(
 
     graph_modes = ("none", "layer", "layer+opt", "full")
     default_steps = 200
-    cli_choices = {"graph": GRAPH_MODES, "on_nonfinite": NONFINITE_MODES}
+    cli_choices = {
+        "graph": GRAPH_MODES,
+        "on_nonfinite": NONFINITE_MODES,
+        "transformer_impl": ("local", "transformer_engine"),
+        "fp8_format": ("none", "hybrid", "e4m3"),
+        "fp8_recipe": ("delayed",),
+    }
     cli_aliases = {  # the recipe's megatron-style flags before the port
         "n_layer": ["--num-layers"],
         "n_embd": ["--hidden-size"],
@@ -146,6 +195,11 @@ class MegatronTrainConfig(
             from tgraph.integrations.megatron import INSTALL_HINT
 
             return f"megatron-core training needs megatron-core; {INSTALL_HINT}"
+        if self.te_spec and importlib.util.find_spec("transformer_engine") is None:
+            return (
+                "--transformer-impl transformer_engine needs TransformerEngine "
+                "(pip install transformer-engine[pytorch]); or use --transformer-impl local"
+            )
         return None
 
 
@@ -168,6 +222,14 @@ def init_parallel(seed: int) -> None:
 def megatron_version() -> str | None:
     try:
         from megatron.core.package_info import __version__
+    except ImportError:
+        return None
+    return __version__
+
+
+def _te_version() -> str | None:
+    try:
+        from transformer_engine import __version__
     except ImportError:
         return None
     return __version__
@@ -197,13 +259,19 @@ class MegatronSpec(ModelSpec):
             seq_length=cfg.block_size,
             dropout=cfg.dropout,
             seed=cfg.seed,
+            spec="te" if cfg.te_spec else "local",
+            bf16=cfg.bf16,
+            fp8=cfg.fp8,
+            fp8_format=cfg.fp8_format,
+            fp8_amax_history_len=cfg.fp8_amax_history_len,
         )
         return model.train()
 
     def loss(self, net, x, y):
-        from tgraph.integrations.megatron import causal_inputs
+        from tgraph.integrations.megatron import causal_inputs, wants_attention_mask
 
         position_ids, mask = causal_inputs(x)
+        mask = mask if wants_attention_mask(net) else None
         return net(x, position_ids, mask, labels=y).float().mean()  # per-token losses
 
     def enable_graphs(self, net, backend):
@@ -246,7 +314,12 @@ class MegatronSpec(ModelSpec):
         state = load_verified(Path(directory))
         target = _gpt(model)
         own = {k: v for k, v in target.state_dict().items() if isinstance(v, torch.Tensor)}
-        shapes = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
+        shapes = sorted(
+            k
+            for k in own.keys() & state.keys()
+            # TE's FP8 metadata (serialized bytes) grows from empty at its first FP8 forward
+            if own[k].shape != state[k].shape and not k.endswith("_extra_state")
+        )
         unexpected, missing = sorted(state.keys() - own.keys()), sorted(own.keys() - state.keys())
         if shapes or unexpected or missing:
             raise CheckpointError(
@@ -260,6 +333,7 @@ class MegatronSpec(ModelSpec):
             "megatron_core": megatron_version(),
             "optimizer": OPTIMIZER,
             "capturable_adam": capturable_adam(cfg),
+            "transformer_engine": _te_version() if cfg.te_spec else None,
         }
 
 
@@ -272,9 +346,32 @@ def parse_config(argv: list[str] | None = None) -> MegatronTrainConfig:
     return cli.parse_config(argv, MegatronTrainConfig, DESCRIPTION)
 
 
+def close_parallel() -> None:
+    """Close megatron's model parallel state and the process group of one that ``build``
+    opened (torch warns at exit about a group never destroyed)."""
+    import torch.distributed as dist
+
+    parallel_state = getattr(sys.modules.get("megatron.core"), "parallel_state", None)
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train; returns 0, or exits with the shared recipes' codes (``gpt_training.cli.main``)."""
-    cli.main(argv, MegatronTrainConfig, MEGATRON_SPEC, DESCRIPTION)
+    import torch.distributed as dist
+
+    # a run of one opens its own group (init_parallel) and closes it; torchrun's ranks leave
+    # theirs to the trainer, a caller's (a test's) group stays open
+    opens_group = "WORLD_SIZE" not in os.environ and not (
+        dist.is_available() and dist.is_initialized()
+    )
+    try:
+        cli.main(argv, MegatronTrainConfig, MEGATRON_SPEC, DESCRIPTION)
+    finally:
+        if opens_group:
+            close_parallel()
     return 0
 
 

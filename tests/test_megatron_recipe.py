@@ -266,3 +266,63 @@ def test_damaged_checkpoint_is_refused_and_out_rules_hold(tmp_path, capsys):
     assert err.count("\n") == 1 and "model.safetensors is corrupt" in err, err
     assert "step_000004" in err  # the earlier checkpoint to resume from
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+# -- GPU + megatron-core + TransformerEngine: --transformer-impl, --bf16, --fp8-format --------
+
+# heads of 64 (TE's fused attention); every GEMM dimension a multiple of 16 (FP8)
+TE_FLAGS = ["--transformer-impl=transformer_engine", "--bf16", "--hidden-size=128",
+            "--num-heads=2", "--seq-length=64"]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.megatron
+@pytest.mark.te
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_hybrid"])
+def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkeypatch):
+    """megatron's GPTModel with TE's layer spec, bf16 parameters with megatron's bf16 optimizer,
+    FP8 delayed scaling: eager and per-layer graphs plus the optimizer graph start from the same
+    loss and train alike; a layer+opt run killed after step 4 and resumed ends with the weights
+    (TE's FP8 metadata in ``_extra_state`` included) of the run that went straight through."""
+    from gpt_training import trainer
+
+    flags = [*TE_FLAGS, *(["--fp8-format=hybrid"] if fp8 else [])]
+    runs = {}
+    for graph in ("none", "layer+opt"):
+        out = tmp_path / graph.replace("+", "_")
+        assert _main(*flags, f"--graph={graph}", f"--out={out}") == 0, graph
+        runs[graph] = (json.loads((out / "summary.json").read_text()), _rows(out), out)
+    (s_none, r_none, _), (s_opt, r_opt, straight) = runs["none"], runs["layer+opt"]
+    assert s_opt["transformer_engine"] and s_opt["skipped_steps"] == 0
+    cfg = json.loads((straight / "config.json").read_text())
+    assert (cfg["transformer_impl"], cfg["bf16"]) == ("transformer_engine", True)
+    assert cfg["fp8_format"] == ("hybrid" if fp8 else "none")
+    # the same model and first batch: eager's first loss (bf16 forward: a GEMM algorithm chosen
+    # inside a capture may move it by a bf16 ulp)
+    torch.testing.assert_close(r_opt[0]["loss"], r_none[0]["loss"], rtol=1e-2, atol=0)
+    # the capturable AdamW and megatron's eager step part by rounding only; bf16 (and FP8)
+    # forwards carry that, so the final losses agree to about 1% (a frozen learning rate or a
+    # stale FP8 scale moves them by the size of the training's own change)
+    assert s_opt["final_train_loss"] == pytest.approx(s_none["final_train_loss"], rel=2e-2)
+    assert r_none[-1]["loss"] < r_none[0]["loss"] and r_opt[-1]["loss"] < r_opt[0]["loss"]
+
+    killed = tmp_path / "killed"
+    save = trainer.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        path = save(*args, **kwargs)
+        if path.name == "step_000004":
+            raise _Killed
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(_Killed):
+        _main(*flags, "--graph=layer+opt", f"--out={killed}")
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    assert _main(*flags, "--graph=layer+opt", f"--out={killed}", "--resume=latest") == 0
+    got, want = _weights(killed / "checkpoints/latest"), _weights(straight / "checkpoints/latest")
+    assert got.keys() == want.keys() and got
+    extra = [k for k in got if k.endswith("_extra_state")]
+    assert not fp8 or any(got[k].numel() for k in extra), "no FP8 metadata was saved"
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)

@@ -65,7 +65,10 @@ class MegatronOptim:
             adam_beta1=cfg.beta1,
             adam_beta2=cfg.beta2,
             clip_grad=cfg.grad_clip,
-            bf16=False,  # build_gpt's GPTModel is fp32: megatron's FP32Optimizer, no loss scaler
+            # --bf16: Float16OptimizerWithFloat16Params (fp32 masters); else megatron's
+            # FP32Optimizer; no loss scaler either way
+            bf16=cfg.bf16,
+            params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
             fp16=False,
             # capturable inner AdamW: what the graph modes step (make_graph_safe would switch it
             # anyway; building it so also serves an inner optimizer it cannot switch, e.g. TE's)
@@ -135,6 +138,7 @@ class MegatronStep:
 
         self.tm, self.cfg, self.model, self.opt, self.env = tm, cfg, model, opt, env
         self.net = model  # megatron DDP (build_gpt): forward_backward synchronizes main_grad
+        self.masked = tm.wants_attention_mask(model)  # TE's spec attends causally by itself
         self.record_eval = record_eval
         self.layered = cfg.graph in ("layer", "layer+opt")
         self.calls = 0
@@ -156,14 +160,16 @@ class MegatronStep:
         self.backend = None if cfg.graph == "none" else resolve_backend(cfg.backend, env.device)
 
     def _full_step(self, microbatches):
-        loss = self.tm.forward_backward(self.model, microbatches)
+        loss = self.tm.forward_backward(self.model, microbatches, attention_mask=self.masked)
         norm = self.tm.graph_safe_step(self.opt.mopt)  # norm, clipping, AdamW: no host sync
         return loss.detach(), norm
 
     def _eager_step(self, microbatches) -> torch.Tensor | None:
         mopt = self.opt.mopt
         mopt.zero_grad()
-        loss = self.tm.forward_backward(self.model, microbatches)  # fwd/bwd, grad sync
+        loss = self.tm.forward_backward(
+            self.model, microbatches, attention_mask=self.masked
+        )  # fwd/bwd, grad sync
         if self.opt_graph is not None:
             self.opt_graph.step(loss)
             return loss.detach()

@@ -183,6 +183,7 @@ def build_gpt(
     spec: str = "local",
     bf16: bool = False,
     fp8: str | None = None,
+    fp8_format: str = "hybrid",
     fp8_amax_history_len: int = 16,
 ) -> nn.Module:
     """megatron-core GPTModel wrapped in its DDP (and in its ``Float16Module`` with ``bf16``).
@@ -192,8 +193,9 @@ def build_gpt(
     ``spec``: ``"local"`` (megatron's own modules) or ``"te"`` (TransformerEngine's layer spec,
     causal fused attention: call :func:`forward_backward` with ``attention_mask=False``).
     ``bf16``: bf16 parameters, as megatron's training builds them (``params_dtype`` and
-    ``Float16Module``); ``fp8="delayed"``: TE's delayed scaling (needs ``spec="te"``, ``bf16``;
-    fields in :func:`tgraph.integrations.megatron_te.precision_kwargs`).
+    ``Float16Module``); ``fp8="delayed"``: TE's delayed scaling in ``fp8_format`` ("hybrid" or
+    "e4m3"; needs ``spec="te"``, ``bf16``; fields in
+    :func:`tgraph.integrations.megatron_te.precision_kwargs`).
 
     Every parameter gets ``main_grad`` (megatron-core DDP's contiguous fp32 grad buffer).
     Weights are initialized on the CPU from ``seed``, so two calls build identical models.
@@ -208,7 +210,9 @@ def build_gpt(
 
     if fp8 is not None and spec != "te":
         raise ValueError("fp8 needs TransformerEngine's layer spec: spec='te'")
-    precision = precision_kwargs(bf16=bf16, fp8=fp8, amax_history_len=fp8_amax_history_len)
+    precision = precision_kwargs(
+        bf16=bf16, fp8=fp8, fp8_format=fp8_format, amax_history_len=fp8_amax_history_len
+    )
     torch.manual_seed(seed)
     # TE's attention refuses any RNG tracker but TE's own inside a graph capture (megatron's
     # TECudaRNGStatesTracker, graph-safe generators): the TE spec takes it, as megatron does
@@ -257,6 +261,12 @@ def optimizer_step(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> No
     opt.step()
     for p in params:
         p.grad = None
+
+
+def wants_attention_mask(model: nn.Module) -> bool:
+    """Whether ``model``'s attention takes :func:`causal_inputs`' mask: megatron's local layers
+    do; TransformerEngine's spec attends causally by its mask type and takes none."""
+    return not any(type(m).__name__ == "TEDotProductAttention" for m in model.modules())
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

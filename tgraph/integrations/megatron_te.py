@@ -52,12 +52,19 @@ def layer_spec(spec: str):
 
 
 def precision_kwargs(
-    *, bf16: bool, fp8: str | None, amax_history_len: int = 16, amax_compute_algo: str = "max"
+    *,
+    bf16: bool,
+    fp8: str | None,
+    fp8_format: str = "hybrid",
+    amax_history_len: int = 16,
+    amax_compute_algo: str = "max",
 ) -> dict:
     """``TransformerConfig`` fields for bf16 parameters and FP8 (``fp8="delayed"``: TE's delayed
-    scaling, HYBRID format: E4M3 forward, E5M2 gradients)."""
+    scaling; ``fp8_format`` "hybrid": E4M3 forward, E5M2 gradients, or "e4m3" for both)."""
     if fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {fp8!r}")
+    if fp8_format not in ("hybrid", "e4m3"):
+        raise ValueError(f"fp8_format must be 'hybrid' or 'e4m3', got {fp8_format!r}")
     out: dict = {}
     if bf16:
         out.update(bf16=True, params_dtype=torch.bfloat16)
@@ -65,7 +72,7 @@ def precision_kwargs(
         if not bf16:
             raise ValueError("fp8='delayed' trains bf16 parameters: pass bf16=True")
         out.update(
-            fp8="hybrid",
+            fp8=fp8_format,
             fp8_recipe="delayed",
             fp8_margin=0,
             fp8_amax_history_len=amax_history_len,
