@@ -290,3 +290,54 @@ def test_a_resumed_optimizer_gets_its_group_tensors_back():
     plain = [{"params": [p], "lr": 0.25}]
     restore_group_tensors([{"params": [p], "lr": 0.5}], plain)
     assert plain[0]["lr"] == 0.25  # a float lr stays a float
+
+
+class _Float16OptimizerStandIn:
+    """megatron's Float16OptimizerWithFloat16Params' state-dict shape: the torch optimizer's under
+    ``"optimizer"``, its fp32 masters beside it (the megatron recipe's --bf16 failed on it)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    @property
+    def param_groups(self):
+        return self.opt.param_groups
+
+    def state_dict(self):
+        return {"optimizer": self.opt.state_dict(), "fp32_from_fp16_params": [[torch.ones(2)]]}
+
+    def load_state_dict(self, state):
+        assert set(state) == {"optimizer", "fp32_from_fp16_params"}
+        self.opt.load_state_dict(state["optimizer"])
+
+
+class _Schedule:
+    def state_dict(self):
+        return {"num_steps": 3}
+
+    def load_state_dict(self, state):
+        assert state == {"num_steps": 3}
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["fp32_optimizer", "float16_optimizer"])
+def test_megatron_optimizer_state_round_trips_in_both_shapes(wrapped):
+    from gpt_training.megatron_step import MegatronOptim
+
+    def build(lr):
+        p = torch.nn.Parameter(torch.ones(2))
+        inner = torch.optim.AdamW([p], lr=torch.tensor(lr), capturable=False)
+        p.grad = torch.ones(2)
+        inner.step()
+        mo = MegatronOptim.__new__(MegatronOptim)  # without megatron: its parts stood in for
+        mo.mopt = _Float16OptimizerStandIn(inner) if wrapped else inner
+        mo.sched, mo.capturable = _Schedule(), False
+        return mo, inner
+
+    src, _ = build(0.25)
+    state = src.state_dict()
+    groups = (state["megatron"]["optimizer"] if wrapped else state["megatron"])["param_groups"]
+    assert groups[0]["lr"] == 0.25 and isinstance(groups[0]["lr"], float)
+    dst, inner = build(0.5)
+    lr = inner.param_groups[0]["lr"]
+    dst.load_state_dict(state)
+    assert inner.param_groups[0]["lr"] is lr and lr.item() == 0.25

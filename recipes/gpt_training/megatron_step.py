@@ -31,6 +31,20 @@ def capturable_adam(cfg) -> bool:
     return cfg.optimizer_cuda_graph or cfg.graph in ("layer+opt", "full")
 
 
+def _torch_part(state: dict) -> dict:
+    """The torch optimizer's state dict inside a megatron optimizer's: the whole of an
+    ``FP32Optimizer``'s, ``["optimizer"]`` of a ``Float16OptimizerWithFloat16Params``' (which
+    keeps its fp32 masters beside it)."""
+    return state if "param_groups" in state else state["optimizer"]
+
+
+def _with_groups(state: dict, groups: list[dict]) -> dict:
+    """``state`` with its torch part's ``param_groups`` replaced (:func:`_torch_part`)."""
+    if "param_groups" in state:
+        return {**state, "param_groups": groups}
+    return {**state, "optimizer": {**state["optimizer"], "param_groups": groups}}
+
+
 def restore_group_tensors(built: list[dict], loaded: list[dict]) -> None:
     """Put a loaded optimizer's group tensors back where this run keeps them.
 
@@ -105,9 +119,12 @@ class MegatronOptim:
         inner = self.mopt.state_dict()
         groups = [
             {**g, "lr": float(g["lr"])} if isinstance(g.get("lr"), torch.Tensor) else g
-            for g in inner["param_groups"]
+            for g in _torch_part(inner)["param_groups"]
         ]
-        return {"megatron": {**inner, "param_groups": groups}, "scheduler": self.sched.state_dict()}
+        return {
+            "megatron": _with_groups(inner, groups),
+            "scheduler": self.sched.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s. The inner AdamW stays as this run built it (capturable
@@ -116,10 +133,10 @@ class MegatronOptim:
         inner = state["megatron"]
         groups = [
             {**g, "capturable": self.capturable} if "capturable" in g else dict(g)
-            for g in inner["param_groups"]
+            for g in _torch_part(inner)["param_groups"]
         ]
         built = [dict(g) for g in self.mopt.param_groups]
-        self.mopt.load_state_dict({**inner, "param_groups": groups})
+        self.mopt.load_state_dict(_with_groups(inner, groups))
         restore_group_tensors(built, self.mopt.param_groups)
         self.sched.load_state_dict(state["scheduler"])  # sets this step's lr and weight decay
 

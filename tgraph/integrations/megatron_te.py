@@ -63,7 +63,7 @@ def precision_kwargs(
     scaling; ``fp8_format`` "hybrid": E4M3 forward, E5M2 gradients, or "e4m3" for both)."""
     if fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {fp8!r}")
-    if fp8_format not in ("hybrid", "e4m3"):
+    if fp8 is not None and fp8_format not in ("hybrid", "e4m3"):
         raise ValueError(f"fp8_format must be 'hybrid' or 'e4m3', got {fp8_format!r}")
     out: dict = {}
     if bf16:
