@@ -84,6 +84,8 @@ from gpt_training.spec import ModelSpec, load_verified, read_manifest, write_man
 from tgraph.toy.checkpoint import CheckpointError
 
 VOCAB = 256  # the corpus is bytes
+# TE stores FP8 delayed scaling's metadata as pickles and unpickles them only with this set
+TE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 WEIGHTS = "model.safetensors"
 
 
@@ -325,6 +327,14 @@ class MegatronSpec(ModelSpec):
             raise CheckpointError(
                 f"checkpoint {directory} does not match the model of this run: unexpected keys "
                 f"{unexpected}, missing keys {missing}, shape mismatches {shapes}"
+            )
+        pickled = [k for k, v in state.items() if k.endswith("_extra_state") and v.numel()]
+        if pickled and os.environ.get(TE_PICKLE_ENV) != "1":
+            raise CheckpointError(
+                f"checkpoint {directory} holds TransformerEngine's FP8 delayed-scaling state as "
+                f"pickles ({len(pickled)} modules), which TE loads only when told to trust them: "
+                f"rerun with {TE_PICKLE_ENV}=1 if this run wrote it (its sha256 matched the "
+                "manifest)"
             )
         target.load_state_dict(state, strict=False)  # every tensor key checked above
 

@@ -279,7 +279,7 @@ TE_FLAGS = ["--transformer-impl=transformer_engine", "--bf16", "--hidden-size=12
 @pytest.mark.megatron
 @pytest.mark.te
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_hybrid"])
-def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkeypatch):
+def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkeypatch, capsys):
     """megatron's GPTModel with TE's layer spec, bf16 parameters with megatron's bf16 optimizer,
     FP8 delayed scaling: eager and per-layer graphs plus the optimizer graph start from the same
     loss and train alike; a layer+opt run killed after step 4 and resumed ends with the weights
@@ -321,6 +321,11 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
     with pytest.raises(_Killed):
         _main(*flags, "--graph=layer+opt", f"--out={killed}")
     monkeypatch.setattr(trainer, "save_checkpoint", save)
+    if fp8:  # TE pickles delayed scaling's metadata and unpickles it only when told to
+        monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+        assert _main(*flags, "--graph=layer+opt", f"--out={killed}", "--resume=latest") == 1
+        assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in capsys.readouterr().err
+        monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
     assert _main(*flags, "--graph=layer+opt", f"--out={killed}", "--resume=latest") == 0
     got, want = _weights(killed / "checkpoints/latest"), _weights(straight / "checkpoints/latest")
     assert got.keys() == want.keys() and got
