@@ -186,6 +186,38 @@ def test_the_cpp_pointer_pass_still_follows_and_refuses(backend, device, monkeyp
         run()
 
 
+@pytest.mark.parametrize("planted", [False, True], ids=["layout_guard", "planted_blind_guard"])
+def test_the_cpp_layout_guard_still_refuses_a_new_layout(backend, device, monkeypatch, planted):
+    """The hot path checks sizes and strides with a C++ guard (dynamo's TensorGuards) once the
+    Python comparison found them as baked: a weight transposed in its own memory still runs
+    eagerly, saying why, and the guard is really the check that ran (a replay first built it).
+    Planted: a guard that sees no change lets the graph read the old layout, and the test
+    says so."""
+    from tgraph.layers import replay
+
+    real, built = replay._TensorGuards, []
+    assert real is not None
+
+    class Blind:
+        def __init__(self, *args, **kwargs):
+            built.append(self)
+
+        def check(self, *tensors):
+            return True
+
+    def counted(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(replay, "_TensorGuards", Blind if planted else counted)
+    if planted:
+        with pytest.raises(AssertionError):
+            test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device)
+    else:
+        test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device)
+    assert built
+
+
 def test_repointed_parameters_do_not_fall_back_under_strict(backend, device):
     """Following a re-pointed parameter is not a fallback: strict mode does not raise."""
     model, ref = make_pair(device)
