@@ -193,9 +193,9 @@ def test_the_cpp_layout_guard_still_refuses_a_new_layout(backend, device, monkey
     eagerly, saying why, and the guard is really the check that ran (a replay first built it).
     Planted: a guard that sees no change lets the graph read the old layout, and the test
     says so."""
-    from tgraph.layers import replay
+    from tgraph import layout
 
-    real, built = replay._TensorGuards, []
+    real, built = layout._TensorGuards, []
     assert real is not None
 
     class Blind:
@@ -209,7 +209,7 @@ def test_the_cpp_layout_guard_still_refuses_a_new_layout(backend, device, monkey
         built.append(real(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(replay, "_TensorGuards", Blind if planted else counted)
+    monkeypatch.setattr(layout, "_TensorGuards", Blind if planted else counted)
     if planted:
         with pytest.raises(AssertionError):
             test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device)

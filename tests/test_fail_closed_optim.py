@@ -318,3 +318,47 @@ def test_full_iteration_follows_what_its_modules_baked_in(backend, device, chang
     assert msgs and all("FullIterationGraph" in m for m in msgs), msgs
     names = "out_features_scale" if change is _scale_attribute else r"weight|bias"
     assert all(re.search(names, m) for m in msgs), msgs
+
+
+@pytest.mark.parametrize("bug", [None, "blind_guard", "in_place_copy"])
+def test_a_gradient_relaid_in_the_buffer_the_graph_reads_is_copied_in_its_new_layout(
+    device, monkeypatch, bug
+):
+    """OptimizerGraph's gradient buffers (GradBuffers.refresh): addresses by a C++ pass, strides
+    by a C++ guard once found as baked (tgraph.layout). A gradient that is the buffer the graph
+    reads, transposed in its own memory (``p.grad = p.grad.t()``: same address, other strides),
+    must reach the graph in its new layout (before: torch refused the overlapping copy, so the
+    step raised). Planted: a guard that sees no change (the graph reads the old layout,
+    silently), and the copy in place without the clone (refused by torch)."""
+    from tgraph import layout
+    from tgraph.step.grad_buffers import GradBuffers
+
+    if bug == "blind_guard":
+
+        class Blind:
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def check(self, *tensors):
+                return True
+
+        monkeypatch.setattr(layout, "_TensorGuards", Blind)
+    if bug == "in_place_copy":
+        monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: t)
+    p = nn.Parameter(torch.zeros(D, D, device=device))
+    buf = torch.arange(D * D, dtype=torch.float32, device=device).reshape(D, D)
+    p.grad = buf
+    grads = GradBuffers()
+    grads.freeze([(p, buf)], [])
+    assert grads.refresh() is False  # in place: nothing to copy; the guard is built now
+    want = buf.t().clone()
+    p.grad = buf.t()
+    if bug == "in_place_copy":
+        with pytest.raises(RuntimeError, match="single memory location"):
+            grads.refresh()
+        return
+    grads.refresh()
+    if bug is None:
+        assert torch.equal(buf, want)
+    else:
+        assert not torch.equal(buf, want)

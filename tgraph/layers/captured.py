@@ -38,6 +38,7 @@ from tgraph.grads import (
     UnusedOutputs,
 )
 from tgraph.layers.signature import Template
+from tgraph.layout import LayoutGuards
 from tgraph.memory import UnitMemory
 from tgraph.pool import PoolLedger
 
@@ -190,8 +191,7 @@ class ReplayState:
         "grad_out_zero",
         "none_at",
         "hook_epoch",
-        "layout_guards",
-        "layout_builds",
+        "layout",
     )
 
     def __init__(self) -> None:
@@ -206,7 +206,5 @@ class ReplayState:
         self.none_at: dict[tuple[bool, ...], list[int]] = {}
         # torch's hook counter when the hooks were last found unchanged (replay.check)
         self.hook_epoch = -1
-        # C++ checks of the baked tensors' sizes and strides, built once found as baked, and
-        # how many were built (replay._in_place)
-        self.layout_guards: list = []
-        self.layout_builds = 0
+        # C++ checks of the baked tensors' sizes and strides (replay._in_place)
+        self.layout = LayoutGuards()

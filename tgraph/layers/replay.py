@@ -36,6 +36,7 @@ from tgraph.layers.backward import (
 )
 from tgraph.layers.captured import Captured, ReplayState
 from tgraph.layers.follow import follow_moved, move_out_held_outputs, route, set_params
+from tgraph.layout import ptrs_equal
 from tgraph.pool import LiveOutputs, use_counts
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -44,13 +45,7 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 _OUTPUT_CAPTURING = "transformers.utils.output_capturing"
 # the data-pointer pass of inductor's cudagraph trees, in C++; absent from CPU builds of torch
-_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-try:  # dynamo's C++ check of tensors' sizes and strides (and dtype, device, requires_grad)
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - every supported torch has it
-    _TensorGuards = None
-LAYOUT_GUARDS = 2  # kept per unit: one per dispatch state a unit is called under
-LAYOUT_GUARD_BUILDS = 16  # then the Python comparison alone (a unit called under ever more)
+_ptrs_equal = ptrs_equal
 
 BUSY = (
     "every graph captured for this signature is awaiting its backward "
@@ -360,36 +355,21 @@ def check(cap: Captured, state: ReplayState):
 
 
 def _in_place(live: tuple, b, state: ReplayState) -> bool:
-    """Whether ``live`` sit at the addresses, with the strides and sizes, of ``b.place``.
-
-    Addresses: one C++ pass. Sizes and strides: a C++ guard (dynamo's ``TensorGuards``) built
-    on ``live`` once the Python comparison found them as baked, a third of its cost at a
-    hundred tensors. The guard also compares dtype, device, ``requires_grad`` and dispatch keys
-    under the thread's state (autocast, inference mode), so any of those changing only sends
-    the call through the Python comparison again, never past it."""
+    """Whether ``live`` sit at the addresses, with the strides and sizes, of ``b.place``:
+    addresses by one C++ pass, sizes and strides by a C++ guard once the Python comparison
+    found them as baked (:mod:`tgraph.layout`)."""
     ptrs, strides, sizes = b.place
     if _ptrs_equal is None:
         if tuple(map(_data_ptr, live)) != ptrs:
             return False
     elif not _ptrs_equal(list(live), b.ptr_list, b.all_indices):  # one C++ pass (lists only)
         return False
-    for guard in state.layout_guards:
+    for guard in state.layout.guards:  # C++ calls: the hot path stays in this file
         if guard.check(*live):
             return True
     if tuple(map(_stride, live)) != strides or tuple(map(_size, live)) != sizes:
         return False
-    if _TensorGuards is not None and state.layout_builds < LAYOUT_GUARD_BUILDS:
-        state.layout_builds += 1
-        try:
-            guard = _TensorGuards(
-                *live,
-                dynamic_dims_sizes=list(map(list, sizes)),
-                dynamic_dims_strides=list(map(list, strides)),
-            )
-        except (TypeError, RuntimeError):  # another torch's signature: Python compares
-            state.layout_builds = LAYOUT_GUARD_BUILDS
-        else:
-            state.layout_guards = [guard, *state.layout_guards][:LAYOUT_GUARDS]
+    state.layout.remember(live, sizes, strides)
     return True
 
 

@@ -19,13 +19,14 @@ from operator import attrgetter, is_, is_not, ne, or_
 
 import torch
 
+from tgraph.layout import LayoutGuards, ptrs_equal
 from tgraph.pool import at_address
 
 # A tensor on a raw address (below) needs this private constructor; without it every gradient
 # gets a buffer of the step's own.
 _RAW_STORAGE = hasattr(torch._C, "_construct_storage_from_data_pointer")
 _GRAD = attrgetter("grad")
-_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
+_data_ptr, _stride, _size = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.size
 logger = logging.getLogger(__name__)
 
 
@@ -138,7 +139,9 @@ class GradBuffers:
         self._params = tuple(p for p, _ in pairs)
         self._bufs = [b for _, b in pairs]
         self._ptrs = tuple(map(_data_ptr, self._bufs))
+        self._ptr_list, self._all = list(self._ptrs), list(range(len(self._ptrs)))
         self._strides = tuple(map(_stride, self._bufs))
+        self._layout = LayoutGuards()  # C++ checks of the gradients' layout (tgraph.layout)
         self._landing_of = [self._landing.get(id(p)) for p in self._params]
 
     def refresh(self) -> bool:
@@ -175,6 +178,12 @@ class GradBuffers:
                 "capture anew when the set of parameters with gradients changes."
             )
         self.held_elsewhere = False
+        if any(g.check(*lives) for g in self._layout.guards) and (
+            ptrs_equal(lives, self._ptr_list, self._all)
+            if ptrs_equal is not None
+            else tuple(map(_data_ptr, lives)) == self._ptrs
+        ):
+            return False  # every gradient where the graph reads it: two C++ passes
         moved = list(
             compress(
                 range(len(lives)),
@@ -186,6 +195,7 @@ class GradBuffers:
             )
         )
         if not moved:
+            self._layout.remember(lives, tuple(map(_size, lives)), self._strides)
             return False
         if self._held(moved):
             self.held_elsewhere = True
@@ -197,7 +207,14 @@ class GradBuffers:
                     "such steps run eagerly instead of overwriting it"
                 )
             return True
-        torch._foreach_copy_([self._bufs[i] for i in moved], [lives[i] for i in moved])
+        dst = [self._bufs[i] for i in moved]
+        # a gradient laid out anew in its buffer's own memory (p.grad = p.grad.t()) goes
+        # through a copy: copied in place, it would read elements it already overwrote
+        src = [
+            g.clone() if g.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() else g
+            for g, b in zip(map(lives.__getitem__, moved), dst)
+        ]
+        torch._foreach_copy_(dst, src)
         return False
 
     def _held(self, moved: list[int]) -> bool:
