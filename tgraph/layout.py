@@ -46,7 +46,8 @@ class LayoutGuards:
                 dynamic_dims_sizes=list(map(list, sizes)),
                 dynamic_dims_strides=list(map(list, strides)),
             )
-        except (TypeError, RuntimeError):  # another torch's signature: Python compares
+        except (TypeError, ValueError, RuntimeError, NotImplementedError):
+            # another torch's signature, or tensors it cannot describe: Python compares
             self.builds = BUILDS
         else:
             self.guards = [guard, *self.guards][:KEPT]
