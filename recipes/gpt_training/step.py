@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,20 @@ from tgraph.backend import resolve_backend
 
 from .config import TrainConfig
 from .parallel import DistEnv, all_finite, synchronize
-from .spec import GPT_SPEC, ModelSpec
+
+
+class StepSpec(Protocol):
+    """What a step asks of the model's spec (``gpt_training.spec.ModelSpec`` has it; the spec
+    calls :func:`make_step`, so this module does not import it)."""
+
+    clip_in_optimizer_order: bool
+
+    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+    def enable_graphs(self, net: torch.nn.Module, backend: str) -> None: ...
+
+    def disable_graphs(self, net: torch.nn.Module) -> None: ...
+
 
 logger = logging.getLogger("train_gpt")  # the recipe's one logger name in every module
 
@@ -65,7 +78,7 @@ class TrainStep:
         opt: torch.optim.Optimizer,
         env: DistEnv,
         record_eval: Callable[[], object],
-        spec: ModelSpec = GPT_SPEC,
+        spec: StepSpec,
     ) -> None:
         self.cfg, self.opt, self.env, self.spec = cfg, opt, env, spec
         self.params = list(model.parameters())
@@ -175,7 +188,7 @@ def make_step(
     opt: torch.optim.Optimizer,
     env: DistEnv,
     record_eval: Callable[[], object],
-    spec: ModelSpec = GPT_SPEC,
+    spec: StepSpec,
 ) -> TrainStep:
     """The training step of ``cfg.graph``, with the data parallelism that mode needs.
 
@@ -187,6 +200,7 @@ def make_step(
         env: rank, world size and device.
         record_eval: runs one validation forward of ``model``; ``--graph layer`` calls it after
             the first (recorded) step so validation gets its own graphs.
+        spec: the model's spec (``gpt_training.spec``): its loss and how its layers are graphed.
 
     Returns:
         The step; ``step.close()`` removes per-layer graphs at the end.
