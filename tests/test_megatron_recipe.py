@@ -103,6 +103,41 @@ def test_megatron_style_flags_set_the_shared_fields(monkeypatch):
     assert recipe.MegatronTrainConfig.default_steps == 200
 
 
+def test_precision_flags_name_megatron_lms_and_refuse_what_cannot_be_built(monkeypatch):
+    """--transformer-impl, --bf16, --fp8-format/--fp8-recipe as Megatron-LM spells them; FP8
+    without TE's spec or without bf16 is refused in one line (exit 2), before anything runs."""
+    from gpt_training import cli
+
+    from tgraph.integrations.megatron import wants_attention_mask
+    from tgraph.integrations.megatron_te import precision_kwargs
+
+    r = _run("--fp8-format", "hybrid")
+    assert r.returncode == 2 and "FP8 needs --transformer-impl transformer_engine" in _one_line(r)
+    r = _run("--transformer-impl", "transformer_engine", "--fp8-format", "hybrid")
+    assert r.returncode == 2 and "add --bf16" in _one_line(r)
+    r = _run("--fp8-format", "mxfp8")
+    assert r.returncode == 2 and "invalid choice" in _one_line(r)
+    recipe = _load_recipe()
+    monkeypatch.setattr(cli, "_check_hardware", lambda cfg, parser: None)  # no GPU needed here
+    c = recipe.parse_config(["--transformer-impl", "transformer_engine", "--bf16",
+                             "--fp8-format", "e4m3", "--fp8-amax-history-len", "4"])  # fmt: skip
+    assert c.te_spec and c.bf16 and c.fp8 == "delayed" and c.fp8_amax_history_len == 4
+    assert recipe.parse_config([]).fp8 is None
+    fields = precision_kwargs(bf16=True, fp8=c.fp8, fp8_format=c.fp8_format, amax_history_len=4)
+    assert (fields["fp8"], fields["fp8_recipe"], fields["params_dtype"]) == (
+        "e4m3",
+        "delayed",
+        torch.bfloat16,
+    )
+    assert "fp8" not in precision_kwargs(bf16=True, fp8=None, fp8_format="none")
+
+    class TEDotProductAttention(torch.nn.Module):  # TE's spec attends causally, without a mask
+        pass
+
+    assert wants_attention_mask(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert not wants_attention_mask(torch.nn.Sequential(TEDotProductAttention()))
+
+
 # -- GPU + megatron-core: the four graph modes, 8 steps at a tiny size --------------------------
 
 TINY = ["--steps=8", "--num-layers=2", "--hidden-size=64", "--num-heads=4", "--seq-length=32",
