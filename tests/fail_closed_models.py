@@ -132,9 +132,7 @@ def fallbacks() -> Iterator[list[str]]:
 def eager_calls() -> int:
     """Calls of graphed modules that ran eagerly since the last reset (each fallback counts;
     warnings are given once per reason, so they cannot count replays)."""
-    from tgraph.layers.manager import _manager
-
-    return _manager.eager_calls
+    return tgraph.eager_calls()
 
 
 def assert_never_silent(msgs: list[str], names: str) -> None:

@@ -36,6 +36,7 @@ def test_exports_are_exactly_the_user_facing_names():
         "create_graphs",
         "decode",
         "disable",
+        "eager_calls",
         "enable",
         "memory_report",
         "register_generator",
@@ -45,6 +46,26 @@ def test_exports_are_exactly_the_user_facing_names():
     }
     for name in tgraph.__all__:
         assert getattr(tgraph, name) is not None
+
+
+def test_eager_calls_counts_every_fallback_and_resets():
+    """``tgraph.eager_calls()``: a call no captured graph matches runs eagerly and counts (each
+    one, though it warns once); replays do not; ``reset()`` starts the count again."""
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    tgraph.enable(model, backend="emulated")
+    model(torch.randn(2, 4)).sum().backward()
+    tgraph.create_graphs()
+    model(torch.randn(2, 4)).sum().backward()
+    assert tgraph.eager_calls() == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tgraph.GraphFallbackWarning)
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()  # a batch size never recorded
+    assert tgraph.eager_calls() == 3
+    tgraph.reset()
+    assert tgraph.eager_calls() == 0
 
 
 def test_error_classes_are_distinct_runtime_errors():

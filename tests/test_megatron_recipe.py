@@ -329,6 +329,7 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
         runs[graph] = (json.loads((out / "summary.json").read_text()), _rows(out), out)
     (s_none, r_none, _), (s_opt, r_opt, straight) = runs["none"], runs["layer+opt"]
     assert s_opt["skipped_steps"] == 0
+    assert s_opt["eager_calls"] == 0  # every TE layer call after the capture replayed
     cfg = json.loads((straight / "config.json").read_text())
     assert cfg["resolved"]["transformer_engine"]  # TE's version
     train = cfg["train"]

@@ -256,6 +256,10 @@ def _torchrun(name: str, out: Path, graph: str = "none") -> dict[str, torch.Tens
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
+    if graph in ("layer", "layer+opt"):  # every graphed call after the capture replayed
+        assert summary["eager_calls"] == 0
+    else:
+        assert "eager_calls" not in summary
     assert ckpts(out) == ["step_000002", "step_000004"]
     return weights(out / "checkpoints" / "latest")
 
@@ -266,7 +270,8 @@ def test_torchrun_two_processes(name, tmp_path):
 
 
 def test_torchrun_hf_graph_modes_match_eager(tmp_path):
-    """DDP (layer+opt) and the full graph's own all-reduce: the eager run's weights, bitwise."""
+    """DDP (layer+opt, every layer call replayed: no eager call) and the full graph's own
+    all-reduce: the eager run's weights, bitwise."""
     eager = _torchrun("train_hf", tmp_path / "none")
     for graph in ("layer+opt", "full"):
         got = _torchrun("train_hf", tmp_path / graph.replace("+", "_"), graph)

@@ -21,6 +21,7 @@ from tgraph.layers.manager import (
     GraphableModule,
     GraphFallbackWarning,
     capture_report,
+    eager_calls,
     memory_report,
 )
 from tgraph.memory import CaptureReport, MemoryReport
@@ -45,6 +46,7 @@ __all__ = [
     "StaleBackwardError",
     "create_graphs",
     "disable",
+    "eager_calls",
     "enable",
     "memory_report",
     "register_generator",

@@ -234,6 +234,7 @@ class MegatronStep:
             "skipped_steps": graph.skipped_steps if graph is not None else self.eager_skipped,
             "optimizer": OPTIMIZER,
             "capturable_adam": self.opt.capturable,
+            **({"eager_calls": tgraph.eager_calls()} if self.layered else {}),
         }
 
     def close(self) -> None:

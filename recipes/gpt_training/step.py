@@ -173,8 +173,9 @@ class TrainStep:
         return StepOutput(loss, None)
 
     def report(self) -> dict:
-        """Extra entries of the metrics lines and the summary (none here)."""
-        return {}
+        """Extra entries of the metrics lines and the summary: with per-layer graphs, the calls
+        of graphed layers that ran eagerly instead of replaying (``tgraph.eager_calls``)."""
+        return {"eager_calls": tgraph.eager_calls()} if self.layered else {}
 
     def close(self) -> None:
         """Give the model back without per-layer graphs (the end of a successful run)."""

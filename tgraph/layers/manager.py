@@ -345,6 +345,13 @@ def memory_report() -> MemoryReport:
     return capture_report().memory
 
 
+def eager_calls() -> int:
+    """Calls of graphed modules that ran eagerly instead of replaying (each fallback counts,
+    though its warning is given once per reason) since per-layer graphs were last reset; a
+    training loop can log it to see that its layers replay."""
+    return _manager.eager_calls
+
+
 def capture_report() -> CaptureReport:
     """The report of the last :func:`create_graphs` (the same object it returned), or an empty
     one (no graphs) before it; the whole-step entries have a ``capture_report()`` method of
