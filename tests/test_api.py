@@ -53,7 +53,15 @@ def test_eager_calls_counts_every_fallback_and_resets():
     one, though it warns once); replays do not; ``reset()`` starts the count again."""
     import warnings
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    class Block(tgraph.GraphableModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = torch.nn.Sequential(Block())
     tgraph.enable(model, backend="emulated")
     model(torch.randn(2, 4)).sum().backward()
     tgraph.create_graphs()
