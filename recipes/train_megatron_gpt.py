@@ -57,6 +57,7 @@ pipeline parallel sizes are 1.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -221,20 +222,12 @@ def init_parallel(seed: int) -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def megatron_version() -> str | None:
+def _version(module: str) -> str | None:
+    """``module.__version__``, or None where it is not installed."""
     try:
-        from megatron.core.package_info import __version__
+        return importlib.import_module(module).__version__
     except ImportError:
         return None
-    return __version__
-
-
-def _te_version() -> str | None:
-    try:
-        from transformer_engine import __version__
-    except ImportError:
-        return None
-    return __version__
 
 
 def _gpt(model: torch.nn.Module) -> torch.nn.Module:
@@ -340,10 +333,10 @@ class MegatronSpec(ModelSpec):
 
     def resolved(self, cfg, model):
         return {
-            "megatron_core": megatron_version(),
+            "megatron_core": _version("megatron.core.package_info"),
             "optimizer": OPTIMIZER,
             "capturable_adam": capturable_adam(cfg),
-            "transformer_engine": _te_version() if cfg.te_spec else None,
+            "transformer_engine": _version("transformer_engine") if cfg.te_spec else None,
         }
 
 

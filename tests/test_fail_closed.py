@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fail_closed_models import (
     TOL,
+    BlindGuard,
     Block,
     D,
     Net,
@@ -195,21 +196,14 @@ def test_the_cpp_layout_guard_still_refuses_a_new_layout(backend, device, monkey
     says so."""
     from tgraph import layout
 
-    real, built = layout._TensorGuards, []
-    assert real is not None
-
-    class Blind:
-        def __init__(self, *args, **kwargs):
-            built.append(self)
-
-        def check(self, *tensors):
-            return True
+    guard, built = BlindGuard if planted else layout._TensorGuards, []
+    assert guard is not None
 
     def counted(*args, **kwargs):
-        built.append(real(*args, **kwargs))
+        built.append(guard(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(layout, "_TensorGuards", Blind if planted else counted)
+    monkeypatch.setattr(layout, "_TensorGuards", counted)
     if planted:
         with pytest.raises(AssertionError):
             test_parameter_laid_out_anew_in_its_memory_runs_eagerly(backend, device)

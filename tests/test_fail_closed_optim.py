@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fail_closed_models import TOL, D, assert_same_params, batches, fallbacks
+from fail_closed_models import TOL, BlindGuard, D, assert_same_params, batches, fallbacks
 
 import tgraph
 
@@ -334,15 +334,7 @@ def test_a_gradient_relaid_in_the_buffer_the_graph_reads_is_copied_in_its_new_la
     from tgraph.step.grad_buffers import GradBuffers
 
     if bug == "blind_guard":
-
-        class Blind:
-            def __init__(self, *args, **kwargs):
-                pass
-
-            def check(self, *tensors):
-                return True
-
-        monkeypatch.setattr(layout, "_TensorGuards", Blind)
+        monkeypatch.setattr(layout, "_TensorGuards", BlindGuard)
     if bug == "in_place_copy":
         monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: t)
     p = nn.Parameter(torch.zeros(D, D, device=device))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from killed_runs import Killed, killed_after_checkpoint
 from safetensors.torch import load_file
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_megatron_gpt.py"
@@ -233,10 +234,6 @@ def test_modes_agree_on_losses_and_follow_megatrons_schedule(trained):
     assert final["full"] == pytest.approx(final["none_capturable"], rel=2e-3)
 
 
-class _Killed(BaseException):
-    """Stands for SIGKILL: nothing in the recipe catches it."""
-
-
 @pytest.mark.cuda
 @pytest.mark.megatron
 @pytest.mark.parametrize("graph", ["none", "layer", "layer+opt", "full"])
@@ -244,22 +241,10 @@ def test_resume_continues_bit_for_bit(graph, tmp_path, monkeypatch):
     """Killed after step 4's checkpoint, resumed: step 8's weights and optimizer state are
     those of the run that went straight through (megatron's optimizer state, its scheduler, the
     sampler and RNG states all come back)."""
-    from gpt_training import trainer
-
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert _main(f"--graph={graph}", f"--out={straight}") == 0
-    save = trainer.save_checkpoint
-
-    def save_then_die(*args, **kwargs):
-        path = save(*args, **kwargs)
-        if path.name == "step_000004":
-            raise _Killed
-        return path
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
-    with pytest.raises(_Killed):
+    with killed_after_checkpoint(monkeypatch, "step_000004"), pytest.raises(Killed):
         _main(f"--graph={graph}", f"--out={killed}")
-    monkeypatch.setattr(trainer, "save_checkpoint", save)
     assert _main(f"--graph={graph}", f"--out={killed}", "--resume=latest") == 0
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["resumed_at"] == 4 and summary["steps"] == 8
@@ -319,8 +304,6 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
     FP8 delayed scaling: eager and per-layer graphs plus the optimizer graph start from the same
     loss and train alike; a layer+opt run killed after step 4 and resumed ends with the weights
     (TE's FP8 metadata in ``_extra_state`` included) of the run that went straight through."""
-    from gpt_training import trainer
-
     flags = [*TE_FLAGS, *(["--fp8-format=hybrid"] if fp8 else [])]
     runs = {}
     for graph in ("none", "layer+opt"):
@@ -345,18 +328,8 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
     assert r_none[-1]["loss"] < r_none[0]["loss"] and r_opt[-1]["loss"] < r_opt[0]["loss"]
 
     killed = tmp_path / "killed"
-    save = trainer.save_checkpoint
-
-    def save_then_die(*args, **kwargs):
-        path = save(*args, **kwargs)
-        if path.name == "step_000004":
-            raise _Killed
-        return path
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
-    with pytest.raises(_Killed):
+    with killed_after_checkpoint(monkeypatch, "step_000004"), pytest.raises(Killed):
         _main(*flags, "--graph=layer+opt", f"--out={killed}")
-    monkeypatch.setattr(trainer, "save_checkpoint", save)
     if fp8:  # TE pickles delayed scaling's metadata and unpickles it only when told to
         monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
         assert _main(*flags, "--graph=layer+opt", f"--out={killed}", "--resume=latest") == 1

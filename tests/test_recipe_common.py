@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpt_training import trainer  # recipes/ is on sys.path: tests/conftest.py
+from killed_runs import Killed, killed_after_checkpoint
 from safetensors.torch import load_file
 
 from tgraph.toy.corpus import BatchSampler
@@ -140,28 +141,14 @@ def test_damaged_trainer_state_is_refused(recipe, finished, capsys):
     assert files(finished) == before
 
 
-class _Killed(BaseException):
-    """Stands for SIGKILL: nothing in the recipe catches it."""
-
-
 def test_resume_latest_without_steps_continues_to_the_runs_total_bit_for_bit(
     recipe, tmp_path, monkeypatch
 ):
     straight = tmp_path / "straight"
     assert main(recipe, f"--out={straight}", "--steps=6") == 0
     killed = tmp_path / "killed"
-    save = trainer.save_checkpoint
-
-    def save_then_die(*args, **kwargs):
-        path = save(*args, **kwargs)
-        if path.name == "step_000004":
-            raise _Killed
-        return path
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
-    with pytest.raises(_Killed):
+    with killed_after_checkpoint(monkeypatch, "step_000004"), pytest.raises(Killed):
         main(recipe, f"--out={killed}", "--steps=6")
-    monkeypatch.setattr(trainer, "save_checkpoint", save)
     assert main(recipe, f"--out={killed}", "--resume=latest") == 0  # no --steps: the run's 6
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["resumed_at"] == 4
