@@ -28,6 +28,8 @@
 #                                        # (3 processes), the TE benchmark in bf16 and FP8 (carry
 #                                        # .te/pkg, .te/prune and .whl); `te-verify`: the same,
 #                                        # then host time per call instead of the TE benchmark
+#   bash scripts/gpu_check.sh close      # TE + megatron installed, `pytest -m cuda`, the HF Llama
+#                                        # cells, the toy, host per call; one archive (< 9 min)
 #   bash scripts/gpu_check.sh verify     # `pytest -m cuda`, then the CPU cases on this machine
 #                                        # (the emulated backend where CUDA is present), then
 #                                        # host time per call on the GPU (toy and HF Llama)
@@ -137,6 +139,28 @@ compiled)
     --steps 10 --warmup 2 --modes "$H_MODES" --out "$W/handoff_d1024"
   bounded handoff_b8 30 python scripts/bench_train.py --configs llama_b8 --dtypes fp32 \
     --steps 10 --warmup 2 --modes "$H_MODES" --out "$W/handoff_b8"
+  archive_end
+  exit 0
+  ;;
+close)
+  # The closing check of a session, in one archive ($OUT/close.tgz, $OUT/summary.txt): TE and
+  # megatron-core installed (carry .te/pkg, .te/prune, .whl), `pytest -m cuda` with both, the
+  # HF Llama cells (time and peak memory against eager and mgc), the toy at batch 8 and 1,
+  # host time per graphed call.
+  stage te-install 120 bash .te/pkg/install_on_device.sh prune
+  # shellcheck disable=SC1091
+  . /tmp/site/te_env.sh
+  stage megatron-install 60 python -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PWD:$PYTHONPATH"
+  archive_begin close
+  pytest_cuda 230
+  hf_cells
+  TOY_MODES=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt
+  bounded bench_toy 50 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 \
+    --warmup 3 --modes "$TOY_MODES" --out "$W/toy"
+  bounded profile_host 35 python scripts/profile_host.py --device cuda --backend cuda --model both \
+    --steps 100 --reps 3 --out "$W/profile"
   archive_end
   exit 0
   ;;

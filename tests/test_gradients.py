@@ -4,6 +4,7 @@ use, outputs not modified in place."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -23,9 +24,9 @@ from layer_models import (
 )
 
 import tgraph
-from tgraph import grads
 from tgraph.grads import GradHandOff, ParamGradPacking, UnusedOutputs
 from tgraph.layers import replay as bridge
+from tgraph.layers.captured import ParamRoute
 
 
 def check_parity(backend, device):
@@ -44,15 +45,13 @@ def test_planted_bug_skipped_input_copy_is_caught(backend, device, monkeypatch):
         check_parity(backend, device)
 
 
-def test_planted_bug_unprotected_param_grads_is_caught(backend, device, monkeypatch):
+def test_planted_bug_unprotected_param_grads_is_caught(backend, device, swaps):
     # What torch.cuda.make_graphed_callables does (pytorch issue 181723): .grad aliases the
-    # static buffer, and the next microbatch's replay overwrites it.
-    if not grads.swaps_storage():  # .grad gets a copy of the static memory: nothing to plant
-        pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")
-    # The static memory is handed over (PyTorch >= 2.13) and, planted, never moved out:
-    monkeypatch.setattr(GradHandOff, "rescue", lambda self: None)
-    with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
-        check_gradient_accumulation(backend, device)
+    # static buffer, and the next microbatch's replay overwrites it. Planted: never moved out.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GradHandOff, "rescue", lambda self: None)
+        with pytest.raises(AssertionError, match=r"^[\w.]+$"):  # msg= is the parameter's name
+            check_gradient_accumulation(backend, device)
 
 
 def _scaled_pair(backend, device, strict=True):
@@ -69,30 +68,25 @@ def _scaled_pair(backend, device, strict=True):
 
 
 def test_usual_step_hands_over_gradients_without_a_copy(backend, device, swaps):
-    """backward, step, zero_grad(set_to_none=True): .grad is the static memory, never copied;
-    a gradient kept past the next replay (accumulation) gets its own copy first."""
+    """backward, step, zero_grad(set_to_none=True): .grad is the static memory, never copied,
+    on every PyTorch; a gradient kept past the next replay (accumulation) gets its own copy
+    first (storage swap, or the .grad re-pointed where it cannot swap)."""
     mod, eager, x = _scaled_pair(backend, device)
     mod(x).sum().backward()
     unit = next(iter(mod._tgraph.runners.values()))[0]
-    static = {t.untyped_storage().data_ptr() for t in unit.cap.packing.held()}
-    flat = unit.cap.packing.flat
-    assert (flat is not None) == swaps, "packed inside the graph exactly when it can swap"
-    handed = mod.lin.weight.grad.untyped_storage().data_ptr() in static
-    assert handed == swaps, "handed over without a copy exactly when memory can be swapped"
-    landing = None if swaps else unit.state.grads.landing.untyped_storage().data_ptr()
-    if not swaps:  # the one copy lands where an optimizer graph reads it
-        assert mod.lin.weight.grad.untyped_storage().data_ptr() == landing
+    static = unit.cap.packing.flat.untyped_storage().data_ptr()
+    assert mod.lin.weight.grad.untyped_storage().data_ptr() == static
+    assert mod.lin.bias.grad.untyped_storage().data_ptr() == static
     mod(2 * x).sum().backward()  # accumulate: the first gradient was moved out before replay
-    assert mod.lin.weight.grad.untyped_storage().data_ptr() not in static
-    if not swaps:  # the second backward's copy went elsewhere and was added into the first
-        assert mod.lin.weight.grad.untyped_storage().data_ptr() == landing
+    assert mod.lin.weight.grad.untyped_storage().data_ptr() != static
     eager(x).sum().backward()
     eager(2 * x).sum().backward()
     for p, q in zip(mod.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    assert tgraph.eager_calls() == 0  # strict: replayed
 
 
-def test_packed_gradients_are_the_views_unflatten_gives(swaps):
+def test_packed_gradients_are_the_views_unflatten_gives():
     """GradHandOff hands autograd, per parameter, a contiguous alias of the flat buffer at
     its offset (a fresh tensor where empty): the layout torch's unflatten_dense_tensors gives,
     for 0-d, 1-d, n-d and empty gradients; detached, so not autograd views of the buffer, and
@@ -101,9 +95,9 @@ def test_packed_gradients_are_the_views_unflatten_gives(swaps):
     gs = [torch.randn(s) for s in shapes]
     packing = ParamGradPacking()
     packing.set_outputs(packing.pack([gs[0], None, *gs[1:]]))
-    hand = GradHandOff(packing)
-    got = hand.for_autograd([], clone=not swaps)
-    flat = packing.flat if swaps else hand.landing  # the graph's buffer, or the copy's
+    hand = GradHandOff(packing, ParamRoute())
+    got = hand.for_autograd([])
+    flat = packing.flat
     assert got[1] is None
     want = torch._C._nn.unflatten_dense_tensors(flat, gs)
     ptr = flat.untyped_storage().data_ptr()
@@ -124,19 +118,37 @@ def test_packed_gradients_are_the_views_unflatten_gives(swaps):
 
 def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device, swaps):
     """A hook's list or a loop variable keeps last step's gradient: the next replays never
-    overwrite it (memory moved out from under it, or a copy handed over)."""
-    mod, eager, x = _scaled_pair(backend, device)
+    overwrite it. With the storage swap its memory moves out and the graphs replay; without it
+    (PyTorch < 2.13) a view held elsewhere than ``.grad`` cannot be re-pointed, so the calls
+    whose replay would overwrite it run eagerly, with that reason."""
+    torch.manual_seed(0)
+    mod = Scaled().to(device)
+    eager = copy.deepcopy(mod)
+    tgraph.enable(mod, backend=backend, strict=swaps)  # strict: every call replays
+    x = torch.randn(4, 8, device=device)
+    mod(x).sum().backward()
+    mod.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
     kept, want = [], []
     mod.lin.weight.register_hook(lambda g: kept.append(g))
     eager.lin.weight.register_hook(lambda g: want.append(g))
-    for m in (mod, eager):
-        for scale in (1.0, 2.0, 3.0):
-            m(scale * x).sum().backward()
-            last = m.lin.weight.grad  # a loop variable holding the gradient
-            m.zero_grad(set_to_none=True)
-        assert last is not None
+    ctx = (
+        contextlib.nullcontext()
+        if swaps
+        else pytest.warns(
+            tgraph.GraphFallbackWarning, match="cannot move it out of the graph's memory"
+        )
+    )
+    with ctx:
+        for m in (mod, eager):
+            for scale in (1.0, 2.0, 3.0):
+                m(scale * x).sum().backward()
+                last = m.lin.weight.grad  # a loop variable holding the gradient
+                m.zero_grad(set_to_none=True)
+            assert last is not None
     for got, ref in zip(kept, want, strict=True):
         torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL)
+    assert (tgraph.eager_calls() == 0) == swaps
 
 
 def test_inplace_change_of_an_output_before_backward_is_an_error(backend, device):

@@ -317,13 +317,13 @@ def test_capture_that_creates_state_runs_eagerly(backend, device):
     assert_same_training_state(model, opt, ref_model, ref_opt)
 
 
-def _layers_and_optimizer_graph(backend, device):
-    """A model with per-layer graphs enabled and an OptimizerGraph of its optimizer, and an
-    eager twin with its own optimizer."""
+def _layers_and_optimizer_graph(backend, device, strict=True):
+    """A model with per-layer graphs enabled (``strict``: every call replays) and an
+    OptimizerGraph of its optimizer, and an eager twin with its own optimizer."""
     model = make_model(device)
     opt = make_optimizer(model, device)
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
-    tgraph.enable(model, backend=backend, strict=True)
+    tgraph.enable(model, backend=backend, strict=strict)
     ref = make_model(device)
     return model, opt, graph, ref, make_optimizer(ref, device)
 
@@ -335,9 +335,10 @@ def test_kept_gradients_beside_the_optimizer_graph_are_never_overwritten(
     """A hook keeps every step's gradient of a block's weight. Beside per-layer graphs the
     optimizer graph reads the blocks' gradients where their backward graphs leave them; a kept
     gradient is that memory, so the next steps must not overwrite it: with the storage swap it
-    is moved out first, without it (PyTorch < 2.13) the next backward hands a fresh copy and the
-    step that would write the kept memory runs eagerly. Training equals eager throughout."""
-    model, opt, graph, ref, ref_opt = _layers_and_optimizer_graph(backend, device)
+    is moved out first, without it (PyTorch < 2.13) the kept view cannot be re-pointed, so the
+    block's calls whose replay would overwrite it run eagerly, with that reason. Training
+    equals eager throughout."""
+    model, opt, graph, ref, ref_opt = _layers_and_optimizer_graph(backend, device, strict=swaps)
     kept, copies = [], []
     weight = model.h[0].mlp.c_fc.weight
     try:
@@ -353,6 +354,7 @@ def test_kept_gradients_beside_the_optimizer_graph_are_never_overwritten(
         assert graph.captured and len(kept) == len(copies) > 2
         for k, (g, c) in enumerate(zip(kept, copies)):
             torch.testing.assert_close(g, c, rtol=0, atol=0, msg=f"kept gradient {k} changed")
+        assert (tgraph.eager_calls() == 0) == swaps  # strict with the swap: all replayed
         assert_same_training_state(model, opt, ref, ref_opt, exact=False)
     finally:
         tgraph.reset()
@@ -487,9 +489,8 @@ def test_per_layer_gradients_are_read_in_place(backend, device, microbatches, sw
     graphs hand over where they leave them: it keeps buffers of its own only for the other
     parameters (embeddings, head), and training equals eager. With the storage swap and two
     microbatches the first one's gradients are moved out of the packed buffer before the second
-    backward (the accumulated .grad lives elsewhere), so the graph copies them into buffers of
-    its own. Without it (PyTorch < 2.13) the first backward lands its gradients in the landing
-    buffer and the second one's are added there, so they are read in place either way."""
+    backward (the accumulated .grad lives elsewhere: a storage swap, or on PyTorch < 2.13 the
+    .grad re-pointed), so the graph copies them into buffers of its own."""
     model, opt, graph, ref, ref_opt = _layers_and_optimizer_graph(backend, device)
     try:
         for i, (x, y) in enumerate(make_batches(device)):
@@ -505,10 +506,9 @@ def test_per_layer_gradients_are_read_in_place(backend, device, microbatches, sw
         assert graph.captured
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         blocks = sum(p.numel() * p.element_size() for b in model.h for p in b.parameters())
-        # one microbatch: the blocks' gradients are read in place; two, with the storage
-        # swap: the accumulated gradients live outside the packed buffers, so the graph holds
-        # its own copy of all; without the swap they accumulate in the landing buffers
-        in_place = microbatches != 2 or not swaps
+        # one microbatch: the blocks' gradients are read in place; two: the accumulated
+        # gradients live outside the packed buffers, so the graph holds its own copy of all
+        in_place = microbatches != 2
         want = total - blocks if in_place else total
         assert graph.own_grad_bytes == want, (graph.own_grad_bytes, total, blocks)
         assert_same_training_state(model, opt, ref, ref_opt, exact=False)

@@ -191,3 +191,69 @@ def test_block_given_another_shared_tensor_runs_eagerly(backend, device):
     with pytest.warns(tgraph.GraphFallbackWarning, match="module 2 of a merged stack"):
         got = model(x2, None, gates)
     torch.testing.assert_close(got, eager(x2, None, gates), rtol=RTOL, atol=ATOL)
+
+
+class _LeafOutBlock(tgraph.GraphableModule):
+    """Returns, under no_grad, a leaf that requires grad, as megatron's TransformerLayer does
+    (``make_viewless_tensor(..., requires_grad=True)``): the next block's call key sees it."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.lin(h))
+        return out if torch.is_grad_enabled() else out.detach().requires_grad_()
+
+
+def _leaf_out_model(device):
+    torch.manual_seed(0)
+    model = MLPNet(n=3).to(device)
+    model.blocks = torch.nn.ModuleList(_LeafOutBlock() for _ in range(3)).to(device)
+    return model
+
+
+def _record_train_and_eval(model, backend, x, y):
+    tgraph.enable(model, backend=backend, strict=True)  # a fallback raises
+    model(x, y)[1].backward()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        model.eval()
+        model(x, y)
+        model.train()
+    assert tgraph.create_graphs().segments == 2  # the training stack and the eval stack
+
+
+def test_eval_outputs_that_require_grad_replay_as_recorded(backend, device):
+    """megatron's eval forward (found by the recipe's ``eager_calls``): under no_grad each layer
+    returns a leaf that requires grad; the replay must return it so too, or the next layer's key
+    (its input's ``requires_grad``) differs from the recorded one and the stack runs eagerly."""
+    model = _leaf_out_model(device)
+    eager = twin(model)
+    batches = mlp_batches(device, 3)
+    _record_train_and_eval(model, backend, *batches[0])
+    model.eval(), eager.eval()
+    with torch.no_grad():
+        for x, y in batches:
+            got, want = model(x, y), eager(x, y)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            h = model.blocks[0](model.inp(x))
+            assert h.requires_grad and h.is_leaf  # as eager returns it
+            del h
+    assert tgraph.eager_calls() == 0
+
+
+def test_stack_left_midway_without_backward_replays_next_time(backend, device):
+    """A no_grad call of the stack's first block alone (its later members never called) must
+    not keep the stack busy: the outputs it never handed out are tgraph's own, not the caller's."""
+    model = _leaf_out_model(device)
+    eager = twin(model)
+    (x, y), (x2, y2) = mlp_batches(device, 2)
+    _record_train_and_eval(model, backend, x, y)
+    model.eval(), eager.eval()
+    with torch.no_grad():
+        h = model.blocks[0](model.inp(x))  # the stack's head replays; the rest is not called
+        torch.testing.assert_close(h, eager.blocks[0](eager.inp(x)), rtol=RTOL, atol=ATOL)
+        del h
+        torch.testing.assert_close(model(x2, y2), eager(x2, y2), rtol=RTOL, atol=ATOL)
+    assert tgraph.eager_calls() == 0

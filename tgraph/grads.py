@@ -28,8 +28,8 @@ _detach = torch.Tensor.detach
 
 def swaps_storage() -> bool:
     """Whether this PyTorch can swap the memory of two storages (``UntypedStorage.
-    _swap_data_ptr_``, PyTorch >= 2.13: :meth:`ParamGradPacking.rescue`); older versions get a
-    copy of the parameter gradients at every backward instead."""
+    _swap_data_ptr_``, PyTorch >= 2.13: :meth:`GradHandOff.rescue`); older versions re-point
+    the parameters' ``.grad`` instead."""
     return getattr(torch.UntypedStorage, "_swap_data_ptr_", None) is not None
 
 
@@ -148,29 +148,24 @@ class ParamGradPacking:
     Instead, the captured backward packs all gradients into one flat buffer (one in-graph copy)
     and each replay hands autograd fresh views of it, which AccumulateGrad adopts as ``.grad``
     without copying: no extra memory and no copy in the usual step (backward, optimizer step,
-    ``zero_grad(set_to_none=True)``).
+    ``zero_grad(set_to_none=True)``), so the gradients take the memory they take in eager.
 
     Those ``.grad`` tensors then alias static memory, so before anything may overwrite it (this
     unit's next backward, or a replay of a graph captured before it)
-    :meth:`GradHandOff.rescue` moves the graph's memory out from under every tensor still
-    viewing it, which keeps a copy: gradient accumulation stays exact, unlike ``make_graphed_callables``, whose aliases are overwritten
-    (pytorch issue 181723). Aliases are counted on the buffer's storage, so a gradient kept
-    anywhere (``.grad``, a hook's list, a loop variable) is protected alike. Moving memory from
-    under a storage needs PyTorch >= 2.13 (``UntypedStorage._swap_data_ptr_``).
+    :meth:`GradHandOff.rescue` moves them to a copy: gradient accumulation stays exact, unlike
+    ``make_graphed_callables``, whose aliases are overwritten (pytorch issue 181723).
+    Aliases are counted on the buffer's storage, so a gradient kept anywhere is found:
 
-    With an older PyTorch the graph does not pack (``in_graph`` False): it leaves every
-    gradient in its own static tensor, and each backward copies them (one multi-tensor copy,
-    the one copy ``make_graphed_callables``' AccumulateGrad makes too) into a landing buffer of
-    the unit's own, outside every graph's pool, and hands autograd views of it; when something
-    still views the landing buffer from before (a ``.grad`` being accumulated, a kept
-    gradient) it hands views of a fresh copy instead. The landing buffer stays at one address,
-    so :class:`tgraph.OptimizerGraph` reads it in place as it reads the static buffer on
-    PyTorch >= 2.13 (:meth:`GradHandOff.reader_buffer`): the gradients are copied once per
-    backward, never again for the optimizer step.
+    * PyTorch >= 2.13 moves the memory out from under every tensor on it
+      (``UntypedStorage._swap_data_ptr_``): a ``.grad``, a hook's list, a loop variable alike;
+    * older versions re-point the parameters' ``.grad`` tensors that are views of it
+      (``Tensor.set_``) onto one copy, which covers accumulation. A view of a gradient kept
+      elsewhere cannot be re-pointed: the replay that would overwrite it does not run (a
+      forward runs eagerly, with the reason; a backward out of the recorded order raises).
 
     The packing is decided at capture and never changes after it (it is part of the unit's
-    frozen capture result); what the hand-off changes at replays (the views handed out, the uses of the
-    buffer that are tgraph's own, the landing buffer) lives in the unit's :class:`GradHandOff`.
+    frozen capture result); what the hand-off changes at replays (the views handed out, the
+    uses of the buffer that are tgraph's own) lives in the unit's :class:`GradHandOff`.
     """
 
     def __init__(self) -> None:
@@ -180,18 +175,9 @@ class ParamGradPacking:
         self._numels: list[int] = []  # per packed gradient, its length in the flat buffer
         self._reshape: list[tuple[int, tuple]] = []  # (k, view args): gradients not 1-D
         self._empty: list[tuple[int, tuple]] = []  # (k, shape): packed gradients of no element
-        self.in_graph = True  # the graph packs (the storage swap exists); else: _static
-        self._static: list[torch.Tensor] = []  # not in_graph: the graph's per-gradient outputs
 
-    def pack(
-        self, grads: list[torch.Tensor | None], avoid: Iterable[torch.Tensor] = ()
-    ) -> list[torch.Tensor | None]:
-        """Inside the captured function: gradients -> [flat] (or unchanged if not packable).
-
-        Not ``in_graph``, the gradients stay where autograd left them, except those on the
-        memory of a tensor in ``avoid`` (the grad-output and input buffers, which debug mode
-        poisons and the next replay overwrites before the copy out, e.g. the gradient of a
-        parameter added to the output *is* the incoming gradient): those get a copy."""
+    def pack(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Inside the captured function: gradients -> [flat] (or unchanged if not packable)."""
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
         self._n = len(grads)
         if not present or len({(g.dtype, g.device) for _, g in present}) != 1:
@@ -201,27 +187,13 @@ class ParamGradPacking:
         self._numels = [g.numel() for _, g in present]
         self._reshape = [(k, g.shape or ((),)) for k, (_, g) in enumerate(present) if g.dim() != 1]
         self._empty = [(k, tuple(g.shape)) for k, (_, g) in enumerate(present) if not g.numel()]
-        self.in_graph = swaps_storage()
-        if not self.in_graph:  # each backward copies them out (class docstring)
-            taken = {t.untyped_storage().data_ptr() for t in avoid if t is not None}
-            out = list(grads)
-            for i, g in present:
-                if g.untyped_storage().data_ptr() in taken:
-                    out[i] = g.clone()
-            return out
         return [torch.cat([g.reshape(-1) for _, g in present])]
 
     def set_outputs(self, outputs: list[torch.Tensor | None]) -> None:
         """After capture: the backward graph's parameter-gradient outputs (what :meth:`pack`
         returned, as static tensors)."""
-        if self.in_graph:
+        if self.packed:
             self.flat = outputs[0]
-        else:
-            self._static = [outputs[i] for i in self._index]
-
-    def held(self) -> list[torch.Tensor]:
-        """The static memory the gradients leave the graph in."""
-        return [self.flat] if self.in_graph else list(self._static)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``flat`` per packed gradient, shaped as the gradient: what
@@ -238,29 +210,25 @@ class ParamGradPacking:
     def packed(self) -> bool:
         return bool(self._index)
 
-    def new_buffer(self) -> torch.Tensor:
-        like = self.flat if self.in_graph else self._static[0]
-        return like.new_empty(sum(self._numels))
-
 
 class GradHandOff:
     """What handing one unit's packed gradients to autograd changes at replays; its
     :class:`ParamGradPacking` (``plan``) stays as captured.
 
-    Created when the unit's capture result is baked, when nothing but its own views aliases the static
-    buffer; it lives in the unit's replay state (:class:`tgraph.layers.captured.ReplayState`).
+    Created when the unit's capture result is baked, when nothing but its own views aliases the
+    static buffer; it lives in the unit's replay state
+    (:class:`tgraph.layers.captured.ReplayState`), whose ``route.params`` (the parameters the
+    gradients go to) :meth:`rescue` reads.
     """
 
-    __slots__ = ("plan", "flat_views", "baseline", "landing", "landing_own", "landing_views")
+    __slots__ = ("plan", "route", "flat_views", "baseline")
 
-    def __init__(self, plan: ParamGradPacking) -> None:
+    def __init__(self, plan: ParamGradPacking, route) -> None:
         self.plan = plan
-        flat = plan.flat if plan.packed and plan.in_graph else None
+        self.route = route
+        flat = plan.flat if plan.packed else None
         self.flat_views = plan.views(flat) if flat is not None else []  # per packed gradient
         self.baseline = storage_uses(flat) if flat is not None else 0  # uses that are tgraph's
-        self.landing: torch.Tensor | None = None  # PyTorch < 2.13: the hand-off's buffer
-        self.landing_own = 0  # uses of the landing buffer's storage that are tgraph's own
-        self.landing_views: list[torch.Tensor] = []
 
     @property
     def flat(self) -> torch.Tensor | None:
@@ -274,16 +242,12 @@ class GradHandOff:
         """Some tensor other than the static buffer itself still views its memory."""
         return self.plan.packed and storage_uses(self.plan.flat) > self.baseline
 
-    def for_autograd(self, unpacked: list[torch.Tensor | None], clone: bool = False) -> list:
-        """Per-parameter gradients for autograd after a replay: aliases of the flat buffer
-        (``clone``: of a copy of it, in the landing buffer or a fresh one)."""
+    def for_autograd(self, unpacked: list[torch.Tensor | None]) -> list:
+        """Per-parameter gradients for autograd after a replay: aliases of the flat buffer."""
         plan = self.plan
         if not plan.packed:
             return unpacked  # held references make AccumulateGrad clone them
-        if not clone and plan.in_graph:
-            views = self.flat_views
-        else:
-            views = self._land()
+        views = self.flat_views
         # Every backward, one tensor per parameter: a detached alias of its view made once per
         # buffer (one C-level pass; a view per parameter would cost three times as much).
         handed = list(map(_detach, views))
@@ -296,53 +260,44 @@ class GradHandOff:
             out[i] = t
         return out
 
-    def _land(self) -> list[torch.Tensor]:
-        """Copy the graph's gradients into the landing buffer when nothing views it from
-        before, else into a fresh buffer (:class:`ParamGradPacking`); the views of the copy."""
-        plan = self.plan
-        if self.landing is None:
-            self.landing = plan.new_buffer()
-            self.landing_views = plan.views(self.landing)
-            self.landing_own = storage_uses(self.landing)
-        if storage_uses(self.landing) == self.landing_own:
-            buf, views = self.landing, self.landing_views
-        else:
-            buf = plan.new_buffer()
-            views = plan.views(buf)
-        if plan.in_graph:
-            buf.copy_(plan.flat)
-        else:
-            torch._foreach_copy_(views, plan._static)
-        return views
+    def held_elsewhere(self, on_it: int) -> bool:
+        """Whether something besides tgraph and ``on_it`` ``.grad`` tensors views the buffer
+        (a gradient a hook kept, say), which writing into it would overwrite."""
+        return self.plan.packed and storage_uses(self.plan.flat) > self.baseline + on_it
 
     def reader_buffer(self) -> torch.Tensor | None:
         """Where the last backward's parameter gradients are, at an address that stays: the
-        static buffer where storage memory can be swapped (:meth:`rescue` moves held views off
-        it), else the landing buffer (None before the first backward replay)."""
-        plan = self.plan
-        if not plan.packed:
-            return None
-        return plan.flat if plan.in_graph and swaps_storage() else self.landing
-
-    def held_elsewhere(self, on_it: int) -> bool:
-        """Not in_graph: whether something besides tgraph and ``on_it`` gradients handed to
-        autograd views the landing buffer (a gradient a hook kept, say), which writing into it
-        would overwrite."""
-        return self.landing is not None and storage_uses(self.landing) > self.landing_own + on_it
+        static buffer (:meth:`rescue` moves held views off it); None when not packed."""
+        return self.plan.flat if self.plan.packed else None
 
     @torch.no_grad()
-    def rescue(self) -> None:
-        """Before the flat buffer may be overwritten: if anything still views it (a ``.grad``,
-        a gradient a hook kept, a variable of the user's), move the graph's memory out from
-        under them: their storage gets a copy of the values, the buffer keeps the original
-        memory, which the graph writes. One copy, only when something is still held.
-        """
+    def rescue(self) -> str | None:
+        """Before the flat buffer may be overwritten: if anything still views it (a ``.grad``
+        being accumulated, a gradient a hook kept), move it to a copy (one copy, only when
+        something is still held; :class:`ParamGradPacking` says how). Returns why it could
+        not (a view of a gradient kept elsewhere, on PyTorch < 2.13), else None."""
         plan = self.plan
-        if not plan.in_graph or not self.aliased():
-            return
-        move_memory_out(plan.flat, [plan.flat])  # every alias views a copy, the buffer does not
-        self.flat_views = plan.views(plan.flat)  # the old ones view the copy now
-        self.baseline = storage_uses(plan.flat)
+        if not self.aliased():
+            return None
+        if swaps_storage():
+            move_memory_out(plan.flat, [plan.flat])  # every alias views a copy, the buffer not
+            self.flat_views = plan.views(plan.flat)  # the old ones view the copy now
+            self.baseline = storage_uses(plan.flat)
+            return None
+        flat = plan.flat.untyped_storage()
+        copy = flat.clone()
+        for p in self.route.params:
+            g = p.grad
+            if g is not None and g.untyped_storage()._cdata == flat._cdata:
+                g.set_(copy, g.storage_offset(), g.shape, g.stride())
+        if self.aliased():
+            return (
+                "a view of a parameter gradient that a graph's backward handed out (other than "
+                "the parameter's .grad) is still held where this graph would overwrite it, "
+                "and this PyTorch cannot move it out of the graph's memory "
+                "(UntypedStorage._swap_data_ptr_, PyTorch >= 2.13); clone gradients you keep"
+            )
+        return None
 
 
 def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,9 +18,9 @@ Every unit notes, at capture, the bytes of each kind of buffer it owns (:class:`
   pool's reserved memory, not in ``torch.cuda.memory_allocated`` between steps);
 * ``grad_outputs``: the buffers incoming gradients are copied into (outside the pool);
 * ``input_grads``: the backward graph's input gradients (pool, held);
-* ``param_grads``: the packed parameter-gradient buffer (pool, held);
-* ``param_grad_copy``: the copy of it handed to autograd at each backward, when PyTorch cannot
-  swap storage memory (:class:`tgraph.grads.ParamGradPacking`); 0 otherwise;
+* ``param_grads``: the packed parameter-gradient buffer (pool, held); the parameters' ``.grad``
+  are views of it (:class:`tgraph.grads.ParamGradPacking`), so it is the memory eager's
+  ``.grad`` would take, not more;
 * ``warmup_peak``: the most memory one unit's eager warmup held at once above what was
   allocated before it (transient; CUDA only).
 
@@ -48,7 +48,6 @@ KINDS = (
     "grad_outputs",
     "input_grads",
     "param_grads",
-    "param_grad_copy",
     "warmup_peak",
 )
 
@@ -63,7 +62,6 @@ class UnitMemory:
     grad_outputs: int = 0
     input_grads: int = 0
     param_grads: int = 0
-    param_grad_copy: int = 0
     warmup_peak: int = 0
 
 

@@ -88,19 +88,20 @@ class PoolLedger:
         self._held[id(token)] = (owner, low, weakref.ref(token))
 
     def hold_grads(
-        self, owner: Any, low: float, rescue: Callable[[], None], storage: int, own: int
+        self, owner: Any, low: float, rescue: Callable[[], str | None], storage: int, own: int
     ) -> None:
         """``owner``'s backward (capture ``low``) handed autograd views of its packed gradient
         buffer (``storage``, an ``UntypedStorage._cdata``, used ``own`` times by tgraph);
-        ``rescue`` moves them out of it (:meth:`tgraph.grads.ParamGradPacking.rescue`), called
-        only while something else still views it."""
+        ``rescue`` moves them out of it (:meth:`tgraph.grads.GradHandOff.rescue`), called
+        only while something else still views it; it returns why it could not, or None."""
         self._grads[id(owner)] = (rescue, low, storage, own)
 
-    def rescue_outputs(self, index: float, owner: Any) -> None:
+    def rescue_outputs(self, index: float, owner: Any) -> str | None:
         """Before ``owner`` replays a graph of capture ``index``: move what the caller holds
         out of the memory that graph may reuse: outputs of other units, and parameter gradients
         (``.grad``) that are views of a backward's packed buffer (``owner``'s own too: its
-        backward rewrites that buffer, its forward may reuse it)."""
+        backward rewrites that buffer, its forward may reuse it). Returns why a gradient
+        could not be moved (the replay must not run), else None."""
         if self._held:
             for ref in [
                 r for other, low, r in self._held.values() if other is not owner and index <= low
@@ -110,9 +111,12 @@ class PoolLedger:
                     token.rescue()  # leaves the ledger
         if self._grads:
             for key in [k for k, entry in self._grads.items() if index <= entry[1]]:
-                rescue, _, storage, own = self._grads.pop(key)
-                if _use_count(storage) > own:
-                    rescue()
+                rescue, low, storage, own = self._grads[key]
+                why = rescue() if _use_count(storage) > own else None
+                if why is not None:  # still held: kept, so the next replay asks again
+                    return why
+                del self._grads[key]
+        return None
 
     def leave(self, key: int) -> None:
         self._live.pop(key, None)
@@ -134,7 +138,7 @@ class PoolLedger:
         found = self.conflicts(index, skip=owner) if self._live else None
         if not found:
             if self._held or self._grads:
-                self.rescue_outputs(index, owner)
+                return self.rescue_outputs(index, owner)
             return None
         return (
             f"replay order differs from the recorded one: {found[0][1]} awaits its backward, "
@@ -155,9 +159,11 @@ class PoolLedger:
                 "outputs does that), or record the order you run: tgraph.reset(), one eager "
                 "iteration, tgraph.create_graphs()."
             )
+        why = self.rescue_outputs(index, owner)
+        if why is not None:
+            raise ReplayOrderError(f"the backward of {name} cannot replay: {why}")
         for fid, _ in self.conflicts(index, skip=owner):
             self._clobbered[fid] = name
-        self.rescue_outputs(index, owner)
 
 
 class LiveOutputs:

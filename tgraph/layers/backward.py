@@ -8,9 +8,8 @@ gradients into the static grad-output buffers, :func:`replay_backward` replays t
 graph (from the forward's generator offset when the unit recomputes), :func:`after_backward`
 sets the ``main_grad`` flags the graph skips (and poisons the input buffers in debug mode), and
 :func:`grads_for_autograd` hands autograd the static input gradients and the parameter
-gradients (on PyTorch >= 2.13 views of the packed static buffer, which the pool's ledger moves
-out from under them before a replay may overwrite it; before 2.13 views of a copy in a landing
-buffer: :class:`tgraph.grads.ParamGradPacking`).
+gradients (views of the packed static buffer, which the pool's ledger moves out from under
+them before a replay may overwrite it: :class:`tgraph.grads.ParamGradPacking`).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import math
 import torch
 
 from tgraph import rng
-from tgraph.grads import swaps_storage
 from tgraph.layers.captured import Captured, ReplayState
 
 
@@ -88,12 +86,11 @@ def grads_for_autograd(
     parameters that only inactive outputs reach get None (:class:`tgraph.grads.UnusedOutputs`).
     """
     packing, hand = cap.packing, state.grads
-    clone = not (packing.in_graph and swaps_storage())  # see ParamGradPacking
-    kept = cap.fusion.keep(hand.for_autograd(list(cap.param_grads), clone))
+    kept = cap.fusion.keep(hand.for_autograd(list(cap.param_grads)))
     if not kept and state.route.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
     grads = [*cap.static_grads, *kept]
-    if not clone and packing.packed:  # rescued before the buffer may be overwritten
+    if packing.packed:  # rescued before the buffer may be overwritten
         storage = packing.flat.untyped_storage()._cdata
         cap.ledger.hold_grads(state, cap.bwd_index, hand.rescue, storage, hand.baseline)
     if active is not None and not all(active):

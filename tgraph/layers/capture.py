@@ -24,12 +24,12 @@ Ownership and aliasing (what a user of the outputs must know):
 * ``static_grads`` (input gradients) are written by every backward replay and handed to
   autograd, which consumes them before this unit's next backward. Parameter gradients are
   packed into one flat static buffer inside the graph (:class:`tgraph.grads.ParamGradPacking`).
-  On PyTorch >= 2.13 each backward hands autograd views of that static buffer itself, which
-  AccumulateGrad adopts as ``.grad`` without a copy: they *are* static memory, so the pool's
-  ledger (:meth:`tgraph.pool.PoolLedger.hold_grads`) moves it out from under every tensor still
-  viewing it before a replay may overwrite it (this unit's next backward or forward, or a graph
-  captured before it). On older PyTorch each backward copies it into a landing buffer (a fresh
-  clone while something still views that one) and hands autograd views of the copy.
+  Each backward hands autograd views of that static buffer itself, which AccumulateGrad adopts
+  as ``.grad`` without a copy: they *are* static memory, so the pool's ledger
+  (:meth:`tgraph.pool.PoolLedger.hold_grads`) moves them to a copy before a replay may
+  overwrite it (this unit's next backward or forward, or a graph captured before it): every
+  tensor still viewing it on PyTorch >= 2.13 (a storage swap), the parameters' ``.grad`` on
+  older versions, where a view kept elsewhere makes that replay run eagerly instead.
   ``torch.cuda.make_graphed_callables`` hands autograd ``detach()``-ed aliases of its static
   buffers too, but never moves them, so the next replay overwrites accumulated gradients
   (pytorch issue 181723). Gradient accumulation through a unit is exact either way.
@@ -54,7 +54,6 @@ from tgraph.grads import (
     MainGradFlags,
     MainGradFusion,
     reached_leaves,
-    swaps_storage,
 )
 from tgraph.guards import RefuseHostSync
 from tgraph.layers.captured import Captured, ReplayState
@@ -264,8 +263,7 @@ class GraphedUnit:
         )
         n = len(head.draft.in_rg)
         rest = self.draft.fusion.apply(self.draft.leaves, self.draft.params, list(grads[n:]))
-        avoid = [*self.draft.static_grad_outputs, *head.draft.static_inputs]
-        return (*grads[:n], *self.draft.packing.pack(rest, avoid))
+        return (*grads[:n], *self.draft.packing.pack(rest))
 
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph; its
@@ -298,12 +296,8 @@ class GraphedUnit:
         m = self.draft.memory
         m.grad_outputs = tensor_bytes(self.draft.static_grad_outputs)
         m.input_grads = tensor_bytes(self.draft.static_grads)
-        held = self.draft.packing.held() if self.draft.packing.packed else self.draft.param_grads
-        m.param_grads = tensor_bytes(held)
-        d = self.draft
-        copied = not (d.packing.packed and d.packing.in_graph and swaps_storage())
-        to_autograd = d.params and (d.fusion.keep(d.params) or not head.draft.in_rg)
-        m.param_grad_copy = m.param_grads if copied and to_autograd else 0
+        packing = self.draft.packing
+        m.param_grads = tensor_bytes([packing.flat] if packing.packed else self.draft.param_grads)
 
     def drop_graphs(self) -> None:
         """Forget every graph and buffer (after a failed capture or on reset)."""
@@ -391,7 +385,7 @@ class GraphedUnit:
         route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         track_outputs(cap, st)
-        st.grads = GradHandOff(cap.packing)
+        st.grads = GradHandOff(cap.packing, st.route)
         self.cap, self.draft = cap, None  # the capture result holds what a replay needs
         for r in self.members:
             r.cap, r.state, r.draft = cap, st, None

@@ -178,6 +178,11 @@ class StackCursor:
         self.fell_back: str | None = None  # why the head's last call ran eagerly
         self.shapes: dict = {}  # member -> its calls' tgraph.layers.shortcut.Shape, once learned
 
+    def release(self) -> None:
+        """Forget the replayed stack's outputs and head inputs (its last member took its
+        outputs, or the stack was left)."""
+        self.pending, self.head_inputs, self.head_call = None, [], None
+
 
 class ReplayState:
     """What replays of one unit change (the module docstring), by owner."""

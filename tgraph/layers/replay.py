@@ -48,8 +48,9 @@ _OUTPUT_CAPTURING = "transformers.utils.output_capturing"
 _ptrs_equal = ptrs_equal
 
 BUSY = (
-    "every graph captured for this signature is awaiting its backward "
-    "(more calls in flight than in the recorded iteration)"
+    "every graph captured for this signature is awaiting its backward, or (a call without "
+    "backward) the outputs of its last replay are still alive (more calls in flight than in "
+    "the recorded iteration)"
 )
 DIFFERENT_SHARED_INPUT = (
     "an input captured as another graphed module's output buffer arrived as a different tensor"
@@ -138,6 +139,8 @@ def call(cap: Captured | None, state: ReplayState, j: int, tensors: list[torch.T
             "inputs shared with the first module (pass merge=False to tgraph.enable to graph "
             "it alone)"
         )
+    if state.stack.pending is not None:  # the last replay's stack was left midway: its
+        state.stack.release()  # later members' outputs, never handed out, keep nothing alive
     if state.inflight.token is not None:
         return BUSY
     why = refusal(cap, state, tensors)
@@ -180,12 +183,11 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
                 continue
         elif t is head[k] and t._version == head_versions[k]:
             continue
-        stack.pending = None  # the stack was left: release its outputs
-        stack.head_inputs, stack.head_call = [], None
+        stack.release()  # the stack was left: its outputs go
         return None
     stack.next = j + 1
     if j + 1 == len(pending):
-        stack.pending, stack.head_inputs, stack.head_call = None, [], None
+        stack.release()
     return pending[j]
 
 
@@ -236,6 +238,8 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]) -> li
         outs = [o.detach() for o in cap.static_outputs]
         for i in cap.aliasing_outputs:  # the static input buffer: the next call's copy
             outs[i] = outs[i].clone()  # would overwrite it under the caller
+        for i in cap.out_rg:  # a leaf that requires grad under no_grad, as the eager call
+            outs[i].requires_grad_()  # made it (megatron's make_viewless_tensor): next keys
         hold_while_alive(state, outs)
     else:
         flight = Flight(state, cap)

@@ -5,9 +5,10 @@ that per-layer graphs hand over are read where those graphs leave them, at an ad
 (:meth:`tgraph.grads.ParamGradPacking.reader_buffer`): no copy and no buffer of the step's own.
 Every other gradient gets a buffer of the step's own (one flat allocation per device and dtype),
 into which each replay copies the ``.grad`` tensors not already there, with one multi-tensor
-copy. On PyTorch < 2.13 the memory per-layer graphs leave gradients in is a landing buffer
-that a gradient kept from an earlier step may still view; a replay that would copy into it then
-says so (:meth:`GradBuffers.refresh`), and the step runs eagerly instead of overwriting it.
+copy. A gradient that per-layer graphs handed over may still be viewed from elsewhere (kept by
+a hook) when the step's gradient is another tensor (accumulated into a copy); a replay that
+would copy into that memory then says so (:meth:`GradBuffers.refresh`), and the step runs
+eagerly instead of overwriting it.
 Used by :class:`tgraph.OptimizerGraph`'s default ``bind_grads`` and ``refresh_grads``.
 """
 
@@ -69,8 +70,8 @@ class GradBuffers:
         read_in_place: the per-layer gradient buffers it reads; their memory must outlive
             the graph (until ``tgraph.reset()``).
         own_bytes: the bytes of the buffers of its own.
-        held_elsewhere: the latest :meth:`refresh` found a landing buffer it would copy into
-            held elsewhere and copied nothing: that step runs eagerly.
+        held_elsewhere: the latest :meth:`refresh` found per-layer gradient memory it would
+            copy into viewed elsewhere and copied nothing: that step runs eagerly.
     """
 
     def __init__(self) -> None:
@@ -80,12 +81,12 @@ class GradBuffers:
         self.own_bytes = 0
         self.held_elsewhere = False
         self._warned = False  # the held_elsewhere warning, once
-        self._landing: dict[int, object] = {}  # id(param) -> the packing whose landing it reads
+        self._hand_off: dict[int, object] = {}  # id(param) -> the hand-off whose buffer it reads
         self._params: tuple = ()
         self._bufs: list[torch.Tensor] = []
         self._ptrs: tuple = ()
         self._strides: tuple = ()
-        self._landing_of: list = []  # per frozen pair: that packing, or None
+        self._hand_off_of: list = []  # per frozen pair: that hand-off, or None
 
     @classmethod
     def bind(cls, params: list[torch.Tensor], name: str = "OptimizerGraph") -> GradBuffers:
@@ -111,15 +112,11 @@ class GradBuffers:
         where = [_region(g, regions) for _, g in live]
         own = [g for (_, g), r in zip(live, where) if r < 0]
         buffers = iter(flat_like(own))
-        # PyTorch < 2.13: a landing buffer (not the graph's static one) may be held by a
-        # gradient kept from an earlier step, which a copy into it would overwrite
-        landings = [None if b is k.flat else k for k, b in readers]
         for (p, g), r in zip(live, where):
             if r >= 0:  # the memory the layer's backward graph writes, forever: read at its
-                # address, which the storage swaps that move .grad views out leave alone
+                # address, which the rescues that move .grad views out leave alone
                 self.pairs.append((p, at_address(g)))
-                if landings[r] is not None:
-                    self._landing[id(p)] = landings[r]
+                self._hand_off[id(p)] = readers[r][0]
             else:
                 b = next(buffers)
                 with torch.no_grad():
@@ -142,14 +139,15 @@ class GradBuffers:
         self._ptr_list, self._all = list(self._ptrs), list(range(len(self._ptrs)))
         self._strides = tuple(map(_stride, self._bufs))
         self._layout = LayoutGuards()  # C++ checks of the gradients' layout (tgraph.layout)
-        self._landing_of = [self._landing.get(id(p)) for p in self._params]
+        self._hand_off_of = [self._hand_off.get(id(p)) for p in self._params]
 
     def refresh(self) -> bool:
         """Before a replay (no grad mode): copy the step's gradients that are not where the
         graph reads them into its buffers (autograd's own tensors: one multi-tensor copy). In
         the usual replay beside per-layer graphs that is a few C-level passes and no copy.
-        Returns True, copying nothing, when a landing buffer it would copy into is held
-        elsewhere: run this step eagerly (also kept in :attr:`held_elsewhere`; logged once).
+        Returns True, copying nothing, when per-layer gradient memory it would copy into is
+        viewed elsewhere: run this step eagerly (also kept in :attr:`held_elsewhere`; logged
+        once).
 
         Raises:
             ValueError: a gradient the graph reads is missing, or a parameter it never steps
@@ -202,9 +200,9 @@ class GradBuffers:
             if not self._warned:
                 self._warned = True
                 logger.warning(
-                    "OptimizerGraph: a gradient kept from an earlier step (e.g. by a hook) "
-                    "views memory the graph reads on this PyTorch (< 2.13, no storage swap); "
-                    "such steps run eagerly instead of overwriting it"
+                    "OptimizerGraph: a gradient a backward graph handed out is kept (e.g. by "
+                    "a hook) in memory the step reads, and the step's gradient is another "
+                    "tensor (accumulated); such steps run eagerly instead of overwriting it"
                 )
             return True
         dst = [self._bufs[i] for i in moved]
@@ -218,15 +216,15 @@ class GradBuffers:
         return False
 
     def _held(self, moved: list[int]) -> bool:
-        """Whether a landing buffer that ``moved`` gradients would be copied into is viewed by
-        something besides tgraph and the gradients handed out on it
-        (:meth:`tgraph.grads.ParamGradPacking.held_elsewhere`)."""
-        targets = {id(k): k for k in map(self._landing_of.__getitem__, moved) if k is not None}
+        """Whether per-layer gradient memory that ``moved`` gradients would be copied into is
+        viewed by something besides tgraph and the ``.grad`` tensors still on it
+        (:meth:`tgraph.grads.GradHandOff.held_elsewhere`)."""
+        targets = {id(k): k for k in map(self._hand_off_of.__getitem__, moved) if k is not None}
         if not targets:
             return False
         moved_set = set(moved)
-        on = dict.fromkeys(targets, 0)  # per landing buffer, the .grad tensors still on it
-        for i, k in enumerate(self._landing_of):
+        on = dict.fromkeys(targets, 0)  # per buffer, the .grad tensors still on it
+        for i, k in enumerate(self._hand_off_of):
             if k is not None and id(k) in on and i not in moved_set:
                 on[id(k)] += 1
         return any(k.held_elsewhere(on[key]) for key, k in targets.items())
