@@ -159,13 +159,19 @@ class TwoOut(tgraph.GraphableModule):
         return self.a(x), self.b(x)
 
 
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
 def two_out_steps(mod, x, graphed: bool, backend: str):
     opt = torch.optim.AdamW(mod.parameters(), lr=0.1)
     grads = []
     for step in range(4):  # b used at steps 0 (recorded) and 1, unused at steps 2 and 3
         a, b = mod(x)
         (a.sum() + b.sum() if step < 2 else a.sum()).backward()
-        grads.append((mod.b.weight.grad, None if x.grad is None else x.grad.clone()))
+        # cloned: a gradient view kept past the next replay cannot be moved out of graph
+        # memory on PyTorch < 2.13 (that replay would run eagerly)
+        grads.append((_clone(mod.b.weight.grad), _clone(x.grad)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         x.grad = None

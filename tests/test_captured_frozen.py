@@ -104,6 +104,8 @@ def test_a_replay_that_changes_the_capture_result_is_caught(backend, device, mon
     tgraph.create_graphs()
     units = tgraph.layers.manager._manager.units
     assert any(u.cap.packing.packed for u in units)
+    if not tgraph.grads.swaps_storage():  # the planted re-plan rides the swap's rescue
+        pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")
     before = _snapshot(units)
     monkeypatch.setattr(ParamGradPacking, "views", views_and_replan)
     _train(model, batches, accumulate=2)

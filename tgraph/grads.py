@@ -160,8 +160,10 @@ class ParamGradPacking:
       (``UntypedStorage._swap_data_ptr_``): a ``.grad``, a hook's list, a loop variable alike;
     * older versions re-point the parameters' ``.grad`` tensors that are views of it
       (``Tensor.set_``) onto one copy, which covers accumulation. A view of a gradient kept
-      elsewhere cannot be re-pointed: the replay that would overwrite it does not run (a
-      forward runs eagerly, with the reason; a backward out of the recorded order raises).
+      elsewhere (a variable holding last step's ``.grad``, a hook's list) cannot be
+      re-pointed: the replays that would overwrite it do not run while it is held (a forward
+      runs eagerly, with the reason; a backward out of the recorded order raises), and from
+      then on the unit hands autograd a copy at each backward, which nothing pins.
 
     The packing is decided at capture and never changes after it (it is part of the unit's
     frozen capture result); what the hand-off changes at replays (the views handed out, the
@@ -221,7 +223,7 @@ class GradHandOff:
     gradients go to) :meth:`rescue` reads.
     """
 
-    __slots__ = ("plan", "route", "flat_views", "baseline")
+    __slots__ = ("plan", "route", "flat_views", "baseline", "copying")
 
     def __init__(self, plan: ParamGradPacking, route) -> None:
         self.plan = plan
@@ -229,6 +231,7 @@ class GradHandOff:
         flat = plan.flat if plan.packed else None
         self.flat_views = plan.views(flat) if flat is not None else []  # per packed gradient
         self.baseline = storage_uses(flat) if flat is not None else 0  # uses that are tgraph's
+        self.copying = False  # hands out copies (a view of the buffer was kept: rescue)
 
     @property
     def flat(self) -> torch.Tensor | None:
@@ -247,7 +250,7 @@ class GradHandOff:
         plan = self.plan
         if not plan.packed:
             return unpacked  # held references make AccumulateGrad clone them
-        views = self.flat_views
+        views = self.flat_views if not self.copying else plan.views(plan.flat.clone())
         # Every backward, one tensor per parameter: a detached alias of its view made once per
         # buffer (one C-level pass; a view per parameter would cost three times as much).
         handed = list(map(_detach, views))
@@ -290,7 +293,8 @@ class GradHandOff:
             g = p.grad
             if g is not None and g.untyped_storage()._cdata == flat._cdata:
                 g.set_(copy, g.storage_offset(), g.shape, g.stride())
-        if self.aliased():
+        if self.aliased():  # from now on this unit hands out copies, which nothing pins
+            self.copying = True
             return (
                 "a view of a parameter gradient that a graph's backward handed out (other than "
                 "the parameter's .grad) is still held where this graph would overwrite it, "

@@ -90,7 +90,7 @@ def grads_for_autograd(
     if not kept and state.route.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
     grads = [*cap.static_grads, *kept]
-    if packing.packed:  # rescued before the buffer may be overwritten
+    if packing.packed and not hand.copying:  # rescued before the buffer may be overwritten
         storage = packing.flat.untyped_storage()._cdata
         cap.ledger.hold_grads(state, cap.bwd_index, hand.rescue, storage, hand.baseline)
     if active is not None and not all(active):
