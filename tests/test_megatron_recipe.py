@@ -303,7 +303,12 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
     """megatron's GPTModel with TE's layer spec, bf16 parameters with megatron's bf16 optimizer,
     FP8 delayed scaling: eager and per-layer graphs plus the optimizer graph start from the same
     loss and train alike; a layer+opt run killed after step 4 and resumed ends with the weights
-    (TE's FP8 metadata in ``_extra_state`` included) of the run that went straight through."""
+    of the run that went straight through: bitwise in bf16; in FP8 (found on the H200) the
+    resumed run's first step is an eager recorded step where the straight run replays, and TE's
+    FP8 GEMMs inside a capture may take another cuBLAS algorithm, so there it agrees within
+    that tolerance, while an eager FP8 run killed and resumed is bitwise: the checkpoint holds
+    every state FP8 needs (TE's delayed-scaling metadata in ``_extra_state``, compared as the
+    weights it produces: its pickled bytes differ between identical runs)."""
     flags = [*TE_FLAGS, *(["--fp8-format=hybrid"] if fp8 else [])]
     runs = {}
     for graph in ("none", "layer+opt"):
@@ -327,18 +332,29 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
     assert s_opt["final_train_loss"] == pytest.approx(s_none["final_train_loss"], rel=2e-2)
     assert r_none[-1]["loss"] < r_none[0]["loss"] and r_opt[-1]["loss"] < r_opt[0]["loss"]
 
-    killed = tmp_path / "killed"
-    with killed_after_checkpoint(monkeypatch, "step_000004"), pytest.raises(Killed):
-        _main(*flags, "--graph=layer+opt", f"--out={killed}")
-    if fp8:  # TE pickles delayed scaling's metadata and unpickles it only when told to
-        monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
-        assert _main(*flags, "--graph=layer+opt", f"--out={killed}", "--resume=latest") == 1
-        assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in capsys.readouterr().err
-        monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
-    assert _main(*flags, "--graph=layer+opt", f"--out={killed}", "--resume=latest") == 0
-    got, want = _weights(killed / "checkpoints/latest"), _weights(straight / "checkpoints/latest")
+    def killed_and_resumed(graph: str) -> dict[str, torch.Tensor]:
+        killed = tmp_path / f"killed_{graph.replace('+', '_')}"
+        with killed_after_checkpoint(monkeypatch, "step_000004"), pytest.raises(Killed):
+            _main(*flags, f"--graph={graph}", f"--out={killed}")
+        if fp8:  # TE pickles delayed scaling's metadata and unpickles it only when told to
+            monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+            assert _main(*flags, f"--graph={graph}", f"--out={killed}", "--resume=latest") == 1
+            assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in capsys.readouterr().err
+            monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
+        assert _main(*flags, f"--graph={graph}", f"--out={killed}", "--resume=latest") == 0
+        return _weights(killed / "checkpoints/latest")
+
+    def weights(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in w.items() if not k.endswith("_extra_state")}
+
+    got, want = killed_and_resumed("layer+opt"), _weights(straight / "checkpoints/latest")
     assert got.keys() == want.keys() and got
     extra = [k for k in got if k.endswith("_extra_state")]
     assert not fp8 or any(got[k].numel() for k in extra), "no FP8 metadata was saved"
-    for k in got:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    exact = {} if fp8 else dict(rtol=0, atol=0)  # FP8: two bf16 ulps (see the docstring)
+    for k, v in weights(got).items():
+        torch.testing.assert_close(v, want[k], **(exact or dict(rtol=8e-3, atol=1e-5)), msg=k)
+    if fp8:  # eager: the checkpoint alone makes a resumed FP8 run bitwise
+        eager, want = killed_and_resumed("none"), _weights(runs["none"][2] / "checkpoints/latest")
+        for k, v in weights(eager).items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
