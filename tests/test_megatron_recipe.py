@@ -305,7 +305,7 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
     loss and train alike; a layer+opt run killed after step 4 and resumed ends with the weights
     of the run that went straight through: bitwise in bf16; in FP8 (found on the H200) the
     resumed run's first step is an eager recorded step where the straight run replays, and TE's
-    FP8 GEMMs inside a capture may take another cuBLAS algorithm, so there it agrees within
+    FP8 GEMMs inside a capture may take another cuBLAS algorithm, so there its losses agree within
     that tolerance, while an eager FP8 run killed and resumed is bitwise: the checkpoint holds
     every state FP8 needs (TE's delayed-scaling metadata in ``_extra_state``, compared as the
     weights it produces: its pickled bytes differ between identical runs)."""
@@ -332,7 +332,7 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
     assert s_opt["final_train_loss"] == pytest.approx(s_none["final_train_loss"], rel=2e-2)
     assert r_none[-1]["loss"] < r_none[0]["loss"] and r_opt[-1]["loss"] < r_opt[0]["loss"]
 
-    def killed_and_resumed(graph: str) -> dict[str, torch.Tensor]:
+    def killed_and_resumed(graph: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
         killed = tmp_path / f"killed_{graph.replace('+', '_')}"
         with killed_after_checkpoint(monkeypatch, "step_000004"), pytest.raises(Killed):
             _main(*flags, f"--graph={graph}", f"--out={killed}")
@@ -342,19 +342,29 @@ def test_transformer_engine_spec_trains_agrees_and_resumes(fp8, tmp_path, monkey
             assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in capsys.readouterr().err
             monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
         assert _main(*flags, f"--graph={graph}", f"--out={killed}", "--resume=latest") == 0
-        return _weights(killed / "checkpoints/latest")
+        return _weights(killed / "checkpoints/latest"), _rows(killed)
 
     def weights(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v for k, v in w.items() if not k.endswith("_extra_state")}
 
-    got, want = killed_and_resumed("layer+opt"), _weights(straight / "checkpoints/latest")
+    (got, rows), want = killed_and_resumed("layer+opt"), _weights(straight / "checkpoints/latest")
     assert got.keys() == want.keys() and got
     extra = [k for k in got if k.endswith("_extra_state")]
     assert not fp8 or any(got[k].numel() for k in extra), "no FP8 metadata was saved"
-    exact = {} if fp8 else dict(rtol=0, atol=0)  # FP8: two bf16 ulps (see the docstring)
-    for k, v in weights(got).items():
-        torch.testing.assert_close(v, want[k], **(exact or dict(rtol=8e-3, atol=1e-5)), msg=k)
-    if fp8:  # eager: the checkpoint alone makes a resumed FP8 run bitwise
-        eager, want = killed_and_resumed("none"), _weights(runs["none"][2] / "checkpoints/latest")
+    if not fp8:
+        for k, v in got.items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
+    else:  # the capture's tolerance: the resumed steps' losses within 1e-3 of the straight
+        # run's (a stale FP8 scale or a lost amax history moves them by the training's own
+        # change). The weights are not compared: AdamW's normalised steps turn the ulp-sized
+        # gradient differences of near-zero biases into steps of the learning rate's size
+        assert [r["step"] for r in rows] == [r["step"] for r in r_opt]
+        for a, b in zip(rows[4:], r_opt[4:], strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), (a, b)
+        # eager: the checkpoint alone makes a resumed FP8 run bitwise
+        (eager, _), want = (
+            killed_and_resumed("none"),
+            _weights(runs["none"][2] / "checkpoints/latest"),
+        )
         for k, v in weights(eager).items():
             torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
