@@ -4,7 +4,6 @@ use, outputs not modified in place."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -118,13 +117,13 @@ def test_packed_gradients_are_the_views_unflatten_gives():
 
 def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device, swaps):
     """A hook's list or a loop variable keeps last step's gradient: the next replays never
-    overwrite it. With the storage swap its memory moves out and the graphs replay; without it
-    (PyTorch < 2.13) a view held elsewhere than ``.grad`` cannot be re-pointed, so the calls
-    whose replay would overwrite it run eagerly, with that reason."""
+    overwrite it. With the storage swap its memory moves out; without it (PyTorch < 2.13) a
+    parameter with a gradient hook makes its unit hand out copies (the hook may keep what it
+    is given), so nothing views the graph's memory. Every call replays either way."""
     torch.manual_seed(0)
     mod = Scaled().to(device)
     eager = copy.deepcopy(mod)
-    tgraph.enable(mod, backend=backend, strict=swaps)  # strict: every call replays
+    tgraph.enable(mod, backend=backend, strict=True)  # every call replays
     x = torch.randn(4, 8, device=device)
     mod(x).sum().backward()
     mod.zero_grad(set_to_none=True)
@@ -132,23 +131,27 @@ def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device, swaps):
     kept, want = [], []
     mod.lin.weight.register_hook(lambda g: kept.append(g))
     eager.lin.weight.register_hook(lambda g: want.append(g))
-    ctx = (
-        contextlib.nullcontext()
-        if swaps
-        else pytest.warns(
-            tgraph.GraphFallbackWarning, match="cannot move it out of the graph's memory"
-        )
-    )
-    with ctx:
-        for m in (mod, eager):
-            for scale in (1.0, 2.0, 3.0):
-                m(scale * x).sum().backward()
-                last = m.lin.weight.grad  # a loop variable holding the gradient
-                m.zero_grad(set_to_none=True)
-            assert last is not None
+    for m in (mod, eager):
+        for scale in (1.0, 2.0, 3.0):
+            m(scale * x).sum().backward()
+            last = m.lin.weight.grad  # a loop variable holding the gradient
+            m.zero_grad(set_to_none=True)
+        assert last is not None
     for got, ref in zip(kept, want, strict=True):
         torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL)
-    assert (tgraph.eager_calls() == 0) == swaps
+    unit = next(iter(mod._tgraph.runners.values()))[0]
+    assert unit.state.grads.copying == (not swaps)
+
+
+def test_planted_bug_hooked_parameters_without_copies_fall_back(backend, device, swaps):
+    """Planted: without the storage swap and without the switch to copies, the hook's kept
+    gradient views the graph's memory, so the replays that would overwrite it run eagerly."""
+    if swaps:
+        pytest.skip("the storage swap moves kept gradients out: no switch to plant")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GradHandOff, "watch_hooks", lambda self: None)
+        with pytest.raises(tgraph.GraphFallbackError, match="cannot move it out"):
+            test_a_gradient_kept_anywhere_is_never_overwritten(backend, device, swaps)
 
 
 def test_a_gradient_a_loop_variable_keeps_costs_at_most_one_eager_call(backend, device, swaps):

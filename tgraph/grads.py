@@ -163,7 +163,9 @@ class ParamGradPacking:
       elsewhere (a variable holding last step's ``.grad``, a hook's list) cannot be
       re-pointed: the replays that would overwrite it do not run while it is held (a forward
       runs eagerly, with the reason; a backward out of the recorded order raises), and from
-      then on the unit hands autograd a copy at each backward, which nothing pins.
+      then on the unit hands autograd a copy at each backward, which nothing pins. A unit
+      whose parameters have gradient hooks (which may keep what they are given) hands out
+      copies from the start (:meth:`GradHandOff.watch_hooks`).
 
     The packing is decided at capture and never changes after it (it is part of the unit's
     frozen capture result); what the hand-off changes at replays (the views handed out, the
@@ -232,6 +234,16 @@ class GradHandOff:
         self.flat_views = plan.views(flat) if flat is not None else []  # per packed gradient
         self.baseline = storage_uses(flat) if flat is not None else 0  # uses that are tgraph's
         self.copying = False  # hands out copies (a view of the buffer was kept: rescue)
+        self.watch_hooks()
+
+    def watch_hooks(self) -> None:
+        """Where storage memory cannot be swapped: hand out copies from now on if a parameter
+        has a gradient hook, which may keep the gradient it is given (a view of the buffer
+        that nothing could move out). Called at bake and whenever torch's hook counter moved."""
+        if not self.copying and self.plan.packed and not swaps_storage():
+            self.copying = any(
+                p._backward_hooks or p._post_accumulate_grad_hooks for p in self.route.params
+            )
 
     @property
     def flat(self) -> torch.Tensor | None:

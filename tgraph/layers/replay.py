@@ -308,6 +308,8 @@ def check(cap: Captured, state: ReplayState):
             return why
         if state.route.direct is not None and epoch != state.hook_epoch:  # a hook on a parameter:
             set_params(cap, state, state.route.params)  # autograd's path for it
+        if epoch != state.hook_epoch and state.grads is not None:
+            state.grads.watch_hooks()  # one that may keep its gradient: hand out copies
         state.hook_epoch = epoch  # scanned: unchanged as of this epoch
     try:
         same = (
