@@ -41,6 +41,13 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _refused(*args: str) -> str:
+    """The recipe run with ``args`` exits 2 before anything runs; its one-line error."""
+    r = _run(*args)
+    assert r.returncode == 2, r.stderr
+    return _one_line(r)
+
+
 def _one_line(r: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     return r.stderr
@@ -49,11 +56,9 @@ def _one_line(r: subprocess.CompletedProcess) -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_without_a_gpu_the_recipe_says_so(tmp_path):
     out = tmp_path / "run"
-    r = _run("--steps", "2", "--out", str(out))
-    assert r.returncode == 2 and "needs a CUDA GPU" in _one_line(r)
+    assert "needs a CUDA GPU" in _refused("--steps", "2", "--out", str(out))
     assert not out.exists()  # refused before anything is created
-    r = _run("--device", "cpu", "--out", str(out))
-    assert r.returncode == 2 and "needs a CUDA GPU" in _one_line(r)
+    assert "needs a CUDA GPU" in _refused("--device", "cpu", "--out", str(out))
 
 
 def test_without_megatron_core_the_recipe_says_so(monkeypatch):
@@ -79,16 +84,11 @@ def test_every_flag_has_help_text():
 
 
 def test_bad_flags_are_rejected():
-    r = _run("--steps", "0")
-    assert r.returncode == 2 and "--steps must be a positive integer" in _one_line(r)
-    r = _run("--lr", "1e-3", "--min-lr", "1e-2")
-    assert r.returncode == 2 and "min_lr" in _one_line(r)
-    r = _run("--graph", "opt")
-    assert r.returncode == 2 and "invalid choice" in _one_line(r)
-    r = _run("--batch-size", "8", "--micro-batches", "3")
-    assert r.returncode == 2 and "must divide batch_size=8" in _one_line(r)
-    r = _run("--graph", "full", "--on-nonfinite", "skip")
-    assert r.returncode == 2 and "on_nonfinite" in _one_line(r)
+    assert "--steps must be a positive integer" in _refused("--steps", "0")
+    assert "min_lr" in _refused("--lr", "1e-3", "--min-lr", "1e-2")
+    assert "invalid choice" in _refused("--graph", "opt")
+    assert "must divide batch_size=8" in _refused("--batch-size", "8", "--micro-batches", "3")
+    assert "on_nonfinite" in _refused("--graph", "full", "--on-nonfinite", "skip")
 
 
 def test_megatron_style_flags_set_the_shared_fields(monkeypatch):
@@ -112,12 +112,11 @@ def test_precision_flags_name_megatron_lms_and_refuse_what_cannot_be_built(monke
     from tgraph.integrations.megatron import wants_attention_mask
     from tgraph.integrations.megatron_te import precision_kwargs
 
-    r = _run("--fp8-format", "hybrid")
-    assert r.returncode == 2 and "FP8 needs --transformer-impl transformer_engine" in _one_line(r)
-    r = _run("--transformer-impl", "transformer_engine", "--fp8-format", "hybrid")
-    assert r.returncode == 2 and "add --bf16" in _one_line(r)
-    r = _run("--fp8-format", "mxfp8")
-    assert r.returncode == 2 and "invalid choice" in _one_line(r)
+    assert "FP8 needs --transformer-impl transformer_engine" in _refused("--fp8-format", "hybrid")
+    assert "add --bf16" in _refused(
+        "--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"
+    )
+    assert "invalid choice" in _refused("--fp8-format", "mxfp8")
     recipe = _load_recipe()
     monkeypatch.setattr(cli, "_check_hardware", lambda cfg, parser: None)  # no GPU needed here
     c = recipe.parse_config(["--transformer-impl", "transformer_engine", "--bf16",

@@ -247,15 +247,13 @@ class GradHandOff:
 
     @property
     def flat(self) -> torch.Tensor | None:
+        """Where the last backward's parameter gradients are, at an address that stays (the
+        rescues move held views off it, not the buffer); None when not packed."""
         return self.plan.flat
 
     @property
     def packed(self) -> bool:
         return self.plan.packed
-
-    def aliased(self) -> bool:
-        """Some tensor other than the static buffer itself still views its memory."""
-        return self.plan.packed and storage_uses(self.plan.flat) > self.baseline
 
     def for_autograd(self, unpacked: list[torch.Tensor | None]) -> list:
         """Per-parameter gradients for autograd after a replay: aliases of the flat buffer."""
@@ -275,15 +273,10 @@ class GradHandOff:
             out[i] = t
         return out
 
-    def held_elsewhere(self, on_it: int) -> bool:
+    def held_elsewhere(self, on_it: int = 0) -> bool:
         """Whether something besides tgraph and ``on_it`` ``.grad`` tensors views the buffer
         (a gradient a hook kept, say), which writing into it would overwrite."""
         return self.plan.packed and storage_uses(self.plan.flat) > self.baseline + on_it
-
-    def reader_buffer(self) -> torch.Tensor | None:
-        """Where the last backward's parameter gradients are, at an address that stays: the
-        static buffer (:meth:`rescue` moves held views off it); None when not packed."""
-        return self.plan.flat if self.plan.packed else None
 
     @torch.no_grad()
     def rescue(self) -> str | None:
@@ -292,7 +285,7 @@ class GradHandOff:
         something is still held; :class:`ParamGradPacking` says how). Returns why it could
         not (a view of a gradient kept elsewhere, on PyTorch < 2.13), else None."""
         plan = self.plan
-        if not self.aliased():
+        if not self.held_elsewhere():
             return None
         if swaps_storage():
             move_memory_out(plan.flat, [plan.flat])  # every alias views a copy, the buffer not
@@ -305,7 +298,7 @@ class GradHandOff:
             g = p.grad
             if g is not None and g.untyped_storage()._cdata == flat._cdata:
                 g.set_(copy, g.storage_offset(), g.shape, g.stride())
-        if self.aliased():  # from now on this unit hands out copies, which nothing pins
+        if self.held_elsewhere():  # from now on this unit hands out copies, which nothing pins
             self.copying = True
             return (
                 "a view of a parameter gradient that a graph's backward handed out (other than "

@@ -111,7 +111,7 @@ class PoolLedger:
                     token.rescue()  # leaves the ledger
         if self._grads:
             for key in [k for k, entry in self._grads.items() if index <= entry[1]]:
-                rescue, low, storage, own = self._grads[key]
+                rescue, _, storage, own = self._grads[key]
                 why = rescue() if _use_count(storage) > own else None
                 if why is not None:  # still held: kept, so the next replay asks again
                     return why

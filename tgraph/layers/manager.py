@@ -364,5 +364,5 @@ def capture_report() -> CaptureReport:
 
 def gradient_packings() -> list[GradHandOff]:
     """The packed parameter gradients of every captured per-layer unit: where their backward
-    graphs leave them (:meth:`tgraph.grads.GradHandOff.reader_buffer`)."""
+    graphs leave them (:attr:`tgraph.grads.GradHandOff.flat`)."""
     return [u.state.grads for u in _manager.units if u.cap.packing.packed]

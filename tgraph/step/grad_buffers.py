@@ -2,7 +2,7 @@
 
 A CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors. Gradients
 that per-layer graphs hand over are read where those graphs leave them, at an address that stays
-(:meth:`tgraph.grads.ParamGradPacking.reader_buffer`): no copy and no buffer of the step's own.
+(:attr:`tgraph.grads.GradHandOff.flat`): no copy and no buffer of the step's own.
 Every other gradient gets a buffer of the step's own (one flat allocation per device and dtype),
 into which each replay copies the ``.grad`` tensors not already there, with one multi-tensor
 copy. A gradient that per-layer graphs handed over may still be viewed from elsewhere (kept by
@@ -105,7 +105,7 @@ class GradBuffers:
                 f"{name}: no parameter has a .grad at capture; call step() after "
                 "backward(), as optimizer.step()"
             )
-        readers = [(k, k.reader_buffer()) for k in (_gradient_packings() if _RAW_STORAGE else [])]
+        readers = [(k, k.flat) for k in (_gradient_packings() if _RAW_STORAGE else [])]
         readers = [(k, b) for k, b in readers if b is not None]
         self.read_in_place = [b for _, b in readers]
         regions = [(b.data_ptr(), b.numel() * b.element_size()) for b in self.read_in_place]
