@@ -3,7 +3,8 @@
 Every field of each unit's capture result (:class:`tgraph.layers.captured.Captured`), and every
 attribute of its parts (the gradient packing and plumbing, the baked inventory, the memory
 accounting), keeps its identity and its value over training steps that replay the graphs,
-accumulate gradients (the packed buffer's views are moved out at every replay) and evaluate.
+accumulate gradients (the gradient buffers' aliases are moved out at every replay) and
+evaluate.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import torch
 from layer_models import gpt_batches, tiny_gpt
 
 import tgraph
-from tgraph.grads import ParamGradPacking
+from tgraph.grads import GradHandOff
 
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
-_PARTS = ("packing", "fusion", "direct", "flags", "unused", "baked", "memory", "fp8")
+_PARTS = ("param_out", "fusion", "direct", "flags", "unused", "baked", "memory", "fp8")
 
 
 def _value(v):
@@ -87,12 +88,12 @@ def test_replays_never_change_the_capture_result(backend, device, merge):
 
 def test_a_replay_that_changes_the_capture_result_is_caught(backend, device, monkeypatch):
     """Planted: the hand-off's rescue (at every replay while gradients are held) re-plans the
-    packing it reads, as the packing did when it held its own replay-time views."""
-    views = ParamGradPacking.views
+    gradient outputs it reads, as the packing did when it held its own replay-time views."""
+    rescue = GradHandOff.rescue
 
-    def views_and_replan(self, flat):
-        self._numels = list(self._numels)
-        return views(self, flat)
+    def rescue_and_replan(self):
+        self.plan._index = list(self.plan._index)
+        return rescue(self)
 
     model = tiny_gpt(device)
     tgraph.enable(model, backend=backend, strict=True)
@@ -103,10 +104,8 @@ def test_a_replay_that_changes_the_capture_result_is_caught(backend, device, mon
         model(*batches[0])
     tgraph.create_graphs()
     units = tgraph.layers.manager._manager.units
-    assert any(u.cap.packing.packed for u in units)
-    if not tgraph.grads.swaps_storage():  # the planted re-plan rides the swap's rescue
-        pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")
+    assert any(u.cap.param_out.present for u in units)
     before = _snapshot(units)
-    monkeypatch.setattr(ParamGradPacking, "views", views_and_replan)
+    monkeypatch.setattr(GradHandOff, "rescue", rescue_and_replan)
     _train(model, batches, accumulate=2)
     assert _snapshot(units) != before

@@ -23,7 +23,7 @@ from layer_models import (
 )
 
 import tgraph
-from tgraph.grads import GradHandOff, ParamGradPacking, UnusedOutputs
+from tgraph.grads import GradHandOff, ParamGradOutputs, UnusedOutputs
 from tgraph.layers import replay as bridge
 from tgraph.layers.captured import ParamRoute
 
@@ -73,11 +73,11 @@ def test_usual_step_hands_over_gradients_without_a_copy(backend, device, swaps):
     mod, eager, x = _scaled_pair(backend, device)
     mod(x).sum().backward()
     unit = next(iter(mod._tgraph.runners.values()))[0]
-    static = unit.cap.packing.flat.untyped_storage().data_ptr()
-    assert mod.lin.weight.grad.untyped_storage().data_ptr() == static
-    assert mod.lin.bias.grad.untyped_storage().data_ptr() == static
+    static = {b.untyped_storage().data_ptr() for b in unit.cap.param_out.bufs}
+    assert mod.lin.weight.grad.untyped_storage().data_ptr() in static
+    assert mod.lin.bias.grad.untyped_storage().data_ptr() in static
     mod(2 * x).sum().backward()  # accumulate: the first gradient was moved out before replay
-    assert mod.lin.weight.grad.untyped_storage().data_ptr() != static
+    assert mod.lin.weight.grad.untyped_storage().data_ptr() not in static
     eager(x).sum().backward()
     eager(2 * x).sum().backward()
     for p, q in zip(mod.parameters(), eager.parameters()):
@@ -85,34 +85,45 @@ def test_usual_step_hands_over_gradients_without_a_copy(backend, device, swaps):
     assert tgraph.eager_calls() == 0  # strict: replayed
 
 
-def test_packed_gradients_are_the_views_unflatten_gives():
-    """GradHandOff hands autograd, per parameter, a contiguous alias of the flat buffer at
-    its offset (a fresh tensor where empty): the layout torch's unflatten_dense_tensors gives,
-    for 0-d, 1-d, n-d and empty gradients; detached, so not autograd views of the buffer, and
-    fresh tensors at every backward, which AccumulateGrad can adopt."""
-    shapes = [(3, 4), (5,), (), (2, 0, 3), (0,), (1,), (2, 3, 2)]
-    gs = [torch.randn(s) for s in shapes]
-    packing = ParamGradPacking()
-    packing.set_outputs(packing.pack([gs[0], None, *gs[1:]]))
-    hand = GradHandOff(packing, ParamRoute())
-    got = hand.for_autograd([])
-    flat = packing.flat
-    assert got[1] is None
-    want = torch._C._nn.unflatten_dense_tensors(flat, gs)
-    ptr = flat.untyped_storage().data_ptr()
-    for a, b, g in zip([got[0], *got[2:]], want, gs, strict=True):
-        assert (a.shape, a.stride(), a.storage_offset()) == (
+def test_gradient_outputs_own_their_storage_and_are_handed_as_fresh_aliases():
+    """ParamGradOutputs keeps a gradient where autograd made it when it owns its storage, laid
+    out contiguously; one that shares memory with another gradient or with the graph's other
+    static tensors, or that is a strided view, is copied (equal values). GradHandOff hands
+    autograd detached aliases of the buffers, fresh tensors at every backward (AccumulateGrad
+    adopts them), None where the parameter got no gradient; 0-d and empty gradients too."""
+    grad_out = torch.randn(3, 4)
+    big = torch.randn(10)
+    own = [torch.randn(3, 4), torch.randn(()), torch.randn(2, 0, 3), torch.randn(5)]
+    shared = [grad_out, big[2:7], torch.randn(4, 3).t(), own[0]]  # each must be copied
+    grads = [own[0], None, own[1], own[2], own[3], *shared]
+    plan = ParamGradOutputs()
+    plan.set_outputs(plan.own(grads, others=[grad_out, None]))
+    assert plan.present and plan._index == [0, 2, 3, 4, 5, 6, 7, 8]
+    assert all(a is b for a, b in zip(plan.bufs, own))  # kept, no copy
+    for buf, g in zip(plan.bufs[4:], shared):  # copied: storage of their own
+        assert buf.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+        assert buf.is_contiguous() and buf.storage_offset() == 0
+        torch.testing.assert_close(buf, g, rtol=0, atol=0)
+    storages = {b.untyped_storage()._cdata for b in plan.bufs}
+    assert len(storages) == len(plan.bufs)
+    hand = GradHandOff(plan, ParamRoute())
+    got = hand.for_autograd()
+    assert len(got) == len(grads) and got[1] is None
+    handed = [got[0], *got[2:]]
+    for a, b in zip(handed, plan.bufs, strict=True):
+        assert a is not b and not a.requires_grad and a._base is None
+        assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == (
             b.shape,
             b.stride(),
             b.storage_offset(),
+            b.dtype,
         )
-        assert a._base is not flat and (b._base is flat) == (g.numel() > 0)
-        assert (a.untyped_storage().data_ptr() == ptr) == (b.untyped_storage().data_ptr() == ptr)
-        assert a._version == b._version and a.requires_grad == b.requires_grad
-        assert (a.dtype, a.device) == (b.dtype, b.device)
-        torch.testing.assert_close(a, g, rtol=0, atol=0)
-    again = hand.for_autograd([])
+        assert a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    again = hand.for_autograd()
     assert all(x is not y for x, y in zip(got, again) if x is not None)
+    assert hand.held_elsewhere()  # the handed aliases are alive here
+    del got, again, handed, a, b
+    assert not hand.held_elsewhere()  # the aliases gone: nothing but tgraph uses the buffers
 
 
 def test_a_gradient_kept_anywhere_is_never_overwritten(backend, device, swaps):

@@ -30,8 +30,7 @@ class DirectGrads:
     through a graphed layer (they would not accumulate into every ``.grad``; one parameter
     per unit keeps autograd's path so that a list of parameters reaches the node, which
     refuses it); torch.func transforms. Parameters with tensor hooks (``register_hook``,
-    ``register_post_accumulate_grad_hook``), non-contiguous or non-leaf ones, and every
-    parameter of a unit whose gradients are not packed (mixed dtypes) keep autograd's path; a
+    ``register_post_accumulate_grad_hook``), non-contiguous or non-leaf ones keep autograd's path; a
     hook registered after capture, or a parameter laid out anew, moves it back to that path
     before the next forward. Not seen: hooks registered on a parameter's AccumulateGrad node
     itself (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``) in one process; they
@@ -51,15 +50,11 @@ class DirectGrads:
                 "gradients skip. Enable without direct_grads (the default)."
             )
 
-    def route(
-        self, kept: list[torch.Tensor], device: torch.device, packed: bool
-    ) -> DirectRoute | None:
+    def route(self, kept: list[torch.Tensor], device: torch.device) -> DirectRoute | None:
         """The route of one unit's parameters ``kept`` (those autograd would get), or None
-        when off. Only for a unit whose gradients are packed (ParamGradPacking): its backward
-        hands fresh tensors each time, which AccumulateGrad would adopt as they are. An
-        unpacked unit (parameters of mixed dtypes) hands its static buffers, which
-        AccumulateGrad clones; it keeps autograd's path."""
-        if not (self.enabled and packed):
+        when off. Its backward hands fresh tensors each time (ParamGradOutputs), which
+        AccumulateGrad would adopt as they are."""
+        if not self.enabled:
             return None
         self.refuse_distributed()
         return DirectRoute(kept, device)

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
-from tgraph.pool import move_memory_out, storage_uses
+from tgraph.pool import move_memory_out, use_counts
 
 FLAG = "grad_added_to_main_grad"
 _detach = torch.Tensor.detach
@@ -138,134 +138,144 @@ class MainGradFusion:
                 )
 
 
-class ParamGradPacking:
-    """Parameter gradients leave a backward graph in one flat static buffer.
+class ParamGradOutputs:
+    """Parameter gradients leave a backward graph in static buffers, one per gradient, each
+    owning its storage; autograd gets fresh detached aliases of them, which AccumulateGrad
+    adopts as ``.grad`` without a copy.
 
     The backward graph writes every parameter gradient into static memory that its next
     replay overwrites (and that graphs captured before it may reuse, :mod:`tgraph.pool`).
-    Handing autograd per-parameter static buffers while holding a reference makes
+    Handing autograd the static tensors themselves while holding a reference makes
     AccumulateGrad clone each one: one allocation and one copy kernel per parameter per step.
-    Instead, the captured backward packs all gradients into one flat buffer (one in-graph copy)
-    and each replay hands autograd fresh views of it, which AccumulateGrad adopts as ``.grad``
-    without copying: no extra memory and no copy in the usual step (backward, optimizer step,
-    ``zero_grad(set_to_none=True)``), so the gradients take the memory they take in eager.
+    A detached alias is a tensor of its own on the same memory, which AccumulateGrad adopts:
+    no copy and no memory of the step's own in the usual step (backward, optimizer step,
+    ``zero_grad(set_to_none=True)``), so the gradients take the memory they take in eager. The
+    buffers are the gradients autograd computed in the capture, where they were: the capture's
+    memory rises as eager's backward does (activations freed as gradients are made), and no
+    copy kernel replays. (Packing them into one flat buffer with ``torch.cat`` inside the graph,
+    as tgraph did before, held every gradient twice at the end of the capture and copied them
+    all at every replay: 1 GiB and about 0.5 ms a step at HF Llama d=1024.) A gradient that
+    shares memory with another output or a static buffer of the graph, or that is laid out
+    other than contiguously on a storage of its own, is copied into one inside the graph, so
+    that each buffer's storage is its alone (rescues and alias counts work per storage).
 
     Those ``.grad`` tensors then alias static memory, so before anything may overwrite it (this
     unit's next backward, or a replay of a graph captured before it)
     :meth:`GradHandOff.rescue` moves them to a copy: gradient accumulation stays exact, unlike
     ``make_graphed_callables``, whose aliases are overwritten (pytorch issue 181723).
-    Aliases are counted on the buffer's storage, so a gradient kept anywhere is found:
+    Aliases are counted on the buffers' storages, so a gradient kept anywhere is found:
 
     * PyTorch >= 2.13 moves the memory out from under every tensor on it
       (``UntypedStorage._swap_data_ptr_``): a ``.grad``, a hook's list, a loop variable alike;
-    * older versions re-point the parameters' ``.grad`` tensors that are views of it
-      (``Tensor.set_``) onto one copy, which covers accumulation. A view of a gradient kept
-      elsewhere (a variable holding last step's ``.grad``, a hook's list) cannot be
-      re-pointed: the replays that would overwrite it do not run while it is held (a forward
-      runs eagerly, with the reason; a backward out of the recorded order raises), and from
-      then on the unit hands autograd a copy at each backward, which nothing pins. A unit
-      whose parameters have gradient hooks (which may keep what they are given) hands out
-      copies from the start (:meth:`GradHandOff.watch_hooks`).
+    * older versions re-point the parameters' ``.grad`` tensors on them (``Tensor.set_``) onto
+      copies, which covers accumulation. An alias of a gradient kept elsewhere (a variable
+      holding last step's ``.grad``, a hook's list) cannot be re-pointed: the replays that
+      would overwrite it do not run while it is held (a forward runs eagerly, with the
+      reason; a backward out of the recorded order raises), and from then on the unit hands
+      autograd copies at each backward, which nothing pins. A unit whose parameters have
+      gradient hooks (which may keep what they are given) hands out copies from the start
+      (:meth:`GradHandOff.watch_hooks`).
 
-    The packing is decided at capture and never changes after it (it is part of the unit's
-    frozen capture result); what the hand-off changes at replays (the views handed out, the
-    uses of the buffer that are tgraph's own) lives in the unit's :class:`GradHandOff`.
+    Which gradients the graph returns is decided at capture and never changes after it (it is
+    part of the unit's frozen capture result); what the hand-off changes at replays (the
+    uses of the buffers that are tgraph's own, copying) lives in the unit's
+    :class:`GradHandOff`.
     """
 
     def __init__(self) -> None:
-        self.flat: torch.Tensor | None = None
+        self.bufs: tuple[torch.Tensor, ...] = ()  # the static gradients, per present gradient
         self._n = 0
-        self._index: list[int] = []
-        self._numels: list[int] = []  # per packed gradient, its length in the flat buffer
-        self._reshape: list[tuple[int, tuple]] = []  # (k, view args): gradients not 1-D
-        self._empty: list[tuple[int, tuple]] = []  # (k, shape): packed gradients of no element
+        self._index: list[int] = []  # per buffer, its parameter's position
 
-    def pack(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Inside the captured function: gradients -> [flat] (or unchanged if not packable)."""
-        present = [(i, g) for i, g in enumerate(grads) if g is not None]
+    def own(self, grads: list[torch.Tensor | None], others: list) -> list[torch.Tensor]:
+        """Inside the captured function: the present gradients, each on a storage of its own
+        (one shared with another gradient or with one of ``others``, the graph's other static
+        tensors, or laid out otherwise, is copied)."""
         self._n = len(grads)
-        if not present or len({(g.dtype, g.device) for _, g in present}) != 1:
-            self._index = []
-            return list(grads)
-        self._index = [i for i, _ in present]
-        self._numels = [g.numel() for _, g in present]
-        self._reshape = [(k, g.shape or ((),)) for k, (_, g) in enumerate(present) if g.dim() != 1]
-        self._empty = [(k, tuple(g.shape)) for k, (_, g) in enumerate(present) if not g.numel()]
-        return [torch.cat([g.reshape(-1) for _, g in present])]
+        taken = {t.untyped_storage()._cdata for t in others if isinstance(t, torch.Tensor)}
+        self._index, out = [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            storage = g.untyped_storage()
+            if (
+                storage._cdata in taken
+                or g.storage_offset()
+                or not g.is_contiguous()
+                or storage.nbytes() != g.numel() * g.element_size()
+            ):
+                g = g.clone(memory_format=torch.contiguous_format)
+                storage = g.untyped_storage()
+            taken.add(storage._cdata)
+            self._index.append(i)
+            out.append(g)
+        return out
 
-    def set_outputs(self, outputs: list[torch.Tensor | None]) -> None:
-        """After capture: the backward graph's parameter-gradient outputs (what :meth:`pack`
+    def set_outputs(self, outputs: list[torch.Tensor]) -> None:
+        """After capture: the backward graph's parameter-gradient outputs (what :meth:`own`
         returned, as static tensors)."""
-        if self.packed:
-            self.flat = outputs[0]
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """One view of ``flat`` per packed gradient, shaped as the gradient: what
-        unflatten_dense_tensors(flat, shapes) gives, in a third less host time (the 1-D views
-        in one C++ call, then a view with its shape for every other gradient). Made once per
-        buffer: each backward hands autograd detached aliases of them
-        (:meth:`GradHandOff.for_autograd`)."""
-        views = list(flat.split_with_sizes(self._numels))
-        for k, shape in self._reshape:
-            views[k] = views[k].view(*shape)
-        return views
+        self.bufs = tuple(outputs)
 
     @property
-    def packed(self) -> bool:
+    def present(self) -> bool:
+        """Whether the graph returns any parameter gradient."""
         return bool(self._index)
 
 
-class GradHandOff:
-    """What handing one unit's packed gradients to autograd changes at replays; its
-    :class:`ParamGradPacking` (``plan``) stays as captured.
+def _storage_ids(bufs) -> tuple[int, ...]:
+    return tuple(b.untyped_storage()._cdata for b in bufs)
 
-    Created when the unit's capture result is baked, when nothing but its own views aliases the
-    static buffer; it lives in the unit's replay state
-    (:class:`tgraph.layers.captured.ReplayState`), whose ``route.params`` (the parameters the
-    gradients go to) :meth:`rescue` reads.
+
+class GradHandOff:
+    """What handing one unit's parameter gradients to autograd changes at replays; its
+    :class:`ParamGradOutputs` (``plan``) stays as captured.
+
+    Created when the unit's capture result is baked, when nothing but tgraph uses the static
+    buffers; it lives in the unit's replay state (:class:`tgraph.layers.captured.ReplayState`),
+    whose ``route.params`` (the parameters the gradients go to) :meth:`rescue` reads.
     """
 
-    __slots__ = ("plan", "route", "flat_views", "baseline", "copying")
+    __slots__ = ("plan", "route", "storages", "uses", "baseline", "copying")
 
-    def __init__(self, plan: ParamGradPacking, route) -> None:
+    def __init__(self, plan: ParamGradOutputs, route) -> None:
         self.plan = plan
         self.route = route
-        flat = plan.flat if plan.packed else None
-        self.flat_views = plan.views(flat) if flat is not None else []  # per packed gradient
-        self.baseline = storage_uses(flat) if flat is not None else 0  # uses that are tgraph's
-        self.copying = False  # hands out copies (a view of the buffer was kept: rescue)
+        self._count()
+        self.copying = False  # hands out copies (a view of a buffer was kept: rescue)
         self.watch_hooks()
+
+    def _count(self) -> None:
+        """The buffers' storages and the uses of them that are tgraph's own."""
+        self.storages = _storage_ids(self.plan.bufs)  # UntypedStorage._cdata, per buffer
+        self.uses = use_counts(self.storages)
+        self.baseline = sum(self.uses)
 
     def watch_hooks(self) -> None:
         """Where storage memory cannot be swapped: hand out copies from now on if a parameter
-        has a gradient hook, which may keep the gradient it is given (a view of the buffer
-        that nothing could move out). Called at bake and whenever torch's hook counter moved."""
-        if not self.copying and self.plan.packed and not swaps_storage():
+        has a gradient hook, which may keep the gradient it is given (a view of a buffer that
+        nothing could move out). Called at bake and whenever torch's hook counter moved."""
+        if not self.copying and self.plan.present and not swaps_storage():
             self.copying = any(
                 p._backward_hooks or p._post_accumulate_grad_hooks for p in self.route.params
             )
 
     @property
-    def flat(self) -> torch.Tensor | None:
-        """Where the last backward's parameter gradients are, at an address that stays (the
-        rescues move held views off it, not the buffer); None when not packed."""
-        return self.plan.flat
+    def bufs(self) -> tuple[torch.Tensor, ...]:
+        """Where the last backward's parameter gradients are, at addresses that stay (the
+        rescues move held aliases off them, not the buffers); empty when there are none."""
+        return self.plan.bufs
 
     @property
-    def packed(self) -> bool:
-        return self.plan.packed
+    def present(self) -> bool:
+        return self.plan.present
 
-    def for_autograd(self, unpacked: list[torch.Tensor | None]) -> list:
-        """Per-parameter gradients for autograd after a replay: aliases of the flat buffer."""
+    def for_autograd(self) -> list:
+        """Per-parameter gradients for autograd after a replay: aliases of the buffers."""
         plan = self.plan
-        if not plan.packed:
-            return unpacked  # held references make AccumulateGrad clone them
-        views = self.flat_views if not self.copying else plan.views(plan.flat.clone())
-        # Every backward, one tensor per parameter: a detached alias of its view made once per
-        # buffer (one C-level pass; a view per parameter would cost three times as much).
-        handed = list(map(_detach, views))
-        for k, shape in plan._empty:  # a fresh tensor where empty, as unflatten gives
-            handed[k] = views[k].new_empty(0).view(shape)
+        if not self.copying:  # one C-level pass: fresh tensors AccumulateGrad adopts
+            handed = list(map(_detach, plan.bufs))
+        else:
+            handed = [b.clone() for b in plan.bufs]
         if len(handed) == plan._n:
             return handed
         out: list[torch.Tensor | None] = [None] * plan._n
@@ -274,30 +284,35 @@ class GradHandOff:
         return out
 
     def held_elsewhere(self, on_it: int = 0) -> bool:
-        """Whether something besides tgraph and ``on_it`` ``.grad`` tensors views the buffer
+        """Whether something besides tgraph and ``on_it`` ``.grad`` tensors views a buffer
         (a gradient a hook kept, say), which writing into it would overwrite."""
-        return self.plan.packed and storage_uses(self.plan.flat) > self.baseline + on_it
+        return sum(use_counts(self.storages)) > self.baseline + on_it
 
     @torch.no_grad()
     def rescue(self) -> str | None:
-        """Before the flat buffer may be overwritten: if anything still views it (a ``.grad``
-        being accumulated, a gradient a hook kept), move it to a copy (one copy, only when
-        something is still held; :class:`ParamGradPacking` says how). Returns why it could
-        not (a view of a gradient kept elsewhere, on PyTorch < 2.13), else None."""
-        plan = self.plan
-        if not self.held_elsewhere():
+        """Before the buffers may be overwritten: if anything still views one (a ``.grad``
+        being accumulated, a gradient a hook kept), move it to a copy (one copy per buffer
+        still held; :class:`ParamGradOutputs` says how). Returns why it could not (a view
+        of a gradient kept elsewhere, on PyTorch < 2.13), else None."""
+        now = use_counts(self.storages)
+        if sum(now) <= self.baseline:
             return None
+        bufs = self.plan.bufs
+        held = [k for k, (n, own) in enumerate(zip(now, self.uses)) if n > own]
         if swaps_storage():
-            move_memory_out(plan.flat, [plan.flat])  # every alias views a copy, the buffer not
-            self.flat_views = plan.views(plan.flat)  # the old ones view the copy now
-            self.baseline = storage_uses(plan.flat)
+            for k in held:  # every alias views a copy, the buffer not
+                move_memory_out(bufs[k], [bufs[k]])
+            self._count()  # the buffers are on new storage objects now
             return None
-        flat = plan.flat.untyped_storage()
-        copy = flat.clone()
+        where = {self.storages[k]: k for k in held}
+        copies: dict[int, torch.UntypedStorage] = {}
         for p in self.route.params:
             g = p.grad
-            if g is not None and g.untyped_storage()._cdata == flat._cdata:
-                g.set_(copy, g.storage_offset(), g.shape, g.stride())
+            k = where.get(g.untyped_storage()._cdata) if g is not None else None
+            if k is not None:
+                if k not in copies:
+                    copies[k] = bufs[k].untyped_storage().clone()
+                g.set_(copies[k], g.storage_offset(), g.shape, g.stride())
         if self.held_elsewhere():  # from now on this unit hands out copies, which nothing pins
             self.copying = True
             return (

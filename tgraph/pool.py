@@ -69,9 +69,9 @@ class PoolLedger:
         # id(token) -> (owner, low, weak reference to the token): the outputs keep their token
         # alive, the ledger must not (a token whose outputs are all freed leaves at once)
         self._held: dict[int, tuple[Any, int, weakref.ref]] = {}
-        # id(owner) -> (its rescue of the packed gradients, its backward's index, the buffer's
-        # storage and the uses of it that are tgraph's own)
-        self._grads: dict[int, tuple[Callable[[], None], float, int, int]] = {}
+        # id(owner) -> (its rescue of the parameter gradients, its backward's index, the
+        # buffers' storages and the uses of them that are tgraph's own)
+        self._grads: dict[int, tuple[Callable[[], None], float, tuple[int, ...], int]] = {}
 
     def stamp(self) -> int:
         """The capture index of the next capture."""
@@ -88,19 +88,25 @@ class PoolLedger:
         self._held[id(token)] = (owner, low, weakref.ref(token))
 
     def hold_grads(
-        self, owner: Any, low: float, rescue: Callable[[], str | None], storage: int, own: int
+        self,
+        owner: Any,
+        low: float,
+        rescue: Callable[[], str | None],
+        storages: tuple[int, ...],
+        own: int,
     ) -> None:
-        """``owner``'s backward (capture ``low``) handed autograd views of its packed gradient
-        buffer (``storage``, an ``UntypedStorage._cdata``, used ``own`` times by tgraph);
-        ``rescue`` moves them out of it (:meth:`tgraph.grads.GradHandOff.rescue`), called
-        only while something else still views it; it returns why it could not, or None."""
-        self._grads[id(owner)] = (rescue, low, storage, own)
+        """``owner``'s backward (capture ``low``) handed autograd aliases of its parameter
+        gradient buffers (``storages``, ``UntypedStorage._cdata``, used ``own`` times in all
+        by tgraph); ``rescue`` moves them out (:meth:`tgraph.grads.GradHandOff.rescue`),
+        called only while something else still views one; it returns why it could not, or
+        None."""
+        self._grads[id(owner)] = (rescue, low, storages, own)
 
     def rescue_outputs(self, index: float, owner: Any) -> str | None:
         """Before ``owner`` replays a graph of capture ``index``: move what the caller holds
         out of the memory that graph may reuse: outputs of other units, and parameter gradients
-        (``.grad``) that are views of a backward's packed buffer (``owner``'s own too: its
-        backward rewrites that buffer, its forward may reuse it). Returns why a gradient
+        (``.grad``) that are aliases of a backward's static buffers (``owner``'s own too: its
+        backward rewrites them, its forward may reuse them). Returns why a gradient
         could not be moved (the replay must not run), else None."""
         if self._held:
             for ref in [
@@ -111,8 +117,8 @@ class PoolLedger:
                     token.rescue()  # leaves the ledger
         if self._grads:
             for key in [k for k, entry in self._grads.items() if index <= entry[1]]:
-                rescue, _, storage, own = self._grads[key]
-                why = rescue() if _use_count(storage) > own else None
+                rescue, _, storages, own = self._grads[key]
+                why = rescue() if sum(map(_use_count, storages)) > own else None
                 if why is not None:  # still held: kept, so the next replay asks again
                     return why
                 del self._grads[key]

@@ -8,8 +8,8 @@ gradients into the static grad-output buffers, :func:`replay_backward` replays t
 graph (from the forward's generator offset when the unit recomputes), :func:`after_backward`
 sets the ``main_grad`` flags the graph skips (and poisons the input buffers in debug mode), and
 :func:`grads_for_autograd` hands autograd the static input gradients and the parameter
-gradients (views of the packed static buffer, which the pool's ledger moves out from under
-them before a replay may overwrite it: :class:`tgraph.grads.ParamGradPacking`).
+gradients (aliases of their static buffers, which the pool's ledger moves out from under
+them before a replay may overwrite them: :class:`tgraph.grads.ParamGradOutputs`).
 """
 
 from __future__ import annotations
@@ -79,20 +79,19 @@ def after_backward(cap: Captured, state: ReplayState) -> None:
 def grads_for_autograd(
     cap: Captured, state: ReplayState, active: tuple[bool, ...] | None = None
 ) -> list[torch.Tensor | None]:
-    """Input gradients (static) + parameter gradients (views of the packed buffer, which the
-    pool's ledger protects, or of a copy of it; see ParamGradPacking).
+    """Input gradients (static) + parameter gradients (aliases of their static buffers, which
+    the pool's ledger protects, or copies of them; see ParamGradOutputs).
 
     ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
     parameters that only inactive outputs reach get None (:class:`tgraph.grads.UnusedOutputs`).
     """
-    packing, hand = cap.packing, state.grads
-    kept = cap.fusion.keep(hand.for_autograd(list(cap.param_grads)))
+    hand = state.grads
+    kept = cap.fusion.keep(hand.for_autograd())
     if not kept and state.route.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
     grads = [*cap.static_grads, *kept]
-    if packing.packed and not hand.copying:  # rescued before the buffer may be overwritten
-        storage = packing.flat.untyped_storage()._cdata
-        cap.ledger.hold_grads(state, cap.bwd_index, hand.rescue, storage, hand.baseline)
+    if hand.present and not hand.copying:  # rescued before the buffers may be overwritten
+        cap.ledger.hold_grads(state, cap.bwd_index, hand.rescue, hand.storages, hand.baseline)
     if active is not None and not all(active):
         for pos in cap.unused.none_positions(active, state.none_at):
             grads[pos] = None

@@ -22,10 +22,10 @@ Ownership and aliasing (what a user of the outputs must know):
   unit is in flight (awaiting its backward). Another graph that may reuse their memory replays
   only after they are moved out of the pool (:mod:`tgraph.pool`).
 * ``static_grads`` (input gradients) are written by every backward replay and handed to
-  autograd, which consumes them before this unit's next backward. Parameter gradients are
-  packed into one flat static buffer inside the graph (:class:`tgraph.grads.ParamGradPacking`).
-  Each backward hands autograd views of that static buffer itself, which AccumulateGrad adopts
-  as ``.grad`` without a copy: they *are* static memory, so the pool's ledger
+  autograd, which consumes them before this unit's next backward. Parameter gradients stay
+  where the capture's autograd made them, one static buffer each
+  (:class:`tgraph.grads.ParamGradOutputs`). Each backward hands autograd aliases of those
+  buffers, which AccumulateGrad adopts as ``.grad`` without a copy: they *are* static memory, so the pool's ledger
   (:meth:`tgraph.pool.PoolLedger.hold_grads`) moves them to a copy before a replay may
   overwrite it (this unit's next backward or forward, or a graph captured before it): every
   tensor still viewing it on PyTorch >= 2.13 (a storage swap), the parameters' ``.grad`` on
@@ -263,7 +263,9 @@ class GraphedUnit:
         )
         n = len(head.draft.in_rg)
         rest = self.draft.fusion.apply(self.draft.leaves, self.draft.params, list(grads[n:]))
-        return (*grads[:n], *self.draft.packing.pack(rest))
+        others = [*grads[:n], *head.draft.static_inputs, *self.draft.static_outputs]
+        others += [*self.draft.static_grad_outputs, *self.draft.leaves]
+        return (*grads[:n], *self.draft.param_out.own(rest, others))
 
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph; its
@@ -286,18 +288,14 @@ class GraphedUnit:
         self.draft.static_grads = [None] * n_in
         for k, i in enumerate(head.draft.in_rg):
             self.draft.static_grads[i] = grads[k]
-        if self.draft.packing.packed:
-            self.draft.packing.set_outputs(list(grads[n_rg:]))
-        else:
-            self.draft.param_grads = list(grads[n_rg:])
+        self.draft.param_out.set_outputs(list(grads[n_rg:]))
         kept = self.draft.fusion.keep(list(range(len(self.draft.params))))
         where = {j: k for k, j in enumerate(kept)}
         self.draft.unused.place_leaves(n_in, [where.get(j) for j in range(len(self.draft.params))])
         m = self.draft.memory
         m.grad_outputs = tensor_bytes(self.draft.static_grad_outputs)
         m.input_grads = tensor_bytes(self.draft.static_grads)
-        packing = self.draft.packing
-        m.param_grads = tensor_bytes([packing.flat] if packing.packed else self.draft.param_grads)
+        m.param_grads = tensor_bytes(self.draft.param_out.bufs)
 
     def drop_graphs(self) -> None:
         """Forget every graph and buffer (after a failed capture or on reset)."""
@@ -357,11 +355,10 @@ class GraphedUnit:
             sources=tuple(tuple(src) for src in self._member_sources()),
             static_grad_outputs=tuple(self.draft.static_grad_outputs),
             static_grads=tuple(self.draft.static_grads),
-            param_grads=tuple(self.draft.param_grads),
             # a module's parameter is found in the modules (its slot): not held here, so one
             # replaced by load_state_dict(assign=True) is freed and the unit can re-bind
             params=tuple(p if id(p) not in where else None for p in self.draft.params),
-            packing=self.draft.packing,
+            param_out=self.draft.param_out,
             fusion=self.draft.fusion,
             direct=DirectGrads(self.direct_grads),
             flags=self.draft.flags,
@@ -385,7 +382,7 @@ class GraphedUnit:
         route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         track_outputs(cap, st)
-        st.grads = GradHandOff(cap.packing, st.route)
+        st.grads = GradHandOff(cap.param_out, st.route)
         self.cap, self.draft = cap, None  # the capture result holds what a replay needs
         for r in self.members:
             r.cap, r.state, r.draft = cap, st, None

@@ -14,7 +14,7 @@ written by one owner: the call in flight (:class:`InFlight`: until its backward,
 state a recomputing backward starts from, the latest outputs), the parameter route
 (:class:`ParamRoute`: where gradients go, what a re-pointed parameter is copied from), who holds
 the static outputs (:class:`HeldOutputs`), a merged stack's cursor (:class:`StackCursor`), the
-packed gradients' hand-off (:class:`tgraph.grads.GradHandOff`), and beside them which
+parameter gradients' hand-off (:class:`tgraph.grads.GradHandOff`), and beside them which
 grad-output buffers hold zeros, which gradients a pattern of unused outputs hands as None, and
 the hook epoch last checked.
 """
@@ -34,7 +34,7 @@ from tgraph.grads import (
     GradHandOff,
     MainGradFlags,
     MainGradFusion,
-    ParamGradPacking,
+    ParamGradOutputs,
     UnusedOutputs,
 )
 from tgraph.layers.signature import Template
@@ -74,9 +74,8 @@ class Captured:
     # ---- backward
     static_grad_outputs: tuple[torch.Tensor, ...]
     static_grads: tuple[torch.Tensor | None, ...]  # input gradients, per static input
-    param_grads: tuple[torch.Tensor | None, ...]  # per parameter, when not packed
     params: tuple[torch.Tensor | None, ...]  # what the backward differentiates; None: slot's
-    packing: ParamGradPacking
+    param_out: ParamGradOutputs  # the parameter gradients' static buffers
     fusion: MainGradFusion
     direct: DirectGrads  # opt-in: the node writes parameter gradients to .grad itself
     flags: MainGradFlags | None
@@ -204,7 +203,7 @@ class ReplayState:
         self.route = ParamRoute()
         self.outputs = HeldOutputs()
         self.stack = StackCursor()
-        self.grads: GradHandOff | None = None  # the packed gradients' hand-off (set at bake)
+        self.grads: GradHandOff | None = None  # the parameter gradients' hand-off (set at bake)
         # per grad-output buffer: known to hold zeros (tgraph.layers.backward)
         self.grad_out_zero: list[bool] = []
         # per pattern of outputs given a gradient: the gradients handed as None (backward)

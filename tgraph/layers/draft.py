@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradPacking, UnusedOutputs
+from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradOutputs, UnusedOutputs
 from tgraph.layers.signature import Template
 from tgraph.memory import UnitMemory
 
@@ -54,14 +54,13 @@ class CaptureDraft:
     static_grad_outputs: list[torch.Tensor] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)  # what the backward differentiates
     leaves: list[torch.Tensor] = field(default_factory=list)  # ... as the graphs see them
-    param_grads: list[torch.Tensor | None] = field(default_factory=list)  # when not packed
     out_rg: list[int] = field(default_factory=list)  # outputs that require grad
     out_nodiff: list[int] = field(default_factory=list)
     needs_backward: bool = False
     recomputes: bool = False  # the forward checkpoints (torch.utils.checkpoint)
     unused: UnusedOutputs = field(default_factory=UnusedOutputs)
     memory: UnitMemory = field(default_factory=UnitMemory)
-    packing: ParamGradPacking = field(default_factory=ParamGradPacking)
+    param_out: ParamGradOutputs = field(default_factory=ParamGradOutputs)
     flags: MainGradFlags | None = None
     host_reads: list[torch.Tensor] = field(default_factory=list)  # CPU scalars its kernels read
     slices: list[slice] = field(default_factory=list)  # a merged stack: outputs per member

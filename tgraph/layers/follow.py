@@ -79,7 +79,7 @@ def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) ->
     way, for its hooks)."""
     state.route.params = params
     kept = cap.fusion.keep(params)
-    state.route.direct = cap.direct.route(kept, cap.device, cap.packing.packed) if kept else None
+    state.route.direct = cap.direct.route(kept, cap.device) if kept else None
     if state.route.direct is not None:  # direct_grads: the anchor stands in for the direct ones
         state.route.autograd_params = state.route.direct.inputs(kept)
     else:

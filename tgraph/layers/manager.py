@@ -362,7 +362,7 @@ def capture_report() -> CaptureReport:
     return CaptureReport(0, 0, 0, 0.0, 0, [], [])
 
 
-def gradient_packings() -> list[GradHandOff]:
-    """The packed parameter gradients of every captured per-layer unit: where their backward
-    graphs leave them (:attr:`tgraph.grads.GradHandOff.flat`)."""
-    return [u.state.grads for u in _manager.units if u.cap.packing.packed]
+def gradient_hand_offs() -> list[GradHandOff]:
+    """The parameter gradients of every captured per-layer unit: where their backward graphs
+    leave them (:attr:`tgraph.grads.GradHandOff.bufs`)."""
+    return [u.state.grads for u in _manager.units if u.cap.param_out.present]

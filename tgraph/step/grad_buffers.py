@@ -2,7 +2,7 @@
 
 A CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors. Gradients
 that per-layer graphs hand over are read where those graphs leave them, at an address that stays
-(:attr:`tgraph.grads.GradHandOff.flat`): no copy and no buffer of the step's own.
+(:attr:`tgraph.grads.GradHandOff.bufs`): no copy and no buffer of the step's own.
 Every other gradient gets a buffer of the step's own (one flat allocation per device and dtype),
 into which each replay copies the ``.grad`` tensors not already there, with one multi-tensor
 copy. A gradient that per-layer graphs handed over may still be viewed from elsewhere (kept by
@@ -31,18 +31,22 @@ _data_ptr, _stride, _size = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Te
 logger = logging.getLogger(__name__)
 
 
-def _gradient_packings() -> list:
-    """Every captured per-layer unit's packed parameter gradients (tgraph.grads)."""
-    from tgraph.layers.manager import gradient_packings  # imports this module's users: lazily
+def _gradient_hand_offs() -> list:
+    """Every captured per-layer unit's parameter-gradient hand-off (tgraph.grads)."""
+    from tgraph.layers.manager import gradient_hand_offs  # imports this module's users: lazily
 
-    return gradient_packings()
+    return gradient_hand_offs()
+
+
+def _within(t: torch.Tensor, region: tuple[int, int]) -> bool:
+    """Whether the region (start, bytes) holds all of ``t``."""
+    lo, (start, n) = t.data_ptr(), region
+    return start <= lo and lo + t.numel() * t.element_size() <= start + n
 
 
 def _region(t: torch.Tensor, regions: list[tuple[int, int]]) -> int:
     """Index of the region (start, bytes) holding all of ``t``, or -1."""
-    lo = t.data_ptr()
-    hi = lo + t.numel() * t.element_size()
-    return next((k for k, (start, n) in enumerate(regions) if start <= lo and hi <= start + n), -1)
+    return next((k for k, r in enumerate(regions) if _within(t, r)), -1)
 
 
 def flat_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -105,11 +109,17 @@ class GradBuffers:
                 f"{name}: no parameter has a .grad at capture; call step() after "
                 "backward(), as optimizer.step()"
             )
-        readers = [(k, k.flat) for k in (_gradient_packings() if _RAW_STORAGE else [])]
-        readers = [(k, b) for k, b in readers if b is not None]
+        hand_offs = _gradient_hand_offs() if _RAW_STORAGE else []
+        readers = [(k, b) for k in hand_offs for b in k.bufs]
         self.read_in_place = [b for _, b in readers]
         regions = [(b.data_ptr(), b.numel() * b.element_size()) for b in self.read_in_place]
-        where = [_region(g, regions) for _, g in live]
+        starts = {start: k for k, (start, n) in enumerate(regions) if n}
+        where = [
+            k
+            if (k := starts.get(g.data_ptr(), -1)) >= 0 and _within(g, regions[k])
+            else _region(g, regions)
+            for _, g in live
+        ]
         own = [g for (_, g), r in zip(live, where) if r < 0]
         buffers = iter(flat_like(own))
         for (p, g), r in zip(live, where):
