@@ -29,7 +29,8 @@
 #                                        # .te/pkg, .te/prune and .whl); `te-verify`: the same,
 #                                        # then host time per call instead of the TE benchmark
 #   bash scripts/gpu_check.sh close      # TE + megatron installed, `pytest -m cuda`, the HF Llama
-#                                        # cells, the toy, host per call; one archive (< 9 min)
+#                                        # cells, the toy, host per call, per-layer memory by
+#                                        # phase (probe_layer_memory.py); one archive (< 9 min)
 #   bash scripts/gpu_check.sh verify     # `pytest -m cuda`, then the CPU cases on this machine
 #                                        # (the emulated backend where CUDA is present), then
 #                                        # host time per call on the GPU (toy and HF Llama)
@@ -161,6 +162,8 @@ close)
     --warmup 3 --modes "$TOY_MODES" --out "$W/toy"
   bounded profile_host 35 python scripts/profile_host.py --device cuda --backend cuda --model both \
     --steps 100 --reps 3 --out "$W/profile"
+  bounded probe_memory 70 python scripts/probe_layer_memory.py --config llama_d1024 --dtype bf16 \
+    --out "$W/probe"
   archive_end
   exit 0
   ;;
