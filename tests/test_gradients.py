@@ -338,3 +338,62 @@ def test_the_held_accumulators_follow_a_dtype_round_trip(backend, device):
         assert _accumulator(mod.lin.weight).metadata.get("mark") == trip
     for p, q in zip(mod.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+class _PassedThrough(tgraph.GraphableModule):
+    """Parameters whose gradient autograd hands on as one tensor: in ``lin(x) + a + b`` with
+    full-shaped ``a`` and ``b``, AddBackward passes the incoming gradient itself to both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.a = torch.nn.Parameter(torch.randn(4, 8))
+        self.b = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.a + self.b
+
+
+def test_gradients_autograd_passes_through_get_buffers_of_their_own(backend, device, swaps):
+    """The capture's autograd returns the incoming gradient (the static grad-output buffer)
+    as two parameters' gradients: each gets a buffer of its own, so accumulating over
+    microbatches (each backward rewrites the grad-output buffer) equals eager."""
+    unit = _accumulate_passed_through(backend, device)
+    storages = [b.untyped_storage()._cdata for b in unit.cap.param_out.bufs]
+    grad_outs = {g.untyped_storage()._cdata for g in unit.cap.static_grad_outputs}
+    assert len(set(storages)) == len(storages) == 4 and not grad_outs & set(storages)
+
+
+def test_planted_bug_gradients_kept_where_autograd_shared_them_is_caught(
+    backend, device, swaps, monkeypatch
+):
+    """Planted: every gradient kept where the capture's autograd made it, shared or not; a
+    and b then share one buffer, the grad-output buffer, and accumulation goes wrong."""
+
+    def keep_all(self, grads, others):
+        self._n, self._index = len(grads), [i for i, g in enumerate(grads) if g is not None]
+        return [g for g in grads if g is not None]
+
+    monkeypatch.setattr(ParamGradOutputs, "own", keep_all)
+    with pytest.raises(AssertionError, match=r"^[ab]$"):  # msg= is the parameter's name
+        _accumulate_passed_through(backend, device)
+
+
+def _accumulate_passed_through(backend, device):
+    """Three microbatches accumulated through a graphed _PassedThrough equal eager's; returns
+    its unit."""
+    torch.manual_seed(0)
+    mod = _PassedThrough().to(device)
+    eager = copy.deepcopy(mod)
+    tgraph.enable(mod, backend=backend, strict=True)
+    mod(torch.randn(4, 8, device=device)).square().sum().backward()
+    mod.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    xs = [torch.randn(4, 8, device=device) for _ in range(3)]
+    for m in (mod, eager):
+        for x in xs:
+            m(x).square().sum().backward()
+    for (name, p), q in zip(mod.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
+    assert tgraph.eager_calls() == 0  # strict: replayed
+    return next(iter(mod._tgraph.runners.values()))[0]
