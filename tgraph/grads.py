@@ -222,10 +222,6 @@ class ParamGradOutputs:
         return bool(self._index)
 
 
-def _storage_ids(bufs) -> tuple[int, ...]:
-    return tuple(b.untyped_storage()._cdata for b in bufs)
-
-
 class GradHandOff:
     """What handing one unit's parameter gradients to autograd changes at replays; its
     :class:`ParamGradOutputs` (``plan``) stays as captured.
@@ -246,7 +242,7 @@ class GradHandOff:
 
     def _count(self) -> None:
         """The buffers' storages and the uses of them that are tgraph's own."""
-        self.storages = _storage_ids(self.plan.bufs)  # UntypedStorage._cdata, per buffer
+        self.storages = tuple(b.untyped_storage()._cdata for b in self.plan.bufs)
         self.uses = use_counts(self.storages)
         self.baseline = sum(self.uses)
 
