@@ -55,8 +55,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # tgraph, uninstalled; bench_llama
 
 import tgraph  # noqa: E402
+from tgraph import signature  # noqa: E402
 from tgraph.layers import manager as tgraph_module  # noqa: E402
-from tgraph.layers import signature  # noqa: E402
 from tgraph.toy.gpt import GPT, GPTConfig  # noqa: E402
 
 TGRAPH_DIR = os.path.dirname(os.path.abspath(tgraph.__file__))
@@ -417,7 +417,7 @@ TIMED_PARTS = {
     "input_copies": ("tgraph.layers.replay", None, "copy_inputs"),
     "autograd_function": ("tgraph.layers.replay", None, "_apply"),
     "merged_member_take": ("tgraph.layers.replay", None, "take"),
-    "outputs": ("tgraph.layers.signature", "Template", "fill"),
+    "outputs": ("tgraph.signature", "Template", "fill"),
     "backward": ("tgraph.layers.replay", "GraphedCall", "backward"),
 }
 

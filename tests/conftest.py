@@ -105,7 +105,7 @@ def _clean_tgraph_state():
 def swaps(request, monkeypatch):
     """PyTorch >= 2.13 (storage memory can be swapped) and older (a copy per backward, into a
     landing buffer)."""
-    from tgraph import grads
+    from tgraph.layers import grads
 
     if request.param and not grads.swaps_storage():
         pytest.skip("this PyTorch cannot swap storage memory (UntypedStorage._swap_data_ptr_)")

@@ -16,7 +16,7 @@ import torch
 from layer_models import gpt_batches, tiny_gpt
 
 import tgraph
-from tgraph.grads import GradHandOff
+from tgraph.layers.grads import GradHandOff
 
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 _PARTS = ("param_out", "fusion", "direct", "flags", "unused", "baked", "memory", "fp8")

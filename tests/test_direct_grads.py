@@ -1,5 +1,5 @@
 """``tgraph.enable(model, direct_grads=True)``: the graphed node writes parameter gradients to
-``.grad`` itself (tgraph.direct_grads.DirectGrads), so autograd's engine runs no AccumulateGrad node
+``.grad`` itself (tgraph.layers.direct_grads.DirectGrads), so autograd's engine runs no AccumulateGrad node
 per parameter. Every gradient must end as eager leaves it: set, accumulated, None where no used
 output reaches it, hooks run; whatever it cannot do exactly is refused with an error."""
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from layer_models import ATOL, RTOL, MLPBlock, TwoOut, gpt_batches, tiny_gpt, twin, two_out_steps
 
 import tgraph
-from tgraph.direct_grads import DirectRoute
+from tgraph.layers.direct_grads import DirectRoute
 
 
 def _train(model, batches, backend=None, *, accumulate=1, lr=0.1, before=None, **enable):

@@ -29,7 +29,7 @@ from fail_closed_models import (
 )
 
 import tgraph
-from tgraph.grads import swaps_storage
+from tgraph.layers.grads import swaps_storage
 
 STEPS = 4
 

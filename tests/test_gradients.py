@@ -23,9 +23,9 @@ from layer_models import (
 )
 
 import tgraph
-from tgraph.grads import GradHandOff, ParamGradOutputs, UnusedOutputs
 from tgraph.layers import replay as bridge
 from tgraph.layers.captured import ParamRoute
+from tgraph.layers.grads import GradHandOff, ParamGradOutputs, UnusedOutputs
 
 
 def check_parity(backend, device):

@@ -280,7 +280,7 @@ def test_a_cache_asked_for_runs_eagerly_and_is_filled(backend, device):
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3_moe/grouped_mm"])
 def test_family_training_with_direct_grads_matches_eager(backend, device, arch):
     """enable(direct_grads=True): the graphed node writes every decoder layer's .grad itself
-    (tgraph.direct_grads.DirectGrads); the gradients and losses stay eager's, exactly on the emulated
+    (tgraph.layers.direct_grads.DirectGrads); the gradients and losses stay eager's, exactly on the emulated
     backend."""
     check_family_training(arch, device, backend, direct_grads=True)
 

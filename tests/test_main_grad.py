@@ -16,7 +16,7 @@ import torch.nn as nn
 from layer_models import ATOL, RTOL
 
 import tgraph
-from tgraph.grads import MainGradFlags, MainGradFusion
+from tgraph.layers.grads import MainGradFlags, MainGradFusion
 
 
 class _FusedWgrad(torch.autograd.Function):

@@ -13,7 +13,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import tgraph
-from tgraph.layers.manager import GraphFallbackWarning, _manager
+from tgraph.errors import GraphFallbackWarning
+from tgraph.layers.manager import _manager
 
 
 class Block(tgraph.GraphableModule):

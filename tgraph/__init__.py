@@ -13,13 +13,17 @@ every graph of the first two. Creating the graphs reports in one shape, whicheve
 from tgraph import decode
 from tgraph import rng as rng  # the submodule behind register_generator (not in __all__)
 from tgraph.backend import capture_stream
-from tgraph.errors import GraphFallbackError, ReplayOrderError, StaleBackwardError
+from tgraph.errors import (
+    GraphFallbackError,
+    GraphFallbackWarning,
+    ReplayOrderError,
+    StaleBackwardError,
+)
 from tgraph.guards import CaptureError
 from tgraph.layers.create import create_graphs
 from tgraph.layers.enable import disable, enable, reset_layer_graphs
 from tgraph.layers.manager import (
     GraphableModule,
-    GraphFallbackWarning,
     capture_report,
     eager_calls,
     memory_report,

@@ -1,4 +1,5 @@
-"""The errors a user may want to catch apart; each is a ``RuntimeError``.
+"""The errors a user may want to catch apart; each is a ``RuntimeError``. Beside them the
+warning every fallback to eager gives (:class:`GraphFallbackWarning`).
 
 * :class:`GraphFallbackError`: under ``strict=True``, a graphed call matched no captured graph;
 * :class:`ReplayOrderError`: a backward would read saved activations that another unit's backward
@@ -9,6 +10,11 @@
 """
 
 from __future__ import annotations
+
+
+class GraphFallbackWarning(UserWarning):
+    """A graphed call ran eagerly (no captured graph matched it, or a check before its replay
+    found a change); the message says why."""
 
 
 class GraphFallbackError(RuntimeError):

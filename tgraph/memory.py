@@ -19,7 +19,7 @@ Every unit notes, at capture, the bytes of each kind of buffer it owns (:class:`
 * ``grad_outputs``: the buffers incoming gradients are copied into (outside the pool);
 * ``input_grads``: the backward graph's input gradients (pool, held);
 * ``param_grads``: the parameter-gradient buffers (pool, held); the parameters' ``.grad``
-  are aliases of them (:class:`tgraph.grads.ParamGradOutputs`), so it is the memory eager's
+  are aliases of them (:class:`tgraph.layers.grads.ParamGradOutputs`), so it is the memory eager's
   ``.grad`` would take, not more;
 * ``warmup_peak``: the most memory one unit's eager warmup held at once above what was
   allocated before it (transient; CUDA only).

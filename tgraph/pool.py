@@ -97,7 +97,7 @@ class PoolLedger:
     ) -> None:
         """``owner``'s backward (capture ``low``) handed autograd aliases of its parameter
         gradient buffers (``storages``, ``UntypedStorage._cdata``, used ``own`` times in all
-        by tgraph); ``rescue`` moves them out (:meth:`tgraph.grads.GradHandOff.rescue`),
+        by tgraph); ``rescue`` moves them out (:meth:`tgraph.layers.grads.GradHandOff.rescue`),
         called only while something else still views one; it returns why it could not, or
         None."""
         self._grads[id(owner)] = (rescue, low, storages, own)

@@ -16,7 +16,9 @@ from collections.abc import Iterable
 import torch
 
 from tgraph import rng
-from tgraph.grads import FLAG
+
+# megatron-core's flag that a fused-wgrad kernel added a gradient into ``main_grad``
+FLAG = "grad_added_to_main_grad"
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

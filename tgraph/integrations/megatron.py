@@ -14,11 +14,11 @@ get_gpt_layer_local_spec(), ...)`` and ``config.cuda_graph_impl == "none"``::
 
 With megatron-core DDP and ``overlap_grad_reduce=False`` (the wrapper's hooks then only add
 ``.grad`` into ``main_grad``), the backward graph adds the layers' parameter gradients into
-``main_grad`` itself (:class:`tgraph.grads.MainGradFusion`): no AccumulateGrad and no hook per
+``main_grad`` itself (:class:`tgraph.layers.grads.MainGradFusion`): no AccumulateGrad and no hook per
 parameter per step. Otherwise (``overlap_grad_reduce=True``, whose hooks dispatch the bucket
 reductions, or no megatron DDP found in ``model``) parameter gradients leave the graph through
 autograd and DDP's hooks fire eagerly, exactly as without graphs; fused-wgrad flags follow the
-``main_grad`` / ``grad_added_to_main_grad`` convention of :mod:`tgraph.grads` either way. Dropout inside
+``main_grad`` / ``grad_added_to_main_grad`` convention of :mod:`tgraph.layers.grads` either way. Dropout inside
 the layers draws from megatron's RNG tracker; built with ``use_cudagraphable_rng=True`` its
 states are generators, which :func:`register_rng_tracker` registers with every graph.
 

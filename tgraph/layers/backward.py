@@ -9,7 +9,7 @@ graph (from the forward's generator offset when the unit recomputes), :func:`aft
 sets the ``main_grad`` flags the graph skips (and poisons the input buffers in debug mode), and
 :func:`grads_for_autograd` hands autograd the static input gradients and the parameter
 gradients (aliases of their static buffers, which the pool's ledger moves out from under
-them before a replay may overwrite them: :class:`tgraph.grads.ParamGradOutputs`).
+them before a replay may overwrite them: :class:`tgraph.layers.grads.ParamGradOutputs`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def grads_for_autograd(
     the pool's ledger protects, or copies of them; see ParamGradOutputs).
 
     ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
-    parameters that only inactive outputs reach get None (:class:`tgraph.grads.UnusedOutputs`).
+    parameters that only inactive outputs reach get None (:class:`tgraph.layers.grads.UnusedOutputs`).
     """
     hand = state.grads
     kept = cap.fusion.keep(hand.for_autograd())

@@ -24,7 +24,7 @@ Ownership and aliasing (what a user of the outputs must know):
 * ``static_grads`` (input gradients) are written by every backward replay and handed to
   autograd, which consumes them before this unit's next backward. Parameter gradients stay
   where the capture's autograd made them, one static buffer each
-  (:class:`tgraph.grads.ParamGradOutputs`). Each backward hands autograd aliases of those
+  (:class:`tgraph.layers.grads.ParamGradOutputs`). Each backward hands autograd aliases of those
   buffers, which AccumulateGrad adopts as ``.grad`` without a copy: they *are* static memory, so the pool's ledger
   (:meth:`tgraph.pool.PoolLedger.hold_grads`) moves them to a copy before a replay may
   overwrite it (this unit's next backward or forward, or a graph captured before it): every
@@ -47,18 +47,18 @@ import torch
 from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
-from tgraph.direct_grads import DirectGrads
 from tgraph.fp8 import FP8Region, FP8Replay
-from tgraph.grads import (
+from tgraph.guards import RefuseHostSync
+from tgraph.layers.captured import Captured, ReplayState
+from tgraph.layers.direct_grads import DirectGrads
+from tgraph.layers.draft import CaptureDraft, RecordedCall
+from tgraph.layers.follow import route, track_outputs, unfollow
+from tgraph.layers.grads import (
     GradHandOff,
     MainGradFlags,
     MainGradFusion,
     reached_leaves,
 )
-from tgraph.guards import RefuseHostSync
-from tgraph.layers.captured import Captured, ReplayState
-from tgraph.layers.draft import CaptureDraft, RecordedCall
-from tgraph.layers.follow import route, track_outputs, unfollow
 from tgraph.memory import UnitMemory, tensor_bytes
 from tgraph.pool import NEVER, storage_uses
 

@@ -14,7 +14,7 @@ written by one owner: the call in flight (:class:`InFlight`: until its backward,
 state a recomputing backward starts from, the latest outputs), the parameter route
 (:class:`ParamRoute`: where gradients go, what a re-pointed parameter is copied from), who holds
 the static outputs (:class:`HeldOutputs`), a merged stack's cursor (:class:`StackCursor`), the
-parameter gradients' hand-off (:class:`tgraph.grads.GradHandOff`), and beside them which
+parameter gradients' hand-off (:class:`tgraph.layers.grads.GradHandOff`), and beside them which
 grad-output buffers hold zeros, which gradients a pattern of unused outputs hands as None, and
 the hook epoch last checked.
 """
@@ -28,19 +28,19 @@ from typing import Any
 import torch
 
 from tgraph.baked import Baked
-from tgraph.direct_grads import DirectGrads, DirectRoute
 from tgraph.fp8 import FP8Replay
-from tgraph.grads import (
+from tgraph.layers.direct_grads import DirectGrads, DirectRoute
+from tgraph.layers.grads import (
     GradHandOff,
     MainGradFlags,
     MainGradFusion,
     ParamGradOutputs,
     UnusedOutputs,
 )
-from tgraph.layers.signature import Template
 from tgraph.layout import LayoutGuards
 from tgraph.memory import UnitMemory
 from tgraph.pool import PoolLedger
+from tgraph.signature import Template
 
 
 @dataclass(frozen=True, slots=True, eq=False)

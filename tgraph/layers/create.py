@@ -15,10 +15,11 @@ import torch.nn as nn
 from tgraph import fp8, memory
 from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import describe_hooks
+from tgraph.errors import GraphFallbackWarning
 from tgraph.guards import CaptureError, explain_capture_failure
 from tgraph.layers.captured import InFlight
 from tgraph.layers.enable import reset_layer_graphs
-from tgraph.layers.manager import GraphFallbackWarning, _Manager, _manager
+from tgraph.layers.manager import _Manager, _manager
 from tgraph.layers.record import Turns
 from tgraph.layers.runner import Runner
 from tgraph.layers.segment import Segment, mergeable_chains

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from tgraph.grads import MainGradFlags, MainGradFusion, ParamGradOutputs, UnusedOutputs
-from tgraph.layers.signature import Template
+from tgraph.layers.grads import MainGradFlags, MainGradFusion, ParamGradOutputs, UnusedOutputs
 from tgraph.memory import UnitMemory
+from tgraph.signature import Template
 
 
 @dataclass(eq=False)

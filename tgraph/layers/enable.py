@@ -16,7 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from tgraph.backend import check_backend_name
-from tgraph.direct_grads import DirectGrads
+from tgraph.layers.direct_grads import DirectGrads
 from tgraph.layers.manager import GraphableModule, _manager, _ModuleState, _param_slots
 from tgraph.layers.runner import compile_options_of, compiled_call, warn_skipped_call
 
@@ -51,7 +51,7 @@ def enable(
             graph instead of handing them to autograd (no AccumulateGrad, no gradient hooks
             for those parameters; ``.grad`` stays None). Only for gradients consumed through
             ``main_grad`` by hooks that do nothing else: megatron-core DDP without
-            ``overlap_grad_reduce`` (:class:`tgraph.grads.MainGradFusion`).
+            ``overlap_grad_reduce`` (:class:`tgraph.layers.grads.MainGradFusion`).
         capturable_hooks: capture the hooks on graphed modules and their submodules as part
             of the graph (pure tensor code, e.g. old-style ``weight_norm``'s pre-hook: its
             effect replays, its Python does not). By default ``create_graphs()`` refuses
@@ -74,7 +74,7 @@ def enable(
             torch.func transforms and torch.distributed (DDP, FSDP) are refused with an
             error. Parameters with tensor hooks, and units of mixed-dtype parameters, keep
             autograd's path. Hooks registered on a parameter's AccumulateGrad node itself do
-            not run (:class:`tgraph.direct_grads.DirectGrads`).
+            not run (:class:`tgraph.layers.direct_grads.DirectGrads`).
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from tgraph import grads as grads_module
+from tgraph.layers import grads as grads_module
 from tgraph.layers.captured import Captured, ReplayState
 from tgraph.pool import move_memory_out, storage_uses, use_counts
 
@@ -71,7 +71,7 @@ def route(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ...]) -> 
 def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) -> None:
     """Where the gradients go: ``params``, the autograd node's inputs among them (with
     ``direct_grads``, the anchor and those that keep autograd's path:
-    :class:`tgraph.direct_grads.DirectRoute`), and those leaves' gradient accumulators, held.
+    :class:`tgraph.layers.direct_grads.DirectRoute`), and those leaves' gradient accumulators, held.
 
     Autograd holds a leaf's AccumulateGrad node only weakly (through the graph's edges), so
     without a holder every step's ``Function.apply`` builds each one anew and its backward

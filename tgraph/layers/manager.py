@@ -36,24 +36,20 @@ import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
 from tgraph.baked import call_with_own_hooks, hooks_run_outside
-from tgraph.errors import GraphFallbackError
-from tgraph.grads import GradHandOff
+from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers import capture as _unit
 from tgraph.layers.capture import graphed_region
+from tgraph.layers.grads import GradHandOff
 from tgraph.layers.record import NoteBackward, Record, Turns
 from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
 from tgraph.layers.replay import call as replay_call
 from tgraph.layers.runner import Runner, module_call, named
 from tgraph.layers.segment import Segment
 from tgraph.layers.shortcut import follow, remember_head, shape_of
-from tgraph.layers.signature import MutableArgument, call_key, difference, split
 from tgraph.memory import CaptureReport, MemoryReport
+from tgraph.signature import MutableArgument, call_key, difference, split
 
 logger = logging.getLogger(__name__)
-
-
-class GraphFallbackWarning(UserWarning):
-    """A graphed module ran eagerly because no captured graph matched the call."""
 
 
 @dataclass
@@ -364,5 +360,5 @@ def capture_report() -> CaptureReport:
 
 def gradient_hand_offs() -> list[GradHandOff]:
     """The parameter gradients of every captured per-layer unit: where their backward graphs
-    leave them (:attr:`tgraph.grads.GradHandOff.bufs`)."""
+    leave them (:attr:`tgraph.layers.grads.GradHandOff.bufs`)."""
     return [u.state.grads for u in _manager.units if u.cap.param_out.present]

@@ -386,7 +386,7 @@ class GraphedCall(torch.autograd.Function):
         cap.fwd_graph.replay()
         ctx.cap, ctx.state, ctx.flight = cap, state, flight
         # An output the loss did not use gets None, not zeros: then the parameters only it
-        # reaches get no gradient, as in eager (tgraph.grads.UnusedOutputs).
+        # reaches get no gradient, as in eager (tgraph.layers.grads.UnusedOutputs).
         ctx.set_materialize_grads(False)
         outs = tuple([o.detach() for o in cap.static_outputs])
         # The backward graph may read the outputs as saved activations: saving them lets

@@ -23,23 +23,23 @@ from tgraph.fp8 import FP8Region, first_microbatch, set_weight_caching
 from tgraph.guards import CaptureError
 from tgraph.layers.capture import GraphedUnit, graphed_region
 from tgraph.layers.draft import RecordedCall
-from tgraph.layers.signature import CallKey, split
+from tgraph.signature import CallKey, split
 
 
 class Runner(GraphedUnit):
-    """Graphs of ``module`` for calls with key ``key`` (see :mod:`tgraph.layers.signature`).
+    """Graphs of ``module`` for calls with key ``key`` (see :mod:`tgraph.signature`).
 
     Args:
         module: the graphed module.
-        key: the call's :class:`~tgraph.layers.signature.CallKey`.
+        key: the call's :class:`~tgraph.signature.CallKey`.
         args, kwargs: the first call's arguments (their tensors are cloned as capture samples).
         tensors: the first call's tensors, in the order of ``key``.
         links: per tensor, ``(producer runner, output index)`` when that tensor was a recorded
             output of another graphed call (its static output becomes this static input).
         merge: may be captured together with its neighbours (:mod:`tgraph.layers.segment`).
-        fusion: add parameter gradients into ``main_grad`` (:class:`tgraph.grads.MainGradFusion`).
+        fusion: add parameter gradients into ``main_grad`` (:class:`tgraph.layers.grads.MainGradFusion`).
         direct: write parameter gradients to ``.grad`` from the node
-            (:class:`tgraph.direct_grads.DirectGrads`).
+            (:class:`tgraph.layers.direct_grads.DirectGrads`).
     """
 
     def __init__(

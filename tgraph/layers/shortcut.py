@@ -1,7 +1,7 @@
 """The call of a later member of a merged stack, answered without its call key.
 
 After the head of a merged stack replays, each later member's call normally computes its full
-call key (:func:`tgraph.layers.signature.call_key`, a walk over every argument leaf) only to
+call key (:func:`tgraph.signature.call_key`, a walk over every argument leaf) only to
 find the runner that :func:`tgraph.layers.replay.take` then checks against the replayed stack.
 In a stack of transformer layers the members are called with the head's own objects (the
 attention mask, the position embeddings, the same ``None`` and ``False``) plus the previous
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from tgraph.layers.captured import StackCursor
-from tgraph.layers.signature import _VALUE_SET, CallKey, autocast_key
+from tgraph.signature import _VALUE_SET, CallKey, autocast_key
 
 _grad_enabled = torch._C.is_grad_enabled
 HEAD = -1  # a top-level argument that is the head's own object at the same position

@@ -24,7 +24,7 @@ import torch
 
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
-from tgraph.layers.signature import Template
+from tgraph.signature import Template
 from tgraph.step.grad_buffers import GradBuffers
 from tgraph.step.host_state import BakedNumbers
 from tgraph.step.hyperparams import BakedLayout, HyperParams

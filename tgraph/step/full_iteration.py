@@ -17,7 +17,7 @@ Usage::
         sched.step()                # a changing learning rate reaches the graph (see below)
 
 Life cycle, per batch *signature* (shapes, dtypes, devices and structure of the batch, keyed like
-:func:`tgraph.layers.signature.call_key`): the first ``warmup_steps`` calls run ``fn`` eagerly (on the
+:func:`tgraph.signature.call_key`): the first ``warmup_steps`` calls run ``fn`` eagerly (on the
 capture side stream on CUDA, as PyTorch's whole-network capture recipe requires); they are real
 training steps and update the parameters. The next call copies the batch into *static* buffers,
 captures one call of ``fn`` on them; that call's training step is the first replay on CUDA (a
@@ -86,10 +86,10 @@ from torch.utils._pytree import tree_leaves
 from tgraph import rng
 from tgraph.backend import GraphFactory, check_backend_name
 from tgraph.baked import Baked
+from tgraph.errors import GraphFallbackWarning
 from tgraph.layers.enable import layer_graphs_enabled
-from tgraph.layers.manager import GraphFallbackWarning
-from tgraph.layers.signature import call_key, first_difference, split
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
+from tgraph.signature import call_key, first_difference, split
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.captured import CapturedStep, Phase

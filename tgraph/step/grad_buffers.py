@@ -2,7 +2,7 @@
 
 A CUDA graph reads fixed addresses, while autograd hands over new ``.grad`` tensors. Gradients
 that per-layer graphs hand over are read where those graphs leave them, at an address that stays
-(:attr:`tgraph.grads.GradHandOff.bufs`): no copy and no buffer of the step's own.
+(:attr:`tgraph.layers.grads.GradHandOff.bufs`): no copy and no buffer of the step's own.
 Every other gradient gets a buffer of the step's own (one flat allocation per device and dtype),
 into which each replay copies the ``.grad`` tensors not already there, with one multi-tensor
 copy. A gradient that per-layer graphs handed over may still be viewed from elsewhere (kept by
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 def _gradient_hand_offs() -> list:
-    """Every captured per-layer unit's parameter-gradient hand-off (tgraph.grads)."""
+    """Every captured per-layer unit's parameter-gradient hand-off (tgraph.layers.grads)."""
     from tgraph.layers.manager import gradient_hand_offs  # imports this module's users: lazily
 
     return gradient_hand_offs()
@@ -228,7 +228,7 @@ class GradBuffers:
     def _held(self, moved: list[int]) -> bool:
         """Whether per-layer gradient memory that ``moved`` gradients would be copied into is
         viewed by something besides tgraph and the ``.grad`` tensors still on it
-        (:meth:`tgraph.grads.GradHandOff.held_elsewhere`)."""
+        (:meth:`tgraph.layers.grads.GradHandOff.held_elsewhere`)."""
         targets = {id(k): k for k in map(self._hand_off_of.__getitem__, moved) if k is not None}
         if not targets:
             return False

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 import torch
 
 from tgraph.pool import move_memory_out, use_counts
+from tgraph.snapshot import FLAG
 
-FLAG = "grad_added_to_main_grad"
 _detach = torch.Tensor.detach
 
 
