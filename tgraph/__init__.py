@@ -28,6 +28,7 @@ from tgraph.layers.manager import (
     eager_calls,
     memory_report,
 )
+from tgraph.layers.verify import verification
 from tgraph.memory import CaptureReport, MemoryReport
 from tgraph.rng import register_generator, unregister_generator
 from tgraph.step import capture as _step_capture
@@ -57,6 +58,7 @@ __all__ = [
     "reset",
     "reset_layer_graphs",
     "unregister_generator",
+    "verification",
 ]
 __version__ = "0.1.0"
 

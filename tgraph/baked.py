@@ -34,14 +34,12 @@ import torch.nn as nn
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
+from tgraph.python_state import forward_globals, plain, unread
+
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _size = torch.Tensor.size
 
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
-# Module attributes that are not state a forward reads: torch's own bookkeeping, the training
-# flags (part of the call key) and tgraph's state.
-_NOT_READ = {"training", "_is_full_backward_hook", "_compiled_call_impl", "_tgraph"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
@@ -49,12 +47,6 @@ _GLOBAL_HOOKS = (
     "_global_backward_hooks",
     "_global_backward_pre_hooks",
 )
-
-
-def _plain(v: object) -> bool:
-    return isinstance(v, _PLAIN) or (
-        isinstance(v, tuple) and len(v) < 16 and all(isinstance(x, _PLAIN) for x in v)
-    )
 
 
 def _by_identity(v: object) -> bool:
@@ -118,6 +110,14 @@ class Baked:
     dict_sizes: tuple[int, ...] = ()  # shadowing a class attribute) changes its size
     dict_names: tuple[str, ...] = ()
     dict_keys: tuple[frozenset, ...] = ()
+    # the module tree: each module's class (a parametrization changes it) and submodules
+    mods: tuple[nn.Module, ...] = ()
+    classes: tuple[type, ...] = ()
+    sub_tables: tuple[dict, ...] = ()  # each module's _modules
+    sub_sizes: tuple[int, ...] = ()
+    sub_slots: tuple[dict, ...] = ()  # ... flat, per submodule: its table, key and identity
+    sub_keys: tuple[str, ...] = ()
+    sub_ids: tuple[int, ...] = ()
     ptr_list: list = field(default_factory=list)  # place's addresses and their indices, as
     all_indices: list = field(default_factory=list)  # lists: torch's C++ pointer pass takes lists
     hook_epoch: int = -1  # torch's hook-handle counter when taken: no hook registered since
@@ -139,8 +139,8 @@ class Baked:
         attrs, objects, tensors, memory, names, hooks, is_buffer = [], [], [], [], [], [], []
         for name, m in modules:
             d = vars(m)
-            unread = _NOT_READ | getattr(type(m), "unread_attributes", frozenset())
-            keys = [k for k, v in d.items() if k not in unread and _plain(v)]
+            skipped = unread(m)
+            keys = [k for k, v in d.items() if k not in skipped and plain(v)]
             s = _slots(name, d, keys, by_id=False)
             if s is not None:
                 attrs.append(s)
@@ -166,6 +166,13 @@ class Baked:
             own = _OWN_HOOKS if m in roots and hooks_run_outside(m) else ()
             hooks += [(f"{name}.{h}", d[h]) for h in _HOOKS if h not in own]
         hooks += [(f"torch.nn.modules.module.{h}", getattr(nn_module, h)) for h in _GLOBAL_HOOKS]
+        for where_, g, keys in forward_globals([m for _, m in modules]):  # the read set
+            s = _slots(where_, g, [k for k in keys if plain(g[k])], by_id=False)
+            attrs += [s] if s is not None else []
+            s = _slots(where_, g, [k for k in keys if not plain(g[k])], by_id=True)
+            objects += [s] if s is not None else []
+        mods = tuple(m for _, m in modules)
+        subs = [(vars(m)["_modules"], k) for m in mods for k in vars(m)["_modules"]]
         held = tuple(t.detach() for t in memory) if graph_memory is None else graph_memory.held
         place = where(held)
         return cls(
@@ -194,6 +201,13 @@ class Baked:
             dict_sizes=tuple(len(vars(m)) for _, m in modules),
             dict_names=tuple(name for name, _ in modules),
             dict_keys=tuple(frozenset(vars(m)) for _, m in modules),
+            mods=mods,
+            classes=tuple(map(type, mods)),
+            sub_tables=tuple(vars(m)["_modules"] for m in mods),
+            sub_sizes=tuple(len(vars(m)["_modules"]) for m in mods),
+            sub_slots=tuple(t for t, _ in subs),
+            sub_keys=tuple(k for _, k in subs),
+            sub_ids=tuple(id(t[k]) for t, k in subs),
             hook_epoch=RemovableHandle.next_id,
             any_hooks=any(not _inert(f) for _, h in hooks for f in h.values()),
         )
@@ -213,6 +227,43 @@ class Baked:
                 return (
                     f"the hooks of {where} changed after capture (now: {fns or 'none'}); a graph "
                     "replays the effect of the hooks present at capture only"
+                )
+        return None
+
+    def same_tree(self) -> bool:
+        """Whether every module has its class and submodules of the capture (C-level passes)."""
+        try:
+            return (
+                tuple(map(type, self.mods)) == self.classes
+                and tuple(map(len, self.sub_tables)) == self.sub_sizes
+                and tuple(map(id, map(getitem, self.sub_slots, self.sub_keys))) == self.sub_ids
+            )
+        except KeyError:
+            return False
+
+    def changed_tree(self) -> str | None:
+        """Why the module tree is not the captured one (None: it is): a submodule replaced,
+        added or removed, or a module's class changed (a parametrization added or removed)."""
+        if self.same_tree():
+            return None
+        for name, m, cls in zip(self.dict_names, self.mods, self.classes):
+            if type(m) is not cls:
+                return (
+                    f"{name} is now a {type(m).__name__}, captured as a {cls.__name__} (a "
+                    "parametrization added or removed?); the graph runs the captured one's code"
+                )
+        for name, table, n in zip(self.dict_names, self.sub_tables, self.sub_sizes):
+            if len(table) != n:
+                return (
+                    f"a submodule was added to or removed from {name} after capture; the graph "
+                    "runs the submodules it captured"
+                )
+        for table, k, was in zip(self.sub_slots, self.sub_keys, self.sub_ids):
+            if k not in table or id(table[k]) != was:
+                name = next(n for n, t in zip(self.dict_names, self.sub_tables) if t is table)
+                return (
+                    f"{name}.{k} was replaced by another module after capture; the graph runs "
+                    "the one it captured"
                 )
         return None
 
@@ -284,7 +335,7 @@ class Baked:
                 f"{self.names[moved[0]]} lives in other memory than at capture, or is laid out "
                 "otherwise (p.data = ...)"
             )
-        return self.changed_hooks() or self.changed_attrs()
+        return self.changed_hooks() or self.changed_tree() or self.changed_attrs()
 
     def live(self) -> tuple[torch.Tensor, ...] | None:
         """The parameters and buffers the modules hold now, in the inventory's order (None when

@@ -137,6 +137,7 @@ class GraphedUnit:
     #: why the unit runs eagerly although it was recorded (its capture failed), set by
     #: :func:`tgraph.create_graphs`; None for a captured unit
     left_eager: str | None = None
+    refused: str | None = None  # why the recorded call cannot be graphed (manager._record_call)
 
     def _init_unit(
         self,
@@ -383,6 +384,8 @@ class GraphedUnit:
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         track_outputs(cap, st)
         st.grads = GradHandOff(cap.param_out, st.route)
+        for r in self.members:
+            r.call_template = r.draft.call.template  # the shadow verifier's eager run
         self.cap, self.draft = cap, None  # the capture result holds what a replay needs
         for r in self.members:
             r.cap, r.state, r.draft = cap, st, None

@@ -196,6 +196,9 @@ class ReplayState:
         "none_at",
         "hook_epoch",
         "layout",
+        "replays",
+        "verify_next",
+        "wrong",
     )
 
     def __init__(self) -> None:
@@ -212,3 +215,8 @@ class ReplayState:
         self.hook_epoch = -1
         # C++ checks of the baked tensors' sizes and strides (replay._in_place)
         self.layout = LayoutGuards()
+        # the shadow verifier (tgraph.layers.verify): replays so far, verify the next one (an
+        # event), why the unit runs eagerly for good
+        self.replays = 0
+        self.verify_next = False
+        self.wrong: str | None = None

@@ -17,6 +17,7 @@ from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import describe_hooks
 from tgraph.errors import GraphFallbackWarning
 from tgraph.guards import CaptureError, explain_capture_failure
+from tgraph.layers import verify
 from tgraph.layers.captured import InFlight
 from tgraph.layers.enable import reset_layer_graphs
 from tgraph.layers.manager import _Manager, _manager
@@ -24,6 +25,7 @@ from tgraph.layers.record import Turns
 from tgraph.layers.runner import Runner
 from tgraph.layers.segment import Segment, mergeable_chains
 from tgraph.memory import CaptureReport
+from tgraph.python_state import PythonState
 from tgraph.snapshot import Snapshot
 
 logger = logging.getLogger("tgraph.layers.manager")  # one logger for the per-layer life cycle
@@ -64,6 +66,7 @@ def create_graphs() -> CaptureReport:
         f.synchronize()
     try:
         eager = _undeclared_hooks(runners)  # runner -> why it stays eager
+        eager.update(_refused(runners, eager))
         chains = mergeable_chains(m.record.events)
         m.segments = [Segment(c) for c in _without(chains, eager)]
         for seg in m.segments:
@@ -193,7 +196,19 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
     samples = [r.draft.call.samples for r in unit.members]
     try:
         if phase == "fwd":
-            unit.capture_forward(f, f.warmup_steps(unit.head.module._tgraph.warmup))
+            written = PythonState(unit.labelled_modules()) if verify.settings.rules else None
+            try:
+                unit.capture_forward(f, f.warmup_steps(unit.head.module._tgraph.warmup))
+            finally:  # warmup and capture ran the forward's Python more often than eager
+                why = written.changes() if written is not None else None
+                if written is not None:
+                    written.restore()
+            if why is not None:
+                raise CaptureError(
+                    f"its forward writes Python state at every call: {why}. A graph runs no "
+                    "Python, so that state would stop changing at capture; the module stays "
+                    "eager (name an attribute the forward never reads in unread_attributes)"
+                )
         else:
             unit.capture_backward(f)
         return
@@ -263,6 +278,17 @@ def _undeclared_hooks(runners: list[Runner]) -> dict[Runner, str]:
         if r.module._tgraph.strict:
             raise CaptureError(why)
         found[r] = why
+    return found
+
+
+def _refused(runners: list[Runner], eager: dict[Runner, str]) -> dict[Runner, str]:
+    """Runners whose recorded call showed they cannot be graphed (a forward returning tensors
+    inside an object a replay cannot refill): the reason each stays eager; under
+    ``strict=True``, the error instead."""
+    found = {r: r.refused for r in runners if r.refused is not None and r not in eager}
+    for r, why in found.items():
+        if r.module._tgraph.strict:
+            raise CaptureError(f"{r}: {why}")
     return found
 
 

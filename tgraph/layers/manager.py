@@ -38,6 +38,7 @@ from torch.nn.modules import module as nn_module
 from tgraph.baked import call_with_own_hooks, hooks_run_outside
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers import capture as _unit
+from tgraph.layers import verify
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.grads import GradHandOff
 from tgraph.layers.record import NoteBackward, Record, Turns
@@ -47,6 +48,7 @@ from tgraph.layers.runner import Runner, module_call, named
 from tgraph.layers.segment import Segment
 from tgraph.layers.shortcut import follow, remember_head, shape_of
 from tgraph.memory import CaptureReport, MemoryReport
+from tgraph.python_state import tensor_holder
 from tgraph.signature import MutableArgument, call_key, difference, split
 
 logger = logging.getLogger(__name__)
@@ -160,7 +162,17 @@ class _Manager:
                 if not j and cap is not None and cap.stored:
                     _release_stored(cap.stored)
                 shape = shape_of(r.state.stack, j, args, kwargs) if j else None
-                out = replay_call(cap, r.state, j, tensors)
+                if not j and cap is not None and _verified(r.state):
+                    out = verify.checked_replay(
+                        r.segment or r,
+                        args,
+                        kwargs,
+                        tensors,
+                        lambda cap=cap, r=r: replay_call(cap, r.state, 0, tensors),
+                        module_call,
+                    )
+                else:
+                    out = replay_call(cap, r.state, j, tensors)
                 if out is REBIND:
                     out = self._rebind(r, tensors)
                 if out.__class__ is list:
@@ -171,6 +183,8 @@ class _Manager:
                     elif not j and len(r.cap.slices) > 1:
                         remember_head(r.state.stack, args, kwargs)
                     return _outputs(r, j, out)
+                if not j and out is not BUSY and cap is not None:
+                    r.state.verify_next = True  # an event: the next replay is verified
                 if out is BUSY and r.left_eager is not None:
                     out = r.left_eager  # create_graphs() could not graph it (said so there)
                 if reason is BUSY:
@@ -210,6 +224,7 @@ class _Manager:
         capture result (:meth:`tgraph.layers.capture.GraphedUnit.rebind`) and key calls on them, then replay."""
         unit = runner.segment or runner
         unit.rebind()
+        unit.state.verify_next = True  # an event: the next replay is verified
         out = replay_call(runner.cap, runner.state, runner.seg_index, tensors)
         return "its parameters were replaced after capture" if out is REBIND else out
 
@@ -218,6 +233,13 @@ class _Manager:
         self.record.note_inputs(runner, inputs)
         out = self._plain_call(runner.module, args, kwargs)
         outs, template = split(out)
+        holder = next(filter(None, map(tensor_holder, template.leaves)), None)
+        if holder is not None and verify.settings.rules:
+            runner.refused = (
+                f"its forward returns a {holder} holding tensors, which a replay cannot refill "
+                "(it would hand back the capture's tensors); return tensors in tuples, lists, "
+                "dicts or types registered with torch.utils._pytree"
+            )
         idx = [i for i, o in enumerate(outs) if o.requires_grad]
         if idx and torch.is_grad_enabled():
             land = Flight(runner.state).land
@@ -257,8 +279,22 @@ class _Manager:
 
 _manager = _Manager()
 _TRAINING = operator.attrgetter("training")
+_settings = verify.settings
 _inference_mode = torch.is_inference_mode_enabled
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+
+
+def _verified(state) -> bool:
+    """Whether this replay of a unit (its head's ``ReplayState``) is verified by the shadow
+    verifier (:mod:`tgraph.layers.verify`): its first replays, the first after an event, then
+    one in ``every``. Counts the replay."""
+    n = state.replays
+    state.replays = n + 1
+    if state.verify_next:
+        state.verify_next = False
+        return True
+    every = _settings.every
+    return n < _settings.first or (every > 0 and n % every == 0)
 
 
 def _outputs(r: Runner, j: int, out: list) -> Any:

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from tgraph import rng
 from tgraph.baked import recording_outputs
 from tgraph.errors import StaleBackwardError
+from tgraph.layers import verify
 from tgraph.layers.backward import (
     after_backward,
     copy_grad_outputs,
@@ -195,7 +196,9 @@ def refusal(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
     """Why this call of the unit cannot replay (a sentence, or :data:`REBIND`), or None when
     it can. What can be followed is followed here (a re-pointed parameter copied in, held
     outputs moved out), so that :func:`replay` only acts."""
-    why = check(cap, state)
+    if state.wrong is not None:  # the shadow verifier found it wrong (tgraph.layers.verify)
+        return state.wrong
+    why = check(cap, state) if verify.settings.rules else None
     if why is not None:
         return why
     for i, value in cap.host_values:  # a CUDA kernel took the host scalar's value at capture
@@ -319,8 +322,17 @@ def check(cap: Captured, state: ReplayState):
         )
     except KeyError:
         same = False
+    try:  # the module tree: classes (a parametrization changes one) and submodules
+        same = (
+            same
+            and tuple(map(type, b.mods)) == b.classes
+            and tuple(map(len, b.sub_tables)) == b.sub_sizes
+            and tuple(map(id, map(getitem, b.sub_slots, b.sub_keys))) == b.sub_ids
+        )
+    except KeyError:
+        same = False
     if not same:
-        why = b.changed_attrs()
+        why = b.changed_tree() or b.changed_attrs()
         if why is not None:
             return why
     capturing = _sys_modules.get(_OUTPUT_CAPTURING)  # transformers imported
@@ -435,7 +447,11 @@ class GraphedCall(torch.autograd.Function):
         if flight.fp8_first:  # the backward amax reduction the first FP8 module runs in eager
             cap.fp8.after_backward()
         flight.land()
-        return (None, None, None, *grads_for_autograd(cap, state, active))
+        result = grads_for_autograd(cap, state, active)
+        pending = getattr(ctx, "verify", None)  # a verified replay (tgraph.layers.verify)
+        if pending is not None:
+            result = verify.check_grads(cap, state, pending, result, grads)
+        return (None, None, None, *result)
 
 
 _apply = super(torch.autograd.Function, GraphedCall).apply

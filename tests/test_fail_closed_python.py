@@ -1,0 +1,392 @@
+"""Fail closed on the Python a forward reads and writes, and the shadow verifier under the rules.
+
+The classes a fourth independent suite found silently wrong (issue 44): a submodule replaced or
+added after capture, a parametrization removed, a forward that returns tensors inside an object
+a replay cannot refill, a forward that writes its own attribute or draws from ``random``, a
+global the forward reads. Each test trains a graphed model and its eager twin on the same
+batches and asks for eager's numbers, said out loud. Then the shadow verifier: with the rules
+switched off (``tgraph.verification(rules=False)``), it alone must catch the persistent classes
+within the first verified replays; with the rules on, it catches a change no rule sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fail_closed_models import (
+    TOL,
+    Block,
+    D,
+    Net,
+    assert_never_silent,
+    assert_same_params,
+    batches,
+    eager_calls,
+    fallbacks,
+    make_pair,
+    train,
+)
+from torch.nn.utils import parametrize
+
+import tgraph
+
+STEPS = 5
+SCALE = 1.0  # a module-level value the forward of _GlobalBlock reads
+
+
+def _twins(device, factory=Net, before=None, backend=None, **kw):
+    """Train a graphed model and its eager twin; returns both and the fallback warnings. The
+    shadow verifier is off unless a test turns it on: the rules must stand alone."""
+    model, _ = make_pair(device, factory)
+    ref, _ = make_pair(device, factory)  # built anew: a parametrized class is not shared
+    data = batches(device, STEPS)
+    want = train(ref, data, before=before)
+    verifier = tgraph.verification() if kw.pop("verify", False) else tgraph.verification(0, 0)
+    with verifier, fallbacks() as msgs:
+        got = train(model, data, backend, before=before, **kw)
+    torch.testing.assert_close(got, want, **TOL)
+    return model, ref, msgs
+
+
+# -- the module tree: a submodule replaced or added, a parametrization removed -----------------
+
+
+class _DropBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.act = nn.GELU()
+        self.extra = nn.ModuleList([nn.Linear(D, D)])
+
+    def forward(self, x):
+        h = self.fc2(self.drop(self.act(self.fc1(x))))
+        for layer in self.extra:
+            h = h + layer(x)
+        return x + h
+
+
+def _replace_fc2(i, model, opt):
+    if i == 2:
+        torch.manual_seed(7)
+        model.blocks[0].fc2 = nn.Linear(2 * D, D).to(model.blocks[0].fc1.weight.device)
+
+
+def _dropout_off(i, model, opt):
+    if i == 2:  # the usual way to switch dropout off for RL fine-tuning
+        model.blocks[0].drop = nn.Identity()
+
+
+def _swap_activation(i, model, opt):
+    if i == 2:
+        model.blocks[1].act = nn.Tanh()
+
+
+def _append_layer(i, model, opt):
+    if i == 2:
+        torch.manual_seed(8)
+        dev = model.blocks[0].fc1.weight.device
+        model.blocks[0].extra.append(nn.Linear(D, D).to(dev))
+
+
+class _LoRA(nn.Module):
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.a = nn.Parameter(torch.full((4, base.in_features), 0.1, device=base.weight.device))
+        self.b = nn.Parameter(torch.full((base.out_features, 4), 0.1, device=base.weight.device))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+def _wrap_lora(i, model, opt):
+    if i == 2:
+        model.blocks[0].fc1 = _LoRA(model.blocks[0].fc1)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_replace_fc2, _dropout_off, _swap_activation, _append_layer, _wrap_lora],
+    ids=["replace_linear", "dropout_to_identity", "gelu_to_tanh", "modulelist_append", "lora"],
+)
+def test_a_submodule_changed_after_capture_is_not_replayed(backend, device, change):
+    model, _, msgs = _twins(device, lambda: Net(_DropBlock), before=change, backend=backend)
+    assert msgs, "the change ran silently"
+    assert_never_silent(msgs, r"replaced|added to or removed|submodule")
+
+
+class _Half(nn.Module):
+    def forward(self, w):
+        return 0.5 * w
+
+
+def _parametrized() -> Net:
+    net = Net()
+    for b in net.blocks:
+        parametrize.register_parametrization(b.fc1, "weight", _Half())
+    return net
+
+
+def _remove_parametrization(i, model, opt):
+    if i == 2:
+        for b in model.blocks:
+            parametrize.remove_parametrizations(b.fc1, "weight", leave_parametrized=True)
+
+
+def test_a_parametrization_removed_after_capture_is_not_replayed(backend, device):
+    model, ref, msgs = _twins(
+        device, _parametrized, before=_remove_parametrization, backend=backend
+    )
+    assert msgs and eager_calls() > 0
+    assert_never_silent(msgs, r"parametrization|Linear")
+    assert_same_params(model, ref)
+
+
+# -- outputs a replay cannot refill ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+    aux: torch.Tensor
+
+
+class _DataclassBlock(Block):
+    def forward(self, x):
+        h = self.fc1(x)
+        return _Out(x + self.fc2(torch.tanh(h)), h.mean())
+
+
+class _NamespaceBlock(Block):
+    def forward(self, x):
+        return types.SimpleNamespace(y=x + self.fc2(torch.tanh(self.fc1(x))))
+
+
+class _NormalBlock(Block):
+    def forward(self, x):
+        return torch.distributions.Normal(x + self.fc2(torch.tanh(self.fc1(x))), 1.0)
+
+
+class _OutNet(Net):
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            o = b(h)
+            h = o.mean if isinstance(o, torch.distributions.Normal) else o.y
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    "block,name",
+    [(_DataclassBlock, "_Out"), (_NamespaceBlock, "SimpleNamespace"), (_NormalBlock, "Normal")],
+    ids=["dataclass", "namespace", "distribution"],
+)
+def test_tensors_returned_inside_an_opaque_object_keep_the_unit_eager(backend, device, block, name):
+    _, _, msgs = _twins(device, lambda: _OutNet(block), backend=backend)
+    assert any(name in m and "cannot be graphed" in m for m in msgs), msgs
+    assert eager_calls() > 0  # the blocks ran eagerly: their numbers are eager's
+
+
+def test_opaque_outputs_under_strict_raise_naming_the_type(backend, device):
+    model, _ = make_pair(device, lambda: _OutNet(_DataclassBlock))
+    tgraph.enable(model, backend=backend, strict=True)
+    x, y = batches(device, 1)[0]
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(tgraph.CaptureError, match="_Out holding tensors"):
+        tgraph.create_graphs()
+
+
+# -- a forward that writes Python state ---------------------------------------------------------
+
+
+class _WarmupBlock(Block):
+    """``self.calls += 1; alpha = min(1, calls / 8)``: a forward that ramps itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        alpha = min(1.0, self.calls / 8)
+        return x + alpha * self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _LayerDropBlock(Block):
+    def forward(self, x):
+        if self.training and random.random() < 0.5:
+            return x
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_a_forward_updating_its_own_attribute_stays_eager(backend, device):
+    model, ref, msgs = _twins(device, lambda: Net(_WarmupBlock), backend=backend)
+    assert any("writes Python state" in m and "calls" in m for m in msgs), msgs
+    assert [b.calls for b in model.blocks] == [b.calls for b in ref.blocks] == [STEPS] * 2
+
+
+def test_a_forward_drawing_from_python_random_stays_eager(backend, device):
+    def seeded(i, model, opt):
+        if i == 0:
+            random.seed(3)
+
+    _, _, msgs = _twins(device, lambda: Net(_LayerDropBlock), before=seeded, backend=backend)
+    assert any("random" in m for m in msgs), msgs
+
+
+# -- a global the forward reads -----------------------------------------------------------------
+
+
+class _GlobalBlock(Block):
+    def forward(self, x):
+        return x + SCALE * self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _rescale(i, model, opt):
+    global SCALE
+    SCALE = 0.5 if i >= 2 else 1.0
+
+
+def test_a_global_read_by_the_forward_changed_after_capture_is_not_replayed(backend, device):
+    try:
+        _, _, msgs = _twins(device, lambda: Net(_GlobalBlock), before=_rescale, backend=backend)
+    finally:
+        _rescale(0, None, None)
+    assert_never_silent(msgs, r"SCALE")
+
+
+# -- the shadow verifier --------------------------------------------------------------------------
+
+
+class _FlagBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+        self.cfg = {"scale": 1.0}  # a container mutated in place: no rule compares it
+
+    def forward(self, x):
+        return x + self.scale * self.cfg["scale"] * self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _set_attribute(i, model, opt):
+    if i == 2:
+        model.blocks[0].scale = 0.5
+
+
+def _mutate_config(i, model, opt):
+    if i == 2:
+        model.blocks[0].cfg["scale"] = 0.5
+
+
+def _add_hook(i, model, opt):
+    if i == 2:
+        model.blocks[0].fc2.register_forward_hook(lambda m, a, out: out * 0.5)
+
+
+def _replace_fc2_flag(i, model, opt):
+    if i == 2:
+        torch.manual_seed(7)
+        model.blocks[0].fc2 = nn.Linear(2 * D, D).to(model.blocks[0].fc1.weight.device)
+
+
+PERSISTENT = [_set_attribute, _replace_fc2_flag, _add_hook, _rescale, _remove_parametrization]
+
+
+def _factory_for(change):
+    if change is _rescale:
+        return lambda: Net(_GlobalBlock)
+    if change is _remove_parametrization:
+        return _parametrized
+    return lambda: Net(_FlagBlock)
+
+
+@pytest.mark.parametrize(
+    "change",
+    PERSISTENT,
+    ids=["attribute", "submodule", "hook", "global", "parametrization"],
+)
+def test_with_the_rules_off_the_verifier_alone_catches_persistent_classes(backend, device, change):
+    """Test mode: no baked checks, no read or write sets. The verifier, verifying every replay,
+    must still find each change on the first replay after it, and that call's numbers (and
+    every later one's) must be eager's."""
+    try:
+        with tgraph.verification(rules=False, every=1):
+            _, _, msgs = _twins(
+                device, _factory_for(change), before=change, backend=backend, verify=True
+            )
+    finally:
+        _rescale(0, None, None)
+    assert msgs and all("shadow verifier" in m for m in msgs), "\n".join(msgs)
+
+
+def test_the_verifier_catches_what_no_rule_sees(backend, device):
+    """A config dict mutated in place: no rule compares containers. Verified replays find it."""
+    with tgraph.verification(every=1):
+        _, _, msgs = _twins(
+            device, lambda: Net(_FlagBlock), before=_mutate_config, backend=backend, verify=True
+        )
+    assert msgs and all("shadow verifier" in m for m in msgs), "\n".join(msgs)
+
+
+def test_without_the_verifier_the_rules_off_mode_is_silently_wrong(backend, device):
+    """The planted bug behind the two tests above: nothing verified, no rule, wrong numbers.
+    (Proves those tests can fail.)"""
+    model, ref = make_pair(device, lambda: Net(_FlagBlock))
+    data = batches(device, STEPS)
+    want = train(ref, data, before=_set_attribute)
+    with tgraph.verification(rules=False, first=0, every=0), fallbacks() as msgs:
+        got = train(model, data, backend, before=_set_attribute)
+    assert not msgs
+    assert not torch.allclose(got, want, **TOL)
+
+
+def test_the_verifier_under_strict_raises(backend, device):
+    model, _ = make_pair(device, lambda: Net(_FlagBlock))
+    data = batches(device, STEPS)
+    with tgraph.verification(every=1), pytest.raises(tgraph.GraphFallbackError, match="shadow"):
+        train(model, data, backend, before=_mutate_config, strict=True)
+
+
+def test_the_verifier_samples_first_replays_then_one_in_n(backend, device, monkeypatch):
+    from tgraph.layers import verify
+
+    seen = []
+    real = verify.checked_replay
+
+    def counted(unit, *a):
+        seen.append(unit.state.replays)
+        return real(unit, *a)
+
+    monkeypatch.setattr(verify, "checked_replay", counted)
+    model, _ = make_pair(device)
+    with tgraph.verification(first=2, every=4):
+        train(model, batches(device, 12), backend, merge=False)
+    per_block = sorted(seen)[::2]  # two blocks, verified at the same replays
+    assert per_block == [1, 2, 5, 9], seen  # replays 0, 1, then 4 and 8 (counted after)
+
+
+def test_a_verified_replay_changes_nothing(backend, device):
+    """Verifying runs the unit once more, eagerly: buffers (running statistics), generator
+    states and stored attributes must be as an unverified replay leaves them."""
+
+    class BNBlock(Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(2 * D)
+            self.drop = nn.Dropout(0.3)
+
+        def forward(self, x):
+            return x + self.fc2(self.drop(torch.tanh(self.bn(self.fc1(x)))))
+
+    with tgraph.verification(every=1):
+        model, ref, msgs = _twins(device, lambda: Net(BNBlock), backend=backend, verify=True)
+    assert not msgs and eager_calls() == 0
+    for b, r in zip(model.blocks, ref.blocks):
+        torch.testing.assert_close(b.bn.running_mean, r.bn.running_mean, **TOL)
+    assert_same_params(model, ref)

@@ -1,0 +1,236 @@
+"""The shadow verifier: the net under every rule of what a graph baked in.
+
+The rules (:mod:`tgraph.baked`, :mod:`tgraph.python_state`) cover the classes someone thought
+of. On selected calls the verifier runs a unit eagerly on copies of its inputs, from the same
+generator states as the replay, and compares the outputs with the replay's; the gradients are
+compared in that call's backward. Selected calls: each graph's first :attr:`Settings.first`
+replays, the first replay after an event tgraph sees (a fallback, a re-bind), and one in
+:attr:`Settings.every` after that.
+
+A mismatch leaves the unit eager for good: the call itself runs eagerly from the generator and
+buffer states it started from (so its result is eager's), a :class:`tgraph.GraphFallbackWarning`
+names the unit and the largest difference (``strict=True`` raises). A gradient mismatch is found
+in the backward, after the forward's result was handed out: that backward hands autograd the
+eager gradients instead.
+
+Tolerance: the eager run executes the kernels the graph captured, on the same values, so the two
+are bitwise equal in practice; ``4 * eps`` of the output's dtype relative to its largest
+magnitude leaves room for a library choosing another reduction order (atomics in a backward, a
+cuBLAS heuristic), and is far below what a stale value moves (a frozen dropout mask, a replaced
+submodule: differences of the order of the values themselves).
+
+:func:`verification` sets what is verified; ``rules=False`` switches the rules off (a test mode:
+the verifier alone must then catch the persistent classes).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from tgraph import rng
+from tgraph.errors import GraphFallbackError, GraphFallbackWarning
+from tgraph.layers.capture import graphed_region
+from tgraph.signature import split
+
+
+@dataclass
+class Settings:
+    first: int = 2  # each graph's first replays, verified
+    every: int = 1000  # then one replay in this many (0: none)
+    rules: bool = True  # the baked checks and the Python read and write sets
+
+
+settings = Settings()
+
+
+class verification:  # noqa: N801 - used as a function and as a context manager
+    """Set what the shadow verifier checks, process-wide; as a context manager, restore the
+    previous settings on exit.
+
+    Args:
+        first: verify each graph's first ``first`` replays (and the first after an event).
+        every: then verify one replay in ``every`` (0: never). The default, 1000, costs well
+            under 1% of a step (docs/BENCHMARKS.md).
+        rules: False switches off the rules (what a graph baked in, the Python read and write
+            sets), leaving the verifier alone: a test mode, never for training.
+    """
+
+    def __init__(
+        self, first: int | None = None, every: int | None = None, rules: bool | None = None
+    ) -> None:
+        self._old = Settings(settings.first, settings.every, settings.rules)
+        if first is not None:
+            settings.first = first
+        if every is not None:
+            settings.every = every
+        if rules is not None:
+            settings.rules = rules
+
+    def __enter__(self) -> Settings:
+        return settings
+
+    def __exit__(self, *exc) -> None:
+        settings.first, settings.every, settings.rules = (
+            self._old.first,
+            self._old.every,
+            self._old.rules,
+        )
+
+
+class Pending:
+    """A verified replay's eager twin, until its backward compares the gradients."""
+
+    __slots__ = ("outs", "inputs", "params", "strict")
+
+    def __init__(self, outs: list, inputs: list, params: list, strict: bool) -> None:
+        self.outs, self.inputs, self.params, self.strict = outs, inputs, params, strict
+
+
+def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, module_call):
+    """Replay ``unit`` (a runner or merged stack, called at its head with ``args``, ``kwargs``
+    and their ``tensors``) through ``replay()``, then run it eagerly from the generator and
+    buffer states the replay started from, and compare; returns what ``replay()`` returns, or
+    the reason to run this call eagerly (its replay undone)."""
+    cap, state = unit.cap, unit.state
+    if cap.fp8 is not None:  # TE's own FP8 state (amax history) would advance twice
+        return replay()
+    before = rng.get_states(cap.device)
+    buffers = [
+        (m._buffers, k) for r in unit.members for m in r.module.modules() for k in m._buffers
+    ]
+    buffers = [(table, k) for table, k in buffers if table[k] is not None]
+    saved = [table[k].detach().clone() for table, k in buffers]
+    out = replay()
+    if out.__class__ is not list:
+        return out
+    after = rng.get_states(cap.device)
+    grad = cap.needs_backward and torch.is_grad_enabled()
+    live = [table[k] for table, k in buffers]
+    rng.set_states(before, cap.device)  # eager starts where the replay started, on copies of
+    for (table, k), v in zip(buffers, saved):  # the buffers as they were (running statistics)
+        table[k] = v.clone()
+    try:
+        ins, eager = _eager_chain(unit, args, kwargs, tensors, grad, module_call)
+    finally:
+        for (table, k), b in zip(buffers, live):
+            table[k] = b
+        rng.set_states(after, cap.device)
+    per = [out] if len(cap.slices) == 1 else list(state.stack.pending)
+    got = [t for rj, ej in zip(per, eager) for t in rj]
+    why = _differs(got, [t for ej in eager for t in ej], "output")
+    if why is None:
+        if grad:  # the node's backward compares the gradients (GraphedCall.backward)
+            aligned = [t for ej in eager for t in ej]
+            node = next((o.grad_fn for o in out if o.grad_fn is not None), None)
+            if node is not None:
+                strict = unit.head.module._tgraph.strict
+                node.verify = Pending(aligned, ins, list(state.route.autograd_params), strict)
+        return out
+    with torch.no_grad():  # undo the replay: this call runs eagerly from where it started
+        for b, v in zip(live, saved):
+            b.copy_(v)
+    rng.set_states(before, cap.device)
+    why = wrong(state, why)
+    if len(cap.slices) > 1:
+        state.stack.release()
+        state.stack.fell_back = why  # its later members say why they run eagerly
+    return why
+
+
+def _eager_chain(unit, args, kwargs, tensors, grad: bool, module_call):
+    """Run every member of ``unit`` eagerly on copies of the head's inputs, chained as the
+    capture chained them; returns the copies and each member's output tensors."""
+    cap = unit.cap
+    ins = [t.detach().clone().requires_grad_(t.requires_grad and grad) for t in tensors]
+    outs_of: list[list] = []
+    with torch.set_grad_enabled(grad), graphed_region():
+        for j, r in enumerate(unit.members):
+            mine = [outs_of[-1][k] if prev else ins[k] for prev, k in cap.sources[j]] if j else ins
+            a, kw = r.call_template.fill(mine)
+            tensors = split(module_call(r.module)(*a, **kw))[0]
+            s = cap.slices[j]
+            full = tensors + [None] * (s.stop - s.start - len(tensors))
+            for m, k, at in cap.stored[j] if cap.stored else ():  # self.aux_loss = ...
+                full[at] = m.__dict__[k]
+            outs_of.append(full)
+    return ins, outs_of
+
+
+def _differs(got: list, want: list, what: str) -> str | None:
+    """The largest difference between the replay's ``got`` and eager's ``want`` beyond the
+    tolerance (module docstring), in words; None: none."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None and what == "output":
+            continue
+        if g is None or w is None:
+            if (g is None) != (w is None) and not _zero(g if w is None else w):
+                return f"{what} {i} is None in one run only"
+            continue
+        if g.shape != w.shape:
+            return f"{what} {i} has shape {tuple(g.shape)} where eager gives {tuple(w.shape)}"
+        if torch.equal(g, w):
+            continue
+        if not g.is_floating_point():
+            return f"{what} {i} differs from eager's"
+        g32, w32 = g.detach().float(), w.detach().float()
+        both_nan = g32.isnan() & w32.isnan()
+        diff = (g32 - w32).abs().masked_fill(both_nan, 0).nan_to_num(float("inf")).max().item()
+        scale = max(1.0, w32.abs().nan_to_num(0).max().item())
+        if diff > 4 * torch.finfo(g.dtype).eps * scale:
+            return f"{what} {i} differs from eager's by up to {diff:.3g}"
+    return None
+
+
+def _zero(t) -> bool:
+    return t is None or t.numel() == 0 or not bool(t.detach().abs().max())
+
+
+def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> list:
+    """In the backward of a verified replay: the eager twin's gradients for the same incoming
+    ``grads``, compared with the replay's ``result`` (what the node hands autograd: the input
+    gradients, then the parameter gradients). Returns what to hand autograd."""
+    rg = [i for i in cap.out_rg if grads[i] is not None and pending.outs[i] is not None]
+    need = [t for t in pending.inputs if t.requires_grad]
+    n = len(cap.static_grads)
+    direct = state.route.direct is not None or len(result) - n != len(pending.params)
+    params = [] if direct else [p for p in pending.params if p.requires_grad]
+    eager = torch.autograd.grad(
+        [pending.outs[i] for i in rg],
+        need + params,
+        [grads[i] for i in rg],
+        allow_unused=True,
+    )
+    got = [result[i] for i, t in enumerate(pending.inputs) if t.requires_grad]
+    if not direct:
+        got += [g for g, p in zip(result[n:], pending.params) if p.requires_grad]
+    why = _differs(got, list(eager), "gradient")
+    if why is None:
+        return result
+    reason = wrong(state, why)
+    if pending.strict:
+        raise GraphFallbackError(f"{cap.name}: {reason}")
+    warnings.warn(
+        f"{cap.name}: {reason}; this backward hands autograd the eager gradients",
+        GraphFallbackWarning,
+        stacklevel=3,
+    )
+    fixed, it = list(result), iter(eager)
+    for i, t in enumerate(pending.inputs):
+        if t.requires_grad:
+            fixed[i] = next(it)
+    for k, p in enumerate(pending.params if not direct else ()):
+        if p.requires_grad:
+            fixed[n + k] = next(it)
+    return fixed
+
+
+def wrong(state, why: str) -> str:
+    """The unit of ``state`` replayed other numbers than eager: it runs eagerly from now on."""
+    state.wrong = (
+        f"the shadow verifier found its replay wrong ({why}): a state the graph baked in "
+        "changed in a way no check saw; it runs eagerly from now on"
+    )
+    return state.wrong
