@@ -38,6 +38,7 @@ def test_exports_are_exactly_the_user_facing_names():
         "disable",
         "eager_calls",
         "enable",
+        "verification",
         "memory_report",
         "register_generator",
         "reset",

@@ -81,3 +81,43 @@ def test_reentrant_checkpoint_recompute_runs_eagerly(backend, device, merge):
     # checkpoint's no-grad forwards and the head replayed
     assert caught and all("during a backward pass" in m for m in caught), caught
     assert fallbacks == 9
+
+
+class _InputThenCheckpoint(torch.nn.Module):
+    """Issue 44, item 9: an eager input layer, then reentrant checkpointing around graphed
+    blocks with dropout and an eager dropout between them, then an eager head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+        self.head = torch.nn.Linear(16, 1)
+
+    def _stack(self, x):
+        x = torch.nn.functional.dropout(x, 0.2)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+    def forward(self, x):
+        return self.head(checkpoint(self._stack, self.inp(x), use_reentrant=True))
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_reentrant_checkpoint_draws_the_same_dropout_in_forward_and_recompute(
+    backend, device, merge
+):
+    """The checkpoint's no-grad forward replays graphs and its recompute runs eagerly: both
+    must draw the same dropout masks, or every gradient below the checkpoint (``inp.weight``)
+    is wrong. Bitwise: the same kernels on the same values."""
+    torch.manual_seed(0)
+    model = _InputThenCheckpoint().to(device)
+    eager = copy.deepcopy(model)
+    want, _, _ = _train(eager, device, graphed=False)
+    with tgraph.verification(first=0, every=0):  # the replays alone, nothing re-run
+        tgraph.enable(model, backend=backend, merge=merge)
+        got, _, fallbacks = _train(model, device, graphed=True, backend=backend)
+    assert fallbacks == 9  # only the recomputes ran eagerly: the no-grad forwards replayed
+    for step, (g, w) in enumerate(zip(got, want)):
+        for a, b in zip(g, w):
+            assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"

@@ -112,9 +112,13 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     rng.set_states(before, cap.device)  # eager starts where the replay started, on copies of
     for (table, k), v in zip(buffers, saved):  # the buffers as they were (running statistics)
         table[k] = v.clone()
+    dicts = [(vars(m), dict(vars(m))) for r in unit.members for m in r.module.modules()]
     try:
         ins, eager = _eager_chain(unit, args, kwargs, tensors, grad, module_call)
-    finally:
+    finally:  # what the eager run set (a weight a pre-hook computes, self.aux_loss) goes
+        for d, kept in dicts:
+            d.clear()
+            d.update(kept)
         for (table, k), b in zip(buffers, live):
             table[k] = b
         rng.set_states(after, cap.device)
