@@ -15,6 +15,7 @@ import torch
 from optimizer_models import (
     LR,
     STEPS,
+    TOL,
     assert_same_training_state,
     make_batches,
     make_model,
@@ -357,6 +358,51 @@ def test_kept_gradients_beside_the_optimizer_graph_are_never_overwritten(
             torch.testing.assert_close(g, c, rtol=0, atol=0, msg=f"kept gradient {k} changed")
         assert tgraph.eager_calls() == 0  # strict: all replayed
         assert_same_training_state(model, opt, ref, ref_opt, exact=False)
+    finally:
+        tgraph.reset()
+        tgraph.disable(model)
+
+
+def test_a_gradient_kept_in_a_loop_variable_beside_the_optimizer_graph_keeps_its_values(
+    backend, device, swaps, replays
+):
+    """``last = weight.grad`` kept across the next step, no hook: with the storage swap the
+    replays move it out of the graphs' memory; without it (PyTorch < 2.13) the ledger cannot
+    re-point it (it is not ``.grad`` any more), so the next step's layer calls run eagerly,
+    and the optimizer graph, whose step would copy the (now eager) gradients into the memory
+    ``last`` views, runs that step eagerly too. ``last`` keeps its values, training equals
+    eager, and once ``last`` is let go everything replays again."""
+    model, opt, graph, ref, ref_opt = _layers_and_optimizer_graph(backend, device, strict=False)
+    last = {}
+    try:
+        for i, (x, y) in enumerate(make_batches(device)):
+            for m, o, step in ((model, opt, graph.step), (ref, ref_opt, ref_opt.step)):
+                m(x, y)[1].backward()
+                grad = m.h[0].mlp.c_fc.weight.grad
+                step()
+                o.zero_grad(set_to_none=True)
+                if m in last:
+                    kept, values = last[m]
+                    torch.testing.assert_close(
+                        kept,
+                        values,
+                        rtol=0,
+                        atol=0,
+                        msg=lambda why, i=i: f"kept gradient changed at step {i}: {why}",
+                    )
+                last[m] = (grad, grad.clone())  # kept until the next step has run
+            if i == 0:
+                tgraph.create_graphs()
+        assert graph.captured
+        torch.testing.assert_close(*last[model], rtol=0, atol=0)
+        torch.testing.assert_close(last[model][0], last[ref][0], **TOL)
+        assert_same_training_state(model, opt, ref, ref_opt, exact=False)
+        del last, kept, grad
+        before, replays[0] = tgraph.eager_calls(), 0
+        model(*make_batches(device, 1)[0])[1].backward()
+        graph.step()
+        assert tgraph.eager_calls() == before  # the layers replayed ...
+        assert replays[0] == 3  # ... their stack's forward and backward, and the step
     finally:
         tgraph.reset()
         tgraph.disable(model)
