@@ -102,6 +102,55 @@ def test_a_skipped_step_restores_what_a_step_writes_not_the_hyperparameters(back
     assert id(group["step"]) in held
 
 
+class EMAOptimizerGraph(tgraph.OptimizerGraph):
+    """An extension whose step also moves an average of the weights (a tensor the optimizer
+    does not own): it names it in ``protected_tensors``, so a skipped step leaves it as is."""
+
+    def __init__(self, optimizer, **kwargs) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.ema = [p.detach().clone() for p in self.params()]
+
+    def protected_tensors(self) -> list[torch.Tensor]:
+        return self.ema
+
+    def inner_step(self) -> None:
+        super().inner_step()
+        torch._foreach_lerp_(self.ema, self.params(), 0.25)
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw", "group_step"])
+def test_a_skipped_step_restores_the_protected_tensors(backend, device, opt_kind, replays):
+    """A NaN step at a replay: the extension's average stays where it was, as in an eager run
+    that never took the step, whether the skip snapshots and selects (``group_step``) or the
+    fused kernels skip the update themselves (``found_inf``: fused SGD on both backends, fused
+    AdamW on the CPU)."""
+    bad = 5
+    model = make_model(device)
+    graph = EMAOptimizerGraph(
+        make_optimizer(model, device, opt_kind), skip_nonfinite=True, backend=backend
+    )
+    ref_model = make_model(device)
+    ref_opt = make_optimizer(ref_model, device, opt_kind)
+    ref_ema = [p.detach().clone() for p in ref_model.parameters()]
+    for i, (x, y) in enumerate(make_batches(device)):
+        kind = "grad_nan" if i == bad else None
+        plant(kind, model, model(x, y)[1]).backward()
+        graph.step()
+        plant(kind, ref_model, ref_model(x, y)[1]).backward()
+        if i != bad:
+            ref_opt.step()
+            with torch.no_grad():
+                torch._foreach_lerp_(ref_ema, list(ref_model.parameters()), 0.25)
+        ref_opt.zero_grad(set_to_none=True)
+    assert graph.captured and graph.skipped_steps == 1
+    way = "snapshot" if opt_kind == "group_step" else expected_way(device, opt_kind)
+    assert graph.guard.last_way == way
+    assert replays[0] == STEPS - 2 + (backend == "cuda")  # the NaN step was a replay
+    assert_same_training_state(model, graph.optimizer, ref_model, ref_opt)
+    for k, (got, want) in enumerate(zip(graph.ema, ref_ema, strict=True)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"protected tensor {k}")
+
+
 def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
     """The naive version: compute the flag, but let the step through anyway (neither the
     fused kernels' found_inf mask nor the snapshot select)."""
