@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 from optimizer_models import (
     LR,
     STEPS,
@@ -537,17 +538,66 @@ def test_bad_arguments():
 # -- FullIterationGraph(skip_nonfinite=True) ---------------------------------------------------
 
 
-def full_iteration_run(backend, device, bad, graphed: bool, warmup: int = 3):
+def two_optimizers(model, device) -> list[torch.optim.Optimizer]:
+    """The blocks' parameters step with one AdamW, the others with another."""
+    blocks = {id(p) for p in model.h.parameters()}
+    groups = [
+        [p for p in model.parameters() if (id(p) in blocks) == in_blocks]
+        for in_blocks in (True, False)
+    ]
+    return [make_optimizer(nn.ParameterList(g), device) for g in groups]
+
+
+class TwoOptimizerGraph(tgraph.OptimizerGraph):
+    """An extension that steps several optimizers as one step."""
+
+    def __init__(self, optimizers, **kwargs) -> None:
+        self._all = list(optimizers)
+        super().__init__(self._all[0], **kwargs)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self._all)
+
+    def inner_step(self) -> None:
+        for opt in self._all:
+            opt.step()
+
+
+def test_optimizer_graph_counts_a_skipped_step_once_for_two_optimizers(backend, device, replays):
+    bad = {3, 5}
+    model, ref_model = make_model(device), make_model(device)
+    graph = TwoOptimizerGraph(two_optimizers(model, device), skip_nonfinite=True, backend=backend)
+    ref_opts = two_optimizers(ref_model, device)
+    for i, (x, y) in enumerate(make_batches(device)):
+        kind = "grad_nan" if i in bad else None
+        plant(kind, model, model(x, y)[1]).backward()
+        graph.step()
+        plant(kind, ref_model, ref_model(x, y)[1]).backward()
+        for opt in ref_opts:
+            if i not in bad:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert graph.captured and replays[0] == STEPS - 2 + (backend == "cuda")
+    assert graph.skipped_steps == len(bad)
+    for opt, ref_opt in zip(graph.optimizers, ref_opts, strict=True):
+        assert_same_training_state(model, opt, ref_model, ref_opt)
+
+
+def full_iteration_run(backend, device, bad, graphed: bool, warmup: int = 3, optimizers: int = 1):
+    """``optimizers=2``: :func:`two_optimizers`."""
     model = make_model(device)
-    opt = make_optimizer(model, device)
+    opts = [make_optimizer(model, device)] if optimizers == 1 else two_optimizers(model, device)
 
     def fn(batch):
         x, y, scale = batch
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss = model(x, y)[1] * scale  # scale 1.0 (exact) or NaN (planted)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        opt.step()
+        for opt in opts:
+            opt.step()
         return loss.detach()
 
     step = (
@@ -561,15 +611,18 @@ def full_iteration_run(backend, device, bad, graphed: bool, warmup: int = 3):
             continue  # the eager reference never takes the step
         scale = torch.tensor(float("nan") if nan else 1.0, device=device)
         step((x, y, scale))
-    return model, opt, step
+    return model, opts, step
 
 
+@pytest.mark.parametrize("optimizers", [1, 2])
 @pytest.mark.parametrize("k", [0, 2, 5], ids=["first_step", "warmup", "replay"])
-def test_full_iteration_skips_nonfinite_bitwise(backend, device, k):
-    model, opt, step = full_iteration_run(backend, device, {k}, graphed=True)
-    ref_model, ref_opt, _ = full_iteration_run(backend, device, {k}, graphed=False)
+def test_full_iteration_skips_nonfinite_bitwise(backend, device, k, optimizers):
+    """A NaN step skips every optimizer's step, and counts as one skipped step."""
+    model, opts, step = full_iteration_run(backend, device, {k}, True, optimizers=optimizers)
+    ref_model, ref_opts, _ = full_iteration_run(backend, device, {k}, False, optimizers=optimizers)
     assert step.num_graphs == 1
-    assert_same_training_state(model, opt, ref_model, ref_opt)
+    for opt, ref_opt in zip(opts, ref_opts, strict=True):
+        assert_same_training_state(model, opt, ref_model, ref_opt)
     assert step.skipped_steps == 1
 
 
