@@ -169,17 +169,19 @@ def test_a_gradient_a_loop_variable_keeps_costs_at_most_one_eager_call(backend, 
     """``last = p.grad`` kept until the next step's backward: with the storage swap it moves out
     and every call replays; without it (PyTorch < 2.13) the next call runs eagerly once (the
     kept tensor is not ``.grad`` any more, so it cannot be re-pointed), and from then on the
-    unit hands autograd copies and replays. Every gradient equals eager's."""
+    unit hands autograd copies and replays. Every gradient equals eager's, and the kept one
+    still has its values after the next step."""
     mod, eager, x = _scaled_pair(backend, device, strict=False)
     seen = {}
     for m in (mod, eager):
-        seen[m] = []
+        seen[m], last = [], None
         for scale in (1.0, 2.0, 3.0, 4.0, 5.0):
             m(scale * x).sum().backward()
-            last = m.lin.weight.grad  # held across the next forward
+            if last is not None:  # the next step ran: the kept gradient has its values still
+                torch.testing.assert_close(last, seen[m][-1], rtol=0, atol=0)
+            last = m.lin.weight.grad  # held across the next forward and backward
             m.zero_grad(set_to_none=True)
             seen[m].append(last.clone())
-        assert last is not None
     for got, want in zip(seen[mod], seen[eager], strict=True):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     assert tgraph.eager_calls() == (0 if swaps else 1)

@@ -121,6 +121,61 @@ def test_megatron_protocol_skips_nonfinite_bitwise(backend, device):
     assert graph.skipped_steps == 1
 
 
+def _rebuild_grad_buffers(model, how: str, keep: list) -> None:
+    """megatron DDP's grad buffers made anew after capture: new ``main_grad`` tensors (the
+    buffers rebuilt), or the same tensors on new memory (as offloading the buffers and
+    restoring them leaves them: ``grad_data.storage().resize_(0)``, later ``resize_(n)``).
+    Here the tensors are re-pointed with ``set_`` and ``keep`` holds the old memory, so a graph
+    that still read it would read stale gradients, not freed memory."""
+    for p in model.parameters():
+        if how == "new_tensors":
+            p.main_grad = torch.zeros_like(p.main_grad)
+        else:
+            keep.append(p.main_grad.detach())
+            p.main_grad.set_(torch.zeros_like(p.main_grad))
+
+
+@pytest.mark.parametrize("how", ["new_tensors", "same_tensors_new_memory"])
+def test_a_rebuilt_main_grad_buffer_is_refused(backend, device, how):
+    """The graph reads main_grad at the addresses it was captured with: after the DDP grad
+    buffers were made anew, a step raises, naming it, and takes nothing; after reset() the
+    same gradients step as megatron's would (the stand-in's step, eagerly)."""
+    from tgraph.integrations import megatron as tm
+
+    runs = {}
+    for mode in ("graph", "graph_safe_eager"):
+        model = make_model(device)
+        mopt = FakeFP32Optimizer(model, device, clip_grad=0.05)
+        graph = tm.MegatronOptimizerGraph(mopt, backend=backend) if mode == "graph" else None
+        keep: list[torch.Tensor] = []
+        for i, (x, y) in enumerate(make_batches(device, 5)):
+            if i == 3:
+                _rebuild_grad_buffers(model, how, keep)
+            for p in model.parameters():
+                p.main_grad.zero_()  # megatron DDP's zero_grad_buffer()
+            loss = model(x, y)[1]
+            for p, g in zip(
+                model.parameters(), torch.autograd.grad(loss, list(model.parameters()))
+            ):
+                p.main_grad.add_(g)  # megatron DDP's hooks
+            if mode == "graph_safe_eager":
+                tm.graph_safe_step(mopt)
+            elif i == 3:
+                assert graph.captured
+                before = [p.detach().clone() for p in model.parameters()]
+                with pytest.raises(ValueError, match="main_grad moved since capture"):
+                    graph.step(loss)
+                for p, b in zip(model.parameters(), before):
+                    torch.testing.assert_close(p, b, rtol=0, atol=0)  # nothing stepped
+                graph.reset()
+                graph.step(loss)
+            else:
+                graph.step(loss)
+            mopt.zero_grad()
+        runs[mode] = model, mopt.optimizer
+    assert_same_training_state(*runs["graph"], *runs["graph_safe_eager"])
+
+
 # -- megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params) on a CPU stand-in ------
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 from optimizer_models import (
     LR,
     STEPS,
+    TOL,
     assert_same_training_state,
     make_batches,
     make_model,
@@ -99,6 +101,55 @@ def test_a_skipped_step_restores_what_a_step_writes_not_the_hyperparameters(back
     group = opt.param_groups[0]
     assert isinstance(group["lr"], torch.Tensor) and id(group["lr"]) not in held
     assert id(group["step"]) in held
+
+
+class EMAOptimizerGraph(tgraph.OptimizerGraph):
+    """An extension whose step also moves an average of the weights (a tensor the optimizer
+    does not own): it names it in ``protected_tensors``, so a skipped step leaves it as is."""
+
+    def __init__(self, optimizer, **kwargs) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.ema = [p.detach().clone() for p in self.params()]
+
+    def protected_tensors(self) -> list[torch.Tensor]:
+        return self.ema
+
+    def inner_step(self) -> None:
+        super().inner_step()
+        torch._foreach_lerp_(self.ema, self.params(), 0.25)
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw", "group_step"])
+def test_a_skipped_step_restores_the_protected_tensors(backend, device, opt_kind, replays):
+    """A NaN step at a replay: the extension's average stays where it was, as in an eager run
+    that never took the step, whether the skip snapshots and selects (``group_step``) or the
+    fused kernels skip the update themselves (``found_inf``: fused SGD on both backends, fused
+    AdamW on the CPU)."""
+    bad = 5
+    model = make_model(device)
+    graph = EMAOptimizerGraph(
+        make_optimizer(model, device, opt_kind), skip_nonfinite=True, backend=backend
+    )
+    ref_model = make_model(device)
+    ref_opt = make_optimizer(ref_model, device, opt_kind)
+    ref_ema = [p.detach().clone() for p in ref_model.parameters()]
+    for i, (x, y) in enumerate(make_batches(device)):
+        kind = "grad_nan" if i == bad else None
+        plant(kind, model, model(x, y)[1]).backward()
+        graph.step()
+        plant(kind, ref_model, ref_model(x, y)[1]).backward()
+        if i != bad:
+            ref_opt.step()
+            with torch.no_grad():
+                torch._foreach_lerp_(ref_ema, list(ref_model.parameters()), 0.25)
+        ref_opt.zero_grad(set_to_none=True)
+    assert graph.captured and graph.skipped_steps == 1
+    way = "snapshot" if opt_kind == "group_step" else expected_way(device, opt_kind)
+    assert graph.guard.last_way == way
+    assert replays[0] == STEPS - 2 + (backend == "cuda")  # the NaN step was a replay
+    assert_same_training_state(model, graph.optimizer, ref_model, ref_opt)
+    for k, (got, want) in enumerate(zip(graph.ema, ref_ema, strict=True)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"protected tensor {k}")
 
 
 def test_planted_unmasked_update_is_caught(backend, device, monkeypatch):
@@ -362,6 +413,51 @@ def test_kept_gradients_beside_the_optimizer_graph_are_never_overwritten(
         tgraph.disable(model)
 
 
+def test_a_gradient_kept_in_a_loop_variable_beside_the_optimizer_graph_keeps_its_values(
+    backend, device, swaps, replays
+):
+    """``last = weight.grad`` kept across the next step, no hook: with the storage swap the
+    replays move it out of the graphs' memory; without it (PyTorch < 2.13) the ledger cannot
+    re-point it (it is not ``.grad`` any more), so the next step's layer calls run eagerly,
+    and the optimizer graph, whose step would copy the (now eager) gradients into the memory
+    ``last`` views, runs that step eagerly too. ``last`` keeps its values, training equals
+    eager, and once ``last`` is let go everything replays again."""
+    model, opt, graph, ref, ref_opt = _layers_and_optimizer_graph(backend, device, strict=False)
+    last = {}
+    try:
+        for i, (x, y) in enumerate(make_batches(device)):
+            for m, o, step in ((model, opt, graph.step), (ref, ref_opt, ref_opt.step)):
+                m(x, y)[1].backward()
+                grad = m.h[0].mlp.c_fc.weight.grad
+                step()
+                o.zero_grad(set_to_none=True)
+                if m in last:
+                    kept, values = last[m]
+                    torch.testing.assert_close(
+                        kept,
+                        values,
+                        rtol=0,
+                        atol=0,
+                        msg=lambda why, i=i: f"kept gradient changed at step {i}: {why}",
+                    )
+                last[m] = (grad, grad.clone())  # kept until the next step has run
+            if i == 0:
+                tgraph.create_graphs()
+        assert graph.captured
+        torch.testing.assert_close(*last[model], rtol=0, atol=0)
+        torch.testing.assert_close(last[model][0], last[ref][0], **TOL)
+        assert_same_training_state(model, opt, ref, ref_opt, exact=False)
+        del last, kept, grad
+        before, replays[0] = tgraph.eager_calls(), 0
+        model(*make_batches(device, 1)[0])[1].backward()
+        graph.step()
+        assert tgraph.eager_calls() == before  # the layers replayed ...
+        assert replays[0] == 3  # ... their stack's forward and backward, and the step
+    finally:
+        tgraph.reset()
+        tgraph.disable(model)
+
+
 @pytest.mark.parametrize("at_replay", [1, 3])
 def test_a_gradient_the_graph_never_steps_is_refused_at_any_replay(backend, device, at_replay):
     """A parameter had no gradient at capture, so the graph never steps it. When it gets one,
@@ -442,17 +538,66 @@ def test_bad_arguments():
 # -- FullIterationGraph(skip_nonfinite=True) ---------------------------------------------------
 
 
-def full_iteration_run(backend, device, bad, graphed: bool, warmup: int = 3):
+def two_optimizers(model, device) -> list[torch.optim.Optimizer]:
+    """The blocks' parameters step with one AdamW, the others with another."""
+    blocks = {id(p) for p in model.h.parameters()}
+    groups = [
+        [p for p in model.parameters() if (id(p) in blocks) == in_blocks]
+        for in_blocks in (True, False)
+    ]
+    return [make_optimizer(nn.ParameterList(g), device) for g in groups]
+
+
+class TwoOptimizerGraph(tgraph.OptimizerGraph):
+    """An extension that steps several optimizers as one step."""
+
+    def __init__(self, optimizers, **kwargs) -> None:
+        self._all = list(optimizers)
+        super().__init__(self._all[0], **kwargs)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self._all)
+
+    def inner_step(self) -> None:
+        for opt in self._all:
+            opt.step()
+
+
+def test_optimizer_graph_counts_a_skipped_step_once_for_two_optimizers(backend, device, replays):
+    bad = {3, 5}
+    model, ref_model = make_model(device), make_model(device)
+    graph = TwoOptimizerGraph(two_optimizers(model, device), skip_nonfinite=True, backend=backend)
+    ref_opts = two_optimizers(ref_model, device)
+    for i, (x, y) in enumerate(make_batches(device)):
+        kind = "grad_nan" if i in bad else None
+        plant(kind, model, model(x, y)[1]).backward()
+        graph.step()
+        plant(kind, ref_model, ref_model(x, y)[1]).backward()
+        for opt in ref_opts:
+            if i not in bad:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert graph.captured and replays[0] == STEPS - 2 + (backend == "cuda")
+    assert graph.skipped_steps == len(bad)
+    for opt, ref_opt in zip(graph.optimizers, ref_opts, strict=True):
+        assert_same_training_state(model, opt, ref_model, ref_opt)
+
+
+def full_iteration_run(backend, device, bad, graphed: bool, warmup: int = 3, optimizers: int = 1):
+    """``optimizers=2``: :func:`two_optimizers`."""
     model = make_model(device)
-    opt = make_optimizer(model, device)
+    opts = [make_optimizer(model, device)] if optimizers == 1 else two_optimizers(model, device)
 
     def fn(batch):
         x, y, scale = batch
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss = model(x, y)[1] * scale  # scale 1.0 (exact) or NaN (planted)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        opt.step()
+        for opt in opts:
+            opt.step()
         return loss.detach()
 
     step = (
@@ -466,15 +611,18 @@ def full_iteration_run(backend, device, bad, graphed: bool, warmup: int = 3):
             continue  # the eager reference never takes the step
         scale = torch.tensor(float("nan") if nan else 1.0, device=device)
         step((x, y, scale))
-    return model, opt, step
+    return model, opts, step
 
 
+@pytest.mark.parametrize("optimizers", [1, 2])
 @pytest.mark.parametrize("k", [0, 2, 5], ids=["first_step", "warmup", "replay"])
-def test_full_iteration_skips_nonfinite_bitwise(backend, device, k):
-    model, opt, step = full_iteration_run(backend, device, {k}, graphed=True)
-    ref_model, ref_opt, _ = full_iteration_run(backend, device, {k}, graphed=False)
+def test_full_iteration_skips_nonfinite_bitwise(backend, device, k, optimizers):
+    """A NaN step skips every optimizer's step, and counts as one skipped step."""
+    model, opts, step = full_iteration_run(backend, device, {k}, True, optimizers=optimizers)
+    ref_model, ref_opts, _ = full_iteration_run(backend, device, {k}, False, optimizers=optimizers)
     assert step.num_graphs == 1
-    assert_same_training_state(model, opt, ref_model, ref_opt)
+    for opt, ref_opt in zip(opts, ref_opts, strict=True):
+        assert_same_training_state(model, opt, ref_model, ref_opt)
     assert step.skipped_steps == 1
 
 

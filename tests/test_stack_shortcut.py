@@ -134,6 +134,12 @@ def _positional_mask(i, b, h, kw):
     return b(h, **kw)
 
 
+def _renamed(i, b, h, kw):
+    if i == 2:  # the head's very object at the same position, under another keyword name
+        kw["use_cache"] = kw.pop("flags")
+    return b(h, **kw)
+
+
 def _frozen(i, b, h, kw):
     if i == 2:
         b.lin.bias.requires_grad_(False)
@@ -160,6 +166,21 @@ def test_a_member_called_otherwise_takes_the_long_way(backend, device, name):
     with pytest.warns(tgraph.GraphFallbackWarning, match=reason):
         got = run(model, xs[2], tweak)
     torch.testing.assert_close(got, run(eager, xs[2], tweak), rtol=RTOL, atol=ATOL)
+    same_training(model, eager)
+
+
+def test_a_member_given_the_heads_object_under_another_keyword_takes_the_long_way(backend, device):
+    """Block 2 gets the head's ``flags`` tuple as ``use_cache``: every argument is the head's
+    object at its position, but the call means another thing (``len(flags)`` is 0 there), so the
+    shortcut compares the keyword names and the call runs eagerly, named."""
+    flags = (1,)
+    model, eager, xs = setup(backend, device, flags=flags)
+    torch.testing.assert_close(
+        run(model, xs[1], flags=flags), run(eager, xs[1], flags=flags), rtol=RTOL, atol=ATOL
+    )
+    with pytest.warns(tgraph.GraphFallbackWarning, match="keyword argument 'use_cache'"):
+        got = run(model, xs[2], _renamed, flags=flags)
+    torch.testing.assert_close(got, run(eager, xs[2], _renamed, flags=flags), rtol=RTOL, atol=ATOL)
     same_training(model, eager)
 
 
@@ -190,19 +211,33 @@ def test_planted_requires_grad_bug_is_caught(backend, device, monkeypatch, plant
         test_a_shared_input_made_to_require_grad_between_members_gets_its_gradient(backend, device)
 
 
-@pytest.mark.parametrize("planted", ["modes_unchecked", "any_object_matches"])
+def _matches_by_count(self, stack, prev, args, kwargs):
+    """``Shape.matches`` comparing how many keywords, not their names."""
+    if len(kwargs) != len(self.names):
+        return False
+    return matches(self, stack, prev, args, dict(zip(self.names, kwargs.values())))
+
+
+matches = shortcut.Shape.matches
+
+
+@pytest.mark.parametrize("planted", ["modes_unchecked", "any_object_matches", "names_unchecked"])
 def test_planted_shortcut_bugs_are_caught(backend, device, monkeypatch, planted):
+    flags = ()
     if planted == "modes_unchecked":
         monkeypatch.setattr(shortcut, "same_mode", lambda *a: True)
         tweak = _eval_gate
-    else:
+    elif planted == "any_object_matches":
         monkeypatch.setattr(shortcut.Shape, "matches", lambda *a: True)
         tweak = _other_mask
-    model, eager, xs = setup(backend, device)
-    run(model, xs[1]), run(eager, xs[1])
+    else:
+        monkeypatch.setattr(shortcut.Shape, "matches", _matches_by_count)
+        tweak, flags = _renamed, (1,)
+    model, eager, xs = setup(backend, device, flags=flags)
+    run(model, xs[1], flags=flags), run(eager, xs[1], flags=flags)
     with pytest.raises(AssertionError):
-        got = run(model, xs[2], tweak)
-        torch.testing.assert_close(got, run(eager, xs[2], tweak), rtol=RTOL, atol=ATOL)
+        got = run(model, xs[2], tweak, flags=flags)
+        torch.testing.assert_close(got, run(eager, xs[2], tweak, flags=flags), rtol=RTOL, atol=ATOL)
 
 
 def test_a_shared_input_made_to_require_grad_between_members_gets_its_gradient(backend, device):

@@ -110,10 +110,19 @@ def _scaling(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def _train(model, recipe, *, graphed: bool, steps: int = STEPS, microbatches: int = 1):
+def _train(
+    model,
+    recipe,
+    *,
+    graphed: bool,
+    steps: int = STEPS,
+    microbatches: int = 1,
+    calibrating: bool = False,
+):
     """Steps of AdamW; per step ``microbatches`` forward/backward passes, each in its own
-    ``te.autocast`` (TE's weight caching: ``is_first_microbatch`` when there are several).
-    Returns the losses and, per step, the FP8 scaling state."""
+    ``te.autocast`` (TE's weight caching: ``is_first_microbatch`` when there are several;
+    ``calibrating``: FP8 off, the recipe's amaxes recorded). Returns the losses and, per step,
+    the FP8 scaling state."""
     te = _te()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -122,7 +131,8 @@ def _train(model, recipe, *, graphed: bool, steps: int = STEPS, microbatches: in
         for mb in range(microbatches):
             x = torch.randn(SEQ, BATCH, D, device="cuda", dtype=torch.bfloat16, generator=gen)
             kw = {"is_first_microbatch": mb == 0} if microbatches > 1 else {}
-            with te.autocast(enabled=recipe is not None, recipe=recipe):
+            fp8 = recipe is not None and not calibrating
+            with te.autocast(enabled=fp8, calibrating=calibrating, recipe=recipe):
                 y = x
                 for blk in model:
                     y = blk(y, **kw)
@@ -137,14 +147,14 @@ def _train(model, recipe, *, graphed: bool, steps: int = STEPS, microbatches: in
     return torch.stack(losses), scaling
 
 
-def _pair(kind: str, recipe_name: str, microbatches: int = 1, n: int = 3):
+def _pair(kind: str, recipe_name: str, microbatches: int = 1, n: int = 3, **kw):
     eager = _model(kind, n)
     graphed = copy.deepcopy(eager)
     tgraph.enable(graphed, strict=True)
     recipe = _recipe(recipe_name)
     try:
-        want = _train(eager, recipe, graphed=False, microbatches=microbatches)
-        got = _train(graphed, recipe, graphed=True, microbatches=microbatches)
+        want = _train(eager, recipe, graphed=False, microbatches=microbatches, **kw)
+        got = _train(graphed, recipe, graphed=True, microbatches=microbatches, **kw)
     finally:
         tgraph.reset()
         tgraph.disable(graphed)
@@ -190,6 +200,29 @@ def test_fp8_graphs_cast_weights_whatever_weight_caching_left_behind():
         _assert_equal(*_pair("linear", "delayed"))
     finally:
         FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)
+
+
+def test_fp8_calibration_equal_eager():
+    """A calibrating region (high precision, the amaxes recorded for a later FP8 run) is
+    captured in it: every replay records them as eager does."""
+    _assert_equal(*_pair("linear", "delayed", calibrating=True))
+
+
+def test_fp8_calibrating_call_finds_no_high_precision_graph():
+    """A graph captured outside any te.autocast region records no amax: a calibrating call of
+    the same arguments finds no graph, and strict mode says so."""
+    te = _te()
+    model = _model("linear", 2)
+    tgraph.enable(model, strict=True)
+    try:
+        _train(model, None, graphed=True, steps=2)
+        x = torch.randn(SEQ, BATCH, D, device="cuda", dtype=torch.bfloat16)
+        with te.autocast(enabled=False, calibrating=True, recipe=_recipe("delayed")):
+            with pytest.raises(tgraph.GraphFallbackError, match="autocast changed"):
+                model[0](x)
+    finally:
+        tgraph.reset()
+        tgraph.disable(model)
 
 
 def test_fp8_planted_scale_update_out_of_the_replay_is_seen(monkeypatch):

@@ -275,13 +275,22 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
                 "MegatronOptimizerGraph: no parameter has main_grad; wrap the model in "
                 "megatron-core's DistributedDataParallel (its grad buffers have fixed addresses)"
             )
+        self._grad_ptrs = [g.data_ptr() for _, g in pairs]  # the addresses the graph reads
         return pairs, []
 
     def refresh_grads(self) -> None:
-        """Nothing to copy; refuse a ``main_grad`` that moved since the capture."""
-        for p, g in self.bound_grads:
-            if p.main_grad is not g:
+        """Nothing to copy; refuse a ``main_grad`` that moved since the capture: another
+        tensor, or the same tensor on other memory (megatron DDP's grad buffer freed and
+        allocated again, as offloading it and restoring it does: ``grad_data.storage().
+        resize_``), where the graph would read memory that is no longer the gradient.
+
+        Raises:
+            ValueError: a ``main_grad`` moved; the step is not taken (call :meth:`reset`).
+        """
+        for (p, g), ptr in zip(self.bound_grads, self._grad_ptrs):
+            if p.main_grad is not g or g.data_ptr() != ptr:
                 raise ValueError(
-                    "MegatronOptimizerGraph: a parameter's main_grad moved since capture (the DDP "
-                    "grad buffer was rebuilt?); call reset() to capture anew"
+                    f"MegatronOptimizerGraph: the {tuple(p.shape)} parameter's main_grad moved "
+                    "since capture (the DDP grad buffer was rebuilt, or freed and allocated "
+                    "again), so the graph would read stale memory; call reset() to capture anew"
                 )
