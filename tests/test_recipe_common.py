@@ -159,10 +159,51 @@ def test_resume_latest_without_steps_continues_to_the_runs_total_bit_for_bit(
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("out", ["", "."])
-def test_out_that_names_no_run_directory_is_refused(recipe, out, capsys):
-    assert main(recipe, f"--out={out}") == 2
+@pytest.mark.parametrize("out", ["", ".", "./", "runs/.."])
+def test_out_that_names_no_run_directory_is_refused(recipe, out, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a recipe that took it would write here, not into the checkout
+    assert main(recipe, f"--out={out}", "--steps=2") == 2
     assert "out=" in one_line_error(capsys)
+
+
+def tree(out: Path) -> dict[str, bytes]:
+    """Every file under ``out`` and its bytes."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_fresh_run_into_a_directory_of_run_files_without_checkpoints_is_refused(
+    recipe, tmp_path, capsys
+):
+    """Before: a fresh run silently replaced the user's config.json, summary.json, metrics.jsonl
+    and loss.png (no checkpoint there, so nothing was refused)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name in ("config.json", "summary.json", "metrics.jsonl", "loss.png"):
+        (out / name).write_text(f"the user's {name}\n")
+    before = tree(out)
+    assert main(recipe, f"--out={out}", "--steps=2") == 2
+    err = one_line_error(capsys)
+    assert f"{out} already holds a run's files" in err and "empty or new --out" in err, err
+    assert tree(out) == before
+    assert main(recipe, f"--out={out}", "--steps=2", "--overwrite") == 0  # asked for: replaced
+    assert ckpts(out) == ["step_000002"]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_model_directory_given_as_out_is_never_written(recipe, finished, tmp_path, capsys):
+    """A checkpoint directory (transformers' save_pretrained output for train_hf) as --out:
+    refused, with or without --overwrite, and it still loads afterwards."""
+    model_dir = shutil.copytree(finished / "checkpoints" / "step_000004", tmp_path / "model")
+    before = tree(model_dir)
+    capsys.readouterr()
+    for extra in ([], ["--overwrite"]):
+        assert main(recipe, f"--out={model_dir}", "--steps=2", *extra) == 2
+        err = one_line_error(capsys)
+        assert f"--out {model_dir} is not empty and holds files this recipe did not write" in err
+        assert "model.safetensors" in err and "empty or new --out" in err, err
+    assert tree(model_dir) == before
+    model = spec_of(recipe).build(recipe.parse_config([*TINY]), torch.device("cpu"))
+    spec_of(recipe).load_weights(model, model_dir)  # verified against its manifest: intact
 
 
 def test_out_holding_another_run_is_refused(recipe, finished, tmp_path, capsys):

@@ -106,7 +106,7 @@ def test_rerun_into_an_existing_out_is_refused(finished, tmp_path):
     before = params(out / "checkpoints" / "step_000008")
     with pytest.raises(tg.RunDirectoryError, match="already holds a run") as err:
         tg.train(cfg(out, steps=4))
-    for hint in ("--resume latest", "--steps N", "another --out", "--overwrite"):
+    for hint in ("--resume latest", "--steps N", "empty or new --out", "--overwrite"):
         assert hint in str(err.value)
     assert ckpts(out) == ["step_000004", "step_000008"] and latest(out) == "step_000008"
     assert_same(params(out / "checkpoints" / "step_000008"), before)  # untouched

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -162,7 +163,7 @@ class JobConfig(RunOnly):
         # ``steps`` only moves where the run stops: the learning-rate schedule keeps the horizon
         # of the run's first start (see optim.lr_at), so a resumed run computes the same numbers.
         super().__post_init__()
-        if self.out.strip() in ("", "."):
+        if os.path.normpath(self.out.strip() or ".") == ".":  # ".", "./", "a/..": here
             raise self._invalid("out", "name a run directory of its own (e.g. runs/my_run)")
         if self.steps is not None:
             self._check_counts(("steps",))
