@@ -50,9 +50,15 @@ from gpt_training.config import (
     RunOnly,
     StepConfig,
 )
-from gpt_training.spec import ModelError, ModelSpec, load_verified, read_manifest, write_manifest
+from gpt_training.spec import (
+    ModelError,
+    ModelSpec,
+    load_verified_into,
+    read_manifest,
+    write_manifest,
+)
 
-from tgraph.toy.checkpoint import CheckpointError, unwrap
+from tgraph.toy.checkpoint import unwrap
 
 VOCAB = 256  # the corpus is bytes
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2)
@@ -222,22 +228,7 @@ class HFSpec(ModelSpec):
         return read_manifest(Path(directory)).get("extra")
 
     def load_weights(self, model, directory):
-        state = load_verified(Path(directory))
-        target = unwrap(model)
-        own = target.state_dict()
-        shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
-        unexpected = sorted(state.keys() - own.keys())
-        if shapes or unexpected:
-            raise CheckpointError(
-                f"checkpoint {directory} does not match the model of this run: unexpected keys "
-                f"{unexpected}, shape mismatches {sorted(shapes)}"
-            )
-        target.load_state_dict(state, strict=False)
-        # save_pretrained leaves out tied weights (gpt2's lm_head): they share a loaded tensor
-        loaded = {own[k].data_ptr() for k in state}
-        missing = sorted(k for k in own.keys() - state.keys() if own[k].data_ptr() not in loaded)
-        if missing:
-            raise CheckpointError(f"checkpoint {directory} lacks the weights {missing}")
+        load_verified_into(unwrap(model), Path(directory))
 
     def resolved(self, cfg, model):
         return {"transformers_config": json.loads(unwrap(model).config.to_json_string())}
