@@ -166,6 +166,17 @@ def test_out_that_names_no_run_directory_is_refused(recipe, out, tmp_path, monke
     assert "out=" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("flag", ["--beta1=1.0", "--beta2=-0.1", "--beta2=nan"])
+def test_adam_betas_out_of_range_are_one_line_before_anything_is_written(
+    recipe, flag, tmp_path, capsys
+):
+    """Before: a traceback from torch.optim.AdamW, and an empty run directory left behind."""
+    out = tmp_path / "run"
+    assert main(recipe, f"--out={out}", flag) == 2
+    name = flag[2:7]
+    assert f"{name}=" in one_line_error(capsys) and not out.exists()
+
+
 def tree(out: Path) -> dict[str, bytes]:
     """Every file under ``out`` and its bytes."""
     return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}

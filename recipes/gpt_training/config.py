@@ -141,6 +141,9 @@ class OptimizerConfig(ConfigGroup):
             raise self._invalid(
                 "grad_clip" if self.grad_clip < 0 else "weight_decay", "use 0 or more"
             )
+        for name in ("beta1", "beta2"):  # AdamW's own range, checked before anything runs
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise self._invalid(name, f"use 0 <= {name} < 1 (AdamW's range)")
 
 
 # --- run-only groups: may change when a run resumes ----------------------------------------------

@@ -44,6 +44,10 @@ class ModelSpec:
     manifest_name = MANIFEST_NAME  # the file recording the checksums
     clip_in_optimizer_order = False  # sum the gradient norm in the optimizer's parameter order
 
+    def check(self, cfg) -> None:
+        """Refuse a model ``cfg`` cannot build with :class:`ModelError`; the trainer calls it
+        before it writes anything (default: every config the command line accepts builds)."""
+
     def build(self, cfg, device: torch.device) -> torch.nn.Module:
         """The model of ``cfg`` on ``device``, in training mode (the trainer seeds torch first)."""
         raise NotImplementedError

@@ -189,6 +189,7 @@ def _every(n: int, done: int) -> bool:
 
 def _setup(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> Run:
     """Everything before the first step: resume, build, the step, ``config.json``, metrics."""
+    spec.check(cfg)  # a model that cannot be built is refused before --out is touched
     cfg, state, resume_dir = _resume(cfg, env, spec)
     start = state["step"] if state else 0
     # The cosine horizon of the run's first start, kept by every resume (see optim.lr_at).
