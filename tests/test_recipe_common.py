@@ -9,9 +9,11 @@ checkpoint; the run directory gets metrics, summary and plot; torchrun runs two 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -253,7 +255,9 @@ def test_nonfinite_loss_stops_before_a_checkpoint(recipe, tmp_path, monkeypatch,
     assert ckpts(out) == ["step_000002"]
 
 
-def test_ctrl_c_writes_a_checkpoint_and_stops(recipe, tmp_path, monkeypatch):
+def test_ctrl_c_writes_a_checkpoint_and_stops(recipe, tmp_path, monkeypatch, capsys):
+    """The hint it prints is a command line that continues the run: before, it left out the
+    model flags, so following it failed for any size but the default."""
     real, calls = BatchSampler.next, [0]
 
     def next_with_ctrl_c(self):
@@ -267,6 +271,14 @@ def test_ctrl_c_writes_a_checkpoint_and_stops(recipe, tmp_path, monkeypatch):
     assert main(recipe, f"--out={out}", "--steps=8") == 130
     assert ckpts(out) == ["step_000002", "step_000003"]
     assert os.readlink(out / "checkpoints" / "latest") == "step_000003"
+    hint = shlex.split(one_line_error(capsys).split("Continue with ")[1])
+    assert "--n-layer" in hint and "--n-embd" in hint and "--block-size" in hint, hint
+    ran, told = recipe.parse_config([*TINY, f"--out={out}"]), recipe.parse_config(hint)
+    must_match = ran.run_only_fields() ^ {f.name for f in dataclasses.fields(ran)}
+    assert {k: getattr(told, k) for k in must_match} == {k: getattr(ran, k) for k in must_match}
+    monkeypatch.setattr(BatchSampler, "next", real)
+    assert recipe.main(hint) in (None, 0)  # followed as printed: the run continues to its end
+    assert ckpts(out)[-1] == "step_000008"
 
 
 def test_hf_checkpoint_loads_with_from_pretrained(tmp_path, monkeypatch):

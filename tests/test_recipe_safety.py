@@ -341,7 +341,11 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(finished, tmp_path, monk
         return real_next(self)
 
     monkeypatch.setattr(BatchSampler, "next", next_with_ctrl_c)
-    hint = r"after step 3: saved .*step_000003\. Continue with --out .* --resume latest --steps 8$"
+    hint = (
+        r"after step 3: saved .*step_000003\. Continue with --out .* --resume latest --steps 8 "
+        r"--block-size 32 --n-layer 2 --n-head 2 --n-embd 32 --batch-size 4 --lr 0\.01 "
+        r"--min-lr 0\.001 --warmup-steps 2$"
+    )
     with pytest.raises(tg.TrainingInterrupted, match=hint) as err:
         tg.train(cfg(out))
     monkeypatch.undo()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -257,6 +258,21 @@ class RunConfig:
         return frozenset(
             f.name for g in cls.groups() if issubclass(g, RunOnly) for f in dataclasses.fields(g)
         )
+
+    def model_flags(self) -> str:
+        """The command-line flags that give a resume this run's numbers: every field outside the
+        run-only groups whose value is not the recipe's default (``--n-layer 2 --lr 0.01``)."""
+        flags = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in self.run_only_fields() or value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + flag[2:])
+            else:
+                flags.append(f"{flag} {shlex.quote(str(value))}")
+        return " ".join(flags)
 
     def with_steps(self, checkpoint_steps: int | None):
         """This config with ``steps`` set: as given, else the resumed checkpoint's total
