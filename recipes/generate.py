@@ -159,7 +159,10 @@ def _generate(args: argparse.Namespace, parser: OneLineErrorParser) -> list[str]
         model, max_seq_len, eos_token_id, label = hf_serving.prepare(args, parser, path)
     else:
         try:
-            model = checkpoint.load(path, device=args.device)
+            # a training recipe's checkpoint is verified, as its resume is
+            model = checkpoint.load(
+                path, device=args.device, require_checksums=hf_serving.is_recipe_checkpoint(path)
+            )
             _, extra = checkpoint.read_config(path)
         except (CheckpointError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -10,6 +10,12 @@ checkpoint's tokenizer when the directory has one (``tokenizer.json`` or
 as tgraph's corpus is). Generation stops at ``--eos-token-id``, else at the EOS of the
 checkpoint's ``generation_config.json`` when it names one.
 
+A checkpoint of ``recipes/train_hf.py`` (its ``checkpoint.json`` manifest or ``trainer.pt`` beside
+the weights) is served only once every tensor matches the sha256 its manifest records, as a resume
+checks it (``gpt_training.spec.load_verified_into``): damaged weights, or a manifest missing, are
+refused in one line (exit code 1). A ``save_pretrained`` directory of another origin carries no
+checksums and is served as it is.
+
 transformers is imported only when such a directory is served.
 """
 
@@ -41,21 +47,53 @@ def load(path: Path, device: str):
     """The checkpoint's model and tokenizer (None without tokenizer files) as a decoder.
 
     Raises:
-        SystemExit: code 1 with one line when transformers cannot load the directory.
+        SystemExit: code 1 with one line when transformers cannot load the directory, or a
+            recipe's checkpoint does not verify.
     """
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         from tgraph.integrations.transformers_decode import TransformersDecoder
     except ImportError as e:
         _fail(f"{path} is a transformers checkpoint: {e}")
+    hf_logging.disable_progress_bar()  # from_pretrained's bar: the output is samples and one line
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        if is_recipe_checkpoint(path):
+            _verify(model, path)
+        model = model.to(device)
         has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
         return TransformersDecoder(model, tokenizer)
     except (OSError, ValueError, TypeError, KeyError) as e:
         _fail(f"cannot serve {path}: {type(e).__name__}: {str(e).splitlines()[0]}")
+
+
+def is_recipe_checkpoint(path: Path) -> bool:
+    """True for a checkpoint the training recipes wrote: a manifest or ``trainer.pt`` is there."""
+    from gpt_training.spec import MANIFEST_NAME
+
+    return (path / MANIFEST_NAME).is_file() or (path / "trainer.pt").is_file()
+
+
+def _verify(model, path: Path) -> None:
+    """Replace ``model``'s weights by the checkpoint's, each checked against its manifest.
+
+    Raises:
+        SystemExit: code 1 with one line, for a missing manifest or a damaged weight.
+    """
+    from gpt_training.spec import load_verified_into
+
+    from tgraph.toy.checkpoint import CheckpointError
+
+    try:
+        load_verified_into(model, path)
+    except FileNotFoundError as e:
+        _fail(f"cannot serve {path}: {e}, so its weights cannot be verified; serve another "
+              "checkpoint of the run (--ckpt DIR)")  # fmt: skip
+    except CheckpointError as e:
+        _fail(f"cannot serve {path}: {e}; serve another checkpoint of the run (--ckpt DIR)")
 
 
 def _fail(message: str):

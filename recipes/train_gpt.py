@@ -16,8 +16,9 @@ iterations replay); ``full`` captures forward, backward, all-reduce and AdamW as
 config), each written to a temporary directory and renamed into place, so a killed run leaves
 only complete checkpoints; ``checkpoints/latest`` links the newest checkpoint of the current run.
 
-A run never loses a trained model: a fresh run into an ``--out`` that already holds checkpoints is
-refused (continue it with ``--resume latest``, pick another ``--out``, or pass ``--overwrite``);
+A run never loses a trained model or a file of yours: a fresh run into an ``--out`` that is not
+empty is refused (continue it with ``--resume latest``, pick an empty or new ``--out``, or pass
+``--overwrite``; files no run wrote, such as a model's, are refused even then);
 a non-finite loss stops the run before any checkpoint is written (``--on-nonfinite skip`` skips
 such steps instead); every checkpoint records the sha256 of its tensors and of ``trainer.pt``,
 verified on resume; Ctrl-C finishes the current step, writes a checkpoint and exits.

@@ -50,9 +50,15 @@ from gpt_training.config import (
     RunOnly,
     StepConfig,
 )
-from gpt_training.spec import ModelError, ModelSpec, load_verified, read_manifest, write_manifest
+from gpt_training.spec import (
+    ModelError,
+    ModelSpec,
+    load_verified_into,
+    read_manifest,
+    write_manifest,
+)
 
-from tgraph.toy.checkpoint import CheckpointError, unwrap
+from tgraph.toy.checkpoint import unwrap
 
 VOCAB = 256  # the corpus is bytes
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2)
@@ -98,6 +104,22 @@ class HFModelConfig(ConfigGroup):
             raise self._invalid("arch", f"use one of {', '.join(sorted(ARCHS))}")
         if self.n_embd % self.n_head:
             raise self._invalid("n_head", f"it must divide n_embd={self.n_embd}")
+        if self.config and _names_a_local_path(self.config) and not Path(self.config).exists():
+            # transformers would look a missing file up on the Hub (offline: retries, ~45 s)
+            raise self._invalid(
+                "config", "no such file; pass the path of a transformers config.json"
+            )
+
+
+def _names_a_local_path(name: str) -> bool:
+    """Whether ``--config name`` means a file here rather than a Hub model id ("org/name"): it
+    ends in .json, starts like a path, has more than one "/", or its directory exists."""
+    return (
+        name.endswith(".json")
+        or name.startswith((".", "/"))
+        or name.count("/") > 1
+        or ("/" in name and Path(name).parent.is_dir())
+    )
 
 
 @dataclass(kw_only=True)
@@ -149,11 +171,19 @@ def build_config(cfg: HFTrainConfig):
         try:
             hf = AutoConfig.from_pretrained(cfg.config)
         except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelError(
-                f"--config {cfg.config} cannot be read as a transformers config: {e}"
+                f"--config {cfg.config} cannot be read as a transformers config: {first}"
             ) from e
         if hf.vocab_size < VOCAB:
             raise ModelError(f"--config {cfg.config}: vocab_size {hf.vocab_size} < {VOCAB} (bytes)")
+        positions = getattr(hf, "max_position_embeddings", None)
+        if positions is not None and positions < cfg.block_size:
+            raise ModelError(
+                f"--config {cfg.config}: max_position_embeddings {positions} < --block-size "
+                f"{cfg.block_size}; pass --block-size {positions} or less, or raise "
+                "max_position_embeddings in the config"
+            )
         return hf
     model_type, extra = ARCHS[cfg.arch]
     kw = dict(
@@ -183,6 +213,9 @@ class HFSpec(ModelSpec):
     title = plot_name = "transformers causal LM"
     recipe = "recipes/train_hf.py"
     clip_in_optimizer_order = True  # eager clipping sums the norm as OptimizerGraph does
+
+    def check(self, cfg):
+        build_config(cfg)
 
     def build(self, cfg, device):
         from transformers import AutoModelForCausalLM
@@ -222,22 +255,7 @@ class HFSpec(ModelSpec):
         return read_manifest(Path(directory)).get("extra")
 
     def load_weights(self, model, directory):
-        state = load_verified(Path(directory))
-        target = unwrap(model)
-        own = target.state_dict()
-        shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
-        unexpected = sorted(state.keys() - own.keys())
-        if shapes or unexpected:
-            raise CheckpointError(
-                f"checkpoint {directory} does not match the model of this run: unexpected keys "
-                f"{unexpected}, shape mismatches {sorted(shapes)}"
-            )
-        target.load_state_dict(state, strict=False)
-        # save_pretrained leaves out tied weights (gpt2's lm_head): they share a loaded tensor
-        loaded = {own[k].data_ptr() for k in state}
-        missing = sorted(k for k in own.keys() - state.keys() if own[k].data_ptr() not in loaded)
-        if missing:
-            raise CheckpointError(f"checkpoint {directory} lacks the weights {missing}")
+        load_verified_into(unwrap(model), Path(directory))
 
     def resolved(self, cfg, model):
         return {"transformers_config": json.loads(unwrap(model).config.to_json_string())}

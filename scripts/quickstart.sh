@@ -11,7 +11,7 @@
 #
 # Writes <out>/{config.json,metrics.jsonl,loss.png,summary.json,checkpoints/}, by default under
 # runs/quickstart/. A second plain run into a directory that holds a run is refused (one line
-# naming --resume latest, another --out and --overwrite): a trained model is never overwritten.
+# naming --resume latest, an empty or new --out and --overwrite): nothing is overwritten.
 # Ctrl-C during training writes a checkpoint of the last finished step and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."

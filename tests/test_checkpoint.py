@@ -187,18 +187,24 @@ def test_damaged_tensor_bytes_are_detected(tmp_path):
         checkpoint.load_into(tiny_gpt(), tmp_path)
 
 
-def test_checkpoint_without_checksums_still_loads(tmp_path):
+@pytest.mark.parametrize("entry", ["removed", "null"])
+def test_checkpoint_without_checksums_still_loads(tmp_path, entry):
     """Checkpoints written before checksums existed load unverified, unless checksums are
-    required."""
+    required (a null entry records none either)."""
     model = tiny_gpt()
     checkpoint.save(model, tmp_path)
     path = tmp_path / "config.json"
     data = json.loads(path.read_text())
-    del data["sha256"]
+    if entry == "removed":
+        del data["sha256"]
+    else:
+        data["sha256"] = None
     path.write_text(json.dumps(data))
     assert_same_weights(model, checkpoint.load(tmp_path))
     with pytest.raises(CheckpointError, match="records no sha256 checksums"):
         checkpoint.load_into(tiny_gpt(), tmp_path, require_checksums=True)
+    with pytest.raises(CheckpointError, match="records no sha256 checksums"):
+        checkpoint.load(tmp_path, require_checksums=True)
 
 
 def test_weights_without_a_readable_config_are_refused(tmp_path):

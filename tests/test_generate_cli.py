@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shlex
@@ -184,3 +185,72 @@ def test_command_line_error_exit_code(run_dir):
     assert proc.stderr.strip().endswith(
         "--temperature must be 0 (greedy) or more, got -1.0 (see --help)"
     )
+
+
+def _flip_weight_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-6] ^= 0xFF  # two bytes of the last tensor's data: the file still loads
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _expect_refusal(capsys, ckpt: Path, *messages: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        gen.main(["--ckpt", str(ckpt), "--prompt", "ab", "--max-new-tokens", "2", "--no-graphs"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("error: cannot serve "), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for message in messages:
+        assert message in err, err
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path) -> Path:
+    """A checkpoint as recipes/train_hf.py writes it: save_pretrained, the manifest of its
+    tensors' sha256 (gpt_training.spec.write_manifest) and trainer.pt."""
+    transformers = pytest.importorskip("transformers")
+    from gpt_training.spec import write_manifest
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    transformers.LlamaForCausalLM(config).save_pretrained(ckpt)
+    (ckpt / "trainer.pt").write_bytes(b"the optimizer state")
+    write_manifest(ckpt, {"step": 2})
+    return ckpt
+
+
+def test_train_hf_checkpoint_is_served_only_when_its_weights_verify(hf_checkpoint, capsys):
+    """Before: generate served damaged weights, or weights without a manifest, and exited 0;
+    a resume refuses both."""
+    served = generate("--ckpt", str(hf_checkpoint), "--prompt", "ab")
+    assert len(served) == 1 and "(LlamaForCausalLM)" in capsys.readouterr().out
+    weights = hf_checkpoint / "model.safetensors"
+    intact = weights.read_bytes()
+    _flip_weight_bytes(weights)
+    _expect_refusal(capsys, hf_checkpoint, "model.safetensors is corrupt", "checkpoint.json")
+    weights.write_bytes(intact)
+    (hf_checkpoint / "checkpoint.json").unlink()
+    _expect_refusal(capsys, hf_checkpoint, "has no checkpoint.json", "cannot be verified")
+    (hf_checkpoint / "trainer.pt").unlink()  # a save_pretrained directory of another origin
+    assert generate("--ckpt", str(hf_checkpoint), "--prompt", "ab") == served
+
+
+def test_toy_recipe_checkpoint_without_checksums_is_refused(run_dir, tmp_path, capsys):
+    """A train_gpt.py checkpoint (trainer.pt beside the weights) is verified as its resume is:
+    without its tensors' sha256 its damaged weights are refused."""
+    import shutil
+
+    ckpt = Path(shutil.copytree(run_dir / "checkpoints" / "step_000004", tmp_path / "c"))
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["sha256"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    _flip_weight_bytes(ckpt / "model.safetensors")
+    (ckpt / "trainer.pt").write_bytes(b"the optimizer state")
+    with pytest.raises(SystemExit) as exit_info:
+        generate("--ckpt", str(ckpt), "--prompt", "ab")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "records no sha256 checksums" in err, err

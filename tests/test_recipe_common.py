@@ -9,9 +9,11 @@ checkpoint; the run directory gets metrics, summary and plot; torchrun runs two 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -159,10 +161,62 @@ def test_resume_latest_without_steps_continues_to_the_runs_total_bit_for_bit(
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("out", ["", "."])
-def test_out_that_names_no_run_directory_is_refused(recipe, out, capsys):
-    assert main(recipe, f"--out={out}") == 2
+@pytest.mark.parametrize("out", ["", ".", "./", "runs/.."])
+def test_out_that_names_no_run_directory_is_refused(recipe, out, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a recipe that took it would write here, not into the checkout
+    assert main(recipe, f"--out={out}", "--steps=2") == 2
     assert "out=" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("flag", ["--beta1=1.0", "--beta2=-0.1", "--beta2=nan"])
+def test_adam_betas_out_of_range_are_one_line_before_anything_is_written(
+    recipe, flag, tmp_path, capsys
+):
+    """Before: a traceback from torch.optim.AdamW, and an empty run directory left behind."""
+    out = tmp_path / "run"
+    assert main(recipe, f"--out={out}", flag) == 2
+    name = flag[2:7]
+    assert f"{name}=" in one_line_error(capsys) and not out.exists()
+
+
+def tree(out: Path) -> dict[str, bytes]:
+    """Every file under ``out`` and its bytes."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_fresh_run_into_a_directory_of_run_files_without_checkpoints_is_refused(
+    recipe, tmp_path, capsys
+):
+    """Before: a fresh run silently replaced the user's config.json, summary.json, metrics.jsonl
+    and loss.png (no checkpoint there, so nothing was refused)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name in ("config.json", "summary.json", "metrics.jsonl", "loss.png"):
+        (out / name).write_text(f"the user's {name}\n")
+    before = tree(out)
+    assert main(recipe, f"--out={out}", "--steps=2") == 2
+    err = one_line_error(capsys)
+    assert f"{out} already holds a run's files" in err and "empty or new --out" in err, err
+    assert tree(out) == before
+    assert main(recipe, f"--out={out}", "--steps=2", "--overwrite") == 0  # asked for: replaced
+    assert ckpts(out) == ["step_000002"]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_model_directory_given_as_out_is_never_written(recipe, finished, tmp_path, capsys):
+    """A checkpoint directory (transformers' save_pretrained output for train_hf) as --out:
+    refused, with or without --overwrite, and it still loads afterwards."""
+    model_dir = shutil.copytree(finished / "checkpoints" / "step_000004", tmp_path / "model")
+    before = tree(model_dir)
+    capsys.readouterr()
+    for extra in ([], ["--overwrite"]):
+        assert main(recipe, f"--out={model_dir}", "--steps=2", *extra) == 2
+        err = one_line_error(capsys)
+        assert f"--out {model_dir} is not empty and holds files this recipe did not write" in err
+        assert "model.safetensors" in err and "empty or new --out" in err, err
+    assert tree(model_dir) == before
+    model = spec_of(recipe).build(recipe.parse_config([*TINY]), torch.device("cpu"))
+    spec_of(recipe).load_weights(model, model_dir)  # verified against its manifest: intact
 
 
 def test_out_holding_another_run_is_refused(recipe, finished, tmp_path, capsys):
@@ -201,7 +255,9 @@ def test_nonfinite_loss_stops_before_a_checkpoint(recipe, tmp_path, monkeypatch,
     assert ckpts(out) == ["step_000002"]
 
 
-def test_ctrl_c_writes_a_checkpoint_and_stops(recipe, tmp_path, monkeypatch):
+def test_ctrl_c_writes_a_checkpoint_and_stops(recipe, tmp_path, monkeypatch, capsys):
+    """The hint it prints is a command line that continues the run: before, it left out the
+    model flags, so following it failed for any size but the default."""
     real, calls = BatchSampler.next, [0]
 
     def next_with_ctrl_c(self):
@@ -215,6 +271,14 @@ def test_ctrl_c_writes_a_checkpoint_and_stops(recipe, tmp_path, monkeypatch):
     assert main(recipe, f"--out={out}", "--steps=8") == 130
     assert ckpts(out) == ["step_000002", "step_000003"]
     assert os.readlink(out / "checkpoints" / "latest") == "step_000003"
+    hint = shlex.split(one_line_error(capsys).split("Continue with ")[1])
+    assert "--n-layer" in hint and "--n-embd" in hint and "--block-size" in hint, hint
+    ran, told = recipe.parse_config([*TINY, f"--out={out}"]), recipe.parse_config(hint)
+    must_match = ran.run_only_fields() ^ {f.name for f in dataclasses.fields(ran)}
+    assert {k: getattr(told, k) for k in must_match} == {k: getattr(ran, k) for k in must_match}
+    monkeypatch.setattr(BatchSampler, "next", real)
+    assert recipe.main(hint) in (None, 0)  # followed as printed: the run continues to its end
+    assert ckpts(out)[-1] == "step_000008"
 
 
 def test_hf_checkpoint_loads_with_from_pretrained(tmp_path, monkeypatch):

@@ -106,7 +106,7 @@ def test_rerun_into_an_existing_out_is_refused(finished, tmp_path):
     before = params(out / "checkpoints" / "step_000008")
     with pytest.raises(tg.RunDirectoryError, match="already holds a run") as err:
         tg.train(cfg(out, steps=4))
-    for hint in ("--resume latest", "--steps N", "another --out", "--overwrite"):
+    for hint in ("--resume latest", "--steps N", "empty or new --out", "--overwrite"):
         assert hint in str(err.value)
     assert ckpts(out) == ["step_000004", "step_000008"] and latest(out) == "step_000008"
     assert_same(params(out / "checkpoints" / "step_000008"), before)  # untouched
@@ -256,24 +256,34 @@ def test_damaged_checkpoint_is_refused_and_names_an_earlier_one(finished, tmp_pa
         tg.train(cfg(out, resume="latest", steps=12))
 
 
-@pytest.mark.parametrize("config", ["deleted", "broken"])
+@pytest.mark.parametrize("config", ["deleted", "broken", "no_sha256", "null_sha256"])
 def test_resume_refuses_weights_it_cannot_verify(finished, tmp_path, capsys, config):
-    """config.json deleted (or cut to '{"broken') and two bytes of the weights flipped: the
+    """config.json deleted, cut to '{"broken', or without its tensors' sha256 (the entry
+    removed or null; trainer.pt's digest intact), and two bytes of the weights flipped: the
     resume used to train on them and write a checkpoint with fresh checksums of the damage."""
     out = copy_run(finished, tmp_path / "run")
     ckpt = out / "checkpoints" / "step_000008"
     if config == "deleted":
         (ckpt / "config.json").unlink()
-    else:
+    elif config == "broken":
         (ckpt / "config.json").write_text('{"broken')
+    else:
+        body = json.loads((ckpt / "config.json").read_text())
+        if config == "no_sha256":
+            del body["sha256"]
+        else:
+            body["sha256"] = None
+        (ckpt / "config.json").write_text(json.dumps(body))
     weights = ckpt / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-6] ^= 0xFF
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))
     code, err = _main_error(capsys, f"--out={out}", "--resume=latest", "--steps=12")
-    assert code == 1 and err.startswith("error: cannot resume from ")
+    assert code == 1 and err.startswith("error: cannot resume from "), err
     assert "config.json" in err and "--resume " in err  # the file and the fix
+    if config.endswith("sha256"):
+        assert "records no sha256 checksums" in err, err
     assert ckpts(out) == ["step_000004", "step_000008"] and latest(out) == "step_000008"
     assert weights.read_bytes() == bytes(data)  # nothing laundered
 
@@ -331,7 +341,11 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(finished, tmp_path, monk
         return real_next(self)
 
     monkeypatch.setattr(BatchSampler, "next", next_with_ctrl_c)
-    hint = r"after step 3: saved .*step_000003\. Continue with --out .* --resume latest --steps 8$"
+    hint = (
+        r"after step 3: saved .*step_000003\. Continue with --out .* --resume latest --steps 8 "
+        r"--block-size 32 --n-layer 2 --n-head 2 --n-embd 32 --batch-size 4 --lr 0\.01 "
+        r"--min-lr 0\.001 --warmup-steps 2$"
+    )
     with pytest.raises(tg.TrainingInterrupted, match=hint) as err:
         tg.train(cfg(out))
     monkeypatch.undo()

@@ -109,3 +109,40 @@ def test_command_line_run_on_the_corpus(tmp_path):
     assert (out / "summary.json").is_file() and (out / "metrics.jsonl").is_file()
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "latest")
     assert type(model).__name__ == "Qwen2ForCausalLM"
+
+
+def _one_line_exit_2(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        th.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_config_with_fewer_positions_than_block_size_is_one_line(tmp_path, capsys):
+    """Before: an IndexError traceback from the position embedding, at the first step."""
+    config = tmp_path / "gpt2.json"
+    hf = th.build_config(th.HFTrainConfig(arch="gpt2", n_layer=1, n_embd=32, n_head=2))
+    hf.n_positions = 8
+    config.write_text(hf.to_json_string())
+    out = tmp_path / "run"
+    err = _one_line_exit_2(capsys, [*TINY, "--config", str(config), "--out", str(out)])
+    assert "max_position_embeddings 8 < --block-size 16; pass --block-size 8 or less" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["my_config.json", "configs/llama", "./llama", "a/b/c"])
+def test_a_missing_config_file_is_not_looked_up_on_the_hub(tmp_path, capsys, monkeypatch, name):
+    """Before: a mistyped path went to the Hub (offline: 44 s of retries, then a traceback)."""
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("looked up on the Hub")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    err = _one_line_exit_2(capsys, [*TINY, "--config", name, "--out", str(tmp_path / "run")])
+    assert f"config={name!r} is invalid: no such file" in err
+    assert not (tmp_path / "run").exists()
+    assert not th._names_a_local_path("Qwen/Qwen2-0.5B")  # a Hub id stays one

@@ -115,54 +115,75 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
     return found
 
 
-def claim_run_directory(cfg: TrainConfig, resume_dir: Path | None, env: DistEnv) -> None:
-    """Make sure this run may write checkpoints under ``<out>/checkpoints``.
+RUN_FILES = frozenset({"config.json", "metrics.jsonl", "loss.png", "summary.json", "checkpoints"})
+"""What a run writes into ``--out``; anything else there is the user's, never overwritten."""
 
-    A fresh run into a directory that holds another run's checkpoints would interleave its
-    checkpoints with the old ones (pruning and ``latest`` would mix the two runs), so it is
-    refused unless ``--overwrite`` is given, which deletes them (rank 0, before any training).
+
+def claim_run_directory(cfg: TrainConfig, resume_dir: Path | None, env: DistEnv) -> None:
+    """Make sure this run may write its files and checkpoints into ``--out``.
+
+    A run writes ``config.json``, ``metrics.jsonl``, ``loss.png``, ``summary.json`` and
+    ``checkpoints/`` (:data:`RUN_FILES`). Only a run that continues the one in ``--out`` (its
+    checkpoint lies under ``<out>/checkpoints``) may write into a directory that holds any of them;
+    any other run needs an empty or new directory, or ``--overwrite``, which replaces that run's
+    files (rank 0 deletes its checkpoints, summary and plot before any training). A directory
+    holding anything else (a model, the user's files) is never written into: ``--overwrite``
+    does not apply to files this recipe did not write.
 
     Raises:
-        RunDirectoryError: the directory holds checkpoints this run does not continue, without
-            ``--overwrite``; or ``--overwrite`` would delete the checkpoint being resumed.
+        RunDirectoryError: the directory holds another run's files, without ``--overwrite``; files
+            this recipe did not write; or ``--overwrite`` would delete the checkpoint resumed.
     """
-    root = Path(cfg.out) / "checkpoints"
+    out = Path(cfg.out)
+    root = out / "checkpoints"
     existing = _checkpoint_dirs(root) if root.is_dir() else []
-    if not existing:
-        return
     continues = resume_dir is not None and resume_dir.resolve().parent == root.resolve()
-    if continues and cfg.overwrite:
+    if continues and cfg.overwrite and existing:
         raise RunDirectoryError(
             f"--overwrite would delete {resume_dir}, the checkpoint you resume from: drop "
             "--overwrite to continue the run, or drop --resume to start it afresh"
         )
-    if continues:
-        return
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() and not continues else []
+    foreign = [name for name in entries if name not in RUN_FILES]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (
+            f" and {len(foreign) - 4} more" if len(foreign) > 4 else ""
+        )
+        raise RunDirectoryError(
+            f"--out {out} is not empty and holds files this recipe did not write ({shown}); a "
+            "run would overwrite its config.json and metrics there. Pass an empty or new --out"
+        )
     newest = latest_checkpoint(root)
-    if not cfg.overwrite and resume_dir is not None:
+    if entries and not cfg.overwrite and resume_dir is not None:
         raise RunDirectoryError(
             f"--resume {cfg.resume} is not a checkpoint of the run in {cfg.out} (newest "
-            f"checkpoint {newest}), and a run resumed from it would mix its checkpoints with "
+            f"checkpoint {newest or 'none'}), and a run resumed from it would mix its files with "
             f"that run's. Continue {cfg.out}'s own run with --resume latest, or resume "
-            f"{cfg.resume} into another --out"
+            f"{cfg.resume} into an empty or new --out"
         )
-    if not cfg.overwrite:
+    if entries and not cfg.overwrite and newest is None:
+        raise RunDirectoryError(
+            f"{cfg.out} already holds a run's files ({', '.join(entries)}) but no checkpoint to "
+            "continue. Choose an empty or new --out, or pass --overwrite to replace them"
+        )
+    if entries and not cfg.overwrite:
         raise RunDirectoryError(
             f"{cfg.out} already holds a run (newest checkpoint {newest}). Continue it with "
-            f"--resume latest (add --steps N to train longer), choose another --out, or pass "
-            "--overwrite to delete its checkpoints and start afresh"
+            "--resume latest (add --steps N to train longer), choose an empty or new --out, or "
+            "pass --overwrite to delete its checkpoints and start afresh"
         )
-    if env.is_main:
-        logger.warning("--overwrite: deleting %d checkpoints under %s", len(existing), root)
+    if entries and env.is_main:
+        logger.warning("--overwrite: deleting the run in %s (%d checkpoints)", out, len(existing))
         for d in existing:
             shutil.rmtree(d)
         for name in ("latest", ".latest-tmp"):
             with contextlib.suppress(FileNotFoundError):
                 (root / name).unlink()
-        with contextlib.suppress(FileNotFoundError):
-            (Path(cfg.out) / "summary.json").unlink()
+        for name in ("summary.json", "loss.png"):
+            with contextlib.suppress(FileNotFoundError):
+                (out / name).unlink()
     if env.world_size > 1:
-        dist.barrier()  # no rank starts before the old checkpoints are gone
+        dist.barrier()  # every rank has looked at --out before any rank writes into it
 
 
 def read_checkpoint(

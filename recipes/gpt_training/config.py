@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shlex
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -140,6 +142,9 @@ class OptimizerConfig(ConfigGroup):
             raise self._invalid(
                 "grad_clip" if self.grad_clip < 0 else "weight_decay", "use 0 or more"
             )
+        for name in ("beta1", "beta2"):  # AdamW's own range, checked before anything runs
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise self._invalid(name, f"use 0 <= {name} < 1 (AdamW's range)")
 
 
 # --- run-only groups: may change when a run resumes ----------------------------------------------
@@ -162,7 +167,7 @@ class JobConfig(RunOnly):
         # ``steps`` only moves where the run stops: the learning-rate schedule keeps the horizon
         # of the run's first start (see optim.lr_at), so a resumed run computes the same numbers.
         super().__post_init__()
-        if self.out.strip() in ("", "."):
+        if os.path.normpath(self.out.strip() or ".") == ".":  # ".", "./", "a/..": here
             raise self._invalid("out", "name a run directory of its own (e.g. runs/my_run)")
         if self.steps is not None:
             self._check_counts(("steps",))
@@ -253,6 +258,21 @@ class RunConfig:
         return frozenset(
             f.name for g in cls.groups() if issubclass(g, RunOnly) for f in dataclasses.fields(g)
         )
+
+    def model_flags(self) -> str:
+        """The command-line flags that give a resume this run's numbers: every field outside the
+        run-only groups whose value is not the recipe's default (``--n-layer 2 --lr 0.01``)."""
+        flags = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in self.run_only_fields() or value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + flag[2:])
+            else:
+                flags.append(f"{flag} {shlex.quote(str(value))}")
+        return " ".join(flags)
 
     def with_steps(self, checkpoint_steps: int | None):
         """This config with ``steps`` set: as given, else the resumed checkpoint's total

@@ -44,6 +44,10 @@ class ModelSpec:
     manifest_name = MANIFEST_NAME  # the file recording the checksums
     clip_in_optimizer_order = False  # sum the gradient norm in the optimizer's parameter order
 
+    def check(self, cfg) -> None:
+        """Refuse a model ``cfg`` cannot build with :class:`ModelError`; the trainer calls it
+        before it writes anything (default: every config the command line accepts builds)."""
+
     def build(self, cfg, device: torch.device) -> torch.nn.Module:
         """The model of ``cfg`` on ``device``, in training mode (the trainer seeds torch first)."""
         raise NotImplementedError
@@ -216,3 +220,28 @@ def load_verified(directory: Path) -> dict[str, torch.Tensor]:
         checkpoint.check_digests(tensors, want, f, MANIFEST_NAME)
         state.update(tensors)
     return state
+
+
+def load_verified_into(model: torch.nn.Module, directory: Path) -> None:
+    """Copy the weights of ``directory`` (``*.safetensors`` and their manifest) into ``model``,
+    each verified first (:func:`load_verified`): names and shapes strictly, except the tied
+    weights ``save_pretrained`` leaves out (gpt2's ``lm_head``), which share a loaded tensor.
+
+    Raises:
+        FileNotFoundError: no manifest.
+        CheckpointError: damaged or edited files, or weights another model's.
+    """
+    state = load_verified(directory)
+    own = model.state_dict()
+    shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
+    unexpected = sorted(state.keys() - own.keys())
+    if shapes or unexpected:
+        raise CheckpointError(
+            f"checkpoint {directory} does not match the model of this run: unexpected keys "
+            f"{unexpected}, shape mismatches {sorted(shapes)}"
+        )
+    model.load_state_dict(state, strict=False)
+    loaded = {own[k].data_ptr() for k in state}
+    missing = sorted(k for k in own.keys() - state.keys() if own[k].data_ptr() not in loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} lacks the weights {missing}")

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import math
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,7 @@ def _every(n: int, done: int) -> bool:
 
 def _setup(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> Run:
     """Everything before the first step: resume, build, the step, ``config.json``, metrics."""
+    spec.check(cfg)  # a model that cannot be built is refused before --out is touched
     cfg, state, resume_dir = _resume(cfg, env, spec)
     start = state["step"] if state else 0
     # The cosine horizon of the run's first start, kept by every resume (see optim.lr_at).
@@ -386,9 +388,11 @@ def _interrupt(run: Run, done: int) -> None:
     """Ctrl-C: step ``done``'s checkpoint is written; stop with how to continue."""
     if run.bar is not None:
         run.bar.close()
+    cfg = run.cfg
+    flags = f"--out {shlex.quote(cfg.out)} --resume latest --steps {cfg.steps} {cfg.model_flags()}"
     raise TrainingInterrupted(
         f"interrupted (Ctrl-C) after step {done}: saved {run.last_ckpt}. Continue with "
-        f"--out {run.cfg.out} --resume latest --steps {run.cfg.steps}",
+        + flags.rstrip(),
         run.last_ckpt,
     )
 

@@ -313,7 +313,7 @@ def load_state_dict(
         ) from exc
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object; the file is corrupt")
-    if require_checksums and "sha256" not in config:
+    if require_checksums and config.get("sha256") is None:  # absent, or null
         raise CheckpointError(
             f"{config_path} records no sha256 checksums, so {path} cannot be verified; use a "
             "checkpoint written by tgraph.toy.checkpoint.save"
@@ -412,6 +412,7 @@ def load(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    require_checksums: bool = False,
 ) -> GPT:
     """Build a GPT from a checkpoint's config and load its weights.
 
@@ -419,6 +420,7 @@ def load(
         directory: checkpoint directory written by :func:`save`.
         device: where the model goes.
         dtype: convert the weights to this dtype; None keeps the saved dtype.
+        require_checksums: refuse a checkpoint without checksums (see :func:`load_state_dict`).
 
     Returns:
         An eager GPT in eval mode.
@@ -428,7 +430,7 @@ def load(
         CheckpointError: corrupt files or weights that do not match the config.
     """
     cfg, _ = read_config(directory)
-    state = load_state_dict(directory)
+    state = load_state_dict(directory, require_checksums=require_checksums)
     model = GPT(cfg)
     saved = state.get("wte.weight")
     if saved is not None and saved.is_floating_point():
