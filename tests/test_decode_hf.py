@@ -224,6 +224,70 @@ def test_unsupported_architecture_is_named():
         DecodeEngine(model, max_batch_size=1, max_seq_len=16, progress=False)
 
 
+class TiltedLlama(LlamaForCausalLM):
+    """A user's subclass whose own ``forward`` changes the logits (a fixed bias per token)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits + torch.linspace(0, 3, VOCAB, device=out.logits.device)
+        return out
+
+
+class StockForward(LlamaForCausalLM):
+    """A subclass that adds a method and keeps transformers' forward: served as stock."""
+
+    def describe(self) -> str:
+        return "stock forward"
+
+
+def tilted(layer_override: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**COMMON, num_key_value_heads=2)
+    if not layer_override:
+        return TiltedLlama(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval()
+    layer = model.model.layers[1]
+    base = type(layer)
+    # a decoder layer whose own forward shifts its output: bypassed by the adapter
+    tilted_layer = type(
+        "TiltedLayer", (base,), {"forward": lambda self, *a, **k: base.forward(self, *a, **k) + 1.0}
+    )
+    layer.__class__ = tilted_layer
+    return model
+
+
+@pytest.mark.parametrize("layer_override", [False, True], ids=["model", "layer"])
+def test_a_forward_the_adapter_bypasses_is_refused_by_name(layer_override):
+    """The adapter runs a model's parts, never its own forward: a class whose forward is not
+    transformers' (a subclass of a supported one) would be served the stock tokens."""
+    model = tilted(layer_override)
+    with torch.no_grad():  # the override changes greedy tokens: serving it stock is wrong
+        stock = LlamaForCausalLM(model.config).eval()
+        stock.load_state_dict(model.state_dict())
+        assert reference(model, prompts()) != reference(stock, prompts())
+    where = (
+        r"model\.layers\.1 runs TiltedLayer\.forward"
+        if layer_override
+        else r"the model runs TiltedLlama\.forward"
+    )
+    with pytest.raises(TypeError, match=rf"cannot serve \w+: {where}.*prefill/decode_step"):
+        DecodeEngine(model, max_batch_size=1, max_seq_len=16, progress=False)
+
+
+def test_a_subclass_keeping_the_stock_forward_and_graphed_layers_are_served(backend, device):
+    torch.manual_seed(0)
+    model = StockForward(LlamaConfig(**COMMON, num_key_value_heads=2)).to(device).eval()
+    assert engine(model, backend).generate(prompts(), NEW_TOKENS) == reference(model, prompts())
+    from tgraph.integrations import transformers as tg_hf
+
+    stock = make("llama", device)
+    tg_hf.graph_layers(stock, backend=backend)  # tgraph's own layer classes wrap the stock forward
+    try:
+        assert engine(stock, backend).generate(prompts(), NEW_TOKENS) == reference(stock, prompts())
+    finally:
+        tg_hf.ungraph(stock)
+
+
 def test_length_dependent_rope_is_refused():
     torch.manual_seed(0)
     rope = dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)
