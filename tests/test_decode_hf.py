@@ -179,6 +179,24 @@ def test_weight_sync_reaches_the_graphs(family, backend, device, assign):
     assert st.bucket_steps and st.eager_steps == 0 and st.prefill_eager == 0
 
 
+def test_a_dtype_change_is_served_in_the_new_dtype(backend, device):
+    """``model.to(torch.bfloat16)`` after capture: the next generate captures again over a KV
+    cache (and masks) in bfloat16 and gives the bfloat16 model's tokens. On the CPU they equal
+    ``generate``'s; on CUDA bfloat16 kernels may round apart from transformers' (fused RMSNorm,
+    the rotation as one addcmul), so the reference there is the engine run eagerly."""
+    model = make("qwen2-window", device)  # one whose greedy tokens bfloat16 changes
+    ps = prompts()
+    eng = engine(model, backend)
+    old = eng.generate(ps, NEW_TOKENS)
+    model.to(torch.bfloat16)
+    got = eng.generate(ps, NEW_TOKENS)
+    assert eng.cache.dtype == torch.bfloat16 and eng.stats.eager_steps == 0
+    assert got == engine(model, backend, use_graphs=False).generate(ps, NEW_TOKENS)
+    if device.type == "cpu":
+        assert got == reference(model, ps)
+    assert got != old  # bfloat16 changes this model's tokens: stale graphs would show
+
+
 def test_continuous_batching_and_eager_prefill_equal_generate(backend, device):
     """More requests than slots (they queue, join and leave), different output lengths, and a
     prompt above the largest prefill bucket (eager prefill)."""

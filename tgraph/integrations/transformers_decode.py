@@ -84,8 +84,8 @@ class TransformersDecoder:
     Args:
         model: one of :data:`SUPPORTED`; in eval mode while the engine captures or generates
             (:attr:`serving`), in its own train/eval mode after. Its weights are used in place
-            (graphs captured before a weight is *reallocated*, e.g. by ``model.to``, keep
-            reading the old memory: build a new engine after moving the model).
+            (reallocated ones, by a sync or ``model.to(dtype)``, are followed by the engine's
+            weight check; to move the model to another device, build a new engine).
         tokenizer: optional transformers tokenizer for text prompts (``encode``/``decode``).
             Without one, a model of at least 256 tokens gets a byte-level tokenizer (UTF-8
             bytes are token ids, as tgraph's toy corpus uses); a smaller one takes ids only.
@@ -110,8 +110,7 @@ class TransformersDecoder:
         self.architecture = family
         cfg = model.config
         self.vocab_size = cfg.vocab_size
-        weight = model.get_input_embeddings().weight
-        self.dtype, self.device = weight.dtype, weight.device
+        self.device = model.get_input_embeddings().weight.device
         if family == "GPT2LMHeadModel":
             self._init_gpt2(model)
         else:
@@ -120,6 +119,12 @@ class TransformersDecoder:
         self.n_query_heads = self.n_head * self.groups
         _refuse_own_forward(model, self._bypassed(model))
         self._set_tokenizer(tokenizer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype now (its embedding's): the KV cache and the masks follow a
+        ``model.to(dtype)`` at the engine's re-capture."""
+        return self.embed.weight.dtype
 
     # -- set-up per family ------------------------------------------------------------------
 
