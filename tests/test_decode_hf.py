@@ -179,6 +179,24 @@ def test_weight_sync_reaches_the_graphs(family, backend, device, assign):
     assert st.bucket_steps and st.eager_steps == 0 and st.prefill_eager == 0
 
 
+def test_a_dtype_change_is_served_in_the_new_dtype(backend, device):
+    """``model.to(torch.bfloat16)`` after capture: the next generate captures again over a KV
+    cache (and masks) in bfloat16 and gives the bfloat16 model's tokens. On the CPU they equal
+    ``generate``'s; on CUDA bfloat16 kernels may round apart from transformers' (fused RMSNorm,
+    the rotation as one addcmul), so the reference there is the engine run eagerly."""
+    model = make("qwen2-window", device)  # one whose greedy tokens bfloat16 changes
+    ps = prompts()
+    eng = engine(model, backend)
+    old = eng.generate(ps, NEW_TOKENS)
+    model.to(torch.bfloat16)
+    got = eng.generate(ps, NEW_TOKENS)
+    assert eng.cache.dtype == torch.bfloat16 and eng.stats.eager_steps == 0
+    assert got == engine(model, backend, use_graphs=False).generate(ps, NEW_TOKENS)
+    if device.type == "cpu":
+        assert got == reference(model, ps)
+    assert got != old  # bfloat16 changes this model's tokens: stale graphs would show
+
+
 def test_continuous_batching_and_eager_prefill_equal_generate(backend, device):
     """More requests than slots (they queue, join and leave), different output lengths, and a
     prompt above the largest prefill bucket (eager prefill)."""
@@ -222,6 +240,70 @@ def test_unsupported_architecture_is_named():
         TypeError, match=r"no adapter for the transformers model GPTNeoXForCausalLM"
     ):
         DecodeEngine(model, max_batch_size=1, max_seq_len=16, progress=False)
+
+
+class TiltedLlama(LlamaForCausalLM):
+    """A user's subclass whose own ``forward`` changes the logits (a fixed bias per token)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits + torch.linspace(0, 3, VOCAB, device=out.logits.device)
+        return out
+
+
+class StockForward(LlamaForCausalLM):
+    """A subclass that adds a method and keeps transformers' forward: served as stock."""
+
+    def describe(self) -> str:
+        return "stock forward"
+
+
+def tilted(layer_override: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**COMMON, num_key_value_heads=2)
+    if not layer_override:
+        return TiltedLlama(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval()
+    layer = model.model.layers[1]
+    base = type(layer)
+    # a decoder layer whose own forward shifts its output: bypassed by the adapter
+    tilted_layer = type(
+        "TiltedLayer", (base,), {"forward": lambda self, *a, **k: base.forward(self, *a, **k) + 1.0}
+    )
+    layer.__class__ = tilted_layer
+    return model
+
+
+@pytest.mark.parametrize("layer_override", [False, True], ids=["model", "layer"])
+def test_a_forward_the_adapter_bypasses_is_refused_by_name(layer_override):
+    """The adapter runs a model's parts, never its own forward: a class whose forward is not
+    transformers' (a subclass of a supported one) would be served the stock tokens."""
+    model = tilted(layer_override)
+    with torch.no_grad():  # the override changes greedy tokens: serving it stock is wrong
+        stock = LlamaForCausalLM(model.config).eval()
+        stock.load_state_dict(model.state_dict())
+        assert reference(model, prompts()) != reference(stock, prompts())
+    where = (
+        r"model\.layers\.1 runs TiltedLayer\.forward"
+        if layer_override
+        else r"the model runs TiltedLlama\.forward"
+    )
+    with pytest.raises(TypeError, match=rf"cannot serve \w+: {where}.*prefill/decode_step"):
+        DecodeEngine(model, max_batch_size=1, max_seq_len=16, progress=False)
+
+
+def test_a_subclass_keeping_the_stock_forward_and_graphed_layers_are_served(backend, device):
+    torch.manual_seed(0)
+    model = StockForward(LlamaConfig(**COMMON, num_key_value_heads=2)).to(device).eval()
+    assert engine(model, backend).generate(prompts(), NEW_TOKENS) == reference(model, prompts())
+    from tgraph.integrations import transformers as tg_hf
+
+    stock = make("llama", device)
+    tg_hf.graph_layers(stock, backend=backend)  # tgraph's own layer classes wrap the stock forward
+    try:
+        assert engine(stock, backend).generate(prompts(), NEW_TOKENS) == reference(stock, prompts())
+    finally:
+        tg_hf.ungraph(stock)
 
 
 def test_length_dependent_rope_is_refused():

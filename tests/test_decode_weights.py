@@ -73,6 +73,21 @@ def test_weights_swapped_among_themselves_are_captured_again(backend, device, re
     assert graphed.factory is not pool  # captured again, in a fresh pool
 
 
+def test_a_dtype_change_is_captured_again_with_a_cache_in_the_new_dtype(backend, device, replays):
+    """``model.to(torch.bfloat16)`` after capture: generate() captures again, over a KV cache
+    and masks in bfloat16 (the float32 cache cannot take bfloat16 keys), and the engine without
+    graphs follows too; their tokens are equal and the bfloat16 model's, not the old ones."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    ps = prompts(3)
+    old = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    model.to(torch.bfloat16)  # new tensors, rounded: this model's tokens change
+    got = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    assert graphed.cache.dtype == eager.cache.dtype == torch.bfloat16
+    fresh = DecodeEngine(model, use_graphs=False, **SHAPE)  # built on the bfloat16 model
+    assert got == fresh.generate(ps, NEW) and got != old
+
+
 def swap_layers(model) -> None:
     sd = model.state_dict()
     swapped = {k.replace("h.0.", "h.X.").replace("h.1.", "h.0.").replace("h.X.", "h.1."): v

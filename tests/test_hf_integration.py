@@ -274,6 +274,27 @@ def test_a_cache_asked_for_runs_eagerly_and_is_filled(backend, device):
     torch.testing.assert_close(got.logits, want.logits, **tol(backend))
 
 
+def test_packed_position_ids_keep_the_configs_cache_and_eagers_result(backend, device):
+    """Position ids that restart per packed document, no attention mask, ``use_cache`` at the
+    config's True: eager attends across the documents (a cache turns transformers' packed mask
+    off). ``graph_layers``' ``use_cache=False`` default would mask them apart, another loss; it
+    keeps the config's cache there, so the layers run eagerly, warned, with eager's result."""
+    model, eager = graphed_and_twin("llama", device, backend, strict=False)
+    assert model.config.use_cache is True
+    xs = batches(device)
+    train(model, xs[:1], graphed=True)  # a plain recorded step: the layers graph
+    train(eager, xs[:1], graphed=False)
+    pos = torch.cat([torch.arange(6), torch.arange(SEQ - 6)]).expand(BATCH, SEQ).to(device)
+    for x in xs[1:]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = model(input_ids=x, labels=x, position_ids=pos)
+        want = eager(input_ids=x, labels=x, position_ids=pos)
+        torch.testing.assert_close(got.loss, want.loss, **tol(backend))
+        torch.testing.assert_close(got.logits, want.logits, **tol(backend))
+        assert any("position_ids and no attention_mask" in str(w.message) for w in seen), seen
+
+
 # ---------------------------------------------------------------------- PEFT LoRA
 
 

@@ -153,15 +153,7 @@ class DecodeEngine:
             else check_buckets(prefill_sizes, max_seq_len, "prefill_sizes")
         )
         self.device = torch.device(d.device)
-        self.cache = KVCache(
-            n_layer=d.n_layer,
-            max_batch_size=max_batch_size,
-            n_head=d.n_head,
-            max_seq_len=max_seq_len,
-            head_dim=d.head_dim,
-            dtype=d.dtype,
-            device=self.device,
-        )
+        self.cache = self._new_cache()
         self.buffers = DecodeBuffers(max_batch_size, d.vocab_size, self.device)
         self.prompt_buffers = PrefillBuffers(max_seq_len, d.vocab_size, self.device)
         self.sampler = Sampler(d.vocab_size, self.device)
@@ -169,8 +161,8 @@ class DecodeEngine:
         resolved = resolve_backend(backend, self.device) if use_graphs else None
         # One factory: the decode and prefill graphs share one memory pool (tgraph.pool).
         self.factory = GraphFactory(resolved, self.device) if use_graphs else None
-        self.decode_graphs = BucketGraphs(
-            "decode",
+        self.decode_graphs = BucketGraphs(  # programs read self.cache when built: a new one
+            "decode",  # after a dtype change (recapture) reaches them
             lambda key: decode_program(d, self.cache, self.buffers, self.sampler, *key),
             [(b, s) for b in self.buckets for s in VARIANTS],
             self.factory,
@@ -190,6 +182,19 @@ class DecodeEngine:
         self._generating = False
         if self.factory is not None:
             self._capture()
+
+    def _new_cache(self) -> KVCache:
+        """A KV cache for the model as it is now (its dtype: the decoder's ``dtype``)."""
+        d = self.decoder
+        return KVCache(
+            n_layer=d.n_layer,
+            max_batch_size=self.max_batch_size,
+            n_head=d.n_head,
+            max_seq_len=self.max_seq_len,
+            head_dim=d.head_dim,
+            dtype=d.dtype,
+            device=self.device,
+        )
 
     def _capture(self) -> None:
         """Capture every bucket (largest first, one pool) and note the weights they read."""
@@ -214,11 +219,15 @@ class DecodeEngine:
         weight sync that replaced them, e.g. ``load_state_dict(sd, assign=True)``: the graphs
         then read the new tensors without a copy per call). Call it between requests: the
         warmups write the KV cache. :meth:`generate` calls it itself when the graphs cannot
-        follow a replaced tensor."""
+        follow a replaced tensor. A model whose dtype changed (``model.to(torch.bfloat16)``)
+        gets a new KV cache in its dtype; the old one's contents are dropped."""
+        for kind in (self.decode_graphs, self.prefill_graphs):
+            kind.reset()  # the graphs and the programs, which hold the cache
+        if self.cache.dtype != self.decoder.dtype:
+            self.cache = None  # its memory is free before the new one is allocated
+            self.cache = self._new_cache()
         if self.factory is None:
             return
-        for kind in (self.decode_graphs, self.prefill_graphs):
-            kind.reset()
         self.factory = GraphFactory(self.factory.backend, self.device)  # a fresh pool
         self.decode_graphs.factory = self.prefill_graphs.factory = self.factory
         self._capture()
@@ -229,6 +238,8 @@ class DecodeEngine:
         if self._generating:
             return
         why = None if self.weights is None else self.weights.check()
+        if why is None and self.cache.dtype != self.decoder.dtype:  # use_graphs=False
+            why = f"the model's dtype changed from {self.cache.dtype} to {self.decoder.dtype}"
         if why is None:
             return
         if not between_requests:

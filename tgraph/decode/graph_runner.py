@@ -130,12 +130,14 @@ class BucketGraphs:
         )
 
     def reset(self) -> None:
-        """Drop every graph (their memory returns to the pool); programs run eagerly until
+        """Drop every graph (their memory returns to the pool) and every program (built again
+        at their next use, over the buffers they find then); programs run eagerly until
         :meth:`capture` runs again."""
         for graph, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
         self.bytes.clear()
+        self._programs.clear()
 
     def captured(self, key: Hashable) -> bool:
         return key in self.graphs

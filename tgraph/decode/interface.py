@@ -11,7 +11,8 @@ methods is served; nothing here knows any particular model (the toy GPT's implem
         head_dim: int         # width of one head
         vocab_size: int       # logits width; valid token ids are 0..vocab_size-1
         max_positions: int    # longest sequence the model supports (e.g. learned positions)
-        dtype: torch.dtype    # dtype of the KV cache
+        dtype: torch.dtype    # dtype of the KV cache (a property reading the weights lets
+                              # the engine's re-capture follow model.to(dtype))
         device: torch.device  # where the KV cache and static buffers live
 
         def prefill(self, inputs, cache):             # captured per token-count bucket

@@ -53,6 +53,11 @@ class KVCache:
         self.key_positions = torch.arange(max_seq_len, device=device)  # (S,)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the cached keys and values."""
+        return self.k.dtype
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by keys and values together."""
         return 2 * self.k.numel() * self.k.element_size()

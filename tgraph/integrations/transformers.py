@@ -36,7 +36,12 @@ What the subclass handles, per call of a decoder layer:
   and so ``save_pretrained``'s output, is untouched), so default training and evaluation calls
   build no ``DynamicCache`` and replay graphs. A call that asks for one (``use_cache=True``;
   ``generate`` does) hands each layer a cache object, which tgraph never bakes into a graph:
-  those calls run eagerly, with a warning naming ``use_cache=False``.
+  those calls run eagerly, with a warning naming ``use_cache=False``. The default is not
+  applied where it would change the result: a call with ``position_ids`` and no
+  ``attention_mask`` while the config says ``use_cache=True``. Without a cache, transformers
+  reads packed documents from position ids that restart and masks them apart
+  (``masking_utils.find_packed_sequence_indices``); with the config's cache it attends across
+  them. That call keeps the config's cache, as eager does, and its layers run eagerly, warned.
 
 MoE layers graph when their experts run grouped or batched
 (``model.set_experts_implementation("batched_mm")`` or ``"grouped_mm"``); the eager
@@ -48,12 +53,15 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 import tgraph
+from tgraph.errors import GraphFallbackWarning
 from tgraph.layers.capture import inside_graphed_region
 from tgraph.layers.manager import GraphableModule
 
@@ -131,7 +139,8 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
             ``warmup_steps``, ``debug``, ``merge``, ``direct_grads``).
 
     Returns:
-        ``model``; its transformers models now default to ``use_cache=False``
+        ``model``; its transformers models now default to ``use_cache=False`` (except where
+        that changes the result: module docstring, "The KV cache")
         (:func:`ungraph` removes that default).
 
     Raises:
@@ -177,23 +186,59 @@ def ungraph(model: nn.Module) -> nn.Module:
     return model
 
 
-def _use_cache_position(m: nn.Module) -> int | None:
-    """Where ``m.forward`` takes ``use_cache`` positionally (a large number: keyword only), or
-    None when it takes none. Only modules with a ``config.use_cache`` (transformers models and
-    their PEFT wrappers)."""
+class _CacheArgs(NamedTuple):
+    """Where a transformers model's ``forward`` takes the arguments the ``use_cache`` default
+    reads, by position (:data:`_KEYWORD_ONLY`: by keyword only)."""
+
+    use_cache: int
+    position_ids: int
+    attention_mask: int
+
+
+_KEYWORD_ONLY = 1 << 30
+
+
+def _use_cache_position(m: nn.Module) -> _CacheArgs | None:
+    """Where ``m.forward`` takes ``use_cache`` and the arguments beside it, or None when it takes
+    no ``use_cache``. Only modules with a ``config.use_cache`` (transformers models and their
+    PEFT wrappers)."""
     if not hasattr(getattr(m, "config", None), "use_cache"):
         return None
     params = list(inspect.signature(m.forward).parameters.values())
     names = [p.name for p in params]
-    if "use_cache" in names:
-        return names.index("use_cache")
-    return 1 << 30 if any(p.kind is p.VAR_KEYWORD for p in params) else None
+    if "use_cache" not in names and not any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return _CacheArgs(
+        *(names.index(n) if n in names else _KEYWORD_ONLY for n in _CacheArgs._fields)
+    )
 
 
-def _no_cache_by_default(position: int, module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: a call that leaves ``use_cache`` unset (or None) gets ``False``."""
-    if len(args) <= position and kwargs.get("use_cache") is None:
-        kwargs["use_cache"] = False
+def _given(at: int, name: str, args: tuple, kwargs: dict) -> bool:
+    return (args[at] if at < len(args) else kwargs.get(name)) is not None
+
+
+def _no_cache_by_default(at: _CacheArgs, module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: a call that leaves ``use_cache`` unset (or None) gets ``False``, unless
+    that changes the attention mask (module docstring, "The KV cache")."""
+    if _given(at.use_cache, "use_cache", args, kwargs):
+        return args, kwargs  # the caller's choice
+    if (
+        module.config.use_cache
+        and _given(at.position_ids, "position_ids", args, kwargs)
+        and not _given(at.attention_mask, "attention_mask", args, kwargs)
+    ):
+        warnings.warn(
+            f"tgraph: {type(module).__name__} was called with position_ids and no "
+            "attention_mask, use_cache unset and config.use_cache=True: use_cache=False would "
+            "make transformers mask packed documents (position ids that restart) apart, where "
+            "this call, with the config's cache, attends across them. It keeps the cache, as "
+            "eager does, so its decoder layers run eagerly. To graph them, pass "
+            "use_cache=False (attention within each document) or an attention_mask",
+            GraphFallbackWarning,
+            stacklevel=2,
+        )
+        return args, kwargs
+    kwargs["use_cache"] = False
     return args, kwargs
 
 

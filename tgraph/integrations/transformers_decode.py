@@ -44,7 +44,9 @@ kernel reads them in place.
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM`` (its q/k norms too) and ``GPT2LMHeadModel``. Any other
-``PreTrainedModel`` raises :class:`TypeError` naming its architecture.
+``PreTrainedModel`` raises :class:`TypeError` naming its architecture, and so does a subclass of
+a supported one whose ``forward`` (of the model, its base model, a layer, an attention or a
+norm replaced above) is not transformers' own: the adapter never calls those methods.
 
 Registration is lazy (:data:`tgraph.decode.interface.LAZY_ADAPTERS`): importing tgraph does not
 import transformers; the first model whose class lives in ``transformers`` that reaches
@@ -82,8 +84,8 @@ class TransformersDecoder:
     Args:
         model: one of :data:`SUPPORTED`; in eval mode while the engine captures or generates
             (:attr:`serving`), in its own train/eval mode after. Its weights are used in place
-            (graphs captured before a weight is *reallocated*, e.g. by ``model.to``, keep
-            reading the old memory: build a new engine after moving the model).
+            (reallocated ones, by a sync or ``model.to(dtype)``, are followed by the engine's
+            weight check; to move the model to another device, build a new engine).
         tokenizer: optional transformers tokenizer for text prompts (``encode``/``decode``).
             Without one, a model of at least 256 tokens gets a byte-level tokenizer (UTF-8
             bytes are token ids, as tgraph's toy corpus uses); a smaller one takes ids only.
@@ -108,15 +110,21 @@ class TransformersDecoder:
         self.architecture = family
         cfg = model.config
         self.vocab_size = cfg.vocab_size
-        weight = model.get_input_embeddings().weight
-        self.dtype, self.device = weight.dtype, weight.device
+        self.device = model.get_input_embeddings().weight.device
         if family == "GPT2LMHeadModel":
             self._init_gpt2(model)
         else:
             self._init_rotary(model)
         self.n_layer = len(self.layers)
         self.n_query_heads = self.n_head * self.groups
+        _refuse_own_forward(model, self._bypassed(model))
         self._set_tokenizer(tokenizer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype now (its embedding's): the KV cache and the masks follow a
+        ``model.to(dtype)`` at the engine's re-capture."""
+        return self.embed.weight.dtype
 
     # -- set-up per family ------------------------------------------------------------------
 
@@ -163,6 +171,21 @@ class TransformersDecoder:
         self.scales = [_gpt2_scale(block.attn, i) for i, block in enumerate(self.layers)]
         self.windows = [None] * len(self.layers)
         self.max_positions = cfg.n_positions
+
+    def _bypassed(self, model: nn.Module) -> list[nn.Module]:
+        """The modules whose ``forward`` the adapter never runs (it runs their parts instead):
+        the model, its base model, each layer and its attention, the norms :func:`rms_norm`
+        replaces."""
+        gpt2 = self.rotary is None
+        out = [model, model.transformer if gpt2 else model.model, *self.layers]
+        out += [layer.attn if gpt2 else layer.self_attn for layer in self.layers]
+        if not gpt2:
+            norms = [self.final_norm]
+            for layer in self.layers:
+                norms += [layer.input_layernorm, layer.post_attention_layernorm]
+                norms += [getattr(layer.self_attn, n, None) for n in ("q_norm", "k_norm")]
+            out += [n for n in norms if n is not None and rms_norm(n) is not n]
+        return out
 
     def _set_tokenizer(self, tokenizer) -> None:
         if tokenizer is not None:
@@ -341,6 +364,41 @@ def _family(model: nn.Module) -> str | None:
         if cls is not None and isinstance(model, cls):
             return name
     return None
+
+
+def _refuse_own_forward(model: nn.Module, bypassed: list[nn.Module]) -> None:
+    """Raise where one of ``bypassed`` runs a ``forward`` that is not transformers' own: a
+    subclass's override, a method patched onto the class or set on the instance.
+
+    The adapter calls the parts of these modules, not their ``forward`` (module docstring), so
+    their own computation would silently not happen. tgraph's graphable layer classes
+    (:func:`tgraph.integrations.transformers.graph_layers`) wrap the stock ``forward`` and pass.
+
+    Raises:
+        TypeError: naming the module, the method and the fix.
+    """
+    names = {id(m): n or "the model" for n, m in model.named_modules()}
+    for m in bypassed:
+        if "forward" in m.__dict__:
+            what = f"a forward set on the {type(m).__name__} instance"
+        else:
+            owner = next(
+                c
+                for c in type(m).__mro__
+                if "forward" in c.__dict__ and "_tgraph_hf_base" not in c.__dict__
+            )
+            source = getattr(owner.__dict__["forward"], "__module__", None) or "?"
+            if owner.__module__.startswith("transformers.") and source.startswith("transformers."):
+                continue
+            what = f"{owner.__qualname__}.forward (from {source})"
+        raise TypeError(
+            f"DecodeEngine cannot serve {type(model).__name__}: {names[id(m)]} runs {what}, "
+            "not transformers' own forward, which the decode adapter never calls (it runs the "
+            "model's parts with its own KV cache and attention), so the tokens would be the "
+            "stock model's. Serve a model of the stock classes (a change inside a part the "
+            "forward calls, such as lm_head or mlp, is kept), or implement prefill/decode_step "
+            "(tgraph.decode.interface) for your class"
+        )
 
 
 def _window(attn: nn.Module, config) -> int | None:

@@ -28,9 +28,9 @@ class GPTDecoder:
 
     Args:
         model: the GPT; in eval mode (dropout off) inside :attr:`serving`, its own mode outside.
-            Its weights are used in place, so later weight updates are seen by the decoder (but
-            not by graphs captured earlier if parameters are reallocated, e.g. by
-            ``model.to(...)``).
+            Its weights are used in place, so later weight updates are seen by the decoder
+            (reallocated ones, by a sync or ``model.to(dtype)``, are followed by the engine's
+            weight check; to move the model to another device, build a new engine).
     """
 
     def __init__(self, model: gpt_model.GPT) -> None:
@@ -43,9 +43,12 @@ class GPTDecoder:
         self.head_dim = cfg.n_embd // cfg.n_head
         self.vocab_size = cfg.vocab_size
         self.max_positions = cfg.block_size
-        weight = model.wte.weight
-        self.dtype = weight.dtype
-        self.device = weight.device
+        self.device = model.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype now: the KV cache follows a ``model.to(dtype)`` at re-capture."""
+        return self.model.wte.weight.dtype
 
     @staticmethod
     def encode(text: str) -> list[int]:
