@@ -112,3 +112,13 @@ def swaps(request, monkeypatch):
     if not request.param:  # as on PyTorch < 2.13, which has no storage swap
         monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", None, raising=False)
     return request.param
+
+
+@pytest.fixture
+def no_verifier():
+    """The shadow verifier off: a planted-bug test that shows what a bug does to the replays
+    themselves (with the verifier on, it would catch the bug and run eagerly)."""
+    import tgraph
+
+    with tgraph.verification(first=0, every=0):
+        yield

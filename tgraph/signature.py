@@ -86,7 +86,7 @@ def describe(leaf: Any, where: str) -> Any:
         TypeError: a non-tensor argument that is not hashable (it cannot key a graph).
     """
     if isinstance(leaf, torch.Tensor):
-        return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
+        return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad, _contiguous(leaf))
     if not isinstance(leaf, _VALUE_TYPES) and _compared_by_identity(leaf):
         raise MutableArgument(
             f"{where} is a {type(leaf).__name__} object, compared by identity: a graph replays "
@@ -226,6 +226,10 @@ def call_key(
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# The layout is part of a tensor's signature: a graph replays the kernels chosen for the captured
+# layout and returns outputs and input gradients in it, where eager would pick other kernels and
+# layouts for another (channels_last images after a capture on contiguous ones).
+_contiguous = torch.Tensor.is_contiguous
 _new_key = tuple.__new__  # CallKey(*fields) without the generated __new__'s Python frame
 _any_autocast = torch._C._is_any_autocast_enabled
 _VALUE_SET = frozenset(_VALUE_TYPES)
@@ -242,7 +246,7 @@ def _plain_leaves(items, descs: list, tensors: list, shape: list) -> bool:
         if cls in _VALUE_SET:
             descs.append((cls, x))
         elif isinstance(x, torch.Tensor):
-            descs.append((x.shape, x.dtype, x.device, x.requires_grad))
+            descs.append((x.shape, x.dtype, x.device, x.requires_grad, _contiguous(x)))
             tensors.append(x)
         elif cls is tuple or cls is list:
             shape.append((cls, len(x)))
@@ -297,9 +301,12 @@ def _spec_paths(tree: pytree.TreeSpec) -> list[str]:
 
 def format_leaf(desc: Any) -> str:
     """A described tensor or value, as a message shows it."""
-    if isinstance(desc, tuple) and len(desc) == 4 and isinstance(desc[0], torch.Size):
-        shape, dtype, device, rg = desc
-        return f"{tuple(shape)} {str(dtype).removeprefix('torch.')} {device} requires_grad={rg}"
+    if isinstance(desc, tuple) and len(desc) == 5 and isinstance(desc[0], torch.Size):
+        shape, dtype, device, rg, contiguous = desc
+        layout = "" if contiguous else " non-contiguous (channels_last, a view)"
+        return f"{tuple(shape)} {str(dtype).removeprefix('torch.')} {device} requires_grad={rg}" + (
+            layout
+        )
     if isinstance(desc, tuple) and len(desc) == 2 and isinstance(desc[0], type):
         return repr(desc[1])
     return repr(desc)

@@ -103,18 +103,22 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     ]
     buffers = [(table, k) for table, k in buffers if table[k] is not None]
     saved = [table[k].detach().clone() for table, k in buffers]
+    copies = [t.detach().clone() for t in tensors]  # before a forward writes an input in place
     out = replay()
     if out.__class__ is not list:
         return out
     after = rng.get_states(cap.device)
+    # gradients compared unless a backward writes beside autograd (megatron's fused wgrad adds
+    # into main_grad: an eager backward would add twice)
     grad = cap.needs_backward and torch.is_grad_enabled()
+    grad = grad and not any(hasattr(p, "main_grad") for p in state.route.autograd_params)
     live = [table[k] for table, k in buffers]
     rng.set_states(before, cap.device)  # eager starts where the replay started, on copies of
     for (table, k), v in zip(buffers, saved):  # the buffers as they were (running statistics)
         table[k] = v.clone()
     dicts = [(vars(m), dict(vars(m))) for r in unit.members for m in r.module.modules()]
     try:
-        ins, eager = _eager_chain(unit, args, kwargs, tensors, grad, module_call)
+        ins, eager = _eager_chain(unit, args, kwargs, tensors, copies, grad, module_call)
     finally:  # what the eager run set (a weight a pre-hook computes, self.aux_loss) goes
         for d, kept in dicts:
             d.clear()
@@ -144,11 +148,11 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     return why
 
 
-def _eager_chain(unit, args, kwargs, tensors, grad: bool, module_call):
+def _eager_chain(unit, args, kwargs, tensors, copies, grad: bool, module_call):
     """Run every member of ``unit`` eagerly on copies of the head's inputs, chained as the
     capture chained them; returns the copies and each member's output tensors."""
     cap = unit.cap
-    ins = [t.detach().clone().requires_grad_(t.requires_grad and grad) for t in tensors]
+    ins = [c.requires_grad_(t.requires_grad and grad) for t, c in zip(tensors, copies)]
     outs_of: list[list] = []
     with torch.set_grad_enabled(grad), graphed_region():
         for j, r in enumerate(unit.members):
@@ -200,7 +204,11 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
     need = [t for t in pending.inputs if t.requires_grad]
     n = len(cap.static_grads)
     direct = state.route.direct is not None or len(result) - n != len(pending.params)
-    params = [] if direct else [p for p in pending.params if p.requires_grad]
+    # a parameter with a tensor hook is left out: autograd.grad would run the hook (it may keep
+    # or count what it is given), and the node hands autograd the gradient before the hook
+    params = [] if direct else [p for p in pending.params if _compared(p)]
+    if not rg or not need + params:  # nothing to compare (direct_grads writes .grad itself)
+        return result
     eager = torch.autograd.grad(
         [pending.outs[i] for i in rg],
         need + params,
@@ -209,7 +217,7 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
     )
     got = [result[i] for i, t in enumerate(pending.inputs) if t.requires_grad]
     if not direct:
-        got += [g for g, p in zip(result[n:], pending.params) if p.requires_grad]
+        got += [g for g, p in zip(result[n:], pending.params) if _compared(p)]
     why = _differs(got, list(eager), "gradient")
     if why is None:
         return result
@@ -226,9 +234,13 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
         if t.requires_grad:
             fixed[i] = next(it)
     for k, p in enumerate(pending.params if not direct else ()):
-        if p.requires_grad:
+        if _compared(p):
             fixed[n + k] = next(it)
     return fixed
+
+
+def _compared(p: torch.Tensor) -> bool:
+    return p.requires_grad and not p._backward_hooks
 
 
 def wrong(state, why: str) -> str:
