@@ -1,9 +1,10 @@
-"""The tiny GPT and the prompts shared by the decode tests."""
+"""The tiny GPT, the prompts and the engine pair shared by the decode tests."""
 
 from __future__ import annotations
 
 import torch
 
+from tgraph.decode import DecodeEngine
 from tgraph.toy.gpt import GPT, GPTConfig
 
 CFG = dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
@@ -27,3 +28,10 @@ def prompts(n: int, lengths=(3, 7, 1, 12, 5)) -> list[list[int]]:
     return [
         torch.randint(1, 256, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)
     ]
+
+
+def engines(model, backend: str, **kw) -> tuple[DecodeEngine, DecodeEngine]:
+    """The same model served with graphs (on ``backend``) and eagerly, same shapes."""
+    graphed = DecodeEngine(model, use_graphs=True, backend=backend, progress=False, **kw)
+    eager = DecodeEngine(model, use_graphs=False, **kw)
+    return graphed, eager

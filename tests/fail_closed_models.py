@@ -161,3 +161,72 @@ class BlindGuard:
 
     def check(self, *tensors) -> bool:
         return True
+
+
+# -- the whole-step entries (tests/test_fail_closed_optim.py, tests/test_planted_optim.py) ----
+
+LR = 2.0**-6
+STEPS = 7  # steps of the whole-step runs
+
+
+def make_mlp(device) -> nn.Sequential:
+    """The whole-step entries' small MLP."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D), nn.Tanh(), nn.Linear(D, 1)
+    ).to(device)
+
+
+def make_adamw(params, device) -> torch.optim.AdamW:
+    """AdamW a whole-step graph can capture: capturable on CUDA, fused on the CPU."""
+    extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, **extra)
+
+
+def eager_run(device, change):
+    """``change`` (a scripted change to the model or optimizer) applied in an eager run."""
+    model = getattr(change, "make_model", make_mlp)(device)
+    opt = change.start(model, device)
+    for i, (x, y) in enumerate(batches(device, STEPS)):
+        change(i, model, opt)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def optimizer_graph_run(backend, device, change):
+    """The same run through :class:`tgraph.OptimizerGraph` (the change comes after capture)."""
+    model = getattr(change, "make_model", make_mlp)(device)
+    opt = change.start(model, device)
+    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
+    for i, (x, y) in enumerate(batches(device, STEPS)):
+        change(i, model, opt)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        graph.step(loss)
+        if i == change.at - 1:
+            assert graph.captured  # the change comes after capture
+    return model
+
+
+def full_iteration_run(backend, device, change):
+    """The same run through :class:`tgraph.FullIterationGraph` (the change after capture)."""
+    model = getattr(change, "make_model", make_mlp)(device)
+    opt = change.start(model, device)
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
+    for i, batch in enumerate(batches(device, STEPS)):
+        change(i, model, opt)
+        step(batch)
+        if i == change.at - 1:
+            assert step.num_graphs == 1  # the change comes after capture
+    return model

@@ -147,7 +147,7 @@ def train_both(model, eager, backend, device, eager_ok, **options):
     with warnings.catch_warnings(record=True) as at_capture:
         warnings.simplefilter("always")
         report = tgraph.create_graphs()
-    eager_calls = _manager.eager_calls
+    eager_calls = tgraph.eager_calls()
     with warnings.catch_warnings():
         warnings.simplefilter("error", tgraph.GraphFallbackWarning)  # none after the one
         for x, y in data[1:]:
@@ -158,7 +158,7 @@ def train_both(model, eager, backend, device, eager_ok, **options):
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, **tol, msg=name)
     fallbacks = [w for w in at_capture if issubclass(w.category, tgraph.GraphFallbackWarning)]
-    return report, fallbacks, _manager.eager_calls - eager_calls
+    return report, fallbacks, tgraph.eager_calls() - eager_calls
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_models import CFG, prompts, tiny_gpt
+from decode_models import CFG, engines, prompts, tiny_gpt
 
 from tgraph.decode import DecodeBuffers, DecodeEngine
 from tgraph.decode.batch import default_buckets
@@ -18,12 +18,6 @@ from tgraph.decode.requests import Request
 from tgraph.guards import CaptureError
 from tgraph.toy.gpt import GPT, GPTConfig, encode
 from tgraph.toy.gpt_decode import GPTDecoder
-
-
-def engines(model, backend, **kw) -> tuple[DecodeEngine, DecodeEngine]:
-    graphed = DecodeEngine(model, use_graphs=True, backend=backend, progress=False, **kw)
-    eager = DecodeEngine(model, use_graphs=False, **kw)
-    return graphed, eager
 
 
 def test_default_buckets():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode import engines, prompts, tiny_gpt
+from decode_models import engines, prompts, tiny_gpt
 
 from tgraph.decode import DecodeEngine
 from tgraph.decode.requests import Request, make_requests

@@ -19,24 +19,23 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fail_closed_models import TOL, BlindGuard, D, assert_same_params, batches, fallbacks
+from fail_closed_models import (
+    LR,
+    STEPS,
+    TOL,
+    BlindGuard,
+    D,
+    assert_same_params,
+    batches,
+    eager_run,
+    fallbacks,
+    full_iteration_run,
+    make_adamw,
+    make_mlp,
+    optimizer_graph_run,
+)
 
 import tgraph
-
-LR = 2.0**-6
-STEPS = 7
-
-
-def make_mlp(device) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D), nn.Tanh(), nn.Linear(D, 1)
-    ).to(device)
-
-
-def make_adamw(params, device) -> torch.optim.AdamW:
-    extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, **extra)
 
 
 class Unfreeze:
@@ -97,52 +96,6 @@ CHANGES = {
 }
 
 
-def _eager_run(device, change):
-    model = getattr(change, "make_model", make_mlp)(device)
-    opt = change.start(model, device)
-    for i, (x, y) in enumerate(batches(device, STEPS)):
-        change(i, model, opt)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model
-
-
-def _optimizer_graph_run(backend, device, change):
-    model = getattr(change, "make_model", make_mlp)(device)
-    opt = change.start(model, device)
-    graph = tgraph.OptimizerGraph(opt, skip_nonfinite=True, backend=backend)
-    for i, (x, y) in enumerate(batches(device, STEPS)):
-        change(i, model, opt)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        graph.step(loss)
-        if i == change.at - 1:
-            assert graph.captured  # the change comes after capture
-    return model
-
-
-def _full_iteration_run(backend, device, change):
-    model = getattr(change, "make_model", make_mlp)(device)
-    opt = change.start(model, device)
-
-    def train_step(batch):
-        x, y = batch
-        opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    step = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
-    for i, batch in enumerate(batches(device, STEPS)):
-        change(i, model, opt)
-        step(batch)
-        if i == change.at - 1:
-            assert step.num_graphs == 1  # the change comes after capture
-    return model
-
-
 @pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
 @pytest.mark.parametrize("what", list(CHANGES))
 def test_optimizer_changed_after_capture(backend, device, entry, what):
@@ -150,8 +103,8 @@ def test_optimizer_changed_after_capture(backend, device, entry, what):
     re-captured (weights equal eager's, the new group stepped, the loaded state used) or a
     RuntimeError names the change; never a graph stepping the old groups or state."""
     cls, names = CHANGES[what]
-    want = _eager_run(device, cls())
-    run = _optimizer_graph_run if entry == "optimizer_graph" else _full_iteration_run
+    want = eager_run(device, cls())
+    run = optimizer_graph_run if entry == "optimizer_graph" else full_iteration_run
     try:
         got = run(backend, device, cls())
     except RuntimeError as exc:
@@ -258,8 +211,8 @@ def test_cpu_whole_step_entries_on_a_machine_with_a_gpu(entry):
         def __call__(self, i, model, opt):
             pass
 
-    want = _eager_run(cpu, Nothing())
-    run = _optimizer_graph_run if entry == "optimizer_graph" else _full_iteration_run
+    want = eager_run(cpu, Nothing())
+    run = optimizer_graph_run if entry == "optimizer_graph" else full_iteration_run
     assert_same_params(run("emulated", cpu, Nothing()), want)
 
 

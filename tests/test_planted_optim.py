@@ -10,8 +10,14 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from fail_closed_models import D, assert_same_params
-from test_fail_closed_optim import _eager_run, _full_iteration_run, _optimizer_graph_run, make_adamw
+from fail_closed_models import (
+    D,
+    assert_same_params,
+    eager_run,
+    full_iteration_run,
+    make_adamw,
+    optimizer_graph_run,
+)
 
 
 def make_twin_layers(device) -> nn.Sequential:
@@ -46,8 +52,8 @@ def test_parameters_swapped_at_an_equal_count_are_followed(backend, device, entr
     """``opt.param_groups[0]['params'][i] = other`` (same shape, same count) after capture: the
     step is captured again and steps the new parameters as eager does, or a RuntimeError names
     the change."""
-    want = _eager_run(device, SwapParams())
-    run = _optimizer_graph_run if entry == "optimizer_graph" else _full_iteration_run
+    want = eager_run(device, SwapParams())
+    run = optimizer_graph_run if entry == "optimizer_graph" else full_iteration_run
     try:
         got = run(backend, device, SwapParams())
     except RuntimeError as exc:
@@ -81,8 +87,8 @@ def test_a_recreated_parameter_is_followed_or_named(backend, device, entry, opt_
     """Handed to the optimizer too, the new parameter is stepped as eager steps it. Left out of
     the optimizer, eager silently stops stepping it; the optimizer graph, which would step the
     old one, refuses naming the cause (not only "a .grad is None")."""
-    want = _eager_run(device, Recreate(opt_too))
-    run = _optimizer_graph_run if entry == "optimizer_graph" else _full_iteration_run
+    want = eager_run(device, Recreate(opt_too))
+    run = optimizer_graph_run if entry == "optimizer_graph" else full_iteration_run
     if entry == "optimizer_graph" and not opt_too:
         with pytest.raises(ValueError, match=r"re-created it .*give the optimizer the new"):
             run(backend, device, Recreate(opt_too))

@@ -179,6 +179,18 @@ def test_adam_betas_out_of_range_are_one_line_before_anything_is_written(
     assert f"{name}=" in one_line_error(capsys) and not out.exists()
 
 
+def test_help_words_every_graph_mode(recipe, capsys):
+    """Before: train_hf's --help said none, layer or full, and left layer+opt out."""
+    with pytest.raises(SystemExit):
+        recipe.parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    graph_help = text[text.rindex("--graph {") :].split("(default:")[0]  # the option, not usage
+    modes = recipe.parse_config([]).graph_modes
+    assert ("layer+opt" in modes) == (recipe.__name__ == "train_hf")
+    for mode in modes:
+        assert f'"{mode}" (' in graph_help, graph_help
+
+
 def tree(out: Path) -> dict[str, bytes]:
     """Every file under ``out`` and its bytes."""
     return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}

@@ -14,7 +14,6 @@ from torch.utils.checkpoint import checkpoint
 
 import tgraph
 from tgraph.errors import GraphFallbackWarning
-from tgraph.layers.manager import _manager
 
 
 class Block(tgraph.GraphableModule):
@@ -61,7 +60,7 @@ def _train(model, device, *, graphed: bool, backend: str | None = None, steps: i
         opt.zero_grad(set_to_none=True)
         if graphed and i == 0:
             tgraph.create_graphs()
-    fallbacks = _manager.eager_calls
+    fallbacks = tgraph.eager_calls()
     tgraph.reset()
     return grads, caught, fallbacks
 

@@ -272,7 +272,7 @@ def test_separate_models_share_one_pool(backend, device, order):
             if it == 0:
                 tgraph.create_graphs()
             elif how == "recorded":  # the recorded order is safe: every call replays
-                assert tgraph.layers.manager._manager.eager_calls == 0
+                assert tgraph.eager_calls() == 0
             torch.testing.assert_close(y, y_ref, rtol=RTOL, atol=ATOL)
             torch.testing.assert_close(loss, loss_ref, rtol=RTOL, atol=ATOL)
             ptrs = set()

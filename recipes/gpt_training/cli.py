@@ -22,7 +22,7 @@ import torch
 from tgraph.toy.checkpoint import CheckpointError
 
 from .checkpointing import RunDirectoryError, latest_checkpoint
-from .config import DEFAULT_STEPS, RunOnly, TrainConfig
+from .config import DEFAULT_STEPS, GRAPH_MODE_HELP, RunOnly, TrainConfig
 from .parallel import exit_now
 from .spec import GPT_SPEC, ModelError, ModelSpec
 from .trainer import NonFiniteLossError, TrainingInterrupted, train
@@ -74,6 +74,8 @@ def parse_config(
     types = {"int": int, "int | None": int, "float": float, "str": str, "bool": bool}
     choices = {**config_cls.cli_choices, "graph": config_cls.graph_modes}
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # a recipe's own
+    modes = [f'"{m}" ({GRAPH_MODE_HELP[m]})' for m in config_cls.graph_modes]
+    docs["graph"] = f"Graph mode: {', '.join(modes[:-1])} or {modes[-1]}."
     if "steps" in docs:  # a fresh run's total is the recipe's own
         docs["steps"] = docs["steps"].replace(str(DEFAULT_STEPS), str(config_cls.default_steps))
     for group in config_cls.groups():  # --help lists the flags by config group

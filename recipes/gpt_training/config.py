@@ -23,6 +23,12 @@ from typing import ClassVar
 from tgraph.toy.gpt import GPTConfig
 
 GRAPH_MODES = ("none", "layer", "full")
+GRAPH_MODE_HELP = {  # --help's words for each mode; a recipe lists its own (RunConfig.graph_modes)
+    "none": "eager",
+    "layer": "per-layer graphs",
+    "layer+opt": "per-layer graphs and the optimizer step as one graph",
+    "full": "the whole training step as one graph",
+}
 NONFINITE_MODES = ("stop", "skip")
 DEFAULT_STEPS = 2000  # a fresh run's --steps when none is given
 
@@ -180,11 +186,11 @@ class StepConfig(RunOnly):
     device: str = "auto"
     """"auto" (cuda if available), "cpu", "cuda" or "cuda:N" (torchrun uses cuda:LOCAL_RANK)."""
     graph: str = "layer"
-    """Graph mode: "none" (eager), "layer" (per-block graphs) or "full" (whole training step)."""
+    """Graph mode, one of the recipe's ``graph_modes`` (--help words each: ``GRAPH_MODE_HELP``)."""
     backend: str = "auto"
     """Graph backend: "auto" (cuda graphs on a GPU, emulated on CPU), "cuda" or "emulated"."""
     on_nonfinite: str = "stop"
-    """A nan/inf loss or gradient: "stop" the run (checked at log and checkpoint steps, before any checkpoint is written) or "skip" the step's update (one host sync per step; not with --graph full)."""
+    """A nan/inf loss or gradient: "stop" the run (checked at log and checkpoint steps, before any checkpoint is written) or "skip" the step's update (one host sync per step; not with --graph full or layer+opt)."""
     deterministic: bool = False
     """Deterministic kernels where PyTorch has them (others warn); slower on a GPU."""
 

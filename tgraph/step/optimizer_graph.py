@@ -45,7 +45,8 @@ learning rates as tensors, snapshot, restore on failure) is tgraph/step/capture.
 
 Extension points: a subclass that steps another kind of optimizer (megatron-core's, in
 :mod:`tgraph.integrations.megatron_optimizer`) overrides the public hooks of
-:class:`OptimizerGraph`, listed and defaulted in tgraph/step/optimizer_hooks.py, and nothing else.
+:class:`OptimizerGraph` (listed in its docstring; their defaults step a torch optimizer and own
+``.grad`` buffers), and nothing else.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.captured import CapturedStep, Phase
 from tgraph.step.grad_buffers import GradBuffers
-from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout
-from tgraph.step.optimizer_hooks import OptimizerHooks
+from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout, total_norm
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 _ELSEWHERE = ", but the graph runs on {device}: one OptimizerGraph per device"
 
 
-class OptimizerGraph(OptimizerHooks):
+class OptimizerGraph:
     """``optimizer.step()`` with clipping, non-finite skipping and gradient zeroing as one graph.
 
     Args:
@@ -103,8 +103,22 @@ class OptimizerGraph(OptimizerHooks):
         TypeError: ``optimizer`` is not a torch optimizer.
         ValueError: a bad argument value.
 
-    Extension points, for a subclass that steps another kind of optimizer: the public hooks
-    of :class:`tgraph.step.optimizer_hooks.OptimizerHooks` (their defaults step ``optimizer``).
+    Extension points, for a subclass that steps another kind of optimizer (the defaults step
+    ``optimizer`` and own ``.grad`` buffers; :class:`tgraph.integrations.megatron_optimizer.
+    MegatronOptimizerGraph` overrides them for megatron-core's optimizer):
+
+    * :attr:`optimizers`: the torch optimizers the step runs (their learning rates reach the
+      graph, their state is snapshotted and checked);
+    * :meth:`params`: the parameters whose gradients the step reads;
+    * :meth:`protected_tensors`: tensors besides those a skipped step restores;
+    * :meth:`norm_and_clip`: the gradient norm (and clipping) before the step;
+    * :meth:`inner_step`: the step itself;
+    * :meth:`bind_grads`: at capture, the gradient buffers the graph reads;
+    * :meth:`refresh_grads`: before each replay, bring the step's gradients into them.
+
+    Each runs inside the captured step or around it as its docstring says, reads the public
+    attributes it needs (``optimizer``, ``clip_grad_norm``, ``norm_type``, ``guard``,
+    :attr:`bound_grads`), and none may sync with the host.
     """
 
     def __init__(
@@ -154,6 +168,68 @@ class OptimizerGraph(OptimizerHooks):
         if self.zero_grad:
             for p in self._cap.params if self._cap is not None else self.params():
                 p.grad = None
+
+    # -- the hooks: a subclass's extension surface (class docstring) -----------------------
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers the step runs (their learning rates reach the graph)."""
+        return [self.optimizer]
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients the step reads (default: the optimizers')."""
+        return [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+
+    def norm_and_clip(self) -> torch.Tensor | None:
+        """Inside the step, first: the total gradient norm before clipping (a 0-dim device
+        tensor), after clipping to ``clip_grad_norm``; None when neither clipping nor skipping
+        needs it."""
+        grads = [p.grad for p in self.params() if p.grad is not None]
+        if self.clip_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(
+                self.params(), self.clip_grad_norm, self.norm_type
+            )
+        if self.guard is not None:
+            return total_norm(grads, self.norm_type)
+        return None
+
+    def protected_tensors(self) -> list[torch.Tensor]:
+        """Tensors besides the optimizers' parameters and state that a skipped step restores
+        (default: none)."""
+        return []
+
+    def inner_step(self) -> None:
+        """Inside the step, after :meth:`norm_and_clip`: the optimizer step itself."""
+        self.optimizer.step()
+
+    def bind_grads(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """At capture, before the step is captured: the gradient buffers the graph reads.
+
+        Returns:
+            ``(pairs, gradless)``: ``(parameter, buffer)`` for every gradient the graph reads
+            (at a fixed address), and the parameters it never steps (they must keep
+            ``.grad`` None; checked at every replay). The default
+            (:class:`tgraph.step.grad_buffers.GradBuffers`) reads the gradients per-layer
+            graphs hand over where they leave them and gives every other gradient a buffer
+            of the graph's own (one flat allocation), filled with this step's gradients and
+            made the parameters' ``.grad``.
+
+        Raises:
+            ValueError: no gradient to step.
+        """
+        self._buffers = GradBuffers.bind(self.params())
+        return list(self._buffers.pairs), list(self._buffers.gradless)
+
+    def refresh_grads(self) -> None:
+        """Before a replay (no grad mode): copy the step's gradients into the graph's buffers
+        where they are not there already (:meth:`tgraph.step.grad_buffers.GradBuffers.refresh`;
+        a copy that would overwrite a gradient kept elsewhere makes this step run eagerly).
+
+        Raises:
+            ValueError: a gradient the graph reads is missing, or a parameter it never steps
+                has one now (call :meth:`reset`).
+        """
+        self._buffers.refresh()
 
     # -- the step ---------------------------------------------------------------------------
 
