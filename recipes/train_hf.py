@@ -233,9 +233,22 @@ class HFSpec(ModelSpec):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model.to(device).train()
 
-    def loss(self, net, x, y):
-        logits = net(input_ids=x, use_cache=False).logits  # (B, T, vocab)
+    def loss(self, net, x, y, use_cache=False):
+        logits = net(input_ids=x, use_cache=use_cache).logits  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def whole_step_loss(self, net, x, y):
+        # Without a cache transformers' mask code looks for packed sequences in the position ids.
+        # Eagerly that is a host read that finds none, and SDPA masks with is_causal=True. Under
+        # a capture it cannot read, so it builds an explicit causal mask; with a mask,
+        # transformers repeats grouped k/v heads in Python (repeat_kv) instead of letting SDPA
+        # group them (enable_gqa), and the k/v gradients come out summed in another order (1e-7
+        # off eager). With a cache it reads nothing and takes eager's branch. Only where heads
+        # are grouped: the cache copies k/v (torch.cat), which changes GPT-2's bits (its k/v
+        # are strided views).
+        config = unwrap(net).config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return self.loss(net, x, y, use_cache=kv_heads < config.num_attention_heads)
 
     def enable_graphs(self, net, backend):
         from tgraph.integrations import transformers as tg_hf

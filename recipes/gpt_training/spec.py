@@ -56,6 +56,13 @@ class ModelSpec:
         """The mean cross-entropy of ``net`` (the model or its DDP wrapper) on ``x`` -> ``y``."""
         raise NotImplementedError
 
+    def whole_step_loss(
+        self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`loss` inside the ``--graph full`` step (its warmup calls and its capture), the
+        same numbers. A model whose Python branches on a capture under way overrides it."""
+        return self.loss(net, x, y)
+
     def enable_graphs(self, net: torch.nn.Module, backend: str) -> None:
         """Per-layer graphs (``--graph layer``): the next step records, ``create_graphs``."""
         raise NotImplementedError

@@ -43,6 +43,10 @@ class StepSpec(Protocol):
 
     def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
+    def whole_step_loss(
+        self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor: ...
+
     def enable_graphs(self, net: torch.nn.Module, backend: str) -> None: ...
 
     def disable_graphs(self, net: torch.nn.Module) -> None: ...
@@ -85,6 +89,7 @@ class TrainStep:
         if spec.clip_in_optimizer_order:  # the order OptimizerGraph sums the norm in
             self.params = [p for g in opt.param_groups for p in g["params"]]
         self.layered = cfg.graph in ("layer", "layer+opt")
+        self.loss_fn = spec.whole_step_loss if cfg.graph == "full" else spec.loss
         self.record_eval = record_eval
         self.calls = 0
         self.net: torch.nn.Module = model
@@ -124,7 +129,7 @@ class TrainStep:
         cfg, env, params = self.cfg, self.env, self.params
         if self.opt_graph is None:  # (OptimizerGraph owns the .grad tensors and zeroes them)
             self.opt.zero_grad(set_to_none=True)
-        loss = self.spec.loss(self.net, x, y)
+        loss = self.loss_fn(self.net, x, y)
         loss.backward()
         if self.opt_graph is not None:  # clips, steps and zeroes the gradients
             self.opt_graph.step(loss.detach())

@@ -23,6 +23,11 @@ training steps and update the parameters. The next call copies the batch into *s
 captures one call of ``fn`` on them; that call's training step is the first replay on CUDA (a
 CUDA capture executes nothing) and the capture itself on the emulated backend (which executes
 ``fn`` once): either way ``fn``'s effects happen exactly once per call.
+Python in ``fn`` that asks ``torch.cuda.is_current_stream_capturing()`` (the emulated backend
+answers as CUDA does) takes its capture branch in the graph. Transformers' mask code does: without
+a KV cache it masks explicitly under a capture where eager passes SDPA ``is_causal=True``, and with
+grouped-query attention the graph then differs from eager in the last bits (README, "Full-iteration
+graphs"); call such a model with ``use_cache=True`` inside ``fn``.
 Later calls copy the live batch into the static buffers and replay. A batch of another signature
 gets its own warmups and graph (at most ``max_graphs``), never a replay of the wrong shapes.
 
