@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from fail_closed_models import TOL, assert_never_silent, batches, fallbacks, make_pair, train
+from fail_closed_models import (
+    TOL,
+    assert_never_silent,
+    assert_same_params,
+    batches,
+    fallbacks,
+    make_pair,
+    train,
+)
 
 import tgraph
 
@@ -60,3 +68,33 @@ def test_forward_mode_ad_under_strict_names_the_cause(backend, device):
     x = data[1][0]
     with pytest.raises(tgraph.GraphFallbackError, match=r"forward-mode AD tangent.*strict=False"):
         dual_call(model, x, torch.ones_like(x))
+
+
+# -- a backward restricted to some inputs in the recorded step -----------------------------------
+
+
+def test_recorded_backward_on_a_subset_names_the_cause_and_loses_nothing(backend, device):
+    """``loss.backward(inputs=head's parameters)`` in the recorded step runs no backward of the
+    graphed blocks: ``create_graphs()`` must name that cause and the fix, not only "still
+    awaits its backward". The next plain iteration records, and training goes on as eager."""
+    model, ref = make_pair(device)
+    data = batches(device, 4)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, model)]
+    tgraph.enable(model, backend=backend)
+    losses = [[], []]
+    for i, (x, y) in enumerate(data):
+        for m, opt, out in zip((ref, model), opts, losses):  # the graphed model's loss stays held
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward(inputs=list(m.head.parameters()) if i == 0 else None)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.detach())
+        if i == 0:
+            with pytest.raises(RuntimeError, match=r"loss\.backward\(inputs=\[\.\.\.\]\).*plain"):
+                tgraph.create_graphs()
+        if i == 1:
+            assert tgraph.create_graphs().graphs > 0
+            before = tgraph.eager_calls()
+    torch.testing.assert_close(torch.stack(losses[0]), torch.stack(losses[1]), **TOL)
+    assert_same_params(model, ref)
+    assert tgraph.eager_calls() == before  # the steps after capture replayed
