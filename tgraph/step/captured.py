@@ -65,8 +65,10 @@ class CapturedStep:
 
     def change(self) -> str | None:
         """Why the graph no longer fits what it baked in (the optimizers' layout or numbers,
-        the modules' attributes and hooks), or None: replay."""
+        their param_groups' numbers, the modules' attributes and hooks), or None: replay."""
         why = self.layout.change() or self.numbers.change()
+        for hp in self.hparams:
+            why = why or hp.change()
         if why is None and self.baked is not None:
             why = self.baked.changed()
         return why

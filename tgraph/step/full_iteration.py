@@ -46,8 +46,10 @@ Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` 
   without a host sync: ``fused=True`` (SGD, Adam, AdamW) or ``capturable=True`` (Adam, AdamW).
   PyTorch's LR schedulers update such a tensor in place (``fill_``); a scheduler or user that
   assigns a new float instead is caught at the next call and the value copied into the tensor.
-  Any other hyper-parameter that changes after capture (a float ``lr`` of a plain SGD, momentum,
-  betas, ...) raises a ``ValueError`` instead of being silently ignored.
+  A float ``lr`` that changes after capture (a plain SGD's) raises a ``ValueError`` naming the
+  fix. The other numbers of a param_group (weight decay, betas, momentum) are host numbers of
+  torch's fused and capturable kernels: a change (a weight-decay schedule) makes the next call
+  warn once, run eagerly and capture the step again after warmup, with the new value.
 * Accepted by what they are (tgraph/step/host_state.py): ``fused=True`` (Adam, AdamW, SGD;
   Adagrad on the CPU), ``capturable=True`` (CUDA), or no state on the host (plain SGD). An
   optimizer that keeps its step count on the host (Adagrad, Adadelta, RMSprop, Adam/AdamW
