@@ -316,6 +316,7 @@ class FullIterationGraph:
         if f.executes_capture:
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
+            cap.steps.run_post_hooks()  # detached during the capture (tgraph.step.step_hooks)
             return self._outputs(cap)
         return self._replay(cap, tensors, first=True)
 
@@ -336,6 +337,7 @@ class FullIterationGraph:
         cap.graph.replay()
         for p, grad, _ in cap.grad_modes:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
+        cap.steps.run_post_hooks()  # the optimizers' step post-hooks, as the eager step runs them
         return self._outputs(cap)
 
     # -- reports -------------------------------------------------------------------------------
