@@ -34,6 +34,7 @@ from fail_closed_models import (
     make_mlp,
     optimizer_graph_run,
 )
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tgraph
 
@@ -307,3 +308,107 @@ def test_a_gradient_relaid_in_the_buffer_the_graph_reads_is_copied_in_its_new_la
         assert torch.equal(buf, want)
     else:
         assert not torch.equal(buf, want)
+
+
+# -- optimizer step hooks -------------------------------------------------------------------------
+
+
+class EMAAndCounter:
+    """A step post-hook: an EMA of the weights (tensor work) and a count of its calls (Python),
+    with the arguments torch handed it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self.ema = [p.detach().clone() for p in self.params]
+        self.calls: list[tuple] = []
+
+    def __call__(self, opt, args, kwargs) -> None:
+        self.calls.append((opt, args, kwargs))
+        with torch.no_grad():
+            for e, p in zip(self.ema, self.params):
+                e.mul_(0.9).add_(p, alpha=0.1)
+
+
+def _hooked_run(backend, device, entry, where):
+    """STEPS AdamW steps with an :class:`EMAAndCounter` post-hook (eager when ``backend`` is
+    None); returns the model and the hook."""
+    model = make_mlp(device)
+    opt = make_adamw(model.parameters(), device)
+    hook = EMAAndCounter(model)
+    if where == "optimizer":
+        handle = opt.register_step_post_hook(hook)
+    else:
+        handle = register_optimizer_step_post_hook(hook)
+    try:
+        graph = None
+        if backend is not None and entry == "optimizer_graph":
+            graph = tgraph.OptimizerGraph(opt, backend=backend)
+
+        def train_step(batch):
+            x, y = batch
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            if graph is None:
+                opt.step()
+            else:
+                graph.step()
+            return loss
+
+        if backend is not None and entry == "full_iteration":
+            train_step = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
+        for batch in batches(device, STEPS):
+            train_step(batch)
+    finally:
+        handle.remove()  # a global hook must not outlive the test
+    return model, opt, hook
+
+
+@pytest.mark.parametrize("where", ["optimizer", "global"])
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_step_post_hooks_run_after_every_replay(backend, device, entry, where, replays):
+    """``register_step_post_hook`` (or the global ``register_optimizer_step_post_hook``) with an
+    EMA and a counter: a replay runs no Python, so tgraph runs the hooks after each replay,
+    with the captured step's arguments, and captures the step with them detached (their tensor
+    work is not in the graph, nor done twice). Counts equal eager's over 7 steps, the EMA and
+    the weights bit for bit."""
+    model, opt, hook = _hooked_run(backend, device, entry, where)
+    ref, ref_opt, ref_hook = _hooked_run(None, device, entry, where)
+    assert replays[0] >= 4  # the hooks ran around replays, not around eager steps only
+    assert len(hook.calls) == len(ref_hook.calls) == STEPS
+    assert all(a == (opt,) and k == {} and o is opt for o, a, k in hook.calls)
+    exact = dict(rtol=0, atol=0) if backend == "emulated" else TOL
+    torch.testing.assert_close(hook.ema, ref_hook.ema, **exact)
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), **exact)
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_step_pre_hook_is_refused_at_capture_by_name(backend, device, entry):
+    """A pre-hook runs after the backward, right before the step, a point a replay of the whole
+    step does not have: the capture refuses it, naming it, and the eager steps before it ran
+    the hook as eager code does."""
+    model = make_mlp(device)
+    opt = make_adamw(model.parameters(), device)
+    seen = []
+
+    def count_steps(optimizer, args, kwargs):
+        seen.append(optimizer)
+
+    opt.register_step_pre_hook(count_steps)
+    graph = tgraph.OptimizerGraph(opt, backend=backend) if entry == "optimizer_graph" else None
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step() if graph is None else graph.step()
+
+    step = train_step if graph else tgraph.FullIterationGraph(train_step, 2, backend=backend)
+    match = r"AdamW has a step pre-hook \(.*count_steps\).*register_step_post_hook"
+    data = batches(device, 3)
+    warmups = 1 if graph else 2
+    for batch in data[:warmups]:
+        step(batch)
+    with pytest.raises(ValueError, match=match):
+        step(data[warmups])
+    assert len(seen) == warmups

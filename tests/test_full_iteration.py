@@ -118,6 +118,36 @@ def test_baked_lr_change_raises(backend, device):
         run_pair(backend, device, "sgd", sched="step")
 
 
+@pytest.mark.parametrize("every", [1, 5], ids=["every_step", "every_5_steps"])
+def test_weight_decay_schedule_is_captured_again_as_eager(backend, device, every, replays):
+    """AdamW's weight decay, changed after a step (a schedule): the fused and capturable kernels
+    take it as a host number, so the step is captured again after warmup (warned once, not at
+    every change). lr 2**-8 is exact in float32: the emulated backend is bitwise with eager."""
+
+    def run(graphed: bool):
+        model = make_model(device)
+        extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+        opt = torch.optim.AdamW(model.parameters(), lr=2.0**-8, weight_decay=0.1, **extra)
+        step = make_step(model, opt)
+        if graphed:
+            step = tgraph.FullIterationGraph(step, warmup_steps=WARMUP, backend=backend)
+
+        def decay(i: int) -> None:
+            if i % every == every - 1:
+                opt.param_groups[0]["weight_decay"] = 0.1 * 0.5 ** (i // every + 1)
+
+        return train(step, make_batches(device), after_step=decay), list(model.parameters())
+
+    want = run(graphed=False)
+    with pytest.warns(tgraph.GraphFallbackWarning, match="'weight_decay' changed") as seen:
+        got = run(graphed=True)
+    assert sum("weight_decay" in str(w.message) for w in seen) == 1
+    tol = dict(rtol=0, atol=0) if backend == "emulated" else TOL
+    torch.testing.assert_close(got, want, **tol)
+    if every == 5:  # captured at step 3, changed after step 4, captured again at step 8
+        assert replays[0] == 2 + 2 * (backend == "cuda")  # steps 4 and 9 (+ 3 and 8 on CUDA)
+
+
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
 def test_clip_grad_norm_inside_the_graph(backend, device, opt_kind):
     assert_same(run_pair(backend, device, opt_kind, clip=True))

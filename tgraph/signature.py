@@ -17,6 +17,7 @@ from sys import modules as _sys_modules
 from typing import Any, NamedTuple
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.utils._pytree as pytree
 
 from tgraph.fp8 import _QUANT as FP8_MODULE
@@ -73,7 +74,9 @@ _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, 
 
 
 class MutableArgument(TypeError):
-    """A graphed call got a Python object that a graph cannot stand for (see :func:`describe`)."""
+    """A graphed call got an argument that a graph cannot stand for: a Python object compared
+    by identity (:func:`describe`), a tensor carrying a forward-mode AD tangent
+    (:func:`refuse_tangents`)."""
 
 
 def describe(leaf: Any, where: str) -> Any:
@@ -193,6 +196,8 @@ def call_key(
     Raises:
         MutableArgument, TypeError: see :func:`describe`.
     """
+    if forward_ad._current_level >= 0:  # a forward-mode AD region is open (rare): one read
+        refuse_tangents(args, kwargs)
     # Called for every graphed call: the hot path of a replayed step. Plain arguments (tensors
     # and values in tuples, lists and dicts) are walked by _plain_leaves, and their structure
     # is looked up by a flat tuple of its containers' sizes and keys; pytree runs only for a
@@ -223,6 +228,26 @@ def call_key(
     descs = tuple([describe(x, paths[i]) for i, x in enumerate(leaves)])
     tensors.extend(x for x in leaves if isinstance(x, torch.Tensor))
     return CallKey(tree, descs, training, grad, autocast, frozen)
+
+
+def refuse_tangents(args: tuple, kwargs: dict) -> None:
+    """Raise where an argument carries a forward-mode AD tangent (a ``torch.autograd.forward_ad``
+    dual tensor, or an input of ``torch.func.jvp``): a graph replays kernels on the primal
+    values only, with no tangent to compute, so the call must run eagerly.
+
+    Raises:
+        MutableArgument: naming the argument.
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent is not None:
+            raise MutableArgument(
+                f"{structure_of(spec).paths[i]} carries a forward-mode AD tangent (a "
+                "torch.autograd.forward_ad dual tensor, or torch.func.jvp): a graph replays "
+                "kernels on the primal values and would drop the tangent, so a call with "
+                "tangents runs eagerly (under strict=True, run it with strict=False or without "
+                "tgraph.enable)"
+            )
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -138,7 +138,13 @@ def _recorded_runners(m: _Manager) -> list[Runner]:
     if waiting:
         raise RuntimeError(
             f"create_graphs() was called while a graphed forward ({waiting[0]}) still awaits its "
-            "backward; call it between iterations, after every backward of the recorded one"
+            "backward: the recorded iteration's backward never reached it. A backward restricted "
+            "to some tensors (loss.backward(inputs=[...]), torch.autograd.grad(loss, [...])) "
+            "runs no backward of the graphed modules it does not need, and an output still held "
+            "from a forward with grad enabled that was never backed through waits too. Run "
+            "another iteration whose backward reaches every graphed forward (a plain "
+            "loss.backward(), or inputs that include the graphed modules' parameters), then call "
+            "create_graphs() between iterations, after every backward of the recorded one"
         )
     for r in runners:  # recorded no-grad outputs that are still alive are eager tensors:
         r.state.inflight = InFlight()  # capturing cannot touch them

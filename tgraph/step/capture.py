@@ -12,8 +12,10 @@ in the same order, whichever entry asks:
    backend executes the captured function, references only on CUDA);
 4. capture on the backend's side stream (fused param_groups say ``capturable=True`` meanwhile,
    :func:`tgraph.step.host_state.fused_groups_capturable`), refusing a learning-rate tensor
-   written inside the step (a scheduler stepping inside it) and host state it wrote
-   (:class:`tgraph.step.host_state.HostWrites`);
+   written inside the step (a scheduler stepping inside it), host state it wrote
+   (:class:`tgraph.step.host_state.HostWrites`) and optimizer step pre-hooks, with the step
+   post-hooks detached and the optimizer steps noted, to run the hooks after each replay
+   (:mod:`tgraph.step.step_hooks`);
 5. on failure, undo 3 and 2 and raise a :class:`tgraph.CaptureError` that names the likely cause
    (a ``ValueError``, a misconfiguration the message already explains, passes unchanged).
 
@@ -49,6 +51,7 @@ from tgraph.step.host_state import (
     fused_groups_capturable,
 )
 from tgraph.step.hyperparams import BakedLayout, HyperParams
+from tgraph.step.step_hooks import OptimizerSteps, recorded, refuse_pre_hooks
 
 
 def check_optimizers(
@@ -105,6 +108,8 @@ class StepCapture:
         """Wall time of the capture (after synchronizing the device)."""
         self.pool_bytes = 0
         """Device memory the capture allocated (0 on the emulated backend)."""
+        self.steps: OptimizerSteps | None = None
+        """The optimizer steps the capture made (their post-hooks run after each replay)."""
 
     def save(
         self,
@@ -146,17 +151,20 @@ class StepCapture:
         (:class:`tgraph.step.host_state.HostWrites`). So does a learning-rate tensor written
         inside ``fn``: after the capture, from the tensors' version counters (invisible to
         ``torch.compile``), or, with ``refuse_lr_writes``, at the write itself (a torch
-        function mode: the error's traceback points at the write).
+        function mode: the error's traceback points at the write). An optimizer step pre-hook
+        raises ``ValueError``; post-hooks are detached meanwhile (:mod:`tgraph.step.step_hooks`).
         """
+        refuse_pre_hooks(self.optimizers, self.what)
         f = self.factory
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
         versions = [t._version for t in self.lr_tensors]
         host = HostWrites(self.optimizers, f.device, modules)
         guard = RefuseLrWrites(self.lr_tensors) if refuse_lr_writes else contextlib.nullcontext()
-        with f.side_stream(), stale_stream_override(), guard:
+        with f.side_stream(), stale_stream_override(), guard, recorded(self.optimizers) as steps:
             with fused_groups_capturable(self.optimizers):
                 out = self.graph.capture(fn)
+        self.steps = OptimizerSteps(steps, self.optimizers, self.what)
         check_lr_unwritten(self.lr_tensors, versions)
         host.check()
         f.synchronize()
@@ -178,6 +186,7 @@ class StepCapture:
             numbers=BakedNumbers(self.optimizers),
             seconds=self.seconds,
             pool_bytes=self.pool_bytes,
+            steps=self.steps,
             **parts,
         )
 

@@ -28,6 +28,7 @@ from tgraph.signature import Template
 from tgraph.step.grad_buffers import GradBuffers
 from tgraph.step.host_state import BakedNumbers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
+from tgraph.step.step_hooks import OptimizerSteps
 
 
 class Phase(enum.Enum):
@@ -55,6 +56,7 @@ class CapturedStep:
     numbers: BakedNumbers  # the optimizers' Python-number attributes at capture
     seconds: float  # wall time of the capture
     pool_bytes: int  # device memory the capture allocated (0 on the emulated backend)
+    steps: OptimizerSteps | None = None  # its optimizer steps: their post-hooks, after replays
     params: tuple[torch.Tensor, ...] = ()  # every parameter of the step, as at capture
     static_inputs: tuple[torch.Tensor, ...] = ()  # the static batch (or loss) replays copy into
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
@@ -65,8 +67,12 @@ class CapturedStep:
 
     def change(self) -> str | None:
         """Why the graph no longer fits what it baked in (the optimizers' layout or numbers,
-        the modules' attributes and hooks), or None: replay."""
+        their param_groups' numbers and step pre-hooks, the modules' attributes and hooks), or None: replay."""
         why = self.layout.change() or self.numbers.change()
+        for hp in self.hparams:
+            why = why or hp.change()
+        if why is None and self.steps is not None:
+            why = self.steps.change()
         if why is None and self.baked is not None:
             why = self.baked.changed()
         return why

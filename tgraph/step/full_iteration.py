@@ -51,8 +51,10 @@ Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` 
   without a host sync: ``fused=True`` (SGD, Adam, AdamW) or ``capturable=True`` (Adam, AdamW).
   PyTorch's LR schedulers update such a tensor in place (``fill_``); a scheduler or user that
   assigns a new float instead is caught at the next call and the value copied into the tensor.
-  Any other hyper-parameter that changes after capture (a float ``lr`` of a plain SGD, momentum,
-  betas, ...) raises a ``ValueError`` instead of being silently ignored.
+  A float ``lr`` that changes after capture (a plain SGD's) raises a ``ValueError`` naming the
+  fix. The other numbers of a param_group (weight decay, betas, momentum) are host numbers of
+  torch's fused and capturable kernels: a change (a weight-decay schedule) makes the next call
+  warn once, run eagerly and capture the step again after warmup, with the new value.
 * Accepted by what they are (tgraph/step/host_state.py): ``fused=True`` (Adam, AdamW, SGD;
   Adagrad on the CPU), ``capturable=True`` (CUDA), or no state on the host (plain SGD). An
   optimizer that keeps its step count on the host (Adagrad, Adadelta, RMSprop, Adam/AdamW
@@ -319,6 +321,7 @@ class FullIterationGraph:
         if f.executes_capture:
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
+            cap.steps.run_post_hooks()  # detached during the capture (tgraph.step.step_hooks)
             return self._outputs(cap)
         return self._replay(cap, tensors, first=True)
 
@@ -339,6 +342,7 @@ class FullIterationGraph:
         cap.graph.replay()
         for p, grad, _ in cap.grad_modes:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
+        cap.steps.run_post_hooks()  # the optimizers' step post-hooks, as the eager step runs them
         return self._outputs(cap)
 
     # -- reports -------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 A graph bakes every Python number it reads into its kernels. So learning rates move into device
 tensors that schedulers keep updating (:meth:`HyperParams.prepare`, :meth:`HyperParams.refresh`),
-and a value that cannot (a float another optimizer reads on the host) is refused at the next step
-with a message naming the fix, never frozen silently. Used by :class:`tgraph.FullIterationGraph`
+and a learning rate that cannot (a float another optimizer reads on the host) is refused at the
+next step with a message naming the fix. The other numbers of a param_group (weight decay, betas,
+momentum) have no tensor form in torch's kernels: a change is named by
+:meth:`HyperParams.change` before the next replay and the step is captured again with it. Never
+frozen silently. Used by :class:`tgraph.FullIterationGraph`
 and :class:`tgraph.OptimizerGraph`.
 """
 
@@ -29,6 +32,7 @@ class HyperParams:
         ]
         self._converted: list[tuple[dict, torch.Tensor, float]] = []
         self._tensor_lrs: list[tuple[dict, torch.Tensor]] = []
+        self._baked_lrs: list[tuple[str, int, dict, str, Any]] = []
         self._baked: list[tuple[str, int, dict, str, Any]] = []
 
     @property
@@ -58,17 +62,35 @@ class HyperParams:
         self._tensor_lrs = [
             (g, g["lr"]) for _, _, g in self._groups if isinstance(g.get("lr"), torch.Tensor)
         ]
-        self._baked = [
+        baked = [
             (name, i, g, k, v)
             for name, i, g in self._groups
             for k, v in g.items()
             if k not in ("params", "initial_lr") and not isinstance(v, torch.Tensor)
         ]
+        self._baked_lrs = [b for b in baked if b[3] == "lr"]
+        self._baked = [b for b in baked if b[3] != "lr"]
 
     def refresh(self) -> None:
-        """Before a replay: bring replaced learning rates into their tensors; refuse baked changes."""
+        """Before a replay: bring replaced learning rates into their tensors; refuse a change of
+        a float learning rate the graph baked in."""
         self._refresh_tensor_lrs()
         self._check_baked()
+
+    def change(self) -> str | None:
+        """Why a captured step no longer fits: a Python number of a param_group other than a
+        float ``lr`` (``weight_decay``, ``betas``, ``momentum``, ...) changed since the capture.
+        The fused and capturable kernels take these as host numbers, so no device tensor can
+        carry them: the entry captures the step again after warmup, with the new value. None:
+        unchanged."""
+        for name, i, g, k, v in self._baked:
+            if g.get(k, v) != v:
+                return (
+                    f"{name} param_group {i}: {k!r} changed after capture (a Python number the "
+                    "graph bakes into its kernels; a value changed at every step keeps the step "
+                    "mostly eager: change it less often)"
+                )
+        return None
 
     def _refresh_tensor_lrs(self) -> None:
         for g, t in self._tensor_lrs:
@@ -79,17 +101,13 @@ class HyperParams:
                 g["lr"] = t
 
     def _check_baked(self) -> None:
-        for name, i, g, k, v in self._baked:
+        for name, i, g, k, v in self._baked_lrs:
             if g.get(k, v) != v:
-                fix = (
-                    f"build {name} with fused=True (or capturable=True for Adam/AdamW) so tgraph "
-                    "holds the learning rate in a device tensor"
-                    if k == "lr"
-                    else "call step.reset() to capture again with the new value"
-                )
                 raise ValueError(
                     f"{name} param_group {i}: {k!r} changed from {v!r} to {g[k]!r} after capture, "
-                    f"but the captured graph baked {v!r} into its kernels. To fix: {fix}."
+                    f"but the captured graph baked {v!r} into its kernels. To fix: build {name} "
+                    "with fused=True (or capturable=True for Adam/AdamW) so tgraph holds the "
+                    "learning rate in a device tensor."
                 )
 
     def restore(self) -> None:

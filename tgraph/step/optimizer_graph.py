@@ -355,6 +355,7 @@ class OptimizerGraph:
         logger.info("OptimizerGraph: captured on %s in %.3fs", f.backend, step.seconds)
         if not f.executes_capture:  # a CUDA capture executed nothing: this step is a replay
             step.graph.replay()
+        self._cap.steps.run_post_hooks()  # detached during the capture (tgraph.step.step_hooks)
         self._after_step(live_grads)
 
     def _bind(self, step: StepCapture) -> GradBuffers:
@@ -402,6 +403,7 @@ class OptimizerGraph:
                 self._run()
         else:
             cap.graph.replay()
+            cap.steps.run_post_hooks()  # the optimizers' step post-hooks, as in eager
         if live is not None:
             self._after_step(live)
         else:
