@@ -390,3 +390,72 @@ def test_a_verified_replay_changes_nothing(backend, device):
     for b, r in zip(model.blocks, ref.blocks):
         torch.testing.assert_close(b.bn.running_mean, r.bn.running_mean, **TOL)
     assert_same_params(model, ref)
+
+
+# -- the layout of an input (issue 44, item 10) ------------------------------------------------
+
+
+class _ConvBlock(tgraph.GraphableModule):
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + torch.tanh(self.conv(x))
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList([_ConvBlock(), _ConvBlock()])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h.mean((2, 3)))
+
+
+def _images(device, n):
+    g = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(2, 3, 6, 6, generator=g).to(device), torch.randn(2, 1, generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("how", ["input", "model"])
+def test_channels_last_after_a_contiguous_capture_runs_eagerly(backend, device, how):
+    """A graph replays the kernels of the layout it captured and hands back outputs and input
+    gradients in it; eager picks other kernels and layouts for channels_last images (on CUDA
+    the eager stem's gradient differed). The layout is part of the signature: such a call runs
+    eagerly, named, with eager's numbers, and the contiguous calls keep replaying."""
+    data = _images(device, STEPS)
+
+    def to_cl(i, model, opt):
+        if how == "model" and i == 2:
+            model.to(memory_format=torch.channels_last)
+
+    def run(model, backend=None):
+        losses = []
+        with tgraph.verification(0, 0), fallbacks() as msgs:
+            losses = train(
+                model,
+                [
+                    (x.contiguous(memory_format=torch.channels_last) if i >= 2 else x, y)
+                    for i, (x, y) in enumerate(data)
+                ],
+                backend,
+                before=to_cl,
+            )
+        return losses, msgs
+
+    model, ref = make_pair(device, _ConvNet)
+    want, _ = run(ref)
+    got, msgs = run(model, backend)
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert msgs, "channels_last calls replayed the contiguous capture"
+    assert_never_silent(msgs, r"non-contiguous")
+    assert_same_params(model, ref)
