@@ -194,7 +194,7 @@ def test_a_dtype_change_is_served_in_the_new_dtype(backend, device):
     assert got == engine(model, backend, use_graphs=False).generate(ps, NEW_TOKENS)
     if device.type == "cpu":
         assert got == reference(model, ps)
-    assert got != old  # bfloat16 changes this model's tokens: stale graphs would show
+        assert got != old  # bfloat16 changes this model's tokens here: stale graphs would show
 
 
 def test_continuous_batching_and_eager_prefill_equal_generate(backend, device):

@@ -85,7 +85,9 @@ def test_a_dtype_change_is_captured_again_with_a_cache_in_the_new_dtype(backend,
     got = assert_graphed_equal_eager(graphed, eager, replays, ps)
     assert graphed.cache.dtype == eager.cache.dtype == torch.bfloat16
     fresh = DecodeEngine(model, use_graphs=False, **SHAPE)  # built on the bfloat16 model
-    assert got == fresh.generate(ps, NEW) and got != old
+    assert got == fresh.generate(ps, NEW)
+    if device.type == "cpu":  # bfloat16 changes this model's tokens (checked on the CPU): a
+        assert got != old  # stale graph's float32 tokens would show
 
 
 def swap_layers(model) -> None:

@@ -30,6 +30,13 @@ import torch
 import torch.optim.optimizer as optim_module
 
 Step = tuple[torch.optim.Optimizer, tuple, dict]
+_NONE: dict = {}
+
+
+def _table(opt: torch.optim.Optimizer, kind: str) -> dict:
+    """``opt``'s pre- or post-hook table (an optimizer that skipped ``Optimizer.__init__`` has
+    none, and runs no hooks)."""
+    return getattr(opt, f"_optimizer_step_{kind}_hooks", _NONE)
 
 
 def _name(hook: Any) -> str:
@@ -42,7 +49,7 @@ def pre_hook_refusal(optimizers: Sequence[torch.optim.Optimizer], what: str) -> 
     for opt in optimizers:
         hooks = chain(
             optim_module._global_optimizer_pre_hooks.values(),
-            opt._optimizer_step_pre_hooks.values(),
+            _table(opt, "pre").values(),
         )
         hook = next(hooks, None)
         if hook is not None:
@@ -73,12 +80,13 @@ def recorded(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[list[Step]
     back on exit, in their order), and each step of one of ``optimizers`` is appended to the
     list yielded as ``(optimizer, args, kwargs)``."""
     steps: list[Step] = []
-    tables = [o._optimizer_step_post_hooks for o in optimizers]
+    hooked = [o for o in optimizers if _table(o, "post") is not _NONE]
+    tables = [_table(o, "post") for o in hooked]
     tables.append(optim_module._global_optimizer_post_hooks)
     saved = [dict(t) for t in tables]
     for t in tables:
         t.clear()
-    handles = [o.register_step_post_hook(lambda *step: steps.append(step)) for o in optimizers]
+    handles = [o.register_step_post_hook(lambda *step: steps.append(step)) for o in hooked]
     try:
         yield steps
     finally:
@@ -110,7 +118,7 @@ class OptimizerSteps:
     def change(self) -> str | None:
         """A step pre-hook registered since the capture (the next capture refuses it), or None."""
         if not optim_module._global_optimizer_pre_hooks and not any(
-            o._optimizer_step_pre_hooks for o in self.optimizers
+            _table(o, "pre") for o in self.optimizers
         ):
             return None
         return pre_hook_refusal(self.optimizers, self.what)
@@ -119,7 +127,7 @@ class OptimizerSteps:
         """After a replay: each step's post-hooks, as ``Optimizer.step`` runs them."""
         global_hooks = optim_module._global_optimizer_post_hooks
         for opt, args, kwargs in self.steps:
-            hooks = opt._optimizer_step_post_hooks
+            hooks = _table(opt, "post")
             if hooks or global_hooks:
                 for hook in (*hooks.values(), *global_hooks.values()):
                     hook(opt, args, kwargs)
