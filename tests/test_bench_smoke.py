@@ -125,6 +125,7 @@ def scripts_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
 
 
+@pytest.mark.usefixtures("no_verifier")  # the parity column alone: the verifier would catch it
 def test_train_parity_column_catches_stale_input_bug(
     scripts_on_path, monkeypatch, tmp_path: Path
 ) -> None:
