@@ -459,3 +459,48 @@ def test_channels_last_after_a_contiguous_capture_runs_eagerly(backend, device, 
     assert msgs, "channels_last calls replayed the contiguous capture"
     assert_never_silent(msgs, r"non-contiguous")
     assert_same_params(model, ref)
+
+
+def _write_dict_directly(i, model, opt):
+    if i == 2:  # bypasses nn.Module.__setattr__: the module epoch does not move
+        model.blocks[0].__dict__["scale"] = 0.5
+
+
+def test_a_write_the_module_epoch_misses_is_caught_by_the_verifier(backend, device):
+    """The attribute checks run only when nn.Module's setters moved the module epoch; a write
+    straight into ``__dict__`` slips past them, and the verifier catches it on its next verified
+    replay (here: every replay)."""
+    with tgraph.verification(every=1):
+        _, _, msgs = _twins(
+            device,
+            lambda: Net(_FlagBlock),
+            before=_write_dict_directly,
+            backend=backend,
+            verify=True,
+        )
+    assert msgs and all("shadow verifier" in m for m in msgs), "\n".join(msgs)
+
+
+def test_a_steady_hf_step_moves_no_module_epoch():
+    """The attribute and module-tree checks run only when a baked module was written through
+    nn.Module's setters: a steady training step of an HF Llama writes none (transformers builds
+    a new ModuleList per forward, which is no baked module), so its replays skip them."""
+    from hf_models import tiny_llama, token_batches
+
+    from tgraph.baked import _epoch
+    from tgraph.integrations.transformers import graph_layers
+
+    model = tiny_llama("cpu")
+    graph_layers(model, backend="emulated")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    moved = []
+    for i, x in enumerate(token_batches("cpu", 4)):
+        before = _epoch[0]
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        moved.append(_epoch[0] - before)
+        if i == 0:
+            tgraph.create_graphs()
+    assert moved[2:] == [0, 0], moved
+    assert tgraph.eager_calls() == 0

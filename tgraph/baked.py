@@ -118,6 +118,12 @@ class Baked:
     sub_slots: tuple[dict, ...] = ()  # ... flat, per submodule: its table, key and identity
     sub_keys: tuple[str, ...] = ()
     sub_ids: tuple[int, ...] = ()
+    # the globals the forwards name, flat (checked at every call: no epoch sees them change);
+    # values compared with ==: plain values by value, functions by identity
+    global_tables: tuple[dict, ...] = ()
+    global_keys: tuple[str, ...] = ()
+    global_values: tuple = ()
+    module_epoch: int = -1  # module_epoch() when taken
     ptr_list: list = field(default_factory=list)  # place's addresses and their indices, as
     all_indices: list = field(default_factory=list)  # lists: torch's C++ pointer pass takes lists
     hook_epoch: int = -1  # torch's hook-handle counter when taken: no hook registered since
@@ -166,12 +172,15 @@ class Baked:
             own = _OWN_HOOKS if m in roots and hooks_run_outside(m) else ()
             hooks += [(f"{name}.{h}", d[h]) for h in _HOOKS if h not in own]
         hooks += [(f"torch.nn.modules.module.{h}", getattr(nn_module, h)) for h in _GLOBAL_HOOKS]
-        for where_, g, keys in forward_globals([m for _, m in modules]):  # the read set
+        read = forward_globals([m for _, m in modules])  # the read set
+        for where_, g, keys in read:
             s = _slots(where_, g, [k for k in keys if plain(g[k])], by_id=False)
             attrs += [s] if s is not None else []
             s = _slots(where_, g, [k for k in keys if not plain(g[k])], by_id=True)
             objects += [s] if s is not None else []
+        glob = [(g, k) for _, g, keys in read for k in keys]
         mods = tuple(m for _, m in modules)
+        _baked_modules.update(map(id, mods))
         subs = [(vars(m)["_modules"], k) for m in mods for k in vars(m)["_modules"]]
         held = tuple(t.detach() for t in memory) if graph_memory is None else graph_memory.held
         place = where(held)
@@ -202,6 +211,10 @@ class Baked:
             dict_names=tuple(name for name, _ in modules),
             dict_keys=tuple(frozenset(vars(m)) for _, m in modules),
             mods=mods,
+            global_tables=tuple(g for g, _ in glob),
+            global_keys=tuple(k for _, k in glob),
+            global_values=tuple(g[k] for g, k in glob),
+            module_epoch=_epoch[0],
             classes=tuple(map(type, mods)),
             sub_tables=tuple(vars(m)["_modules"] for m in mods),
             sub_sizes=tuple(len(vars(m)["_modules"]) for m in mods),
@@ -381,6 +394,41 @@ class Baked:
                     "p.data = p.data.t() or a view); the graph would read the old layout"
                 )
         return None
+
+
+# ------------------------------------------------------------------- the module epoch
+# Moved by every write through nn.Module's own setters (an attribute, a submodule, a parameter,
+# a buffer, a class change) once watch_module_writes() ran: a replay compares a unit's attributes
+# and module tree only when it moved since they were last found as baked. A write that bypasses
+# the setters (``m.__dict__[k] = v``, ``ModuleList.insert``) is the shadow verifier's to find.
+_epoch = [0]
+_WATCHED = ("__setattr__", "__delattr__", "add_module", "register_parameter", "register_buffer")
+_baked_modules: set[int] = set()  # ids of the modules some inventory holds (only they count:
+# transformers builds a new ModuleList at every forward, self.layers[:n])
+
+
+def _counted(fn):
+    def counted(self, *args, **kwargs):
+        if id(self) in _baked_modules:
+            _epoch[0] += 1
+        return fn(self, *args, **kwargs)
+
+    counted.__name__, counted.__qualname__, counted.__doc__ = (
+        fn.__name__,
+        fn.__qualname__,
+        fn.__doc__,
+    )
+    counted.__wrapped__ = fn
+    return counted
+
+
+def watch_module_writes() -> None:
+    """Count writes through ``nn.Module``'s setters (idempotent; :func:`tgraph.enable` calls it,
+    so that importing tgraph changes nothing)."""
+    for name in _WATCHED:
+        fn = nn.Module.__dict__[name]
+        if getattr(fn, "__wrapped__", None) is None:
+            setattr(nn.Module, name, _counted(fn))
 
 
 def where(live: tuple[torch.Tensor, ...]) -> tuple:

@@ -195,6 +195,7 @@ class ReplayState:
         "grad_out_zero",
         "none_at",
         "hook_epoch",
+        "module_epoch",
         "layout",
         "replays",
         "verify_next",
@@ -213,6 +214,8 @@ class ReplayState:
         self.none_at: dict[tuple[bool, ...], list[int]] = {}
         # torch's hook counter when the hooks were last found unchanged (replay.check)
         self.hook_epoch = -1
+        # the module epoch when the attributes and module tree were last found as baked
+        self.module_epoch = -1
         # C++ checks of the baked tensors' sizes and strides (replay._in_place)
         self.layout = LayoutGuards()
         # the shadow verifier (tgraph.layers.verify): replays so far, verify the next one (an

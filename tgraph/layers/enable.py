@@ -16,6 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from tgraph.backend import check_backend_name
+from tgraph.baked import watch_module_writes
 from tgraph.layers.direct_grads import DirectGrads
 from tgraph.layers.manager import GraphableModule, _manager, _ModuleState, _param_slots
 from tgraph.layers.runner import compile_options_of, compiled_call, warn_skipped_call
@@ -93,6 +94,7 @@ def enable(
         raise RuntimeError(
             "tgraph.enable() after tgraph.create_graphs(); call tgraph.reset() first"
         )
+    watch_module_writes()  # the module epoch the replay checks read (tgraph.baked)
     found = [m for m in model.modules() if isinstance(m, GraphableModule)]
     if not found:
         raise ValueError(

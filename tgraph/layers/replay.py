@@ -26,6 +26,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from tgraph import rng
+from tgraph.baked import _epoch as _module_epoch
 from tgraph.baked import recording_outputs
 from tgraph.errors import StaleBackwardError
 from tgraph.layers import verify
@@ -314,27 +315,29 @@ def check(cap: Captured, state: ReplayState):
         if epoch != state.hook_epoch and state.grads is not None:
             state.grads.watch_hooks()  # one that may keep its gradient: hand out copies
         state.hook_epoch = epoch  # scanned: unchanged as of this epoch
-    try:
-        same = (
-            tuple(map(len, b.dicts)) == b.dict_sizes
-            and tuple(map(getitem, b.attr_tables, b.attr_keys)) == b.attr_values
-            and tuple(map(id, map(getitem, b.object_tables, b.object_keys))) == b.object_ids
-        )
+    try:  # the globals the forwards name: no epoch sees them change
+        same = tuple(map(getitem, b.global_tables, b.global_keys)) == b.global_values
     except KeyError:
         same = False
-    try:  # the module tree: classes (a parametrization changes one) and submodules
-        same = (
-            same
-            and tuple(map(type, b.mods)) == b.classes
-            and tuple(map(len, b.sub_tables)) == b.sub_sizes
-            and tuple(map(id, map(getitem, b.sub_slots, b.sub_keys))) == b.sub_ids
-        )
-    except KeyError:
-        same = False
-    if not same:
-        why = b.changed_tree() or b.changed_attrs()
-        if why is not None:
-            return why
+    module_epoch = _module_epoch[0]  # moved by nn.Module's setters (baked.watch_module_writes)
+    if not same or module_epoch != state.module_epoch:
+        try:  # attributes, then the module tree: classes (a parametrization) and submodules
+            same = (
+                same
+                and tuple(map(len, b.dicts)) == b.dict_sizes
+                and tuple(map(getitem, b.attr_tables, b.attr_keys)) == b.attr_values
+                and tuple(map(id, map(getitem, b.object_tables, b.object_keys))) == b.object_ids
+                and tuple(map(type, b.mods)) == b.classes
+                and tuple(map(len, b.sub_tables)) == b.sub_sizes
+                and tuple(map(id, map(getitem, b.sub_slots, b.sub_keys))) == b.sub_ids
+            )
+        except KeyError:
+            same = False
+        if not same:
+            why = b.changed_tree() or b.changed_attrs()
+            if why is not None:
+                return why
+        state.module_epoch = module_epoch  # found as baked as of this epoch
     capturing = _sys_modules.get(_OUTPUT_CAPTURING)  # transformers imported
     collector = getattr(capturing, "_active_collector", None)
     if collector is not None and collector.get():  # recording now: baked.py names what
