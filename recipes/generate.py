@@ -15,7 +15,9 @@ buckets used and capture time. On a CPU the graphs are emulated (tgraph's stand-
 graphs: same code paths, no speed-up). Bad arguments exit with code 2 and one line saying why.
 
 A transformers causal LM's save_pretrained directory (its config.json names a model_type) is
-served too, by the same engine: see recipes/hf_serving.py.
+served too, by the same engine: see recipes/hf_serving.py. A training recipe's checkpoint
+(trainer.pt beside its weights) is served only once its weights match the sha256 checksums it
+recorded, as a resume checks them: damaged weights or a missing manifest exit with code 1.
 """
 
 from __future__ import annotations

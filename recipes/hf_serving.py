@@ -7,8 +7,8 @@ and served by :class:`tgraph.decode.DecodeEngine` through
 :class:`tgraph.integrations.transformers_decode.TransformersDecoder`. Text prompts go through the
 checkpoint's tokenizer when the directory has one (``tokenizer.json`` or
 ``tokenizer_config.json``), else through bytes (a model of at least 256 tokens trained on bytes,
-as tgraph's corpus is). Generation stops at ``--eos-token-id``, else at the EOS of the
-checkpoint's ``generation_config.json`` when it names one.
+as tgraph's corpus is). Generation stops at ``--eos-token-id``, else at any EOS the checkpoint's
+``generation_config.json`` names (one, or a list).
 
 A checkpoint of ``recipes/train_hf.py`` (its ``checkpoint.json`` manifest or ``trainer.pt`` beside
 the weights) is served only once every tensor matches the sha256 its manifest records, as a resume
@@ -101,11 +101,12 @@ def _fail(message: str):
     raise SystemExit(1)
 
 
-def _eos(decoder, args: argparse.Namespace) -> int | None:
+def _eos(decoder, args: argparse.Namespace) -> int | list[int] | None:
+    """``--eos-token-id``, else every EOS the checkpoint's ``generation_config`` names (an int
+    or a list: Llama 3's chat models end at either of two)."""
     if args.eos_token_id is not None:
         return args.eos_token_id
-    eos = getattr(decoder.model.generation_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) and eos else eos
+    return getattr(decoder.model.generation_config, "eos_token_id", None)
 
 
 def prepare(args: argparse.Namespace, parser, path: Path):

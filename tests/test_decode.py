@@ -235,6 +235,11 @@ def test_eos_ends_request_early(backend, device):
         assert o == f[:cut]
     assert len(out[0]) <= 5 and out[0][-1] == eos
     assert out == eager.generate(ps, 20, eos_token_id=eos)
+    either = [full[1][2], eos]  # several EOS ids (a generation_config's list): the first ends it
+    out = graphed.generate(ps, 20, eos_token_id=either)
+    for o, f in zip(out, full):
+        assert o == f[: next((i + 1 for i, t in enumerate(f) if t in either), len(f))]
+    assert len(out[1]) <= 3 and out == eager.generate(ps, 20, eos_token_id=either)
 
 
 def test_sampling_seeded_reproducible(backend, device):

@@ -372,6 +372,27 @@ def test_generate_recipe_serves_a_save_pretrained_directory(tmp_path, capsys):
     assert texts[0] + completions[0] in proc.stdout
 
 
+@pytest.mark.parametrize("named", ["int", "list"])
+def test_generate_recipe_stops_at_the_eos_of_the_generation_config(tmp_path, capsys, named):
+    """Planted: the model's own greedy completion holds a token, which the checkpoint's
+    generation_config names as its EOS (alone, or second in a list, as Llama 3's chat models
+    name two): the recipe, given no --eos-token-id, ends the completion there."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**(COMMON | dict(vocab_size=256)))).eval()
+    (full,) = reference(model, [list(b"ab")], 12)
+    at = next(i for i in range(2, len(full)) if full[i] not in full[:i])  # its first occurrence
+    never = next(t for t in range(256) if t not in full)
+    model.generation_config.eos_token_id = full[at] if named == "int" else [never, full[at]]
+    ckpt = tmp_path / "hf_llama"
+    model.save_pretrained(ckpt)
+    gen, _ = _load_generate_recipe()
+    argv = ["--ckpt", str(ckpt), "--prompt", "ab", "--max-new-tokens", "12", "--device", "cpu"]
+    (completion,) = gen.main(argv)
+    assert completion == bytes(full[: at + 1]).decode("utf-8", errors="replace")
+    (longer,) = gen.main([*argv, "--eos-token-id", str(never)])  # the user's EOS wins
+    assert longer == bytes(full).decode("utf-8", errors="replace")
+
+
 def test_benchmark_smoke_writes_rows_with_equal_tokens(tmp_path):
     """scripts/bench_decode_hf.py --smoke: every row has a status, the engine's greedy tokens
     equal generate's, and the compiled peers (CUDA only) are skipped with a reason."""

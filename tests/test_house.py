@@ -220,6 +220,28 @@ def test_script_check_reads_history_as_history():
     assert missing_scripts("`scripts/old_probe.py --configs tiny`") == ["scripts/old_probe.py"]
 
 
+def missing_result_files(text: str) -> list[str]:
+    """The files of ``docs/benchmarks/`` that ``text`` names in backticks (``a_{x,y}.json``
+    expanded; a name shortened with ``...`` is left out) and that are not there."""
+    names = []
+    for name in re.findall(r"`([\w.{},-]+\.(?:json|md|txt|log|png))`", text):
+        parts = re.fullmatch(r"([^{]*)\{([^}]*)\}(.*)", name)
+        expanded = [parts[1] + x + parts[3] for x in parts[2].split(",")] if parts else [name]
+        names += [n for n in expanded if not n.startswith("...") and "/" not in n]
+    return sorted({n for n in names if not (ROOT / "docs" / "benchmarks" / n).is_file()})
+
+
+def test_benchmark_tables_name_files_that_exist():
+    """Every row of docs/BENCHMARKS.md names the result file it comes from."""
+    missing = missing_result_files((ROOT / "docs" / "BENCHMARKS.md").read_text())
+    assert not missing, f"docs/BENCHMARKS.md names {missing}, not in docs/benchmarks/"
+
+
+def test_result_file_check_expands_braces():
+    assert missing_result_files("`bench_te_{none,delayed}.json` and `..._delayed.json`") == []
+    assert missing_result_files("`bench_te_{none,gone}.json`") == ["bench_te_gone.json"]
+
+
 @pytest.mark.skipif(
     shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout"
 )

@@ -333,7 +333,7 @@ class DecodeEngine:
         temperature: float | Sequence[float] = 0.0,
         top_k: int | None | Sequence[int | None] = None,
         top_p: float | Sequence[float] = 1.0,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         seed: int | Sequence[int] | None = None,
     ) -> list[list[int] | str]:
         """Generate a completion for every prompt with continuous batching.
@@ -346,7 +346,8 @@ class DecodeEngine:
                 value for all or one per prompt (so are ``top_k``, ``top_p`` and ``seed``).
             top_k: sample only among the k most likely tokens (None: all).
             top_p: sample only among the most likely tokens whose mass reaches p (1: all).
-            eos_token_id: a request ends after generating this token (it is included).
+            eos_token_id: a request ends after generating this token, or any of these tokens
+                (a list, as a Hugging Face ``generation_config`` may name); it is included.
             seed: an int seeds request ``i``'s own stream with ``seed + i``; a list seeds each
                 request; None draws seeds from torch's default generator. A request with the
                 same prompt, settings and seed gets the same tokens whatever else runs.
@@ -354,7 +355,7 @@ class DecodeEngine:
         Returns:
             One completion per prompt, in prompt order, without the prompt: a list of token ids
             for a token-id prompt, a string for a string prompt. A completion is shorter than
-            ``max_new_tokens`` only when it ends with ``eos_token_id``.
+            ``max_new_tokens`` only when it ends with an ``eos_token_id``.
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt length plus
@@ -375,21 +376,23 @@ class DecodeEngine:
             top_p=top_p,
             seed=seed,
         )
-        if eos_token_id is not None and not 0 <= eos_token_id < d.vocab_size:
-            raise ValueError(
-                f"eos_token_id {eos_token_id} is outside the vocabulary [0, {d.vocab_size})"
-            )
+        eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
+        for token in sorted(eos):
+            if not 0 <= token < d.vocab_size:
+                raise ValueError(
+                    f"eos_token_id {token} is outside the vocabulary [0, {d.vocab_size})"
+                )
         self._check_weights(between_requests=True)
         self._generating = True
         try:
             with self._serving():
-                self._serve(requests, eos_token_id)
+                self._serve(requests, eos)
         finally:
             self._generating = False
         decode_text = getattr(d, "decode", None)
         return [decode_text(r.output) if r.is_text else r.output for r in requests]
 
-    def _serve(self, requests: list[Request], eos_token_id: int | None) -> None:
+    def _serve(self, requests: list[Request], eos: frozenset[int]) -> None:
         """The continuous-batching loop of :meth:`generate`: every request's output filled."""
         st = self.stats = self.stats.fresh()
         start = time.perf_counter()
@@ -404,7 +407,7 @@ class DecodeEngine:
                 token = self.prompt_buffers.token.tolist()[0]  # waits: time to first token
                 st.prefills += 1
                 st.prefill_seconds += time.perf_counter() - t0
-                if r.append(token, eos_token_id):
+                if r.append(token, eos):
                     r.slot = -1
                 else:
                     running.append(r)
@@ -413,14 +416,14 @@ class DecodeEngine:
             t0 = time.perf_counter()
             batch = self.pad(running)  # the batch changed (a request joined or left): pad once
             self.load(batch)
-            self._run_batch(batch, eos_token_id)
+            self._run_batch(batch, eos)
             st.decode_seconds += time.perf_counter() - t0
             running = self._compact(running)
         st.total_seconds = time.perf_counter() - start
         st.generated_tokens = sum(len(r.output) for r in requests)
         logger.debug("generate: %s", st.summary())
 
-    def _run_batch(self, batch: PaddedBatch, eos: int | None) -> None:
+    def _run_batch(self, batch: PaddedBatch, eos: frozenset[int]) -> None:
         """Decode the loaded ``batch`` until a request ends; ended requests get slot -1.
 
         Invariant: at most two steps await their read (the readback ring); a step is launched
@@ -444,7 +447,7 @@ class DecodeEngine:
                 launch()  # before the host reads the step in flight: the GPU stays busy
             pending, last = inflight.popleft()
             tokens = self.readback.read(pending)
-            if not ended and not last and (eos is None or eos not in tokens):
+            if not ended and not last and eos.isdisjoint(tokens):
                 for r, t in zip(requests, tokens):  # nobody ends: no per-row checks
                     r.output.append(t)
             else:

@@ -41,10 +41,11 @@ class Request:
         """Position of the latest token, the one the next decode step feeds in."""
         return len(self.prompt) + len(self.output) - 1
 
-    def append(self, token: int, eos_token_id: int | None) -> bool:
-        """Add a generated token; return True when the request is finished."""
+    def append(self, token: int, eos: frozenset[int]) -> bool:
+        """Add a generated token; return True when the request is finished (its token budget
+        reached, or an end-of-sequence token in ``eos``)."""
         self.output.append(token)
-        return len(self.output) >= self.max_new_tokens or token == eos_token_id
+        return len(self.output) >= self.max_new_tokens or token in eos
 
 
 def _as_ids(i: int, prompt: Prompt, encode: Callable[[str], list[int]] | None) -> list[int]:
