@@ -243,7 +243,8 @@ class HFSpec(ModelSpec):
         # a capture it cannot read, so it builds an explicit causal mask; with a mask,
         # transformers repeats grouped k/v heads in Python (repeat_kv) instead of letting SDPA
         # group them (enable_gqa), and the k/v gradients come out summed in another order (1e-7
-        # off eager). With a cache it reads nothing and takes eager's branch. Only where heads
+        # off eager). With a cache it reads nothing and takes eager's branch (not transformers
+        # 5.17, which masks under every capture: transformers issue 48925). Only where heads
         # are grouped: the cache copies k/v (torch.cat), which changes GPT-2's bits (its k/v
         # are strided views).
         config = unwrap(net).config

@@ -1,6 +1,7 @@
 """A CPU stand-in of megatron-core 0.19.2's ``Float16OptimizerWithFloat16Params`` in bf16 (no
 grad scaler), its training loops and checks, shared by the bf16 tests of
-tests/test_megatron_optimizer_graph.py."""
+tests/test_megatron_optimizer_graph.py; and megatron's clipping arithmetic on the host, which
+its stand-ins step with."""
 
 from __future__ import annotations
 
@@ -11,6 +12,36 @@ import torch
 from optimizer_models import LR, TOL, make_batches, make_model, plant
 
 import tgraph
+
+
+def megatron_clip_grad_norm(
+    grads_for_norm: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float
+) -> float:
+    """megatron-core's gradient norm and clipping as its eager step computes them without
+    TransformerEngine or apex (core_v0.19.0: optimizer/clip_grads.py and utils.py), host
+    syncs and Python doubles included; clips ``grads`` in place, returns the norm."""
+    device = grads_for_norm[0].device
+    # get_grad_norm_fp32 -> utils.local_multi_tensor_l2_norm:
+    #     l2 = [[(torch.norm(tensor)) for tensor in tensor_list] for tensor_list in tensor_lists]
+    #     l2_reduced = torch.norm(torch.tensor(l2))
+    #     l2_cuda = torch.tensor([float(l2_reduced)], dtype=torch.float, device="cuda")
+    l2_reduced = torch.norm(torch.tensor([torch.norm(g) for g in grads_for_norm]))
+    grad_norm = torch.tensor([float(l2_reduced)], dtype=torch.float, device=device)
+    #     total_norm = grad_norm**norm_type
+    #     total_norm = total_norm.item() ** (1.0 / norm_type)
+    total_norm = (grad_norm**2.0).item() ** (1.0 / 2.0)
+    # clip_grad_by_total_norm_fp32:
+    #     clip_coeff = max_norm / (total_norm + 1.0e-6)
+    #     elif clip_coeff < 1.0:
+    #         multi_tensor_applier(
+    #             multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff
+    #         )
+    # -> utils.local_multi_tensor_scale:  dst.copy_(src * scale)
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.copy_(g * clip_coeff)
+    return total_norm
 
 
 class FakeFloat16Optimizer:
@@ -100,10 +131,7 @@ class FakeFloat16Optimizer:
         grad_norm = 0.0
         if self.config.clip_grad > 0.0:
             grads = self.get_grads_for_grad_norm()
-            grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
-            coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0:
-                torch._foreach_mul_(grads, coeff)
+            grad_norm = megatron_clip_grad_norm(grads, grads, self.config.clip_grad)
         return self.step_with_ready_grads(), grad_norm, 0
 
     def zero_grad(self, set_to_none=True):

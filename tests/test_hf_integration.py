@@ -41,6 +41,12 @@ FAMILIES = {
     "gemma": ("gemma", dict(num_key_value_heads=1, head_dim=16), None),
     "gpt2": ("gpt2", dict(intermediate_size=None), None),
     "gpt_neox": ("gpt_neox", {}, None),
+    # dropout 0.1; transformers <= 5.17 draws LayerDrop's number before every layer
+    "opt": (
+        "opt",
+        dict(ffn_dim=128, word_embed_proj_dim=64, dropout=0.1, attention_dropout=0.1),
+        None,
+    ),
     "qwen2_moe/batched_mm": ("qwen2_moe", dict(MOE, num_key_value_heads=2), "batched_mm"),
     "qwen3_moe/grouped_mm": ("qwen3_moe", dict(MOE, num_key_value_heads=2), "grouped_mm"),
     "mixtral/batched_mm": ("mixtral", dict(MOE, num_key_value_heads=2), "batched_mm"),

@@ -115,6 +115,55 @@ def test_merge_false_graphs_each_block(backend, device):
     assert report.segments == 0 and report.graphs == 2 * len(model.blocks)
 
 
+class DropoutBlock(tgraph.GraphableModule):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.dropout(torch.tanh(self.fc(x)), 0.5, self.training)
+
+
+@pytest.mark.parametrize("draw", [False, True], ids=["nothing-between", "draw-between"])
+def test_random_draw_between_blocks_keeps_eagers_masks(backend, device, draw, replays):
+    """LayerDrop draws a number before every layer (``torch.rand([])``; transformers' OPT up to
+    5.17 even at ``layerdrop=0``). Drawn from the generator the blocks' dropout draws from, it
+    sits between their masks; a merged stack draws every block's masks in its head's replay,
+    which would give the later blocks other masks than eager. Those blocks are graphed apart."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(DropoutBlock(16) for _ in range(3)).to(device)
+    eager = twin(blocks)
+    xs = [x for x, _ in mlp_batches(device, 4, batch=4)]
+
+    def step(bs, x, seed):
+        torch.manual_seed(seed)
+        h = x.repeat(1, 2)  # (4, 16)
+        for b in bs:
+            if draw:
+                torch.rand((), device=device)  # LayerDrop's draw (its branch never skips here)
+            h = b(h)
+        loss = h.square().mean()
+        loss.backward()
+        return loss.detach()
+
+    tgraph.enable(blocks, backend=backend, strict=True)
+    step(blocks, xs[0], 0)
+    blocks.zero_grad(set_to_none=True)
+    assert tgraph.create_graphs().segments == (0 if draw else 1)
+    replays[0] = 0
+    for i, x in enumerate(xs[1:]):
+        blocks.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        got, want = step(blocks, x, i), step(eager, x, i)
+        grads = [(p.grad.clone(), q.grad) for p, q in zip(blocks.parameters(), eager.parameters())]
+        if backend == "emulated":  # the same kernels on the same numbers: bit for bit
+            assert torch.equal(got, want) and all(torch.equal(g, w) for g, w in grads)
+        else:
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(*zip(*grads), rtol=RTOL, atol=ATOL)
+    assert replays[0] == 3 * (6 if draw else 2)  # a forward and a backward graph per unit
+
+
 class GatedBlock(tgraph.GraphableModule):
     """Takes the stream ``x`` plus ``gate``, one tensor passed to every block (like a mask)."""
 

@@ -73,21 +73,33 @@ def test_graph_modes_train_as_eager_and_save_loadable_checkpoints(run, backend, 
         torch.testing.assert_close(got, eager, **tol(backend), msg=lambda m, g=mode: f"{g}: {m}")
 
 
+def masks_under_every_capture() -> bool:
+    """Whether transformers builds the causal mask under any capture, even with a cache and no
+    padding mask to read (5.17 does; transformers issue 48925)."""
+    from transformers.masking_utils import _ignore_causal_mask_sdpa
+
+    from tgraph.emulated import emulated_capture
+
+    with emulated_capture():
+        return not _ignore_causal_mask_sdpa(None, 16, 16, 0, 0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_full_graph_replays_train_as_eager(run, backend, arch, replays):
     """``--graph full`` past its capture, with grouped-query attention (llama: 4 heads, 2 of
     them key/value heads). Transformers' mask code without a cache takes another branch under a
     capture (an explicit mask, k/v heads repeated in Python): the step asks for the cache there
-    (``HFSpec.whole_step_loss``), so its graph computes eager's bits."""
+    (``HFSpec.whole_step_loss``), so its graph computes eager's bits. A transformers that masks
+    under every capture leaves the grouped k/v gradients 1e-7 off: compared within rounding."""
     flags = ("--arch", arch, "--n-head", "4", "--steps", "6")
     eager = run("none", *flags, "--graph", "none")
     full = run("full", *flags, "--graph", "full")
     # calls 1-3 warm up, call 4 captures (on CUDA its step is the first replay), 5-6 replay
     assert replays[0] == 6 - FULL_WARMUP - (backend == "emulated")
-    if backend == "emulated":  # bit for bit
-        assert [k for k in eager if not torch.equal(full[k], eager[k])] == []
+    if backend == "emulated" and not (arch == "llama" and masks_under_every_capture()):
+        assert [k for k in eager if not torch.equal(full[k], eager[k])] == []  # bit for bit
     else:
-        torch.testing.assert_close(full, eager, **tol(backend))
+        torch.testing.assert_close(full, eager, rtol=1e-4, atol=1e-5)
 
 
 class Killed(Exception):

@@ -58,6 +58,13 @@ def graph_generators(device: torch.device) -> list[torch.Generator]:
     return gens
 
 
+def position(device: torch.device) -> bytes:
+    """Where the generators a graph on ``device`` draws from stand now: two equal positions
+    mean no random number was drawn from them in between."""
+    gens = {id(g): g for g in (*graph_generators(device), default_generator(device))}
+    return b"".join(g.get_state().numpy().tobytes() for g in gens.values())
+
+
 def get_states(device: torch.device | None) -> list[tuple[torch.Generator | None, torch.Tensor]]:
     """Snapshot every generator a capture may advance (to undo warmup and capture)."""
     states: list[tuple[torch.Generator | None, torch.Tensor]] = [

@@ -18,7 +18,7 @@ from tgraph.step.nonfinite import protect_also
 # -- megatron-core's own optimizer without host syncs -------------------------------------------
 #
 # megatron-core's optimizer step syncs with the host four times per step (megatron/core/optimizer,
-# read at core_v0.17.0 and main): clip_grads.get_grad_norm_fp32 returns ``total_norm.item() **
+# read at core_v0.17.0, core_v0.19.0 and main): clip_grads.get_grad_norm_fp32 returns ``total_norm.item() **
 # (1 / norm_type)`` unless TransformerEngine's multi_tensor_scale_tensor is installed;
 # clip_grad_by_total_norm_fp32 branches on ``clip_coeff < 1.0`` in Python; without TE or apex the
 # local l2-norm fallback builds ``torch.tensor(list_of_cuda_norms)`` and ``float(...)`` of it; and
@@ -124,21 +124,63 @@ def _grads_for_norm(sub) -> list[torch.Tensor]:
     return get()
 
 
+def _clip_grads():
+    """megatron-core's ``clip_grads`` module, whose kernels and branch the step follows; None
+    without megatron-core (a CPU stand-in: its fallback without TransformerEngine or apex)."""
+    try:
+        from megatron.core.optimizer import clip_grads
+    except ImportError:
+        return None
+    return clip_grads
+
+
+def _l2_norm(grads: list[torch.Tensor], clip_grads) -> torch.Tensor:
+    """megatron's fp32 l2 norm of ``grads`` (``get_grad_norm_fp32``), 0-dim: its own
+    multi-tensor kernel (TransformerEngine's or apex's). For its local fallback, which reduces
+    the per-tensor norms on the host (``torch.norm(torch.tensor(l2))``), the same per-tensor
+    norms reduced on the device: the same bits on the CPU, maybe not in the last bit on a GPU."""
+    impl = getattr(clip_grads, "l2_norm_impl", None)
+    if impl is not None and getattr(impl, "__module__", None) != "megatron.core.utils":
+        overflow = torch.zeros(1, dtype=torch.int, device=grads[0].device)
+        norm, _ = clip_grads.multi_tensor_applier(impl, overflow, [grads], False)
+        return norm.reshape(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
 def _norm_and_clip(subs: list) -> torch.Tensor:
-    """After ``prepare_grads()``: megatron's fp32 gradient norm and clipping, on the device."""
+    """After ``prepare_grads()``: megatron's gradient norm and clipping, in its precision, on
+    the device (megatron/core/optimizer/clip_grads.py at core_v0.19.0)."""
     import torch.distributed as dist
 
+    clip_grads = _clip_grads()
     grads = [g for sub in subs for g in _grads_for_norm(sub)]
-    sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).float() ** 2
+    sq = _l2_norm(grads, clip_grads) ** 2.0  # total_norm = grad_norm**norm_type (fp32)
     group = subs[0].get_grad_stats_parallel_group()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-    norm = sq.sqrt()
     clip = subs[0].config.clip_grad
-    if clip > 0.0:  # megatron multiplies only when the coefficient is below 1; x * 1.0 is exact
-        coeff = (clip / (norm + 1.0e-6)).clamp_max(1.0)
-        params = [p for sub in subs for p in sub.get_parameters() if p.grad is not None]
-        torch._foreach_mul_([p.grad for p in params], coeff)
+    clipped = [p.grad for sub in subs for p in sub.get_parameters() if p.grad is not None]
+    if getattr(clip_grads, "multi_tensor_scale_tensor_impl", None) is not None:
+        # With TransformerEngine's multi_tensor_scale_tensor megatron stays on the device, fp32:
+        #   total_norm = total_norm.pow(1.0 / norm_type)
+        #   clip_coeff = max_norm / (total_norm + 1.0e-6); clip_coeff.clamp_max_(1.0)
+        norm = sq.pow(0.5)
+        if clip > 0.0:
+            torch._foreach_mul_(clipped, (clip / (norm + 1.0e-6)).clamp_max_(1.0))
+        return norm
+    # Otherwise it reads the sum on the host and goes on in Python doubles:
+    #   total_norm = total_norm.item() ** (1.0 / norm_type)
+    #   clip_coeff = max_norm / (total_norm + 1.0e-6)
+    #   elif clip_coeff < 1.0: multi_tensor_applier(multi_tensor_scale_impl, ..., clip_coeff)
+    # and multi_tensor_scale multiplies by the coefficient rounded to float. The same in float64
+    # on the device: IEEE addition, division and rounding give the host's bits. Python's ** 0.5
+    # is libm's pow, which rounds the other way than sqrt for about 0.1% of values: the norm
+    # then differs in its last double bit, the float32 coefficient only if it lies within a
+    # double ulp of a float32 rounding boundary (2**-29 of the time).
+    norm = sq.double().sqrt()
+    if clip > 0.0:
+        coeff = torch.full_like(norm, clip) / (norm + 1.0e-6)  # tensor / tensor: no reciprocal
+        torch._foreach_mul_(clipped, torch.where(coeff < 1.0, coeff, 1.0).float())
     return norm
 
 
@@ -147,19 +189,20 @@ def graph_safe_step(mopt) -> torch.Tensor:
 
     Per sub-optimizer: ``prepare_grads()`` (``.grad`` = ``main_grad``; with bf16 parameters,
     megatron's ``Float16OptimizerWithFloat16Params``, the fp32 master weights' ``.grad`` = the
-    model parameters' ``main_grad`` in fp32), the fp32 norm of
-    megatron's gradients for the norm (summed over its grad-stats group when that has several
-    ranks), clipping by ``clip_grad / (norm + 1e-6)`` clamped at 1, then
-    ``step_with_ready_grads()`` (the inner step; with bf16 parameters, then the copy of the
-    master weights into the model's). ``.grad`` is left as before the call (megatron leaves it
-    aliasing ``main_grad`` until ``zero_grad()``; a graph replay cannot run that Python). Call
-    :func:`make_graph_safe` once first. Usable eagerly and inside a
-    :class:`tgraph.FullIterationGraph` (whose ``skip_nonfinite`` protects the inner step, and
-    the bf16 model weights :func:`make_graph_safe` named for it).
+    model parameters' ``main_grad`` in fp32), the norm of megatron's gradients for the norm
+    (summed over its grad-stats group when that has several ranks), clipping by
+    ``clip_grad / (norm + 1e-6)`` when below 1, both in megatron's precision (its fp32 l2 norm,
+    then its host doubles, on the device), then ``step_with_ready_grads()`` (the inner step;
+    with bf16 parameters, then the copy of the master weights into the model's). ``.grad`` is
+    left as before the call (megatron leaves it aliasing ``main_grad`` until ``zero_grad()``; a
+    graph replay cannot run that Python). Call :func:`make_graph_safe` once first. Usable
+    eagerly and inside a :class:`tgraph.FullIterationGraph` (whose ``skip_nonfinite`` protects
+    the inner step, and the bf16 model weights :func:`make_graph_safe` named for it).
 
     Returns:
-        The total gradient norm before clipping, a 0-dim fp32 device tensor (megatron returns a
-        float).
+        The total gradient norm before clipping, a 0-dim device tensor: float64, megatron's host
+        double (float32 where megatron keeps it on the device: with TransformerEngine's
+        ``multi_tensor_scale_tensor``).
     """
     subs = _sub_optimizers(mopt)
     saved = [(p, p.grad) for p in _grad_holders(subs)]
@@ -252,7 +295,8 @@ class MegatronOptimizerGraph(tgraph.OptimizerGraph):
         )
 
     def norm_and_clip(self) -> torch.Tensor:
-        """megatron's ``prepare_grads()`` then its fp32 norm and clipping, on the device."""
+        """megatron's ``prepare_grads()`` then its norm and clipping in its precision, on the
+        device (:func:`graph_safe_step`)."""
         subs = _sub_optimizers(self.megatron_optimizer)
         self._saved_grads = [(p, p.grad) for p in _grad_holders(subs)]
         for sub in subs:

@@ -37,6 +37,8 @@ class RecordedCall:
     requires_grad: list[bool]  # ... whether each required grad
     links: list[Any]  # per tensor: (producer runner, output index) or None (tgraph.layers.record)
     shared_with: list[list[Any]]  # per tensor: earlier runners that took the very same tensor
+    rng_before: bytes = b""  # the generators' position before its forward (tgraph.rng.position)
+    rng_after: bytes = b""  # ... and after it
 
 
 @dataclass(eq=False)

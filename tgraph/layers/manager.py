@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
+from tgraph import rng
 from tgraph.baked import call_with_own_hooks, hooks_run_outside
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers import capture as _unit
@@ -231,7 +232,12 @@ class _Manager:
     def _record_call(self, runner: Runner, args: tuple, kwargs: dict, inputs: list):
         self.record.add(runner, "fwd")
         self.record.note_inputs(runner, inputs)
+        call, first = runner.draft.call, not runner.draft.call.rng_after
+        if first:  # where a merged stack may not reorder random draws (tgraph.layers.segment)
+            call.rng_before = rng.position(runner.device)
         out = self._plain_call(runner.module, args, kwargs)
+        if first:
+            call.rng_after = rng.position(runner.device)
         outs, template = split(out)
         holder = next(filter(None, map(tensor_holder, template.leaves)), None)
         if holder is not None and verify.settings.rules:

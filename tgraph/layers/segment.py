@@ -3,8 +3,9 @@
 When the record shows runners r0, r1, ..., rk called back to back (rj's forward right after
 r(j-1)'s, every tensor input of rj being either an output of r(j-1) or the very tensor r0 also
 took, such as an attention mask passed to every layer, and at least one being an output of
-r(j-1)) and backed through in exactly the reverse order, nothing eager can sit between them that
-the graphs would need to see. They are
+r(j-1)) and backed through in exactly the reverse order, with no random number drawn in between
+from the generators the graphs draw from, nothing eager can sit between them that the graphs
+would need to see (or whose draws they would reorder). They are
 then captured as one *segment*: one forward graph running all k+1 modules and one backward graph
 (``autograd.grad`` of every module's outputs), bridged into autograd as one node. A step then
 pays two replays and one autograd node for the whole stack instead of 2(k+1) of each.
@@ -55,6 +56,10 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
         if nxt.direct_grads != prev.direct_grads:  # ... and one way to .grad
             return False
         if first[(id(nxt), "fwd")] != first[(id(prev), "fwd")] + 1:
+            return False
+        # Random numbers drawn between the calls (LayerDrop's torch.rand between layers) come
+        # from the generators the graphs draw from: the stack's replay would draw nxt's first.
+        if nxt.draft.call.rng_before != prev.draft.call.rng_after:
             return False
         if sources(head, prev, nxt) is None:
             return False
