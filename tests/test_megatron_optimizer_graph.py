@@ -418,8 +418,11 @@ def test_megatron_optimizer_graph_bitwise_over_100_steps(spec, bf16):
     (clip_grad 1.0, megatron's default, clips the first steps). Names the first step and
     tensor that differ."""
     ref, ref_params, ref_states, _ = megatron_run("megatron", steps=100, bf16=bf16, spec=spec)
-    got, params, states, graph = megatron_run("layer+opt", steps=100, bf16=bf16, spec=spec)
-    assert graph.captured and graph.skipped_steps == 0
+    keep: dict = {}
+    got, params, states, graph = megatron_run(
+        "layer+opt", steps=100, bf16=bf16, spec=spec, keep=keep
+    )
+    assert keep["captured"] and graph.skipped_steps == 0  # (megatron_run resets at its end)
     steps = [i for i, (a, b) in enumerate(zip(got, ref)) if not torch.equal(a, b)]
     assert not steps, f"losses differ from step {steps[0]} on: {got[steps[0]]} vs {ref[steps[0]]}"
     bad = [i for i, (a, b) in enumerate(zip(params, ref_params)) if not torch.equal(a, b)]

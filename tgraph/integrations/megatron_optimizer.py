@@ -152,8 +152,10 @@ def _norm_and_clip(subs: list) -> torch.Tensor:
     the device (megatron/core/optimizer/clip_grads.py at core_v0.19.0)."""
     import torch.distributed as dist
 
-    clip_grads = _clip_grads()
     grads = [g for sub in subs for g in _grads_for_norm(sub)]
+    # megatron's fused kernels are CUDA kernels: CPU tensors (the emulated backend) take the
+    # arithmetic of its local fallback, which the CPU stand-ins model
+    clip_grads = _clip_grads() if grads and grads[0].is_cuda else None
     sq = _l2_norm(grads, clip_grads) ** 2.0  # total_norm = grad_norm**norm_type (fp32)
     group = subs[0].get_grad_stats_parallel_group()
     if group is not None and dist.get_world_size(group) > 1:
