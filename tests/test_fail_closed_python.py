@@ -520,8 +520,12 @@ class _Jitter(torch.autograd.Function):
 
 
 class _JitterBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)  # later masks show a generator the verifier moved
+
     def forward(self, x):
-        return x + self.fc2(torch.tanh(_Jitter.apply(self.fc1(x))))
+        return x + self.fc2(self.drop(torch.tanh(_Jitter.apply(self.fc1(x)))))
 
 
 def test_a_backward_that_is_not_deterministic_is_not_flagged(backend, device):
