@@ -452,7 +452,8 @@ class GraphedCall(torch.autograd.Function):
         flight.land()
         result = grads_for_autograd(cap, state, active)
         pending = getattr(ctx, "verify", None)  # a verified replay (tgraph.layers.verify)
-        if pending is not None:
+        if pending is not None:  # its eager twin's graph goes now: it holds saved weights
+            ctx.verify = None
             result = verify.check_grads(cap, state, pending, result, grads)
         return (None, None, None, *result)
 

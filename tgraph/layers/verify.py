@@ -83,10 +83,11 @@ class verification:  # noqa: N801 - used as a function and as a context manager
 class Pending:
     """A verified replay's eager twin, until its backward compares the gradients."""
 
-    __slots__ = ("outs", "inputs", "params", "strict")
+    __slots__ = ("outs", "inputs", "params", "strict", "rerun")
 
     def __init__(self, outs: list, inputs: list, params: list, strict: bool) -> None:
         self.outs, self.inputs, self.params, self.strict = outs, inputs, params, strict
+        self.rerun = None  # () -> (inputs, outputs per member): the eager run made again
 
 
 def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, module_call):
@@ -113,19 +114,25 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     grad = cap.needs_backward and torch.is_grad_enabled()
     grad = grad and not any(hasattr(p, "main_grad") for p in state.route.autograd_params)
     live = [table[k] for table, k in buffers]
-    rng.set_states(before, cap.device)  # eager starts where the replay started, on copies of
-    for (table, k), v in zip(buffers, saved):  # the buffers as they were (running statistics)
-        table[k] = v.clone()
-    dicts = [(vars(m), dict(vars(m))) for r in unit.members for m in r.module.modules()]
-    try:
-        ins, eager = _eager_chain(unit, args, kwargs, tensors, copies, grad, module_call)
-    finally:  # what the eager run set (a weight a pre-hook computes, self.aux_loss) goes
-        for d, kept in dicts:
-            d.clear()
-            d.update(kept)
-        for (table, k), b in zip(buffers, live):
-            table[k] = b
-        rng.set_states(after, cap.device)
+
+    def run_eager(copies: list) -> tuple[list, list]:
+        """The unit run eagerly on ``copies`` from where the replay started (generators, and
+        copies of the buffers as they were), leaving nothing behind."""
+        rng.set_states(before, cap.device)
+        for (table, k), v in zip(buffers, saved):
+            table[k] = v.clone()
+        dicts = [(vars(m), dict(vars(m))) for r in unit.members for m in r.module.modules()]
+        try:
+            return _eager_chain(unit, args, kwargs, tensors, copies, grad, module_call)
+        finally:  # what the eager run set (a weight a pre-hook computes, self.aux_loss) goes
+            for d, kept in dicts:
+                d.clear()
+                d.update(kept)
+            for (table, k), b in zip(buffers, live):
+                table[k] = b
+            rng.set_states(after, cap.device)
+
+    ins, eager = run_eager(copies)
     per = [out] if len(cap.slices) == 1 else list(state.stack.pending)
     got = [t for rj, ej in zip(per, eager) for t in rj]
     why = _differs(got, [t for ej in eager for t in ej], "output")
@@ -135,7 +142,9 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
             node = next((o.grad_fn for o in out if o.grad_fn is not None), None)
             if node is not None:
                 strict = unit.head.module._tgraph.strict
-                node.verify = Pending(aligned, ins, list(state.route.autograd_params), strict)
+                pending = Pending(aligned, ins, list(state.route.autograd_params), strict)
+                pending.rerun = lambda: run_eager([t.detach().clone() for t in ins])
+                node.verify = pending
         return out
     with torch.no_grad():  # undo the replay: this call runs eagerly from where it started
         for b, v in zip(live, saved):
@@ -221,24 +230,27 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
         return result
     states = rng.get_states(cap.device)  # an eager backward that draws leaves no trace
 
-    def eager_grads(retain: bool) -> list:
-        outs = [pending.outs[i] for i in rg]
-        incoming = [grads[i] for i in rg]
+    def eager_grads(ins: list, outs: list) -> list:
+        need = [t for t in ins if t.requires_grad]
+        outs = [[t for ej in outs for t in ej][i] for i in rg] if outs is not None else None
         return list(
             torch.autograd.grad(
-                outs, need + params, incoming, retain_graph=retain, allow_unused=True
+                outs or [pending.outs[i] for i in rg],
+                need + params,
+                [grads[i] for i in rg],
+                allow_unused=True,
             )
         )
 
-    eager = eager_grads(retain=True)
+    eager = eager_grads(pending.inputs, None)
     got = [result[i] for i, t in enumerate(pending.inputs) if t.requires_grad]
     if not direct:
         got += [g for g, p in zip(result[n:], pending.params) if _compared(p)]
     why = _differs(got, eager, "gradient")
-    if why is not None:  # eager against itself: a backward that is not deterministic (atomics:
-        again = eager_grads(retain=False)  # flash attention's dq, index_add_; one that draws)
-        why = _differs(got, eager, "gradient", noise=_gaps(eager, again))
-    rng.set_states(states, cap.device)
+    if why is not None and pending.rerun is not None:  # eager against itself, run again: a
+        again = eager_grads(*pending.rerun())  # backward that is not deterministic (atomics in
+        why = _differs(got, eager, "gradient", noise=_gaps(eager, again))  # flash attention's
+    rng.set_states(states, cap.device)  # dq, index_add_; one that draws) differs as much
     if why is None:
         return result
     reason = wrong(state, why)
