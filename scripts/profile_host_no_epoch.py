@@ -1,5 +1,6 @@
 """profile_host.py with the module epoch defeated: every replay runs the full attribute and
 module-tree comparisons, as before the epoch (a paired 'before' for issue 45)."""
+
 import runpy
 import sys
 
