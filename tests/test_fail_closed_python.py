@@ -542,3 +542,21 @@ def test_a_backward_that_is_not_deterministic_is_not_flagged(backend, device):
         want = train(plain, data, backend)
     assert not msgs, "\n".join(msgs)
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_the_verifier_checks_no_grad_calls_too(backend, device):
+    """Evaluation and RL rollouts run graphed blocks under no_grad: a verified replay there is
+    compared as well (outputs only: no backward), and a change no rule sees runs eagerly."""
+    model, _ = make_pair(device, lambda: Net(_FlagBlock))
+    ref, _ = make_pair(device, lambda: Net(_FlagBlock))
+    x = batches(device, 1)[0][0]
+    tgraph.enable(model, backend=backend)
+    with torch.no_grad():
+        model(x)  # the recorded call
+    tgraph.create_graphs()
+    with tgraph.verification(every=1), fallbacks() as msgs, torch.no_grad():
+        for i in range(4):
+            _mutate_config(i, model, None)
+            _mutate_config(i, ref, None)
+            torch.testing.assert_close(model(x), ref(x), **TOL)
+    assert msgs and all("shadow verifier" in m for m in msgs), "\n".join(msgs)
