@@ -25,12 +25,14 @@ the verifier alone must then catch the persistent classes).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from tgraph import rng
+from tgraph.baked import hooks_run_outside
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers.capture import graphed_region
 from tgraph.signature import split
@@ -44,6 +46,7 @@ class Settings:
 
 
 settings = Settings()
+logger = logging.getLogger(__name__)
 
 
 class verification:  # noqa: N801 - used as a function and as a context manager
@@ -96,7 +99,11 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     buffer states the replay started from, and compare; returns what ``replay()`` returns, or
     the reason to run this call eagerly (its replay undone)."""
     cap, state = unit.cap, unit.state
-    if cap.fp8 is not None:  # TE's own FP8 state (amax history) would advance twice
+    why_not = _not_verifiable(unit)
+    if why_not is not None:
+        if why_not not in _said:
+            _said.add(why_not)
+            logger.info("tgraph: %s: replays not verified: %s", cap.name, why_not)
         return replay()
     before = rng.get_states(cap.device)
     buffers = [
@@ -155,6 +162,26 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
         state.stack.release()
         state.stack.fell_back = why  # its later members say why they run eagerly
     return why
+
+
+_said: set[str] = set()
+
+
+def _not_verifiable(unit) -> str | None:
+    """Why this call of ``unit`` is not verified (None: it is)."""
+    cap = unit.cap
+    if cap.fp8 is not None:
+        return "TransformerEngine's FP8 state (amax history) would advance twice"
+    if torch._C._are_functorch_transforms_active():
+        return "a torch.func transform is active"
+    if not all(hooks_run_outside(r.module) for r in unit.members):
+        return "a backward hook on the module would run for the eager rerun too"
+    if cap.device.type == "cuda":  # the eager rerun needs about the warmup's peak again
+        free, _ = torch.cuda.mem_get_info(cap.device)
+        free += torch.cuda.memory_reserved(cap.device) - torch.cuda.memory_allocated(cap.device)
+        if free < 1.25 * cap.memory.warmup_peak:
+            return "too little free GPU memory for an eager rerun beside the graphs"
+    return None
 
 
 def _eager_chain(unit, args, kwargs, tensors, copies, grad: bool, module_call):
