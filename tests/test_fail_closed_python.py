@@ -560,3 +560,16 @@ def test_the_verifier_checks_no_grad_calls_too(backend, device):
             _mutate_config(i, ref, None)
             torch.testing.assert_close(model(x), ref(x), **TOL)
     assert msgs and all("shadow verifier" in m for m in msgs), "\n".join(msgs)
+
+
+def test_an_eager_rerun_that_fails_leaves_the_replay_standing(backend, device, monkeypatch):
+    """The verifier is a net, not a new way to fail: when its eager rerun raises, the replay's
+    result stands (said in the log) and training goes on as unverified."""
+    from tgraph.layers import verify
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted: the eager rerun cannot run")
+
+    monkeypatch.setattr(verify, "_eager_chain", broken)
+    _, _, msgs = _twins(device, backend=backend, verify=True)
+    assert not msgs and eager_calls() == 0
