@@ -573,3 +573,25 @@ def test_an_eager_rerun_that_fails_leaves_the_replay_standing(backend, device, m
     monkeypatch.setattr(verify, "_eager_chain", broken)
     _, _, msgs = _twins(device, backend=backend, verify=True)
     assert not msgs and eager_calls() == 0
+
+
+class _InPlaceBlock(Block):
+    def forward(self, x):
+        x.mul_(0.5)  # allowed in eager: its caller's x is not a leaf
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _InPlaceNet(Net):
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h * 1.0)
+        return self.head(h)
+
+
+def test_a_forward_writing_an_input_that_requires_grad_stays_eager_saying_why(backend, device):
+    """A graph's static inputs are leaves, which autograd does not let a forward write in
+    place: such a module stays eager (eager's numbers), and the warning names the cause and the
+    fix, not a host sync."""
+    _, _, msgs = _twins(device, lambda: _InPlaceNet(_InPlaceBlock), backend=backend)
+    assert msgs and all("writes an input that requires grad in place" in m for m in msgs), msgs

@@ -226,6 +226,12 @@ def explain_capture_failure(what: str, exc: BaseException) -> CaptureError:
             "graphed module: its backward graph differentiates with torch.autograd.grad. Use "
             "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
         )
+    if "leaf Variable that requires grad is being used in an in-place operation" in str(exc):
+        hint = (
+            "The forward writes an input that requires grad in place (x += ..., x.mul_(...)); "
+            "a graph's static inputs are leaves, which autograd does not let it write. Write it "
+            "out of place (x = x + ...) to graph the module."
+        )
     if "legacy stream depend on a capturing" in str(exc):
         hint += STALE_STREAM_HINT
     return CaptureError(f"capturing {what} failed: {type(exc).__name__}: {exc}. {hint}")
