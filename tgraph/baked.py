@@ -22,6 +22,7 @@ modules (a global, a config object's fields mutated in place, a closure), read b
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 import types
@@ -123,7 +124,6 @@ class Baked:
     global_tables: tuple[dict, ...] = ()
     global_keys: tuple[str, ...] = ()
     global_values: tuple = ()
-    module_epoch: int = -1  # module_epoch() when taken
     ptr_list: list = field(default_factory=list)  # place's addresses and their indices, as
     all_indices: list = field(default_factory=list)  # lists: torch's C++ pointer pass takes lists
     hook_epoch: int = -1  # torch's hook-handle counter when taken: no hook registered since
@@ -214,7 +214,6 @@ class Baked:
             global_tables=tuple(g for g, _ in glob),
             global_keys=tuple(k for _, k in glob),
             global_values=tuple(g[k] for g, k in glob),
-            module_epoch=_epoch[0],
             classes=tuple(map(type, mods)),
             sub_tables=tuple(vars(m)["_modules"] for m in mods),
             sub_sizes=tuple(len(vars(m)["_modules"]) for m in mods),
@@ -408,17 +407,12 @@ _baked_modules: set[int] = set()  # ids of the modules some inventory holds (onl
 
 
 def _counted(fn):
+    @functools.wraps(fn)  # sets __wrapped__: watch_module_writes wraps once
     def counted(self, *args, **kwargs):
         if id(self) in _baked_modules:
             _epoch[0] += 1
         return fn(self, *args, **kwargs)
 
-    counted.__name__, counted.__qualname__, counted.__doc__ = (
-        fn.__name__,
-        fn.__qualname__,
-        fn.__doc__,
-    )
-    counted.__wrapped__ = fn
     return counted
 
 

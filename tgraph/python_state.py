@@ -53,7 +53,7 @@ def forward_globals(modules: list[nn.Module]) -> list[tuple[str, dict, list[str]
         if code is None or type(m).__module__.startswith("torch."):
             continue
         g = fn.__globals__
-        where, table, keys = found.setdefault(id(g), (f"global {g.get('__name__')}", g, []))
+        keys = found.setdefault(id(g), (f"global {g.get('__name__')}", g, []))[2]
         for k in code.co_names:
             if k in g and k not in keys and (plain(g[k]) or isinstance(g[k], types.FunctionType)):
                 keys.append(k)

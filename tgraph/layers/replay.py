@@ -199,7 +199,7 @@ def refusal(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
     outputs moved out), so that :func:`replay` only acts."""
     if state.wrong is not None:  # the shadow verifier found it wrong (tgraph.layers.verify)
         return state.wrong
-    why = check(cap, state) if verify.settings.rules else None
+    why = check(cap, state) if _settings.rules else None
     if why is not None:
         return why
     for i, value in cap.host_values:  # a CUDA kernel took the host scalar's value at capture
@@ -459,6 +459,7 @@ class GraphedCall(torch.autograd.Function):
 
 
 _apply = super(torch.autograd.Function, GraphedCall).apply
+_settings = verify.settings  # read in place (tgraph.verification changes its fields)
 _data_ptr, _stride, _size = (
     torch.Tensor.data_ptr,
     torch.Tensor.stride,

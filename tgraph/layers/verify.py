@@ -25,9 +25,9 @@ the verifier alone must then catch the persistent classes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
-from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,7 @@ from tgraph.layers.capture import graphed_region
 from tgraph.signature import split
 
 
-@dataclass
+@dataclasses.dataclass
 class Settings:
     first: int = 2  # each graph's first replays, verified
     every: int = 1000  # then one replay in this many (0: none)
@@ -64,23 +64,15 @@ class verification:  # noqa: N801 - used as a function and as a context manager
     def __init__(
         self, first: int | None = None, every: int | None = None, rules: bool | None = None
     ) -> None:
-        self._old = Settings(settings.first, settings.every, settings.rules)
-        if first is not None:
-            settings.first = first
-        if every is not None:
-            settings.every = every
-        if rules is not None:
-            settings.rules = rules
+        self._old = dataclasses.replace(settings)
+        given = {"first": first, "every": every, "rules": rules}
+        vars(settings).update({k: v for k, v in given.items() if v is not None})
 
     def __enter__(self) -> Settings:
         return settings
 
     def __exit__(self, *exc) -> None:
-        settings.first, settings.every, settings.rules = (
-            self._old.first,
-            self._old.every,
-            self._old.rules,
-        )
+        vars(settings).update(vars(self._old))
 
 
 class Pending:
@@ -88,9 +80,9 @@ class Pending:
 
     __slots__ = ("outs", "inputs", "params", "strict", "rerun")
 
-    def __init__(self, outs: list, inputs: list, params: list, strict: bool) -> None:
+    def __init__(self, outs: list, inputs: list, params: list, strict: bool, rerun) -> None:
         self.outs, self.inputs, self.params, self.strict = outs, inputs, params, strict
-        self.rerun = None  # () -> (inputs, outputs per member): the eager run made again
+        self.rerun = rerun  # () -> (inputs, outputs): the eager run made again
 
 
 def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, module_call):
@@ -146,18 +138,18 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
             "tgraph: %s: the shadow verifier could not rerun it eagerly: %s", cap.name, exc
         )
         return out
-    per = [out] if len(cap.slices) == 1 else list(state.stack.pending)
-    got = [t for rj, ej in zip(per, eager) for t in rj]
-    why = _differs(got, [t for ej in eager for t in ej], "output")
+    got = out if len(cap.slices) == 1 else [t for member in state.stack.pending for t in member]
+    why = _differs(got, eager, "output")
     if why is None:
-        if grad:  # the node's backward compares the gradients (GraphedCall.backward)
-            aligned = [t for ej in eager for t in ej]
-            node = next((o.grad_fn for o in out if o.grad_fn is not None), None)
-            if node is not None:
-                strict = unit.head.module._tgraph.strict
-                pending = Pending(aligned, ins, list(state.route.autograd_params), strict)
-                pending.rerun = lambda: run_eager([t.detach().clone() for t in ins])
-                node.verify = pending
+        node = next((o.grad_fn for o in out if o.grad_fn is not None), None) if grad else None
+        if node is not None:  # its backward compares the gradients (GraphedCall.backward)
+            node.verify = Pending(
+                eager,
+                ins,
+                list(state.route.autograd_params),
+                unit.head.module._tgraph.strict,
+                lambda: run_eager([t.detach().clone() for t in ins]),
+            )
         return out
     with torch.no_grad():  # undo the replay: this call runs eagerly from where it started
         for b, v in zip(live, saved):
@@ -192,7 +184,9 @@ def _not_verifiable(unit) -> str | None:
 
 def _eager_chain(unit, args, kwargs, tensors, copies, grad: bool, module_call):
     """Run every member of ``unit`` eagerly on copies of the head's inputs, chained as the
-    capture chained them; returns the copies and each member's output tensors."""
+    capture chained them; returns the copies and the outputs in the order of the graph's static
+    outputs (each member's, then the tensors it stored in module state; None where it stored
+    none)."""
     cap = unit.cap
     ins = [c.requires_grad_(t.requires_grad and grad) for t, c in zip(tensors, copies)]
     outs_of: list[list] = []
@@ -211,7 +205,7 @@ def _eager_chain(unit, args, kwargs, tensors, copies, grad: bool, module_call):
             for m, k, at in cap.stored[j] if cap.stored else ():  # self.aux_loss = ...
                 full[at] = m.__dict__[k]
             outs_of.append(full)
-    return ins, outs_of
+    return ins, [t for full in outs_of for t in full]
 
 
 def _gaps(a: list, b: list) -> list[float]:
@@ -258,34 +252,28 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
     ``grads``, compared with the replay's ``result`` (what the node hands autograd: the input
     gradients, then the parameter gradients). Returns what to hand autograd."""
     rg = [i for i in cap.out_rg if grads[i] is not None and pending.outs[i] is not None]
-    need = [t for t in pending.inputs if t.requires_grad]
     n = len(cap.static_grads)
     direct = state.route.direct is not None or len(result) - n != len(pending.params)
     # a parameter with a tensor hook is left out: autograd.grad would run the hook (it may keep
     # or count what it is given), and the node hands autograd the gradient before the hook
     params = [] if direct else [p for p in pending.params if _compared(p)]
-    if not rg or not need + params:  # nothing to compare (direct_grads writes .grad itself)
-        return result
+    if not rg or (not params and not any(t.requires_grad for t in pending.inputs)):
+        return result  # nothing to compare (direct_grads writes .grad itself)
     states = rng.get_states(cap.device)  # an eager backward that draws leaves no trace
 
     def eager_grads(ins: list, outs: list) -> list:
         need = [t for t in ins if t.requires_grad]
-        outs = [[t for ej in outs for t in ej][i] for i in rg] if outs is not None else None
+        incoming = [grads[i] for i in rg]
         return list(
-            torch.autograd.grad(
-                outs or [pending.outs[i] for i in rg],
-                need + params,
-                [grads[i] for i in rg],
-                allow_unused=True,
-            )
+            torch.autograd.grad([outs[i] for i in rg], need + params, incoming, allow_unused=True)
         )
 
-    eager = eager_grads(pending.inputs, None)
+    eager = eager_grads(pending.inputs, pending.outs)
     got = [result[i] for i, t in enumerate(pending.inputs) if t.requires_grad]
     if not direct:
         got += [g for g, p in zip(result[n:], pending.params) if _compared(p)]
     why = _differs(got, eager, "gradient")
-    if why is not None and pending.rerun is not None:  # eager against itself, run again: a
+    if why is not None:  # eager against itself, run again: a
         again = eager_grads(*pending.rerun())  # backward that is not deterministic (atomics in
         why = _differs(got, eager, "gradient", noise=_gaps(eager, again))  # flash attention's
     rng.set_states(states, cap.device)  # dq, index_add_; one that draws) differs as much
