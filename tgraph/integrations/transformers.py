@@ -220,8 +220,8 @@ def _given(at: int, name: str, args: tuple, kwargs: dict) -> bool:
 def _no_cache_by_default(at: _CacheArgs, module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: a call that leaves ``use_cache`` unset (or None) gets ``False``, unless
     that changes the attention mask (module docstring, "The KV cache")."""
-    if _given(at.use_cache, "use_cache", args, kwargs):
-        return args, kwargs  # the caller's choice
+    if at.use_cache < len(args) or kwargs.get("use_cache") is not None:
+        return args, kwargs  # the caller's choice (positional, even None: no second value)
     if (
         module.config.use_cache
         and _given(at.position_ids, "position_ids", args, kwargs)
