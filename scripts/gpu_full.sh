@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU call that checks a tree whole: TE + megatron installed, `pytest -m cuda` in 4 shards
+# beside the emulated (CPU) tests of the classes under this machine's torch, then host time per
+# graphed call with and without the module epoch (HF Llama, 12 merged layers). Carry .te/pkg,
+# .te/prune, .whl. Output: $OUT (summaries; every log in logs.tgz). About 8 minutes.
+OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
+{ date -u; git log -1 --format='tree %h %s' 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; } > "$OUT/env.txt" 2>&1
+timeout 120 bash .te/pkg/install_on_device.sh prune > /tmp/w/te_install.log 2>&1; echo "te-install rc=$?" >> "$OUT/stages.txt"
+# shellcheck disable=SC1091
+. /tmp/site/te_env.sh
+timeout 60 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /tmp/w/megatron_install.log 2>&1; echo "megatron-install rc=$?" >> "$OUT/stages.txt"
+export PYTHONPATH="$PWD:$PYTHONPATH"
+python -c "import transformer_engine, megatron.core as m; print('te', transformer_engine.__version__, 'megatron-core', m.__version__)" >> "$OUT/env.txt" 2>&1
+t0=$SECONDS
+OMP_NUM_THREADS=2 MASTER_PORT=29620 timeout ${CPU_LIMIT:-300} python -m pytest -q -m "not cuda" -p no:cacheprovider -rfE --tb=short \
+  ${CPU_TESTS:-tests/test_megatron_optimizer_graph.py tests/test_hf_models.py tests/test_fail_closed_python.py tests/test_reentrant.py} \
+  > /tmp/w/pytest_cpu_device_torch.log 2>&1 &
+cpu=$!
+timeout ${PYTEST_LIMIT:-330} bash scripts/pytest_shards.sh /tmp/w/pytest 4 > "$OUT/pytest_summary.txt" 2>&1; echo "pytest-cuda rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
+wait $cpu; echo "pytest-cpu-device-torch rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
+grep -E "^(FAILED|ERROR)|passed|failed" /tmp/w/pytest_cpu_device_torch.log | tail -20 > "$OUT/pytest_cpu_device_torch.txt"
+for s in profile_host profile_host_no_epoch; do
+  t0=$SECONDS; mkdir -p "/tmp/w/$s"
+  timeout 55 python scripts/$s.py --device cuda --backend cuda --model llama --steps 200 --reps 3 --out "/tmp/w/$s" > "/tmp/w/$s.log" 2>&1
+  echo "$s rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"; cp "/tmp/w/$s/profile_host.json" "$OUT/$s.json"
+done
+tar czf "$OUT/logs.tgz" -C /tmp w
+cat "$OUT/stages.txt" "$OUT/pytest_summary.txt" "$OUT/pytest_cpu_device_torch.txt"
+grep -hE "per graphed call|checks_baked|autograd_function|backward:|input_copies|step wall" /tmp/w/profile_host*.log
