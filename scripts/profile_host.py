@@ -401,7 +401,52 @@ def time_checks() -> dict:
         "tensors_checked": sum(len(b.held) for b in baked),
         "hook_tables_checked": sum(len(b.hooks) for b in baked),
         "modules": layers,
+        "parts_us": check_parts(pairs[0]),
     }
+
+
+def check_parts(pair) -> dict:
+    """Best-of-7 microseconds of each pass of ``replay.check`` on one unit (the table of
+    checks in docs/BENCHMARKS.md): what each costs, so each is kept or dropped by its price."""
+    from operator import getitem
+
+    from tgraph.layers import replay as bridge
+
+    cap, state = pair
+    b = cap.baked
+    live = tuple(map(getitem, b.tensor_tables, b.tensor_keys))
+    guards = state.layout.guards
+    ptrs = bridge._ptrs_equal
+    parts = {
+        "whole check, epochs unmoved": lambda: bridge.check(cap, state),
+        "hook tables (only when the hook epoch moved)": lambda: b.changed_hooks(scan=True),
+        "globals the forwards name": lambda: (
+            tuple(map(getitem, b.global_tables, b.global_keys)) == b.global_values
+        ),
+        "attributes and module tree (only when the module epoch moved)": lambda: (
+            tuple(map(len, b.dicts)) == b.dict_sizes
+            and tuple(map(getitem, b.attr_tables, b.attr_keys)) == b.attr_values
+            and tuple(map(id, map(getitem, b.object_tables, b.object_keys))) == b.object_ids
+            and tuple(map(type, b.mods)) == b.classes
+            and tuple(map(len, b.sub_tables)) == b.sub_sizes
+            and tuple(map(id, map(getitem, b.sub_slots, b.sub_keys))) == b.sub_ids
+        ),
+        "tensor lookup": lambda: tuple(map(getitem, b.tensor_tables, b.tensor_keys)),
+        "tensor identity": lambda: tuple(map(id, live)) == b.tensor_ids,
+        "addresses": (
+            (lambda: tuple(map(bridge._data_ptr, live)) == b.place[0])
+            if ptrs is None
+            else (lambda: ptrs(list(live), b.ptr_list, b.all_indices))
+        ),
+        "sizes and strides (layout guard)": lambda: any(g.check(*live) for g in guards),
+    }
+    n = 2000
+    out = {k: min(timeit.repeat(f, number=n, repeat=7)) / n * 1e6 for k, f in parts.items()}
+    out["tensors"] = len(live)
+    print("the head's checks, us each (best of 7):")
+    for k, v in out.items():
+        print(f"  {v:8.2f}  {k}" if k != "tensors" else f"  ({v} tensors)")
+    return out
 
 
 # Parts of a graphed call, timed by wrapping the method (inclusive: replay_path contains the
