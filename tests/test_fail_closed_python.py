@@ -506,6 +506,25 @@ def test_a_steady_hf_step_moves_no_module_epoch():
     assert tgraph.eager_calls() == 0
 
 
+def test_a_dead_model_leaves_the_module_epoch(backend, device):
+    """The epoch counts writes to modules some inventory holds, by id: a graphed model that
+    died leaves none of its ids behind, or every object that later takes one (transformers'
+    per-forward ModuleList, say) would move the epoch at each write, and replays would run the
+    full checks (seen on the GPU machine: a steady HF step after other tests' models)."""
+    import gc
+
+    from tgraph.baked import _baked_modules
+
+    model, _ = make_pair(device)
+    train(model, batches(device, 3), backend)
+    ids = {id(m) for m in model.modules()}
+    assert ids & set(_baked_modules)  # the graphed blocks and their submodules are counted
+    tgraph.disable(model)
+    del model
+    gc.collect()
+    assert not ids & set(_baked_modules)
+
+
 class _Jitter(torch.autograd.Function):
     """Identity whose backward adds noise of 1e-5: a backward that is not deterministic (as
     atomics make flash attention's and index_add_'s on a GPU)."""

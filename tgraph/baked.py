@@ -180,7 +180,7 @@ class Baked:
             objects += [s] if s is not None else []
         glob = [(g, k) for _, g, keys in read for k in keys]
         mods = tuple(m for _, m in modules)
-        _baked_modules.update(map(id, mods))
+        _count_writes_to(mods)
         subs = [(vars(m)["_modules"], k) for m in mods for k in vars(m)["_modules"]]
         held = tuple(t.detach() for t in memory) if graph_memory is None else graph_memory.held
         place = where(held)
@@ -402,8 +402,21 @@ class Baked:
 # the setters (``m.__dict__[k] = v``, ``ModuleList.insert``) is the shadow verifier's to find.
 _epoch = [0]
 _WATCHED = ("__setattr__", "__delattr__", "add_module", "register_parameter", "register_buffer")
-_baked_modules: set[int] = set()  # ids of the modules some inventory holds (only they count:
-# transformers builds a new ModuleList at every forward, self.layers[:n])
+_baked_modules: dict[int, weakref.ref] = {}  # the modules some inventory holds, by id (only
+# they count: transformers builds a new ModuleList at every forward, self.layers[:n]); a module
+# leaves at its death, before its id can be another's (a stale id would move the epoch at every
+# write to whatever object takes it next)
+
+
+def _count_writes_to(mods) -> None:
+    for m in mods:
+        i = id(m)
+        if i not in _baked_modules:
+            _baked_modules[i] = weakref.ref(m, functools.partial(_forget_module, i))
+
+
+def _forget_module(i: int, _ref) -> None:
+    _baked_modules.pop(i, None)
 
 
 def _counted(fn):
