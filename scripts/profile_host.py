@@ -408,7 +408,7 @@ def time_checks() -> dict:
 def check_parts(pair) -> dict:
     """Best-of-7 microseconds of each pass of ``replay.check`` on one unit (the table of
     checks in docs/BENCHMARKS.md): what each costs, so each is kept or dropped by its price."""
-    from operator import getitem
+    from operator import getitem, is_
 
     from tgraph.layers import replay as bridge
 
@@ -432,7 +432,7 @@ def check_parts(pair) -> dict:
             and tuple(map(id, map(getitem, b.sub_slots, b.sub_keys))) == b.sub_ids
         ),
         "tensor lookup": lambda: tuple(map(getitem, b.tensor_tables, b.tensor_keys)),
-        "tensor identity": lambda: tuple(map(id, live)) == b.tensor_ids,
+        "tensor identity": lambda: all(map(is_, live, map(bridge._deref, b.refs))),
         "addresses": (
             (lambda: tuple(map(bridge._data_ptr, live)) == b.place[0])
             if ptrs is None

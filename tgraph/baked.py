@@ -106,7 +106,6 @@ class Baked:
     attr_values: tuple = ()
     tensor_tables: tuple[dict, ...] = ()
     tensor_keys: tuple[str, ...] = ()
-    tensor_ids: tuple[int, ...] = ()
     dicts: tuple[dict, ...] = ()  # each module's __dict__: a new key (an instance attribute
     dict_sizes: tuple[int, ...] = ()  # shadowing a class attribute) changes its size
     dict_names: tuple[str, ...] = ()
@@ -205,7 +204,6 @@ class Baked:
             attr_values=tuple(v for a in attrs for v in a.values),
             tensor_tables=tuple(t.table for t in tensors for _ in t.keys),
             tensor_keys=tuple(k for t in tensors for k in t.keys),
-            tensor_ids=tuple(map(id, memory)),
             dicts=tuple(vars(m) for _, m in modules),
             dict_sizes=tuple(len(vars(m)) for _, m in modules),
             dict_names=tuple(name for name, _ in modules),
@@ -324,7 +322,7 @@ class Baked:
 
     def replaced_tensors(self, live: tuple[torch.Tensor, ...] | None = None) -> str | None:
         """Why the parameters and buffers are not the captured objects (None: they are)."""
-        if live is not None and tuple(map(id, live)) == self.tensor_ids:
+        if live is not None and all(t is r() for t, r in zip(live, self.refs)):
             return None
         for s in self.tensors:
             try:

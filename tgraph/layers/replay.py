@@ -18,8 +18,9 @@ eager mode.
 
 from __future__ import annotations
 
+import operator
 import weakref
-from operator import getitem
+from operator import getitem, is_
 from sys import modules as _sys_modules
 
 import torch
@@ -48,6 +49,7 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _OUTPUT_CAPTURING = "transformers.utils.output_capturing"
 # the data-pointer pass of inductor's cudagraph trees, in C++; absent from CPU builds of torch
 _ptrs_equal = ptrs_equal
+_deref = getattr(operator, "call", weakref.ref.__call__)  # a weakref's target (3.10: no call)
 
 BUSY = (
     "every graph captured for this signature is awaiting its backward, or (a call without "
@@ -356,7 +358,8 @@ def check(cap: Captured, state: ReplayState):
         live = tuple(map(getitem, b.tensor_tables, b.tensor_keys))
     except KeyError:
         return b.replaced_tensors()  # names the removed parameter or buffer
-    if state.route.rerouted or tuple(map(id, live)) != b.tensor_ids:
+    # the captured objects themselves (by weakref: no id a dead tensor left can pass)
+    if state.route.rerouted or not all(map(is_, live, map(_deref, b.refs))):
         route(cap, state, live)  # gradients go to the tensors the modules hold now
         if b.replaced_tensors(live) is not None:
             kept = [n for n, r, t in zip(b.names, b.refs, live) if r() is not None and r() is not t]
