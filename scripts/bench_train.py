@@ -73,6 +73,7 @@ from bench_train_setup import (  # noqa: E402
 )
 
 import tgraph  # noqa: E402
+from tgraph.toy.gpt import GPT, graph_whole  # noqa: E402
 
 MODES = [
     "eager",
@@ -103,6 +104,8 @@ MODES = [
     "tgraph_layer_direct",
     "tgraph_layer_opt_noskip_direct",
     "tgraph_layer_opt_compiled_direct",
+    "tgraph_model",
+    "tgraph_model_opt_noskip",
 ]
 CPU_MODES = [
     "eager",
@@ -112,6 +115,8 @@ CPU_MODES = [
     "tgraph_full_skip",
     "tgraph_layer_direct",
     "tgraph_layer_opt_noskip_direct",
+    "tgraph_model",
+    "tgraph_model_opt_noskip",
 ]
 # --hf: the Llama cells of bench_llama.LLAMA_DTYPES, these modes, few steps (an H200 in < 5 min)
 HF_MODES = [
@@ -139,10 +144,22 @@ PARITY_RTOL = {"fp32": 2e-3, "bf16": 3e-2}
 # Each returns (per-step ms, final loss tensor, capture seconds or None, note).
 
 
-def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False):  # noqa: A002
+def _whole(model):
+    """The toy GPT as one graphed unit (``tgraph.toy.gpt.graph_whole``); the HF Llama has no
+    such mode: transformers builds its attention mask another way under a capture (an
+    explicit mask instead of SDPA's causal flag), so its graphs would not be eager's bits."""
+    if not isinstance(model, GPT):
+        raise ValueError("the tgraph_model modes take the toy GPT (--configs tiny, ...)")
+    return graph_whole(model)
+
+
+def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False, whole=False):  # noqa: A002
     """``compile``: enable(compile=True); capture_s then includes the recorded iteration,
-    where inductor compiles the layers. ``direct``: enable(direct_grads=True)."""
+    where inductor compiles the layers. ``direct``: enable(direct_grads=True). ``whole``: the
+    model as one unit (:func:`_whole`)."""
     model, opt = s.fresh()
+    if whole:
+        _whole(model)
     if ckpt:
         checkpoint_blocks(model)
     tgraph.enable(model, backend=s.backend, compile=compile, direct_grads=direct)
@@ -191,12 +208,14 @@ def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
     return times, loss, capture, note + ("; skip_nonfinite=True" if skip else "")
 
 
-def mode_tgraph_layer_opt(s: Setup, skip=True, compile=False, direct=False):  # noqa: A002
+def mode_tgraph_layer_opt(s: Setup, skip=True, compile=False, direct=False, whole=False):  # noqa: A002
     """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step;
     ``skip``: non-finite steps skipped on the device (the default); ``compile``:
     enable(compile=True), capture_s then includes the recorded (compiling) iteration;
-    ``direct``: enable(direct_grads=True)."""
+    ``direct``: enable(direct_grads=True); ``whole``: the model as one unit (:func:`_whole`)."""
     model, opt = s.fresh()
+    if whole:
+        _whole(model)
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=skip, backend=s.backend)
 
     def step(x, y):
@@ -258,6 +277,9 @@ MODE_FUNCS: dict[str, Callable] = {
     "tgraph_layer_opt_compiled_direct": lambda s: mode_tgraph_layer_opt(
         s, compile=True, direct=True
     ),
+    # the toy GPT as one graphed unit (tgraph.toy.gpt.graph_whole)
+    "tgraph_model": lambda s: mode_tgraph_layer(s, whole=True),
+    "tgraph_model_opt_noskip": lambda s: mode_tgraph_layer_opt(s, skip=False, whole=True),
 }
 
 

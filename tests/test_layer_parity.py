@@ -18,6 +18,7 @@ from layer_models import (
 )
 
 import tgraph
+from tgraph.toy.gpt import GPT, graph_whole
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "per-block"])
@@ -120,3 +121,27 @@ def test_two_live_no_grad_outputs_in_the_recorded_iteration_get_two_graphs(backe
         a, b = block(x1), block(x2)
         torch.testing.assert_close(a, torch.nn.Module.__call__(block, x1))
         torch.testing.assert_close(b, torch.nn.Module.__call__(block, x2))
+
+
+def test_the_whole_toy_model_as_one_unit_matches_eager(backend, device):
+    """graph_whole: embeddings, blocks, head and loss as one forward graph and one backward
+    graph (the blocks inside are part of them, not units of their own), with dropout: ten
+    strict steps (no eager call possible) with eager's losses and parameters."""
+    model = graph_whole(tiny_gpt(device, dropout=0.1))
+    eager = twin(model)
+    eager.__class__ = GPT  # the same weights, an ordinary GPT
+    batches = gpt_batches(device, 10)
+    torch.manual_seed(5)
+    losses, model = train(model, batches, graphed=True, backend=backend)
+    torch.manual_seed(5)
+    ref, eager = train(eager, batches, graphed=False)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
+    report = tgraph.capture_report()
+    assert (report.runners, report.graphs, report.segments) == (1, 2, 0)
+    assert report.eager_modules == []  # the blocks are in the model's graphs, not "not called"
+    assert [type(r.module).__name__ for r in tgraph.layers.manager._manager.all_runners()] == [
+        "GraphableGPT"
+    ]
+    assert tgraph.eager_calls() == 0

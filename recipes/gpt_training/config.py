@@ -22,11 +22,12 @@ from typing import ClassVar
 
 from tgraph.toy.gpt import GPTConfig
 
-GRAPH_MODES = ("none", "layer", "full")
+GRAPH_MODES = ("none", "layer", "model", "full")
 GRAPH_MODE_HELP = {  # --help's words for each mode; a recipe lists its own (RunConfig.graph_modes)
     "none": "eager",
     "layer": "per-layer graphs",
     "layer+opt": "per-layer graphs and the optimizer step as one graph",
+    "model": "the whole model, embeddings to loss, as one graphed unit: a forward and a backward graph",
     "full": "the whole training step as one graph",
 }
 NONFINITE_MODES = ("stop", "skip")

@@ -21,11 +21,12 @@ import json
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tgraph
 from tgraph.toy import checkpoint
 from tgraph.toy.checkpoint import CheckpointError
-from tgraph.toy.gpt import GPT
+from tgraph.toy.gpt import GPT, graph_whole
 
 MANIFEST_NAME = "checkpoint.json"
 MANIFEST_FORMAT = "tgraph-safetensors-manifest"
@@ -65,6 +66,10 @@ class ModelSpec:
 
     def enable_graphs(self, net: torch.nn.Module, backend: str) -> None:
         """Per-layer graphs (``--graph layer``): the next step records, ``create_graphs``."""
+        raise NotImplementedError
+
+    def enable_model_graph(self, net: torch.nn.Module, backend: str) -> None:
+        """The whole model as one graphed unit (``--graph model``, where offered)."""
         raise NotImplementedError
 
     def disable_graphs(self, net: torch.nn.Module) -> None:
@@ -132,6 +137,10 @@ class GPTSpec(ModelSpec):
         return net(x, y)[1]
 
     def enable_graphs(self, net, backend):
+        tgraph.enable(net, backend=backend)
+
+    def enable_model_graph(self, net, backend):
+        graph_whole(net.module if isinstance(net, DDP) else net)
         tgraph.enable(net, backend=backend)
 
     def disable_graphs(self, net):

@@ -3,8 +3,10 @@
 ``--graph none`` runs the step eagerly. ``layer`` graphs every transformer block (the model
 spec's ``enable_graphs``: ``tgraph.enable``, or ``graph_layers`` for transformers models): the
 first step runs eagerly and is recorded, together with one validation forward, then
-``tgraph.create_graphs()`` captures and later calls replay. ``layer+opt`` (where the recipe's
-config offers it) adds clipping and AdamW as one graph (``tgraph.OptimizerGraph``). ``full`` captures
+``tgraph.create_graphs()`` captures and later calls replay. ``model`` (where the recipe offers
+it) does the same with the whole model as the one graphed unit (``enable_model_graph``: its
+forward, embeddings to loss, and its backward as one graph each). ``layer+opt`` (where the
+recipe's config offers it) adds clipping and AdamW as one graph (``tgraph.OptimizerGraph``). ``full`` captures
 forward, backward, the all-reduce and AdamW as one graph (``tgraph.FullIterationGraph``) after
 ``FULL_WARMUP`` eager calls. The three modes run the same eager step function, so they compute
 the same numbers.
@@ -49,6 +51,8 @@ class StepSpec(Protocol):
 
     def enable_graphs(self, net: torch.nn.Module, backend: str) -> None: ...
 
+    def enable_model_graph(self, net: torch.nn.Module, backend: str) -> None: ...
+
     def disable_graphs(self, net: torch.nn.Module) -> None: ...
 
 
@@ -88,7 +92,7 @@ class TrainStep:
         self.params = list(model.parameters())
         if spec.clip_in_optimizer_order:  # the order OptimizerGraph sums the norm in
             self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.layered = cfg.graph in ("layer", "layer+opt")
+        self.layered = cfg.graph in ("layer", "layer+opt", "model")  # tgraph.create_graphs()
         self.loss_fn = spec.whole_step_loss if cfg.graph == "full" else spec.loss
         self.record_eval = record_eval
         self.calls = 0
@@ -102,7 +106,9 @@ class TrainStep:
                 dist.broadcast(p.data, src=0)  # what DDP's constructor does for the others
         self.full_graph: tgraph.FullIterationGraph | None = None
         self.opt_graph: tgraph.OptimizerGraph | None = None
-        if self.layered:
+        if cfg.graph == "model":
+            spec.enable_model_graph(self.net, cfg.backend)
+        elif self.layered:
             spec.enable_graphs(self.net, cfg.backend)
         if cfg.graph == "layer+opt":
             self.opt_graph = tgraph.OptimizerGraph(

@@ -92,6 +92,7 @@ def create_graphs() -> CaptureReport:
         st.turns = {k: t for k, rs in st.runners.items() if (t := Turns.of(m.record.events, rs))}
     m.record.clear()
     called = {id(r.module) for r in runners}
+    inside = {id(s) for r in runners for s in r.module.modules() if s is not r.module}
     caps = [u.cap for u in units]
     m.report = CaptureReport(
         graphs=sum(1 + (c.bwd_graph is not None) for c in caps),
@@ -103,7 +104,7 @@ def create_graphs() -> CaptureReport:
         eager_modules=[
             f"{type(mod).__name__} (not called in the recorded iteration)"
             for mod in m.modules
-            if id(mod) not in called
+            if id(mod) not in called and id(mod) not in inside  # inside: in the outer graph
         ]
         + _leave_eager(m, eager),
         memory=memory.memory_report(caps, grads_at_capture=grads_alive),

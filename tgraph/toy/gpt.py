@@ -1,4 +1,5 @@
-"""A small pre-LN GPT (nanoGPT's shape) whose blocks are graphable.
+"""A small pre-LN GPT (nanoGPT's shape) whose blocks are graphable, or the whole model
+(:func:`graph_whole`).
 
 Used by the recipes, the decode engine, the benchmarks and the tests. Byte-level by default:
 token ids are UTF-8 bytes, so no tokenizer file is needed (:func:`encode`, :func:`decode`).
@@ -6,6 +7,7 @@ token ids are UTF-8 bytes, so no tokenizer file is needed (:func:`encode`, :func
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -143,6 +145,28 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
+
+
+def graph_whole(model: GPT) -> GPT:
+    """Make ``model`` one graphed unit, from the embeddings through the head and the loss: a
+    forward graph and a backward graph per call signature, instead of one per block stack with
+    the embeddings, final norm, head and loss eager between them (less host work per step;
+    per-layer stays the mode for pipeline and interleaved schedules). Call it before
+    :func:`tgraph.enable`; the blocks inside run as part of the model's graphs. The class is
+    swapped for a subclass with :class:`tgraph.GraphableModule` first (the instance, its
+    parameters and its ``state_dict`` keys are unchanged).
+
+    Returns:
+        ``model``.
+    """
+    if not isinstance(model, GraphableModule):
+        model.__class__ = _whole(type(model))
+    return model
+
+
+@functools.cache
+def _whole(cls: type) -> type:
+    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), {"__module__": __name__})
 
 
 def encode(text: str) -> list[int]:
