@@ -29,9 +29,9 @@ for s in profile_host profile_host_no_epoch; do
 done
 if [ "${BENCH:-0}" = 1 ]; then
   modes=eager,graphed_callables,tgraph_layer,tgraph_layer_direct,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full
-  for cell in "llama_b1,llama_b8 fp32 hf_fp32 90" "llama_d1024 bf16 hf_d1024 75" "tiny,tiny_b1 fp32 toy 60"; do
+  for cell in "llama_b1,llama_b8 fp32 hf_fp32 90" "llama_d1024 bf16 hf_d1024 75" "tiny,tiny_b1 fp32 toy 100"; do
     set -- $cell; t0=$SECONDS
-    m=$modes; [ "$3" = toy ] && m=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_full
+    m=$modes; [ "$3" = toy ] && m=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_model,tgraph_model_opt_noskip,tgraph_full
     steps=10; [ "$3" = toy ] && steps=50
     timeout "$4" python scripts/bench_train.py --configs "$1" --dtypes "$2" --steps $steps --warmup 2 \
       --modes "$m" --out "/tmp/w/$3" > "/tmp/w/bench_$3.log" 2>&1
