@@ -4,7 +4,7 @@
 # graphed call with and without the module epoch (HF Llama, 12 merged layers). Carry .te/pkg,
 # .te/prune, .whl. BENCH=1 adds the HF Llama cells and the toy against the floor (bench_train.py,
 # as gpu_check.sh's perf check). Output: $OUT (summaries; every log and JSON in logs.tgz).
-# About 4 minutes, 7 with BENCH=1.
+# About 4 minutes, 7 with BENCH=1. PROFILES: the host-time scripts to run (default both).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 { date -u; git log -1 --format='tree %h %s' 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; } > "$OUT/env.txt" 2>&1
@@ -22,7 +22,7 @@ cpu=$!
 timeout ${PYTEST_LIMIT:-330} bash scripts/pytest_shards.sh /tmp/w/pytest 4 -rs > "$OUT/pytest_summary.txt" 2>&1; echo "pytest-cuda rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
 wait $cpu; echo "pytest-cpu-device-torch rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
 grep -E "^(FAILED|ERROR)|passed|failed" /tmp/w/pytest_cpu_device_torch.log | tail -20 > "$OUT/pytest_cpu_device_torch.txt"
-for s in profile_host profile_host_no_epoch; do
+for s in ${PROFILES:-profile_host profile_host_no_epoch}; do
   t0=$SECONDS; mkdir -p "/tmp/w/$s"
   timeout 55 python scripts/$s.py --device cuda --backend cuda --model llama --steps 200 --reps 3 --out "/tmp/w/$s" > "/tmp/w/$s.log" 2>&1
   echo "$s rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"; cp "/tmp/w/$s/profile_host.json" "$OUT/$s.json"
