@@ -4,10 +4,11 @@
 # graphed call with and without the module epoch (HF Llama, 12 merged layers). Carry .te/pkg,
 # .te/prune, .whl. BENCH=1 adds the HF Llama cells and the toy against the floor (bench_train.py,
 # as gpu_check.sh's perf check). Output: $OUT (summaries; every log and JSON in logs.tgz).
-# About 4 minutes, 7 with BENCH=1. PROFILES: the host-time scripts to run (default both).
+# About 4 minutes, 7 with BENCH=1. PROFILES: the host-time scripts to run (default both);
+# TREE: the commit to name in env.txt (the device's .git may be stale).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 { date -u; git log -1 --format='tree %h %s' 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; } > "$OUT/env.txt" 2>&1
+  python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; echo "tree ${TREE:-unknown}"; } > "$OUT/env.txt" 2>&1
 timeout 120 bash .te/pkg/install_on_device.sh prune > /tmp/w/te_install.log 2>&1; echo "te-install rc=$?" >> "$OUT/stages.txt"
 # shellcheck disable=SC1091
 . /tmp/site/te_env.sh
@@ -21,7 +22,7 @@ OMP_NUM_THREADS=2 MASTER_PORT=29620 timeout ${CPU_LIMIT:-300} python -m pytest -
 cpu=$!
 timeout ${PYTEST_LIMIT:-330} bash scripts/pytest_shards.sh /tmp/w/pytest 4 -rs > "$OUT/pytest_summary.txt" 2>&1; echo "pytest-cuda rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
 wait $cpu; echo "pytest-cpu-device-torch rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
-grep -E "^(FAILED|ERROR)|passed|failed" /tmp/w/pytest_cpu_device_torch.log | tail -20 > "$OUT/pytest_cpu_device_torch.txt"
+{ echo "== emulated tests under the device's torch"; grep -E "^(FAILED|ERROR)|passed|failed" /tmp/w/pytest_cpu_device_torch.log | tail -20; } >> "$OUT/pytest_summary.txt"
 for s in ${PROFILES:-profile_host profile_host_no_epoch}; do
   t0=$SECONDS; mkdir -p "/tmp/w/$s"
   timeout 55 python scripts/$s.py --device cuda --backend cuda --model llama --steps 200 --reps 3 --out "/tmp/w/$s" > "/tmp/w/$s.log" 2>&1
@@ -29,16 +30,16 @@ for s in ${PROFILES:-profile_host profile_host_no_epoch}; do
 done
 if [ "${BENCH:-0}" = 1 ]; then
   modes=eager,graphed_callables,tgraph_layer,tgraph_layer_direct,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full
-  for cell in "llama_b1,llama_b8 fp32 hf_fp32 90" "llama_d1024 bf16 hf_d1024 75" "tiny,tiny_b1 fp32 toy 100"; do
+  for cell in "tiny,tiny_b1 fp32 toy 100" "llama_b1,llama_b8 fp32 hf_fp32 90" "llama_d1024 bf16 hf_d1024 75"; do
     set -- $cell; t0=$SECONDS
     m=$modes; [ "$3" = toy ] && m=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_model,tgraph_model_opt_noskip,tgraph_full
     steps=10; [ "$3" = toy ] && steps=50
     timeout "$4" python scripts/bench_train.py --configs "$1" --dtypes "$2" --steps $steps --warmup 2 \
       --modes "$m" --out "/tmp/w/$3" > "/tmp/w/bench_$3.log" 2>&1
-    echo "bench-$3 rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
+    echo "bench-$3 rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"; cp /tmp/w/$3/bench_train.md "$OUT/bench_$3.md"
   done
 fi
 tar czf "$OUT/logs.tgz" -C /tmp w
-cat "$OUT/stages.txt" "$OUT/pytest_summary.txt" "$OUT/pytest_cpu_device_torch.txt"
-[ "${BENCH:-0}" = 1 ] && cat /tmp/w/hf_fp32/*.md /tmp/w/hf_d1024/*.md /tmp/w/toy/*.md 2>/dev/null | grep -E "^\|" | head -40
+cat "$OUT/stages.txt" "$OUT/pytest_summary.txt"
+[ "${BENCH:-0}" = 1 ] && cat "$OUT"/bench_*.md 2>/dev/null | grep -E "^\|" | head -40
 grep -hE "per graphed call|checks_baked|autograd_function|backward:|input_copies|step wall" /tmp/w/profile_host*.log
