@@ -7,7 +7,7 @@
 # About 4 minutes, 7 with BENCH=1. PROFILES: the host-time scripts to run (default both);
 # TREE: the commit to name in env.txt (the device's .git may be stale).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
-{ date -u; git log -1 --format='tree %h %s' 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+{ date -u; git log -1 --format='the device copy of .git: %h (often stale)' 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; echo "tree ${TREE:-unknown}"; } > "$OUT/env.txt" 2>&1
 timeout 120 bash .te/pkg/install_on_device.sh prune > /tmp/w/te_install.log 2>&1; echo "te-install rc=$?" >> "$OUT/stages.txt"
 # shellcheck disable=SC1091
