@@ -413,8 +413,8 @@ def _count_writes_to(mods) -> None:
             _baked_modules[i] = weakref.ref(m, functools.partial(_forget_module, i))
 
 
-def _forget_module(i: int, _ref) -> None:
-    _baked_modules.pop(i, None)
+def _forget_module(i: int, _ref, _modules: dict = _baked_modules) -> None:
+    _modules.pop(i, None)  # (bound at definition: may run while the interpreter shuts down)
 
 
 def _counted(fn):
