@@ -13,6 +13,7 @@ and :class:`tgraph.OptimizerGraph`.
 from __future__ import annotations
 
 from itertools import chain
+from operator import is_
 from typing import Any
 
 import torch
@@ -134,18 +135,23 @@ def baked_layout(optimizers: list[torch.optim.Optimizer]) -> tuple:
     )
 
 
-def layout_key(optimizers: list[torch.optim.Optimizer]) -> tuple:
-    """Everything :func:`baked_layout` holds, and the ids of state values that are not tensors,
-    in one flat tuple built by C-level passes (no Python step per parameter)."""
+def layout_objects(optimizers: list[torch.optim.Optimizer]) -> list:
+    """Everything :func:`baked_layout` holds, as the objects themselves (the groups, the
+    parameters, the state's keys, sizes and values), in one flat list built by C-level passes:
+    compared by identity (``is``), it needs no int per object and no id a freed object left
+    can match."""
     key: list = []
     for opt in optimizers:
         groups, state = opt.param_groups, opt.state
-        key += (len(groups), *map(id, groups))
+        key += groups
         for g in groups:
-            key += (len(g["params"]), *map(id, g["params"]))
-        key += (len(state), *map(id, state), *map(len, state.values()))
-        key += map(id, chain.from_iterable(map(dict.values, state.values())))
-    return tuple(key)
+            key.append(len(g["params"]))
+            key += g["params"]
+        key.append(len(state))
+        key += state
+        key += map(len, state.values())
+        key += chain.from_iterable(map(dict.values, state.values()))
+    return key
 
 
 def layout_change(before: tuple, optimizers: list[torch.optim.Optimizer]) -> str | None:
@@ -167,10 +173,10 @@ def layout_change(before: tuple, optimizers: list[torch.optim.Optimizer]) -> str
 class BakedLayout:
     """The layout a captured step baked in (:func:`baked_layout`), checked before every replay.
 
-    The check compares one flat tuple of ids (:func:`layout_key`, a few microseconds for
-    hundreds of parameters); only when that differs (a value that is not a tensor, such as a
-    Python step count, moves at every step; or a real change) does the structured comparison
-    run, which names what changed.
+    The check compares one flat list of objects by identity (:func:`layout_objects`, a few
+    microseconds for hundreds of parameters); only when that differs (a value that is not a
+    tensor, such as a Python step count, moves at every step; or a real change) does the
+    structured comparison run, which names what changed.
     """
 
     __slots__ = ("optimizers", "before", "key")
@@ -178,12 +184,12 @@ class BakedLayout:
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.optimizers = list(optimizers)
         self.before = baked_layout(self.optimizers)
-        self.key = layout_key(self.optimizers)
+        self.key = layout_objects(self.optimizers)
 
     def change(self) -> str | None:
         """Why the optimizers' layout differs from the captured one, or None."""
-        key = layout_key(self.optimizers)
-        if key == self.key:
+        key = layout_objects(self.optimizers)
+        if len(key) == len(self.key) and all(map(is_, key, self.key)):
             return None
         why = layout_change(self.before, self.optimizers)
         if why is None:
