@@ -322,23 +322,10 @@ def check(cap: Captured, state: ReplayState):
     except KeyError:
         same = False
     module_epoch = _module_epoch[0]  # moved by nn.Module's setters (baked.watch_module_writes)
-    if not same or module_epoch != state.module_epoch:
-        try:  # attributes, then the module tree: classes (a parametrization) and submodules
-            same = (
-                same
-                and tuple(map(len, b.dicts)) == b.dict_sizes
-                and tuple(map(getitem, b.attr_tables, b.attr_keys)) == b.attr_values
-                and tuple(map(id, map(getitem, b.object_tables, b.object_keys))) == b.object_ids
-                and tuple(map(type, b.mods)) == b.classes
-                and tuple(map(len, b.sub_tables)) == b.sub_sizes
-                and tuple(map(id, map(getitem, b.sub_slots, b.sub_keys))) == b.sub_ids
-            )
-        except KeyError:
-            same = False
-        if not same:
-            why = b.changed_tree() or b.changed_attrs()
-            if why is not None:
-                return why
+    if not same or module_epoch != state.module_epoch:  # off the steady path: baked.py's
+        why = b.changed_tree() or b.changed_attrs()  # C-level passes first, then the names
+        if why is not None:
+            return why
         state.module_epoch = module_epoch  # found as baked as of this epoch
     capturing = _sys_modules.get(_OUTPUT_CAPTURING)  # transformers imported
     collector = getattr(capturing, "_active_collector", None)
