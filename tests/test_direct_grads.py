@@ -234,6 +234,26 @@ def test_gradients_asked_for_the_parameters_are_refused(backend, device, how):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad", "materialize_grads"])
+def test_a_gradient_asked_for_one_directly_written_parameter_is_refused(backend, device, how):
+    """Asked for a parameter the node writes (not the unit's first, which keeps an edge):
+    no edge reaches it, so autograd skipped the node and returned None (zeros with
+    ``materialize_grads``, ``.grad`` untouched for ``backward(inputs=...)``) where eager
+    has its gradient. Refused before the engine runs, losing nothing."""
+    model, eager, x = _captured(backend, device)
+    p = model.blocks[1].fc1.bias
+    with pytest.raises(RuntimeError, match="asks for the gradient of a parameter.*direct_grads"):
+        if how == "backward_inputs":
+            model(x).sum().backward(inputs=[p])
+        else:
+            kw = {"allow_unused": True} if how == "autograd_grad" else {"materialize_grads": True}
+            torch.autograd.grad(model(x).sum(), [p], **kw)
+    assert p.grad is None
+    model(x).sum().backward()  # strict: replayed
+    eager(x).sum().backward()
+    torch.testing.assert_close(p.grad, eager.blocks[1].fc1.bias.grad, rtol=RTOL, atol=ATOL)
+
+
 def test_torch_distributed_is_refused(backend, device):
     dist = torch.distributed
     if not dist.is_available():

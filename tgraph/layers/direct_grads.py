@@ -8,7 +8,12 @@ that stands in for them as the node's input.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.autograd as _autograd
+
+_ROUTES: weakref.WeakSet[DirectRoute] = weakref.WeakSet()  # the live routes: what the guard asks
 
 
 class DirectGrads:
@@ -29,7 +34,9 @@ class DirectGrads:
     accumulators, which would not run); ``backward(inputs=...)`` or ``torch.autograd.grad``
     through a graphed layer (they would not accumulate into every ``.grad``; one parameter
     per unit keeps autograd's path so that a list of parameters reaches the node, which
-    refuses it); torch.func transforms. Parameters with tensor hooks (``register_hook``,
+    refuses it), and either one asking for a parameter written directly, which no edge
+    reaches (refused before autograd's engine runs, by :func:`_guard_inputs`); torch.func
+    transforms. Parameters with tensor hooks (``register_hook``,
     ``register_post_accumulate_grad_hook``), non-contiguous or non-leaf ones keep autograd's path; a
     hook registered after capture, or a parameter laid out anew, moves it back to that path
     before the next forward. Not seen: hooks registered on a parameter's AccumulateGrad node
@@ -77,7 +84,7 @@ class DirectRoute:
     """Which of a unit's parameters get their gradients from the node (:class:`DirectGrads`),
     and the anchor leaf that stands in for them as the node's input."""
 
-    __slots__ = ("mask", "params", "unique", "anchor", "anchor_node")
+    __slots__ = ("mask", "params", "ids", "unique", "anchor", "anchor_node", "__weakref__")
 
     def __init__(self, kept: list[torch.Tensor], device: torch.device) -> None:
         # Per parameter autograd would get: direct? Not the first one: an edge to a parameter
@@ -86,10 +93,13 @@ class DirectRoute:
         first = next((p for p, m in zip(kept, mask) if m), None)
         self.mask = tuple(m and p is not first for p, m in zip(kept, mask))
         self.params = [p for p, m in zip(kept, self.mask) if m]
-        self.unique = len(set(map(id, self.params))) == len(self.params)
+        self.ids = frozenset(map(id, self.params))  # held by self.params: ids stay theirs
+        self.unique = len(self.ids) == len(self.params)
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         with torch.enable_grad():  # held: the node the plain-backward check asks about
             self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
+        _install_guard()
+        _ROUTES.add(self)
 
     def inputs(self, kept: list[torch.Tensor]) -> list[torch.Tensor]:
         """The node's parameter inputs: the anchor, then those that keep autograd's path."""
@@ -148,3 +158,49 @@ class DirectRoute:
                 for t, g in zip(targets, addends):
                     t.add_(g)
         return out
+
+
+def _asked_direct(inputs) -> bool:
+    """Whether ``inputs`` (a backward's ``inputs=``, ``autograd.grad``'s inputs) names a
+    parameter some live route writes directly."""
+    routes = list(_ROUTES)
+    return any(
+        isinstance(t, torch.Tensor) and any(id(t) in r.ids for r in routes) for t in inputs
+    )
+
+
+def _guard_inputs(run):
+    """torch.autograd's engine entry, refusing first a backward or ``autograd.grad`` that asks
+    for a parameter written directly: no edge of the graph reaches it (its gradient comes from
+    the node, only in a plain backward), so autograd would skip the node and hand back None,
+    or zeros, or leave ``.grad`` untouched, silently. A plain ``loss.backward()`` passes no
+    inputs: one falsy test."""
+
+    def run_backward(t_outputs, *args, **kwargs):
+        inputs = args[3] if len(args) > 3 else kwargs.get("inputs")
+        if inputs and _ROUTES and _asked_direct(inputs):
+            raise RuntimeError(
+                "tgraph: this backward(inputs=...) or torch.autograd.grad asks for the gradient "
+                "of a parameter whose graphed module writes .grad itself (direct_grads=True), "
+                "which is exact only for a plain loss.backward(); autograd would return no "
+                "gradient for it. Enable without direct_grads for this training loop."
+            )
+        return run(t_outputs, *args, **kwargs)
+
+    run_backward._tgraph_guard = True
+    return run_backward
+
+
+def _install_guard() -> None:
+    """Route ``torch.autograd.backward`` and ``grad`` through :func:`_guard_inputs` (their
+    module's own name for the engine's entry; once). Without that entry (another PyTorch)
+    direct gradients are refused, since nothing would see such a request."""
+    run = getattr(_autograd, "_engine_run_backward", None)
+    if run is None:
+        raise ValueError(
+            "tgraph: direct_grads=True needs torch.autograd._engine_run_backward (PyTorch >= "
+            "2.3) to refuse a backward that asks for a directly written parameter; enable "
+            "without direct_grads."
+        )
+    if not getattr(run, "_tgraph_guard", False):
+        _autograd._engine_run_backward = _guard_inputs(run)
