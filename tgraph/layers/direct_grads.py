@@ -164,9 +164,7 @@ def _asked_direct(inputs) -> bool:
     """Whether ``inputs`` (a backward's ``inputs=``, ``autograd.grad``'s inputs) names a
     parameter some live route writes directly."""
     routes = list(_ROUTES)
-    return any(
-        isinstance(t, torch.Tensor) and any(id(t) in r.ids for r in routes) for t in inputs
-    )
+    return any(isinstance(t, torch.Tensor) and any(id(t) in r.ids for r in routes) for t in inputs)
 
 
 def _guard_inputs(run):
