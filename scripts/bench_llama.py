@@ -44,18 +44,12 @@ def _transformers():
     return transformers
 
 
-@functools.cache
-def graphable(cls: type) -> type:
-    """``cls`` with :class:`tgraph.GraphableModule` first in its MRO (``__call__`` dispatch)."""
-    return type(f"Graphable{cls.__name__}", (tgraph.GraphableModule, cls), {"__module__": __name__})
-
-
 def make_layers_graphable(model: nn.Module) -> nn.Module:
     """Swap every Llama decoder layer of ``model`` onto its graphable subclass."""
     layer_cls = _transformers().models.llama.modeling_llama.LlamaDecoderLayer
     for m in model.modules():
         if isinstance(m, layer_cls) and not isinstance(m, tgraph.GraphableModule):
-            m.__class__ = graphable(type(m))
+            m.__class__ = tgraph.GraphableModule.of(type(m))
     return model
 
 

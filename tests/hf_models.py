@@ -8,8 +8,6 @@ with ``layer.__class__ = ...``. Nothing is downloaded: no hub exists on the test
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -28,18 +26,12 @@ HEADS = 4
 DECODER_LAYERS = (LlamaDecoderLayer, GPT2Block)
 
 
-@functools.cache
-def graphable(cls: type) -> type:
-    """``cls`` with :class:`tgraph.GraphableModule` first in its MRO (``__call__`` dispatch)."""
-    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), {"__module__": __name__})
-
-
 def make_layers_graphable(model: nn.Module) -> nn.Module:
     """Swap every Llama / GPT-2 decoder layer of ``model`` onto its graphable subclass."""
     n = 0
     for m in model.modules():
         if isinstance(m, DECODER_LAYERS) and not isinstance(m, GraphableModule):
-            m.__class__ = graphable(type(m))
+            m.__class__ = GraphableModule.of(type(m))
             n += 1
     assert n, f"{type(model).__name__} has no Llama or GPT-2 decoder layer"
     return model

@@ -3,6 +3,7 @@ for every entry, what ``tgraph.reset()`` drops, and the backend decided by the b
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -273,3 +274,26 @@ def test_the_cuda_backend_answers_what_differs():
     f = GraphFactory.for_device("auto", torch.device("cuda"))
     assert f.backend == "cuda" and not f.executes_capture
     assert (f.warmup_steps(None), f.warmup_steps(0)) == (2, 1)
+
+
+def test_graphable_module_of_a_class_one_did_not_write(backend, device):
+    """``GraphableModule.of(cls)``: one class per base (and namespace); an instance swapped to
+    it replays (strict) with eager's gradients; a GraphableModule is returned as is."""
+    torch.manual_seed(0)
+    cls = tgraph.GraphableModule.of(torch.nn.Linear)
+    assert cls is tgraph.GraphableModule.of(torch.nn.Linear)
+    assert cls is not tgraph.GraphableModule.of(torch.nn.Linear, unread_attributes=frozenset("a"))
+    assert tgraph.GraphableModule.of(cls) is cls
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(device)
+    eager = copy.deepcopy(model)
+    model[1].__class__ = cls
+    tgraph.enable(model, backend=backend, strict=True)
+    x = torch.randn(2, 4, device=device)
+    model(x).sum().backward()
+    tgraph.create_graphs()
+    model.zero_grad()
+    model(x).sum().backward()
+    eager(x).sum().backward()
+    assert tgraph.capture_report().runners == 1
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

@@ -57,7 +57,6 @@ tensor instead of a Python double: one rounding).
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 
 import pytest
@@ -72,11 +71,6 @@ from tgraph.layers.manager import GraphableModule
 AMP_TOL = dict(rtol=2e-2, atol=2e-3)
 FULL_TOL = dict(rtol=1e-4, atol=1e-5)
 N, D_IN, H, D_OUT = 16, 32, 24, 8
-
-
-@functools.cache
-def graphable(cls: type) -> type:
-    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), {"__module__": __name__})
 
 
 def amp_context(device, amp: str):
@@ -227,7 +221,7 @@ def three_models(device):
         models.append(m)
     eager = copy.deepcopy(models)
     for m in models:
-        m.__class__ = graphable(nn.Sequential)
+        m.__class__ = GraphableModule.of(nn.Sequential)
     return models, eager
 
 

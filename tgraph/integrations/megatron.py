@@ -31,7 +31,6 @@ use :class:`MegatronOptimizerGraph`.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -56,13 +55,11 @@ def _transformer_layer_class() -> type:
     return TransformerLayer
 
 
-@functools.cache
 def _graphable(cls: type) -> type:
     """``cls`` with :class:`tgraph.GraphableModule` first in its MRO (``__call__`` dispatch)."""
     # megatron's schedule sets ``current_microbatch`` on every layer at each microbatch; only
     # megatron's own graph replay (``MegatronModule.__call__``, replaced here) reads it.
-    attrs = {"__module__": __name__, "unread_attributes": frozenset({"current_microbatch"})}
-    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), attrs)
+    return GraphableModule.of(cls, unread_attributes=frozenset({"current_microbatch"}))
 
 
 def register_rng_tracker() -> int:

@@ -364,10 +364,4 @@ def _graphable(cls: type, checkpointing_base: type | None) -> type:
         return base_forward(self, *args, **kwargs)
 
     forward.__doc__ = base_forward.__doc__
-    namespace = {
-        "__module__": __name__,
-        "__call__": _layer_call,
-        "forward": forward,
-        "_tgraph_hf_base": cls,
-    }
-    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), namespace)
+    return GraphableModule.of(cls, __call__=_layer_call, forward=forward, _tgraph_hf_base=cls)

@@ -346,6 +346,23 @@ class GraphableModule(nn.Module):
 
     unread_attributes: frozenset[str] = frozenset()
 
+    @staticmethod
+    def of(base: type[nn.Module], **namespace: Any) -> type[nn.Module]:
+        """``base`` with :class:`GraphableModule` first in its MRO (its ``__call__``
+        dispatches), for a module class one did not write: ``layer.__class__ =
+        tgraph.GraphableModule.of(type(layer))``. One class per ``base`` and ``namespace``
+        (class attributes of the new class: ``unread_attributes``, a ``forward``)."""
+        if issubclass(base, GraphableModule) and not namespace:
+            return base
+        key = (base, tuple(sorted(namespace.items())))
+        made = _graphable_classes.get(key)
+        if made is None:
+            attrs = {"__module__": base.__module__, **namespace}
+            made = _graphable_classes[key] = type(
+                f"Graphable{base.__name__}", (GraphableModule, base), attrs
+            )
+        return made
+
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get("_tgraph")
         if state is None or _unit._depth:  # _depth: inside_graphed_region(), read in place
@@ -364,6 +381,9 @@ class GraphableModule(nn.Module):
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickling: AveragedModel, EMA) is an ordinary eager module."""
         return {k: v for k, v in super().__getstate__().items() if k != "_tgraph"}
+
+
+_graphable_classes: dict[tuple, type[nn.Module]] = {}  # GraphableModule.of's
 
 
 def _param_slots(module: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:

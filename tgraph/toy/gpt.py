@@ -7,7 +7,6 @@ token ids are UTF-8 bytes, so no tokenizer file is needed (:func:`encode`, :func
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -160,13 +159,8 @@ def graph_whole(model: GPT) -> GPT:
         ``model``.
     """
     if not isinstance(model, GraphableModule):
-        model.__class__ = _whole(type(model))
+        model.__class__ = GraphableModule.of(type(model))
     return model
-
-
-@functools.cache
-def _whole(cls: type) -> type:
-    return type(f"Graphable{cls.__name__}", (GraphableModule, cls), {"__module__": __name__})
 
 
 def encode(text: str) -> list[int]:
