@@ -8,7 +8,7 @@ OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 export PYTHONPATH="$PWD:$PYTHONPATH"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "tree ${TREE:-unknown}"; } > "$OUT/env.txt" 2>&1
 timeout 150 python -m pytest -q -m cuda -p no:cacheprovider -rfEs --tb=short tests/test_layer_parity.py \
-  tests/test_fail_closed_python.py tests/test_layer_edge_cases.py tests/test_direct_grads.py \
+  tests/test_fail_closed_python.py tests/test_layer_edge_cases.py tests/test_direct_grads.py tests/test_api.py \
   "tests/test_train_recipe.py::test_graph_modes_train_the_same_parameters" > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/env.txt"
 timeout 90 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 2 \
