@@ -297,3 +297,33 @@ def test_graphable_module_of_a_class_one_did_not_write(backend, device):
     assert tgraph.capture_report().runners == 1
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_module_graphed_only_merged_runs_plainly_when_called_alone(backend, device):
+    """``graphed_alone=False`` (graph_layers' final norm): right after a graphed layer it is
+    graphed in that stack; called alone (an eager op between the two) it runs plainly: no
+    graph of its own, no fallback (strict passes, ``eager_calls()`` stays 0), named in the
+    report, eager's gradients."""
+    norm_cls = tgraph.GraphableModule.of(torch.nn.LayerNorm, graphed_alone=False)
+    layer_cls = tgraph.GraphableModule.of(torch.nn.Linear)
+    for alone, runners in ((False, 2), (True, 1)):
+        torch.manual_seed(0)
+        norm, layer = torch.nn.LayerNorm(4).to(device), torch.nn.Linear(4, 4).to(device)
+        between = [torch.nn.Tanh()] if alone else []
+        model = torch.nn.Sequential(layer, *between, norm)
+        eager = copy.deepcopy(model)
+        norm.__class__, layer.__class__ = norm_cls, layer_cls
+        tgraph.enable(model, backend=backend, strict=True)
+        x = torch.randn(2, 4, device=device)
+        model(x).sum().backward()
+        report = tgraph.create_graphs()
+        assert report.runners == runners and report.segments == runners - 1, report
+        assert any("called alone" in e for e in report.eager_modules) == alone
+        for _ in range(2):
+            model.zero_grad()
+            model(x).sum().backward()
+        eager(x).sum().backward()
+        assert tgraph.eager_calls() == 0
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        tgraph.disable(model)

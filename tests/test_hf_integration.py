@@ -126,6 +126,9 @@ def check_family_training(arch, device, backend, **enable):
         train(eager, xs, graphed=False),
         {} if bf16 else tol(backend),
     )
+    # the final norm (norm, ln_f, final_layer_norm) joined the layers' merged stack
+    report = tgraph.capture_report()
+    assert report.runners == DIMS["num_hidden_layers"] + 1 and report.segments >= 1, report
 
 
 def test_float32_grouped_experts_on_cuda_are_refused_with_the_fix(device):

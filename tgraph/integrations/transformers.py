@@ -43,6 +43,11 @@ What the subclass handles, per call of a decoder layer:
   (``masking_utils.find_packed_sequence_indices``); with the config's cache it attends across
   them. That call keeps the config's cache, as eager does, and its layers run eagerly, warned.
 
+**The final norm** (``norm``, ``ln_f``, ``final_layer_norm`` beside the layers' list) becomes
+graphable too, as a member only (:attr:`tgraph.GraphableModule.graphed_alone` False): called
+right after the last layer on its output, it joins the layers' merged stack, which saves its
+eager kernels and autograd nodes each step; called otherwise, it runs plainly.
+
 MoE layers graph when their experts run grouped or batched
 (``model.set_experts_implementation("batched_mm")`` or ``"grouped_mm"``); the eager
 expert loop syncs with the host per expert and is refused by :func:`graph_layers`.
@@ -127,6 +132,32 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_norm")
+
+
+def _final_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The final norm beside each list of ``layers`` (a parameterised module without submodules
+    under one of :data:`_FINAL_NORMS`, on the module that holds the list), not yet graphable."""
+    ids = {id(layer) for layer in layers}
+    found = []
+    for parent in model.modules():
+        if not any(
+            isinstance(c, nn.ModuleList) and any(id(x) in ids for x in c) for c in parent.children()
+        ):
+            continue
+        for name in _FINAL_NORMS:
+            norm = parent._modules.get(name)
+            if (
+                norm is not None
+                and not isinstance(norm, GraphableModule)
+                and not norm._modules
+                and norm._parameters
+            ):
+                found.append(norm)
+                break
+    return found
+
+
 def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
     """Make every decoder layer of a transformers model graphable, then :func:`tgraph.enable` it.
 
@@ -154,6 +185,9 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
         if not isinstance(layer, GraphableModule):
             layer.__class__ = _graphable(type(layer), base)
         layer._tgraph_hf_adapters = tuple(m for m in layer.modules() if _is_adapter_layer(m))
+    for norm in _final_norms(model, layers):
+        cls = type(norm)
+        norm.__class__ = GraphableModule.of(cls, graphed_alone=False, _tgraph_hf_base=cls)
     if model not in _cache_hooks:  # on the models around the layers, never inside a graph
         inside = {id(m) for layer in layers for m in layer.modules()}
         _cache_hooks[model] = [

@@ -237,6 +237,8 @@ class TransformersDecoder:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.final_norm if self.rotary is None else rms_norm(self.final_norm)
+        if isinstance(norm, nn.Module):  # graph_layers' final norm: never its per-layer graphs
+            return self.lm_head(nn.Module.__call__(norm, x))
         return self.lm_head(norm(x))
 
     # -- the decode interface ---------------------------------------------------------------
@@ -334,7 +336,8 @@ RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 def rms_norm(norm: nn.Module) -> Norm:
     """``norm`` as ``F.rms_norm`` with its weight and eps when it is one of :data:`RMS_NORMS`
     (``weight * x / sqrt(mean(x^2) + eps)``, fused on CUDA); any other module as itself."""
-    if type(norm).__name__ not in RMS_NORMS or not hasattr(F, "rms_norm"):
+    cls = type(norm).__dict__.get("_tgraph_hf_base", type(norm))  # graph_layers' final norm
+    if cls.__name__ not in RMS_NORMS or not hasattr(F, "rms_norm"):
         return norm
     return lambda x: F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 

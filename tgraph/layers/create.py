@@ -69,6 +69,8 @@ def create_graphs() -> CaptureReport:
         eager.update(_refused(runners, eager))
         chains = mergeable_chains(m.record.events)
         m.segments = [Segment(c) for c in _without(chains, eager)]
+        alone = _alone(runners, eager)
+        eager.update(alone)
         for seg in m.segments:
             seg.debug = seg.head.debug
         with fp8.capture_scope(list(m.roots) + list(m.modules)):
@@ -106,7 +108,8 @@ def create_graphs() -> CaptureReport:
             for mod in m.modules
             if id(mod) not in called and id(mod) not in inside  # inside: in the outer graph
         ]
-        + _leave_eager(m, eager),
+        + _leave_eager(m, {r: why for r, why in eager.items() if r not in alone})
+        + _left_plain(m, alone),
         memory=memory.memory_report(caps, grads_at_capture=grads_alive),
     )
     logger.info("%s", m.report)
@@ -312,6 +315,33 @@ def _without(chains: list[list[Runner]], eager: dict[Runner, str]) -> list[list[
                 out.append(part)
             part = []
     return out
+
+
+def _alone(runners: list[Runner], eager: dict[Runner, str]) -> dict[Runner, str]:
+    """Runners of modules that are graphed only merged (``graphed_alone=False``) and whose every
+    recorded runner is in no merged stack: why each is left to plain calls."""
+    by_module: dict[int, list[Runner]] = {}
+    for r in runners:
+        if not type(r.module).graphed_alone:
+            by_module.setdefault(id(r.module), []).append(r)
+    return {
+        r: "graphed only merged with the modules called around it, and called alone"
+        for rs in by_module.values()
+        if all(r.segment is None and r not in eager for r in rs)
+        for r in rs
+    }
+
+
+def _left_plain(m: _Manager, alone: dict[Runner, str]) -> list[str]:
+    """Make ``alone``'s modules run plainly (:func:`_alone`), quietly; the report's entries."""
+    names = {id(mod): name for root in m.roots for name, mod in root.named_modules() if name}
+    entries = {}
+    for r, why in alone.items():
+        r.module._tgraph.plain = True
+        r.draft.call.samples = []
+        label = names.get(id(r.module), "")
+        entries[id(r.module)] = f"{label} ({type(r.module).__name__}) ({why})".lstrip()
+    return list(entries.values())
 
 
 def _leave_eager(m: _Manager, eager: dict[Runner, str]) -> list[str]:

@@ -161,6 +161,7 @@ def reset_layer_graphs() -> None:
         mod._tgraph.runners.clear()
         mod._tgraph.turns.clear()
         mod._tgraph.warned.clear()
+        mod._tgraph.plain = False
     _manager.record.clear()
     _manager.captured = False
     _manager.report = None

@@ -77,6 +77,7 @@ class _ModuleState:
     turns: dict[tuple, Turns] = field(default_factory=dict)  # keys of several runners (record.py)
     warned: set[str] = field(default_factory=set)
     name: str = ""  # the module's qualified name in the enabled model (``blocks.3``), for messages
+    plain: bool = False  # graphed only merged (graphed_alone=False), recorded alone: plain calls
 
 
 class _Manager:
@@ -117,6 +118,8 @@ class _Manager:
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
         if self.captured:  # a later member of a replayed merged stack: no call key needed
+            if state.plain:
+                return self._plain_call(module, args, kwargs)
             out = self._continue_stack(state, args, kwargs, training)
             if out is not None:
                 return out
@@ -345,6 +348,11 @@ class GraphableModule(nn.Module):
     """
 
     unread_attributes: frozenset[str] = frozenset()
+    graphed_alone: bool = True
+    """False: graphed only as a member of a merged stack (a final norm after the layers, whose
+    own graph would cost the host more than its few eager kernels); a module that
+    ``create_graphs()`` finds only alone then runs plainly, without a warning or a fallback
+    count, named in the report's ``eager_modules``."""
 
     @staticmethod
     def of(base: type[nn.Module], **namespace: Any) -> type[nn.Module]:
