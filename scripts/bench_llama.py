@@ -45,11 +45,16 @@ def _transformers():
 
 
 def make_layers_graphable(model: nn.Module) -> nn.Module:
-    """Swap every Llama decoder layer of ``model`` onto its graphable subclass."""
+    """Swap every Llama decoder layer of ``model`` onto its graphable subclass, and the final
+    norm onto a member-only one (``graphed_alone=False``), as ``graph_layers`` does."""
     layer_cls = _transformers().models.llama.modeling_llama.LlamaDecoderLayer
     for m in model.modules():
         if isinstance(m, layer_cls) and not isinstance(m, tgraph.GraphableModule):
             m.__class__ = tgraph.GraphableModule.of(type(m))
+    norm = model.model.norm
+    if not isinstance(norm, tgraph.GraphableModule):
+        cls = type(norm)
+        norm.__class__ = tgraph.GraphableModule.of(cls, graphed_alone=False, _tgraph_hf_base=cls)
     return model
 
 

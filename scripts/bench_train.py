@@ -58,7 +58,7 @@ from bench_common import (  # noqa: E402
     synchronize,
     write_outputs,
 )
-from bench_llama import LLAMA_DTYPES  # noqa: E402
+from bench_llama import LLAMA_DTYPES, LlamaLM  # noqa: E402
 from bench_megatron_modes import mode_megatron, mode_megatron_optimizer  # noqa: E402
 from bench_train_setup import (  # noqa: E402
     CONFIGS,
@@ -106,6 +106,7 @@ MODES = [
     "tgraph_layer_opt_compiled_direct",
     "tgraph_model",
     "tgraph_model_opt_noskip",
+    "tgraph_layer_norm_eager",
 ]
 CPU_MODES = [
     "eager",
@@ -153,13 +154,25 @@ def _whole(model):
     return graph_whole(model)
 
 
-def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False, whole=False):  # noqa: A002
+def _norm_eager(model):
+    """HF Llama with its final norm eager (not a member of the layers' stack, as before
+    graph_layers made it one): the A/B of that merge in one process."""
+    if not isinstance(model, LlamaLM):
+        raise ValueError("the _norm_eager modes take the HF Llama (--configs llama_b1, ...)")
+    norm = model.hf.model.norm
+    norm.__class__ = type(norm).__dict__["_tgraph_hf_base"]
+    return model
+
+
+def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False, whole=False, norm=True):  # noqa: A002
     """``compile``: enable(compile=True); capture_s then includes the recorded iteration,
     where inductor compiles the layers. ``direct``: enable(direct_grads=True). ``whole``: the
-    model as one unit (:func:`_whole`)."""
+    model as one unit (:func:`_whole`). ``norm=False``: HF Llama's final norm eager."""
     model, opt = s.fresh()
     if whole:
         _whole(model)
+    if not norm:
+        _norm_eager(model)
     if ckpt:
         checkpoint_blocks(model)
     tgraph.enable(model, backend=s.backend, compile=compile, direct_grads=direct)
@@ -279,6 +292,7 @@ MODE_FUNCS: dict[str, Callable] = {
     ),
     # the toy GPT as one graphed unit (tgraph.toy.gpt.graph_whole)
     "tgraph_model": lambda s: mode_tgraph_layer(s, whole=True),
+    "tgraph_layer_norm_eager": lambda s: mode_tgraph_layer(s, norm=False),
     "tgraph_model_opt_noskip": lambda s: mode_tgraph_layer_opt(s, skip=False, whole=True),
 }
 

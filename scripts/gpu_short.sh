@@ -20,8 +20,8 @@ timeout 45 python scripts/profile_host.py --device cuda --backend cuda --model l
 echo "profile rc=$?" >> "$OUT/env.txt"; cp /tmp/w/profile_host.json "$OUT/" 2>/dev/null
 if [ "${HF:-0}" = 1 ]; then
   for cell in llama_b1 llama_b8; do
-    timeout ${HF_LIMIT:-120} python scripts/bench_train.py --configs $cell --dtypes fp32 --steps 20 --warmup 2 \
-      --modes eager,graphed_callables,compile,tgraph_layer,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_layer_compiled,tgraph_full,tgraph_full_compiled \
+    timeout ${HF_LIMIT:-130} python scripts/bench_train.py --configs $cell --dtypes fp32 --steps 20 --warmup 2 \
+      --modes eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled \
       --out "$OUT/$cell" > "$OUT/bench_$cell.log" 2>&1
     echo "bench $cell rc=$?" >> "$OUT/env.txt"
   done
