@@ -259,3 +259,49 @@ def test_a_shared_input_made_to_require_grad_between_members_gets_its_gradient(b
         grads.append(mask.grad)
     assert grads[1] is not None
     torch.testing.assert_close(grads[0], grads[1], rtol=RTOL, atol=ATOL)
+
+
+class NormNet(KwNet):
+    """KwNet's blocks, then a final norm called with the last block's output alone (as
+    transformers' ``norm(hidden_states)`` after its decoder layers): a member whose call has
+    another argument structure than the head's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = tgraph.GraphableModule.of(nn.LayerNorm)(D)
+
+
+def run_norm(model, x, other=False):
+    h = model.inp(x)
+    kwargs = dict(mask=(x[:, :1] > 0).float(), pos=(h.cos(), h.sin()), scale=0.5)
+    for b in model.blocks:
+        h = b(h, **kwargs)
+    loss = model.norm(h.clone() if other else h).pow(2).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def test_a_member_with_its_own_argument_structure_is_answered_without_its_key(
+    backend, device, keys, replays
+):
+    """The norm (one positional argument: the last block's output) learns its shape and is
+    answered without its call key; given another tensor, it takes the long way, named, and
+    the numbers are eager's."""
+    torch.manual_seed(0)
+    model = NormNet().to(device)
+    eager = twin(model)
+    xs = [torch.randn(4, 8, device=device) for _ in range(4)]
+    tgraph.enable(model, backend=backend)
+    run_norm(model, xs[0])
+    report = tgraph.create_graphs()
+    assert report.segments == 1 and report.runners == N + 1, report
+    run_norm(eager, xs[0])
+    for x in xs[1:3]:
+        keys[0], replays[0] = 0, 0
+        torch.testing.assert_close(run_norm(model, x), run_norm(eager, x), rtol=RTOL, atol=ATOL)
+        assert replays[0] == 2
+        assert keys[0] == (N + 1 if x is xs[1] else 1)  # learned, then only the head's key
+    with pytest.warns(tgraph.GraphFallbackWarning, match="merged stack"):
+        got = run_norm(model, xs[3], other=True)
+    torch.testing.assert_close(got, run_norm(eager, xs[3], other=True), rtol=RTOL, atol=ATOL)
+    same_training(model, eager)

@@ -7,8 +7,8 @@ In a stack of transformer layers the members are called with the head's own obje
 attention mask, the position embeddings, the same ``None`` and ``False``) plus the previous
 member's output. So once a member's call has been answered the long way, its :class:`Shape`
 remembers, per top-level argument, whether it was the previous member's output ``k`` or the
-very object the head got at the same position; a later call shaped the same way is answered from
-that.
+very object the head got at the same position (only where the member is called with the head's
+argument structure); a later call shaped the same way is answered from that.
 
 Why that is the call key: the head replayed, so its key (which describes the head's objects)
 equals its captured key. An argument that *is* the head's object at the same position has the
@@ -58,14 +58,15 @@ class Shape:
     def learn(cls, stack: StackCursor, prev: list, args: tuple, kwargs: dict) -> Shape | None:
         """The shape of a member call that was just answered the long way (None: not one)."""
         head_args, head_kwargs, head = stack.head_call
-        if len(args) != len(head_args) or tuple(kwargs) != tuple(head_kwargs):
-            return None
+        # the head's objects count at the same positions only (a final norm called with the
+        # last layer's output alone takes none of them)
+        like_head = len(args) == len(head_args) and tuple(kwargs) == tuple(head_kwargs)
         where = []
-        for v, h in zip((*args, *kwargs.values()), head):
+        for i, v in enumerate((*args, *kwargs.values())):
             k = next((k for k, o in enumerate(prev) if v is o), None)
             if k is not None:
                 where.append(k)
-            elif v is h and _by_identity(v):
+            elif like_head and v is head[i] and _by_identity(v):
                 where.append(HEAD)
             else:
                 return None
@@ -74,8 +75,9 @@ class Shape:
     def matches(self, stack: StackCursor, prev: list, args: tuple, kwargs: dict) -> bool:
         if len(args) != self.nargs or tuple(kwargs) != self.names:
             return False
-        for v, h, k in zip((*args, *kwargs.values()), stack.head_call[2], self.where):
-            if v is not (h if k == HEAD else prev[k]):
+        head = stack.head_call[2]
+        for i, (v, k) in enumerate(zip((*args, *kwargs.values()), self.where)):
+            if v is not (head[i] if k == HEAD else prev[k]):
                 return False
         return True
 
