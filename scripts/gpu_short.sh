@@ -7,8 +7,9 @@
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 export PYTHONPATH="$PWD:$PYTHONPATH"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "tree ${TREE:-unknown}"; } > "$OUT/env.txt" 2>&1
-timeout 150 python -m pytest -q -m cuda -p no:cacheprovider -rfEs --tb=short tests/test_layer_parity.py \
+timeout ${PYTEST_LIMIT:-200} python -m pytest -q -m cuda -p no:cacheprovider -rfEs --tb=short tests/test_layer_parity.py \
   tests/test_fail_closed_python.py tests/test_layer_edge_cases.py tests/test_direct_grads.py tests/test_api.py \
+  tests/test_stack_shortcut.py "tests/test_hf_integration.py::test_family_training_matches_eager" \
   "tests/test_train_recipe.py::test_graph_modes_train_the_same_parameters" > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/env.txt"
 timeout 90 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 2 \
@@ -20,7 +21,7 @@ timeout 45 python scripts/profile_host.py --device cuda --backend cuda --model l
 echo "profile rc=$?" >> "$OUT/env.txt"; cp /tmp/w/profile_host.json "$OUT/" 2>/dev/null
 if [ "${HF:-0}" = 1 ]; then
   for cell in llama_b1 llama_b8; do
-    timeout ${HF_LIMIT:-130} python scripts/bench_train.py --configs $cell --dtypes fp32 --steps 20 --warmup 2 \
+    timeout ${HF_LIMIT:-100} python scripts/bench_train.py --configs $cell --dtypes fp32 --steps 20 --warmup 2 \
       --modes eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled \
       --out "$OUT/$cell" > "$OUT/bench_$cell.log" 2>&1
     echo "bench $cell rc=$?" >> "$OUT/env.txt"
