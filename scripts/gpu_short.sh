@@ -20,7 +20,7 @@ timeout 45 python scripts/profile_host.py --device cuda --backend cuda --model l
   --out /tmp/w > "$OUT/profile_host.log" 2>&1
 echo "profile rc=$?" >> "$OUT/env.txt"; cp /tmp/w/profile_host.json "$OUT/" 2>/dev/null
 if [ "${HF:-0}" = 1 ]; then
-  for cell in llama_b1 llama_b8; do
+  for cell in ${HF_CELLS:-llama_b1 llama_b8}; do
     timeout ${HF_LIMIT:-100} python scripts/bench_train.py --configs $cell --dtypes fp32 --steps 20 --warmup 2 \
       --modes eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled \
       --out "$OUT/$cell" > "$OUT/bench_$cell.log" 2>&1
