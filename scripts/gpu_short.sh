@@ -12,7 +12,7 @@ timeout ${PYTEST_LIMIT:-200} python -m pytest -q -m cuda -p no:cacheprovider -rf
   tests/test_stack_shortcut.py "tests/test_hf_integration.py::test_family_training_matches_eager" \
   "tests/test_train_recipe.py::test_graph_modes_train_the_same_parameters" > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/env.txt"
-timeout 90 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 2 \
+[ "${TOY:-1}" = 1 ] && timeout 90 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 2 \
   --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_model,tgraph_model_opt_noskip,tgraph_full \
   --out "$OUT/toy" > /tmp/w/bench.log 2>&1
 echo "bench rc=$?" >> "$OUT/env.txt"
@@ -22,7 +22,7 @@ echo "profile rc=$?" >> "$OUT/env.txt"; cp /tmp/w/profile_host.json "$OUT/" 2>/d
 if [ "${HF:-0}" = 1 ]; then
   for cell in ${HF_CELLS:-llama_b1 llama_b8}; do
     timeout ${HF_LIMIT:-100} python scripts/bench_train.py --configs $cell --dtypes fp32 --steps 20 --warmup 2 \
-      --modes eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled \
+      --modes ${HF_MODES:-eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled} \
       --out "$OUT/$cell" > "$OUT/bench_$cell.log" 2>&1
     echo "bench $cell rc=$?" >> "$OUT/env.txt"
   done
