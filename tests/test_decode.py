@@ -372,6 +372,30 @@ def test_serves_model_with_per_layer_graphs_enabled(backend, device):
     assert DecodeEngine(model, **kw).generate(ps, 10) == DecodeEngine(plain, **kw).generate(ps, 10)
 
 
+def test_a_decoder_calling_a_graphed_module_serves_it_plainly(backend, device):
+    """A decoder that calls a module per-layer graphs are enabled on (here the toy's final
+    norm, made graphable and recorded as a member of the blocks' stack): the decode program
+    is its own graph, so the call is plain: same tokens as a plain copy, nothing recorded or
+    replayed from training, and training replays on after it (strict: no fallback)."""
+    import copy
+
+    import tgraph
+
+    model = tiny_gpt(device)
+    plain = copy.deepcopy(model)
+    model.ln_f.__class__ = tgraph.GraphableModule.of(type(model.ln_f), graphed_alone=False)
+    tgraph.enable(model, backend=backend, strict=True)
+    x = torch.randint(0, 256, (2, 16), device=device)
+    model(x, x)[1].backward()
+    report = tgraph.create_graphs()
+    assert report.runners == CFG["n_layer"] + 1 and report.segments == 1, report
+    ps = prompts(3)
+    kw = dict(max_batch_size=4, max_seq_len=64, backend=backend, progress=False)
+    assert DecodeEngine(model, **kw).generate(ps, 10) == DecodeEngine(plain, **kw).generate(ps, 10)
+    model(x, x)[1].backward()  # strict: replayed
+    assert tgraph.eager_calls() == 0
+
+
 def test_sampling_during_training_leaves_the_model_training(backend, device):
     """Sampling every N steps of a training run: the engine decodes without dropout, then the
     model is back in train mode and its per-layer graphs still replay (strict: no fallback)."""

@@ -14,7 +14,9 @@ Greedy batches run the greedy variant: the sampling kernels (a sort, a cumulativ
 counter-based noise, about 40 small kernels) cost nothing when no row samples. In the sampling
 variant a greedy row still gets exactly :func:`~tgraph.decode.sampling.greedy`'s id.
 
-Both write their results into buffers outside the graph pool and return the logits only for
+Both run tgraph's graphable modules as plain modules (a decoder may call a block that per-layer
+graphs are enabled on: the program is its own graph, and its calls are no training call to
+record or replay). Both write their results into buffers outside the graph pool and return the logits only for
 inspection; the logits are overwritten by the next replay of any graph of the pool.
 """
 
@@ -26,6 +28,7 @@ from tgraph.decode.buffers import DecodeBuffers, PrefillBuffers
 from tgraph.decode.interface import DecodeModel
 from tgraph.decode.kv_cache import KVCache
 from tgraph.decode.sampling import Sampler, greedy
+from tgraph.layers.capture import graphed_region
 
 
 def decode_program(
@@ -42,7 +45,7 @@ def decode_program(
     live = buffers.live(rows)
 
     def step() -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), graphed_region():  # graphable modules it calls: plain modules
             logits = decoder.decode_step(inputs, cache)
             if sampling:  # counter: the position this row samples at
                 tokens = sampler(logits, params, inputs.positions)
@@ -67,7 +70,7 @@ def prefill_program(
     params = buffers.sampling()
 
     def run() -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), graphed_region():
             logits = decoder.prefill(inputs, cache)
             if sampling:  # counter: the prompt's last position, where its first token is drawn
                 token = sampler(logits, params, inputs.length - 1)

@@ -237,8 +237,6 @@ class TransformersDecoder:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.final_norm if self.rotary is None else rms_norm(self.final_norm)
-        if isinstance(norm, nn.Module):  # graph_layers' final norm: never its per-layer graphs
-            return self.lm_head(nn.Module.__call__(norm, x))
         return self.lm_head(norm(x))
 
     # -- the decode interface ---------------------------------------------------------------
