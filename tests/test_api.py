@@ -326,4 +326,7 @@ def test_a_module_graphed_only_merged_runs_plainly_when_called_alone(backend, de
         assert tgraph.eager_calls() == 0
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        if alone:  # plain under inference mode too (the graphed layer's call is refused there)
+            with torch.inference_mode():
+                torch.testing.assert_close(norm(x), eager[-1](x), rtol=0, atol=0)
         tgraph.disable(model)

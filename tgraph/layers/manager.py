@@ -94,6 +94,8 @@ class _Manager:
         self.eager_calls = 0  # fallbacks to eager since the last reset (create_graphs' message)
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
+        if state.plain:  # graphed only merged, and create_graphs() found it alone
+            return self._plain_call(module, args, kwargs)
         if _inference_mode():
             return self._eager(
                 module,
@@ -118,8 +120,6 @@ class _Manager:
         tensors: list[torch.Tensor] = []
         training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
         if self.captured:  # a later member of a replayed merged stack: no call key needed
-            if state.plain:
-                return self._plain_call(module, args, kwargs)
             out = self._continue_stack(state, args, kwargs, training)
             if out is not None:
                 return out
