@@ -8,7 +8,8 @@
 Two models, each with 12 graphed layers at batch 1: the toy GPT (``tgraph/toy/gpt.py``, blocks
 called with one positional tensor) and a Hugging Face ``LlamaForCausalLM`` (decoder layers
 called as HF calls them: ``hidden_states`` plus ``attention_mask``, ``position_ids``, the
-``position_embeddings`` tuple, ``cache``, ``use_cache``; scripts/bench_llama.py). On the CPU
+``position_embeddings`` tuple, ``cache``, ``use_cache``; scripts/bench_llama.py), whose final
+norm is a 13th member of the stack, as ``graph_layers`` makes it (since 2026-12-07). On the CPU
 width 32 and 8 tokens by default, so that the model's math is negligible and tgraph's Python
 dominates. Each model: ``tgraph.enable``, one recorded training step, ``create_graphs()``, the
 optimizer step as a :class:`tgraph.OptimizerGraph` (``--optimizer graph``, the default;
