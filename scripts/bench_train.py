@@ -107,6 +107,8 @@ MODES = [
     "tgraph_model",
     "tgraph_model_opt_noskip",
     "tgraph_layer_norm_eager",
+    "tgraph_layer_head",
+    "tgraph_layer_opt_noskip_head",
 ]
 CPU_MODES = [
     "eager",
@@ -154,6 +156,17 @@ def _whole(model):
     return graph_whole(model)
 
 
+def _head_members(model):
+    """The toy's ``ln_f`` and ``lm_head`` as members of the blocks' merged stack
+    (``graphed_alone=False``, as ``graph_layers`` makes HF's final norm): the A/B of making
+    that the toy's default."""
+    if not isinstance(model, GPT):
+        raise ValueError("the _head modes take the toy GPT (--configs tiny, ...)")
+    for m in (model.ln_f, model.lm_head):
+        m.__class__ = tgraph.GraphableModule.of(type(m), graphed_alone=False)
+    return model
+
+
 def _norm_eager(model):
     """HF Llama with its final norm eager (not a member of the layers' stack, as before
     graph_layers made it one): the A/B of that merge in one process."""
@@ -164,13 +177,24 @@ def _norm_eager(model):
     return model
 
 
-def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False, whole=False, norm=True):  # noqa: A002
+def mode_tgraph_layer(
+    s: Setup,
+    ckpt=False,
+    compile=False,  # noqa: A002
+    direct=False,
+    whole=False,
+    norm=True,
+    head=False,
+):
     """``compile``: enable(compile=True); capture_s then includes the recorded iteration,
     where inductor compiles the layers. ``direct``: enable(direct_grads=True). ``whole``: the
-    model as one unit (:func:`_whole`). ``norm=False``: HF Llama's final norm eager."""
+    model as one unit (:func:`_whole`). ``norm=False``: HF Llama's final norm eager.
+    ``head``: the toy's ln_f and lm_head stack members (:func:`_head_members`)."""
     model, opt = s.fresh()
     if whole:
         _whole(model)
+    if head:
+        _head_members(model)
     if not norm:
         _norm_eager(model)
     if ckpt:
@@ -221,14 +245,24 @@ def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
     return times, loss, capture, note + ("; skip_nonfinite=True" if skip else "")
 
 
-def mode_tgraph_layer_opt(s: Setup, skip=True, compile=False, direct=False, whole=False):  # noqa: A002
+def mode_tgraph_layer_opt(
+    s: Setup,
+    skip=True,
+    compile=False,  # noqa: A002
+    direct=False,
+    whole=False,
+    head=False,
+):
     """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step;
     ``skip``: non-finite steps skipped on the device (the default); ``compile``:
     enable(compile=True), capture_s then includes the recorded (compiling) iteration;
-    ``direct``: enable(direct_grads=True); ``whole``: the model as one unit (:func:`_whole`)."""
+    ``direct``: enable(direct_grads=True); ``whole``: the model as one unit (:func:`_whole`);
+    ``head``: the toy's ln_f and lm_head stack members (:func:`_head_members`)."""
     model, opt = s.fresh()
     if whole:
         _whole(model)
+    if head:
+        _head_members(model)
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=skip, backend=s.backend)
 
     def step(x, y):
@@ -293,6 +327,8 @@ MODE_FUNCS: dict[str, Callable] = {
     # the toy GPT as one graphed unit (tgraph.toy.gpt.graph_whole)
     "tgraph_model": lambda s: mode_tgraph_layer(s, whole=True),
     "tgraph_layer_norm_eager": lambda s: mode_tgraph_layer(s, norm=False),
+    "tgraph_layer_head": lambda s: mode_tgraph_layer(s, head=True),
+    "tgraph_layer_opt_noskip_head": lambda s: mode_tgraph_layer_opt(s, skip=False, head=True),
     "tgraph_model_opt_noskip": lambda s: mode_tgraph_layer_opt(s, skip=False, whole=True),
 }
 

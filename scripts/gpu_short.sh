@@ -13,7 +13,7 @@ timeout ${PYTEST_LIMIT:-200} python -m pytest -q -m cuda -p no:cacheprovider -rf
   "tests/test_train_recipe.py::test_graph_modes_train_the_same_parameters" > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/env.txt"
 [ "${TOY:-1}" = 1 ] && timeout 90 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 2 \
-  --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_model,tgraph_model_opt_noskip,tgraph_full \
+  --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_head,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_head,tgraph_model,tgraph_model_opt_noskip,tgraph_full \
   --out "$OUT/toy" > /tmp/w/bench.log 2>&1
 echo "bench rc=$?" >> "$OUT/env.txt"
 timeout 45 python scripts/profile_host.py --device cuda --backend cuda --model llama --steps 200 --reps 3 \
