@@ -7,7 +7,7 @@
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 export PYTHONPATH="$PWD:$PYTHONPATH"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "tree ${TREE:-unknown}"; } > "$OUT/env.txt" 2>&1
-timeout ${PYTEST_LIMIT:-200} python -m pytest -q -m cuda -p no:cacheprovider -rfEs --tb=short tests/test_layer_parity.py \
+[ "${PYTEST:-1}" = 1 ] && timeout ${PYTEST_LIMIT:-200} python -m pytest -q -m cuda -p no:cacheprovider -rfEs --tb=short tests/test_layer_parity.py \
   tests/test_fail_closed_python.py tests/test_layer_edge_cases.py tests/test_direct_grads.py tests/test_api.py \
   tests/test_stack_shortcut.py "tests/test_hf_integration.py::test_family_training_matches_eager" \
   "tests/test_train_recipe.py::test_graph_modes_train_the_same_parameters" > "$OUT/pytest.log" 2>&1
