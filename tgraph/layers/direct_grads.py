@@ -191,14 +191,16 @@ def _guard_inputs(run):
 
 def _install_guard() -> None:
     """Route ``torch.autograd.backward`` and ``grad`` through :func:`_guard_inputs` (their
-    module's own name for the engine's entry; once). Without that entry (another PyTorch)
-    direct gradients are refused, since nothing would see such a request."""
+    module's own name for the engine's entry, and ``torch.autograd.graph``'s, which torch's own
+    temporary patches save and put back; once). Without that entry (another PyTorch) direct
+    gradients are refused, since nothing would see such a request."""
+    graph = _autograd.graph
     run = getattr(_autograd, "_engine_run_backward", None)
-    if run is None:
+    if run is None or getattr(graph, "_engine_run_backward", None) is None:
         raise ValueError(
             "tgraph: direct_grads=True needs torch.autograd._engine_run_backward (PyTorch >= "
             "2.3) to refuse a backward that asks for a directly written parameter; enable "
             "without direct_grads."
         )
     if not getattr(run, "_tgraph_guard", False):
-        _autograd._engine_run_backward = _guard_inputs(run)
+        _autograd._engine_run_backward = graph._engine_run_backward = _guard_inputs(run)
