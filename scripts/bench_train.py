@@ -177,26 +177,17 @@ def _norm_eager(model):
     return model
 
 
-def mode_tgraph_layer(
-    s: Setup,
-    ckpt=False,
-    compile=False,  # noqa: A002
-    direct=False,
-    whole=False,
-    norm=True,
-    head=False,
-):
+_UNITS = {"layers": lambda m: m, "whole": _whole, "head": _head_members, "norm_eager": _norm_eager}
+
+
+def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False, units="layers"):  # noqa: A002
     """``compile``: enable(compile=True); capture_s then includes the recorded iteration,
-    where inductor compiles the layers. ``direct``: enable(direct_grads=True). ``whole``: the
-    model as one unit (:func:`_whole`). ``norm=False``: HF Llama's final norm eager.
-    ``head``: the toy's ln_f and lm_head stack members (:func:`_head_members`)."""
+    where inductor compiles the layers. ``direct``: enable(direct_grads=True). ``units``: what
+    is graphed (:data:`_UNITS`): the blocks (HF Llama's final norm a member, as graph_layers
+    makes it), the model as one unit (:func:`_whole`), the toy's ln_f and lm_head as members
+    too (:func:`_head_members`), or HF Llama's final norm eager (:func:`_norm_eager`)."""
     model, opt = s.fresh()
-    if whole:
-        _whole(model)
-    if head:
-        _head_members(model)
-    if not norm:
-        _norm_eager(model)
+    _UNITS[units](model)
     if ckpt:
         checkpoint_blocks(model)
     tgraph.enable(model, backend=s.backend, compile=compile, direct_grads=direct)
@@ -245,24 +236,13 @@ def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
     return times, loss, capture, note + ("; skip_nonfinite=True" if skip else "")
 
 
-def mode_tgraph_layer_opt(
-    s: Setup,
-    skip=True,
-    compile=False,  # noqa: A002
-    direct=False,
-    whole=False,
-    head=False,
-):
+def mode_tgraph_layer_opt(s: Setup, skip=True, compile=False, direct=False, units="layers"):  # noqa: A002
     """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step;
     ``skip``: non-finite steps skipped on the device (the default); ``compile``:
     enable(compile=True), capture_s then includes the recorded (compiling) iteration;
-    ``direct``: enable(direct_grads=True); ``whole``: the model as one unit (:func:`_whole`);
-    ``head``: the toy's ln_f and lm_head stack members (:func:`_head_members`)."""
+    ``direct``: enable(direct_grads=True); ``units``: as :func:`mode_tgraph_layer`'s."""
     model, opt = s.fresh()
-    if whole:
-        _whole(model)
-    if head:
-        _head_members(model)
+    _UNITS[units](model)
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=skip, backend=s.backend)
 
     def step(x, y):
@@ -325,11 +305,11 @@ MODE_FUNCS: dict[str, Callable] = {
         s, compile=True, direct=True
     ),
     # the toy GPT as one graphed unit (tgraph.toy.gpt.graph_whole)
-    "tgraph_model": lambda s: mode_tgraph_layer(s, whole=True),
-    "tgraph_layer_norm_eager": lambda s: mode_tgraph_layer(s, norm=False),
-    "tgraph_layer_head": lambda s: mode_tgraph_layer(s, head=True),
-    "tgraph_layer_opt_noskip_head": lambda s: mode_tgraph_layer_opt(s, skip=False, head=True),
-    "tgraph_model_opt_noskip": lambda s: mode_tgraph_layer_opt(s, skip=False, whole=True),
+    "tgraph_model": lambda s: mode_tgraph_layer(s, units="whole"),
+    "tgraph_layer_norm_eager": lambda s: mode_tgraph_layer(s, units="norm_eager"),
+    "tgraph_layer_head": lambda s: mode_tgraph_layer(s, units="head"),
+    "tgraph_layer_opt_noskip_head": lambda s: mode_tgraph_layer_opt(s, skip=False, units="head"),
+    "tgraph_model_opt_noskip": lambda s: mode_tgraph_layer_opt(s, skip=False, units="whole"),
 }
 
 

@@ -22,7 +22,7 @@ from tgraph.layers.captured import InFlight
 from tgraph.layers.enable import reset_layer_graphs
 from tgraph.layers.manager import _Manager, _manager
 from tgraph.layers.record import Turns
-from tgraph.layers.runner import Runner
+from tgraph.layers.runner import Runner, named
 from tgraph.layers.segment import Segment, mergeable_chains
 from tgraph.memory import CaptureReport
 from tgraph.python_state import PythonState
@@ -109,7 +109,7 @@ def create_graphs() -> CaptureReport:
             if id(mod) not in called and id(mod) not in inside  # inside: in the outer graph
         ]
         + _leave_eager(m, {r: why for r, why in eager.items() if r not in alone})
-        + _left_plain(m, alone),
+        + _left_plain(alone),
         memory=memory.memory_report(caps, grads_at_capture=grads_alive),
     )
     logger.info("%s", m.report)
@@ -332,16 +332,12 @@ def _alone(runners: list[Runner], eager: dict[Runner, str]) -> dict[Runner, str]
     }
 
 
-def _left_plain(m: _Manager, alone: dict[Runner, str]) -> list[str]:
+def _left_plain(alone: dict[Runner, str]) -> list[str]:
     """Make ``alone``'s modules run plainly (:func:`_alone`), quietly; the report's entries."""
-    names = {id(mod): name for root in m.roots for name, mod in root.named_modules() if name}
-    entries = {}
-    for r, why in alone.items():
+    for r in alone:
         r.module._tgraph.plain = True
         r.draft.call.samples = []
-        label = names.get(id(r.module), "")
-        entries[id(r.module)] = f"{label} ({type(r.module).__name__}) ({why})".lstrip()
-    return list(entries.values())
+    return list(dict.fromkeys(f"{named(r.module)} ({why})" for r, why in alone.items()))
 
 
 def _leave_eager(m: _Manager, eager: dict[Runner, str]) -> list[str]:

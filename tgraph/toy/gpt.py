@@ -158,8 +158,7 @@ def graph_whole(model: GPT) -> GPT:
     Returns:
         ``model``.
     """
-    if not isinstance(model, GraphableModule):
-        model.__class__ = GraphableModule.of(type(model))
+    model.__class__ = GraphableModule.of(type(model))  # a GraphableModule already: unchanged
     return model
 
 
