@@ -4,7 +4,7 @@
 # graphed call with and without the module epoch (HF Llama, 12 merged layers). Carry .te/pkg,
 # .te/prune, .whl. BENCH=1 adds the HF Llama cells and the toy against the floor (bench_train.py,
 # as gpu_check.sh's perf check). Output: $OUT (summaries; every log and JSON in logs.tgz).
-# About 4 minutes, 7 with BENCH=1. PROFILES: the host-time scripts to run (default both);
+# About 4 minutes, 8 with BENCH=1 (HF_MODES: the HF cells' modes). PROFILES: the host-time scripts to run (default both);
 # TREE: the commit to name in env.txt (the device's .git may be stale).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 { date -u; git log -1 --format='the device copy of .git: %h (often stale)' 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -29,10 +29,10 @@ for s in ${PROFILES:-profile_host profile_host_no_epoch}; do
   echo "$s rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"; cp "/tmp/w/$s/profile_host.json" "$OUT/$s.json"
 done
 if [ "${BENCH:-0}" = 1 ]; then
-  modes=eager,graphed_callables,tgraph_layer,tgraph_layer_direct,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full
-  for cell in "tiny,tiny_b1 fp32 toy 100" "llama_b1,llama_b8 fp32 hf_fp32 90" "llama_d1024 bf16 hf_d1024 75"; do
+  modes=${HF_MODES:-eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_direct,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full}
+  for cell in "tiny,tiny_b1 fp32 toy 130" "llama_b1,llama_b8 fp32 hf_fp32 105" "llama_d1024 bf16 hf_d1024 85"; do
     set -- $cell; t0=$SECONDS
-    m=$modes; [ "$3" = toy ] && m=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip,tgraph_model,tgraph_model_opt_noskip,tgraph_full
+    m=$modes; [ "$3" = toy ] && m=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_head,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_head,tgraph_model,tgraph_model_opt_noskip,tgraph_full
     steps=10; [ "$3" = toy ] && steps=50
     timeout "$4" python scripts/bench_train.py --configs "$1" --dtypes "$2" --steps $steps --warmup 2 \
       --modes "$m" --out "/tmp/w/$3" > "/tmp/w/bench_$3.log" 2>&1
