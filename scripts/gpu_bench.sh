@@ -2,13 +2,14 @@
 # The speed figures of a tree in one GPU call (about 8 minutes): host time per graphed call
 # against an older tree unpacked in .old/ (carry it: `git archive <commit> tgraph scripts | tar -x
 # -C .old`), alternated, then the toy against the floor and HF Llama's goal cells, each cell in
-# one process. TREE / OLD: the commits to name in env.txt. Output: $OUT.
+# one process. TREE / OLD: the commits to name in env.txt; HF_CELLS= (empty): no HF Llama
+# cells; D1024_MODES, AB_REPS. Output: $OUT.
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   echo "tree ${TREE:-unknown} old ${OLD:-none}"; } > "$OUT/env.txt" 2>&1
 prof="scripts/profile_host.py --device cuda --backend cuda --model llama --steps 200 --reps 3"
-for i in $(seq ${AB_REPS:-2}); do
+for i in $(seq ${AB_REPS:-2}); do  # AB_REPS=0: no host profile
   if [ -d .old/tgraph ]; then
     (cd .old && PYTHONPATH=$PWD timeout 50 python $prof --out /tmp/w/old$i > "$OUT/profile_old$i.log" 2>&1)
     cp /tmp/w/old$i/profile_host.json "$OUT/profile_old$i.json" 2>/dev/null
@@ -25,7 +26,8 @@ run() {  # configs dtype name limit steps modes
 }
 [ "${TOY:-1}" = 1 ] && run tiny,tiny_b1 fp32 toy 110 50 eager,floor,graphed_callables,tgraph_layer,tgraph_layer_head,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_head,tgraph_model,tgraph_full
 hf=${HF_MODES:-eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_opt_noskip_direct,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled}
-for cell in ${HF_CELLS:-llama_b1 llama_b8}; do run $cell fp32 $cell ${HF_LIMIT:-100} 20 $hf; done
-[ "${D1024:-1}" = 1 ] && run llama_d1024 bf16 d1024 70 10 eager,tgraph_layer,tgraph_layer_opt_noskip
+for cell in ${HF_CELLS-llama_b1 llama_b8}; do run $cell fp32 $cell ${HF_LIMIT:-100} 20 $hf; done
+[ "${D1024:-1}" = 1 ] && run llama_d1024 bf16 d1024 ${D1024_LIMIT:-70} 10 ${D1024_MODES:-eager,tgraph_layer,tgraph_layer_opt_noskip}
+
 cat "$OUT/env.txt"; grep -h "per graphed call" "$OUT"/profile_*.log
 grep -hE "^\|" "$OUT"/bench_*.md 2>/dev/null

@@ -392,6 +392,25 @@ def test_a_verified_replay_changes_nothing(backend, device):
     assert_same_params(model, ref)
 
 
+def test_a_wrong_gradient_of_a_merged_stack_is_caught_in_its_backward(backend, device, monkeypatch):
+    """The replay's outputs right, its gradients wrong (planted: doubled). The verified replay's
+    backward recomputes the eager twin one member at a time (checkpointed, dropout masks from
+    each member's own generator states), finds the difference and hands autograd eager's
+    gradients; the stack runs eagerly from then on, and training equals eager's."""
+    from tgraph.layers import replay
+
+    real = replay.grads_for_autograd
+
+    def doubled(*args):
+        return [None if g is None else 2 * g for g in real(*args)]
+
+    monkeypatch.setattr(replay, "grads_for_autograd", doubled)
+    with tgraph.verification(every=1):
+        model, ref, msgs = _twins(device, lambda: Net(_DropBlock), backend=backend, verify=True)
+    assert msgs and "gradient" in msgs[0] and "shadow verifier" in msgs[0], msgs
+    assert_same_params(model, ref)
+
+
 # -- the layout of an input (issue 44, item 10) ------------------------------------------------
 
 

@@ -75,14 +75,33 @@ class verification:  # noqa: N801 - used as a function and as a context manager
         vars(settings).update(vars(self._old))
 
 
+class Twin:
+    """One eager run of a unit, member by member (:func:`_eager_chain`): each member's outputs
+    (detached: its autograd graph went with the call), and what a backward needs to run the
+    member again for its gradients, one member at a time (:func:`_backprop`)."""
+
+    __slots__ = ("outs_of", "inputs_of", "runs", "rg_of")
+
+    def __init__(self) -> None:
+        self.outs_of: list[list] = []  # per member: its slice of the static outputs
+        self.inputs_of: list[list] = []  # per member: its inputs as its call found them
+        self.runs: list = []  # per member: its call again (:func:`_member`)
+        self.rg_of: list[list[bool]] = []  # per member input: requires grad
+
+    @property
+    def outs(self) -> list:
+        return [t for full in self.outs_of for t in full]
+
+
 class Pending:
     """A verified replay's eager twin, until its backward compares the gradients."""
 
-    __slots__ = ("outs", "inputs", "params", "strict", "rerun")
+    __slots__ = ("twin", "params", "member_params", "strict", "rerun")
 
-    def __init__(self, outs: list, inputs: list, params: list, strict: bool, rerun) -> None:
-        self.outs, self.inputs, self.params, self.strict = outs, inputs, params, strict
-        self.rerun = rerun  # () -> (inputs, outputs): the eager run made again
+    def __init__(self, twin: Twin, params: list, member_params: list, strict: bool, rerun) -> None:
+        self.twin, self.params, self.strict, self.rerun = twin, params, strict, rerun
+        self.member_params = member_params  # per member: its parameters among ``params``
+        # rerun: () -> Twin, the eager run made again
 
 
 def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, module_call):
@@ -110,11 +129,12 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     after = rng.get_states(cap.device)
     # gradients compared unless a backward writes beside autograd (megatron's fused wgrad adds
     # into main_grad: an eager backward would add twice)
-    grad = cap.needs_backward and torch.is_grad_enabled()
+    mode = torch.is_grad_enabled()  # of the call: a rerun in its backward runs in it too
+    grad = cap.needs_backward and mode
     grad = grad and not any(hasattr(p, "main_grad") for p in state.route.autograd_params)
     live = [table[k] for table, k in buffers]
 
-    def run_eager(copies: list) -> tuple[list, list]:
+    def run_eager(copies: list) -> Twin:
         """The unit run eagerly on ``copies`` from where the replay started (generators, and
         copies of the buffers as they were), leaving nothing behind."""
         rng.set_states(before, cap.device)
@@ -122,7 +142,7 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
             table[k] = v.clone()
         dicts = [(vars(m), dict(vars(m))) for r in unit.members for m in r.module.modules()]
         try:
-            return _eager_chain(unit, args, kwargs, tensors, copies, grad, module_call)
+            return _eager_chain(unit, tensors, copies, mode, grad, module_call)
         finally:  # what the eager run set (a weight a pre-hook computes, self.aux_loss) goes
             for d, kept in dicts:
                 d.clear()
@@ -132,23 +152,28 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
             rng.set_states(after, cap.device)
 
     try:
-        ins, eager = run_eager(copies)
+        twin = run_eager(copies)
     except Exception as exc:  # the replay stands; an eager rerun that cannot run verifies nothing
         logger.warning(
             "tgraph: %s: the shadow verifier could not rerun it eagerly: %s", cap.name, exc
         )
         return out
     got = out if len(cap.slices) == 1 else [t for member in state.stack.pending for t in member]
-    why = _differs(got, eager, "output")
+    why = _differs(got, twin.outs, "output")
     if why is None:
         node = next((o.grad_fn for o in out if o.grad_fn is not None), None) if grad else None
         if node is not None:  # its backward compares the gradients (GraphedCall.backward)
+            params = list(state.route.autograd_params)
+            ids = {id(p) for p in params}
+            owned = [[p for p in r.module.parameters() if id(p) in ids] for r in unit.members]
+            held = {id(p) for ps in owned for p in ps}
+            rest = [p for p in params if id(p) not in held]  # no member holds it: any may use it
             node.verify = Pending(
-                eager,
-                ins,
-                list(state.route.autograd_params),
+                twin,
+                params,
+                [ps + rest for ps in owned],
                 unit.head.module._tgraph.strict,
-                lambda: run_eager([t.detach().clone() for t in ins]),
+                lambda: run_eager([t.detach().clone() for t in twin.inputs_of[0]]),
             )
         return out
     with torch.no_grad():  # undo the replay: this call runs eagerly from where it started
@@ -182,30 +207,157 @@ def _not_verifiable(unit) -> str | None:
     return None
 
 
-def _eager_chain(unit, args, kwargs, tensors, copies, grad: bool, module_call):
-    """Run every member of ``unit`` eagerly on copies of the head's inputs, chained as the
-    capture chained them; returns the copies and the outputs in the order of the graph's static
-    outputs (each member's, then the tensors it stored in module state; None where it stored
-    none)."""
+def _eager_chain(unit, tensors, copies, mode: bool, grad: bool, module_call) -> Twin:
+    """Run every member of ``unit`` eagerly on ``copies`` of the head's inputs, chained as the
+    capture chained them, in the call's grad ``mode``. Each member's autograd graph goes as
+    soon as the member returns: a verified replay holds one member's activations at a time
+    beside the graphs, not a second copy of the unit's (with ``grad``, the backward computes
+    the gradients one member at a time again: :func:`_backprop`)."""
     cap = unit.cap
-    ins = [c.requires_grad_(t.requires_grad and grad) for t, c in zip(tensors, copies)]
-    outs_of: list[list] = []
-    with torch.set_grad_enabled(grad), graphed_region():
-        # the forward gets non-leaf copies, as its caller's tensors are: it may write them in
-        # place (x += ...), which autograd refuses on a leaf that requires grad
-        given = [x.clone() if x.requires_grad else x for x in ins]
+    twin = Twin()
+    with graphed_region():
         for j, r in enumerate(unit.members):
-            mine = (
-                [outs_of[-1][k] if prev else given[k] for prev, k in cap.sources[j]] if j else given
+            if j:
+                prev = twin.outs_of[-1]
+                mine = [prev[k] if from_prev else copies[k] for from_prev, k in cap.sources[j]]
+                s = cap.slices[j - 1].start
+                rg = [
+                    mode and (s + k in cap.out_rg if from_prev else tensors[k].requires_grad)
+                    for from_prev, k in cap.sources[j]
+                ]
+            else:
+                mine, rg = copies, [mode and t.requires_grad for t in tensors]
+            run = _member(cap, j, r, module_call, grad)
+            if grad:  # the member's inputs as it found them: its forward may write one in place
+                twin.inputs_of.append([x.clone() for x in mine])
+                twin.runs.append(run)
+                twin.rg_of.append(rg)
+            with torch.set_grad_enabled(mode):
+                full = run(mine, rg)
+            twin.outs_of.append([None if t is None else t.detach() for t in full])
+    return twin
+
+
+def _member(cap, j: int, r, module_call, grad: bool):
+    """Member ``j``'s eager call on its input tensors (those of ``rg`` as leaves that require
+    grad; the call gets clones of them, which it may write in place): its outputs padded to its
+    slice of the static outputs, with the tensors it stores in module state
+    (``self.aux_loss = ...``) at their places. With ``grad``, :func:`_backprop` calls it again:
+    it then starts from the generator states and buffers of its first run, and leaves the
+    generators, the module's attributes and its buffers as it found them."""
+    s, stored = cap.slices[j], cap.stored[j] if cap.stored else ()
+    first: list = []  # the generator states and buffers its first run started from
+
+    def run(mine: list, rg: list, leaves: list | None = None) -> list:
+        modules = list(r.module.modules())
+        redo = bool(first)
+        if grad and not redo:
+            first.append(rng.get_states(cap.device))
+            first.append(
+                [
+                    (m._buffers, k, b.detach().clone())
+                    for m in modules
+                    for k, b in m._buffers.items()
+                    if b is not None
+                ]
             )
-            a, kw = r.call_template.fill(mine)
-            tensors = split(module_call(r.module)(*a, **kw))[0]
-            s = cap.slices[j]
+        if redo:
+            outer = rng.get_states(cap.device)
+            rng.set_states(first[0], cap.device)
+            live = [(table, k, table[k]) for table, k, _ in first[1]]
+            for table, k, v in first[1]:
+                table[k] = v.clone()
+            dicts = [(vars(m), dict(vars(m))) for m in modules]
+        try:
+            given = []
+            for x, needs in zip(mine, rg):
+                if needs:
+                    leaf = x.detach().requires_grad_()
+                    if leaves is not None:
+                        leaves.append(leaf)
+                    x = leaf.clone()
+                given.append(x)
+            with graphed_region():
+                a, kw = r.call_template.fill(given)
+                tensors = split(module_call(r.module)(*a, **kw))[0]
             full = tensors + [None] * (s.stop - s.start - len(tensors))
-            for m, k, at in cap.stored[j] if cap.stored else ():  # self.aux_loss = ...
+            for m, k, at in stored:
                 full[at] = m.__dict__[k]
-            outs_of.append(full)
-    return ins, [t for full in outs_of for t in full]
+            return full
+        finally:
+            if redo:  # what the rerun set goes; generators and buffers as it found them
+                for d, kept in dicts:
+                    d.clear()
+                    d.update(kept)
+                for table, k, v in live:
+                    table[k] = v
+                rng.set_states(outer, cap.device)
+
+    return run
+
+
+def _backprop(cap, twins: list[Twin], grads: tuple, member_params: list):
+    """The eager gradients of ``twins`` for the node's incoming ``grads``, member by member
+    from the last: each member runs again (:func:`_member`) and its gradients flow to the
+    previous member's outputs, so that about one member's activations and gradients are alive
+    at a time. Yields ``(parameter, [its gradient per twin])`` as each parameter's gradient is
+    complete, then ``(None, [[gradients of the head's inputs] per twin])``."""
+    last = len(twins[0].outs_of) - 1
+    done_at: dict[int, int] = {}  # a parameter's gradient is complete at the first member using it
+    for j, ps in enumerate(member_params):
+        for p in ps:
+            done_at.setdefault(id(p), j)
+    n_in = len(twins[0].inputs_of[0])
+    acc = [dict() for _ in twins]  # (member, output index) -> gradient from later members
+    head = [[None] * n_in for _ in twins]
+    pgrads: list[dict] = [dict() for _ in twins]
+    for j in range(last, -1, -1):
+        s = cap.slices[j]
+        ps = member_params[j]
+        for t, twin in enumerate(twins):
+            incoming = [
+                _add(grads[s.start + k], acc[t].pop((j, k), None)) for k in range(s.stop - s.start)
+            ]
+            if all(g is None for g in incoming):
+                continue
+            leaves: list = []
+            with torch.enable_grad():
+                full = twin.runs[j](twin.inputs_of[j], twin.rg_of[j], leaves)
+            pairs = [
+                (o, g)
+                for o, g in zip(full, incoming)
+                if g is not None and o is not None and o.requires_grad
+            ]
+            if not pairs:
+                continue
+            found = torch.autograd.grad(
+                [o for o, _ in pairs], leaves + ps, [g for _, g in pairs], allow_unused=True
+            )
+            del full, pairs
+            k_leaf = 0
+            for k, needs in enumerate(twin.rg_of[j]):
+                if not needs:
+                    continue
+                g = found[k_leaf]
+                k_leaf += 1
+                if j == 0:
+                    head[t][k] = _add(head[t][k], g)
+                else:
+                    from_prev, kk = cap.sources[j][k]
+                    if from_prev:
+                        acc[t][(j - 1, kk)] = _add(acc[t].get((j - 1, kk)), g)
+                    else:
+                        head[t][kk] = _add(head[t][kk], g)
+            for p, g in zip(ps, found[len(leaves) :]):
+                pgrads[t][id(p)] = _add(pgrads[t].get(id(p)), g)
+        for p in ps:
+            if done_at[id(p)] == j:
+                yield p, [pg.pop(id(p), None) for pg in pgrads]
+    yield None, head
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
 
 
 def _gaps(a: list, b: list) -> list[float]:
@@ -249,34 +401,37 @@ def _zero(t) -> bool:
 
 def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> list:
     """In the backward of a verified replay: the eager twin's gradients for the same incoming
-    ``grads``, compared with the replay's ``result`` (what the node hands autograd: the input
-    gradients, then the parameter gradients). Returns what to hand autograd."""
-    rg = [i for i in cap.out_rg if grads[i] is not None and pending.outs[i] is not None]
+    ``grads``, member by member (:func:`_backprop`), compared with the replay's ``result``
+    (what the node hands autograd: the input gradients, then the parameter gradients) as each
+    is complete. Returns what to hand autograd."""
     n = len(cap.static_grads)
     direct = state.route.direct is not None or len(result) - n != len(pending.params)
     # a parameter with a tensor hook is left out: autograd.grad would run the hook (it may keep
     # or count what it is given), and the node hands autograd the gradient before the hook
-    params = [] if direct else [p for p in pending.params if _compared(p)]
-    if not rg or (not params and not any(t.requires_grad for t in pending.inputs)):
+    member_params = [
+        [] if direct else [p for p in ps if _compared(p)] for ps in pending.member_params
+    ]
+    if all(g is None for g in grads) or not (any(member_params) or any(pending.twin.rg_of[0])):
         return result  # nothing to compare (direct_grads writes .grad itself)
+    at = {id(p): n + k for k, p in enumerate(pending.params)}  # where result holds its gradient
     states = rng.get_states(cap.device)  # an eager backward that draws leaves no trace
-
-    def eager_grads(ins: list, outs: list) -> list:
-        need = [t for t in ins if t.requires_grad]
-        incoming = [grads[i] for i in rg]
-        return list(
-            torch.autograd.grad([outs[i] for i in rg], need + params, incoming, allow_unused=True)
+    try:
+        why = _compare(cap, [pending.twin], grads, member_params, result, at)
+        if why is not None:  # eager against itself, twice: a backward that is not deterministic
+            twins = [pending.rerun(), pending.rerun()]  # (atomics in flash attention's dq,
+            why = _compare(cap, twins, grads, member_params, result, at)  # index_add_; one that
+        eager = None  # draws) differs as much
+        if why is not None:
+            eager = list(_backprop(cap, [pending.rerun()], grads, member_params))
+    except Exception as exc:  # as in the forward: the replay stands, unverified
+        logger.warning(
+            "tgraph: %s: the shadow verifier could not rerun its backward eagerly: %s",
+            cap.name,
+            exc,
         )
-
-    eager = eager_grads(pending.inputs, pending.outs)
-    got = [result[i] for i, t in enumerate(pending.inputs) if t.requires_grad]
-    if not direct:
-        got += [g for g, p in zip(result[n:], pending.params) if _compared(p)]
-    why = _differs(got, eager, "gradient")
-    if why is not None:  # eager against itself, run again: a
-        again = eager_grads(*pending.rerun())  # backward that is not deterministic (atomics in
-        why = _differs(got, eager, "gradient", noise=_gaps(eager, again))  # flash attention's
-    rng.set_states(states, cap.device)  # dq, index_add_; one that draws) differs as much
+        return result
+    finally:
+        rng.set_states(states, cap.device)
     if why is None:
         return result
     reason = wrong(state, why)
@@ -287,14 +442,32 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
         GraphFallbackWarning,
         stacklevel=3,
     )
-    fixed, it = list(result), iter(eager)
-    for i, t in enumerate(pending.inputs):
-        if t.requires_grad:
-            fixed[i] = next(it)
-    for k, p in enumerate(pending.params if not direct else ()):
-        if _compared(p):
-            fixed[n + k] = next(it)
+    fixed = list(result)
+    for p, (g, *_) in eager:
+        if p is not None:
+            fixed[at[id(p)]] = g
+        else:
+            for i, needs in enumerate(pending.twin.rg_of[0]):
+                if needs:
+                    fixed[i] = g[i]
     return fixed
+
+
+def _compare(cap, twins: list[Twin], grads, member_params, result: list, at: dict) -> str | None:
+    """The first gradient of the replay's ``result`` that differs from the first twin's beyond
+    the tolerance (and, given two twins, beyond twice what they differ by), in words; None: none.
+    Each is compared and freed as :func:`_backprop` completes it."""
+    for p, gs in _backprop(cap, twins, grads, member_params):
+        if p is not None:
+            pairs = [(at[id(p)], gs)]
+        else:
+            pairs = [(i, [g[i] for g in gs]) for i, need in enumerate(twins[0].rg_of[0]) if need]
+        for i, gs_i in pairs:
+            noise = _gaps(gs_i[:1], gs_i[1:]) if len(gs_i) > 1 else None
+            why = _differs([result[i]], gs_i[:1], "gradient", noise=noise)
+            if why is not None:
+                return why.replace("gradient 0", f"gradient {i}", 1)
+    return None
 
 
 def _compared(p: torch.Tensor) -> bool:
