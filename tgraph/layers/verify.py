@@ -3,9 +3,12 @@
 The rules (:mod:`tgraph.baked`, :mod:`tgraph.python_state`) cover the classes someone thought
 of. On selected calls the verifier runs a unit eagerly on copies of its inputs, from the same
 generator states as the replay, and compares the outputs with the replay's; the gradients are
-compared in that call's backward. Selected calls: each graph's first :attr:`Settings.first`
-replays, the first replay after an event tgraph sees (a fallback, a re-bind), and one in
-:attr:`Settings.every` after that.
+compared in that call's backward. Memory: the eager run goes member by member, keeping each
+member's inputs and outputs but not its autograd graph; the backward runs each member again, last
+first, and compares each gradient as it completes (:func:`_backprop`), so a verified replay adds
+about one member's activations and gradients to the step, not the unit's. Selected calls: each
+graph's first :attr:`Settings.first` replays, the first replay after an event tgraph sees (a
+fallback, a re-bind), and one in :attr:`Settings.every` after that.
 
 A mismatch leaves the unit eager for good: the call itself runs eagerly from the generator and
 buffer states it started from (so its result is eager's), a :class:`tgraph.GraphFallbackWarning`
