@@ -235,9 +235,8 @@ def _eager_chain(unit, tensors, copies, mode: bool, grad: bool, module_call) -> 
                 twin.inputs_of.append([x.clone() for x in mine])
                 twin.runs.append(run)
                 twin.rg_of.append(rg)
-            with torch.set_grad_enabled(mode):
-                full = run(mine, rg)
-            twin.outs_of.append([None if t is None else t.detach() for t in full])
+            with torch.set_grad_enabled(mode):  # nothing keeps the member's graph past this
+                twin.outs_of.append([None if t is None else t.detach() for t in run(mine, rg)])
     return twin
 
 
