@@ -419,10 +419,12 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
     states = rng.get_states(cap.device)  # an eager backward that draws leaves no trace
     try:
         why = _compare(cap, [pending.twin], grads, member_params, result, at)
-        if why is not None:  # eager against itself, twice: a backward that is not deterministic
-            twins = [pending.rerun(), pending.rerun()]  # (atomics in flash attention's dq,
-            why = _compare(cap, twins, grads, member_params, result, at)  # index_add_; one that
-        eager = None  # draws) differs as much
+        if why is not None:
+            # two more eager runs side by side: a backward that is not deterministic (atomics
+            # in flash attention's dq, index_add_; one that draws) differs from itself as much
+            twins = [pending.rerun(), pending.rerun()]
+            why = _compare(cap, twins, grads, member_params, result, at)
+        eager = None  # confirmed wrong: eager's gradients in full, to hand autograd
         if why is not None:
             eager = list(_backprop(cap, [pending.rerun()], grads, member_params))
     except Exception as exc:  # as in the forward: the replay stands, unverified
