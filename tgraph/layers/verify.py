@@ -231,8 +231,9 @@ def _eager_chain(unit, tensors, copies, mode: bool, grad: bool, module_call) -> 
             else:
                 mine, rg = copies, [mode and t.requires_grad for t in tensors]
             run = _member(cap, j, r, module_call, grad)
-            if grad:  # the member's inputs as it found them: its forward may write one in place
-                twin.inputs_of.append([x.clone() for x in mine])
+            if grad:  # the member's inputs as it found them: it may write one it gets as is in
+                # place (one that requires grad it gets as a clone: kept as it is)
+                twin.inputs_of.append([x if needs else x.clone() for x, needs in zip(mine, rg)])
                 twin.runs.append(run)
                 twin.rg_of.append(rg)
             with torch.set_grad_enabled(mode):  # nothing keeps the member's graph past this
