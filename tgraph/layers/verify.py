@@ -202,7 +202,7 @@ def _not_verifiable(unit) -> str | None:
         return "a torch.func transform is active"
     if not all(hooks_run_outside(r.module) for r in unit.members):
         return "a backward hook on the module would run for the eager rerun too"
-    if cap.device.type == "cuda":  # the eager rerun needs about the warmup's peak again
+    if cap.device.type == "cuda":  # the warmup's peak: more than the member-by-member rerun needs
         free, _ = torch.cuda.mem_get_info(cap.device)
         free += torch.cuda.memory_reserved(cap.device) - torch.cuda.memory_allocated(cap.device)
         if free < 1.25 * cap.memory.warmup_peak:
