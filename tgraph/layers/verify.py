@@ -28,9 +28,11 @@ the verifier alone must then catch the persistent classes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -120,11 +122,8 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
             logger.info("tgraph: %s: replays not verified: %s", cap.name, why_not)
         return replay()
     before = rng.get_states(cap.device)
-    buffers = [
-        (m._buffers, k) for r in unit.members for m in r.module.modules() for k in m._buffers
-    ]
-    buffers = [(table, k) for table, k in buffers if table[k] is not None]
-    saved = [table[k].detach().clone() for table, k in buffers]
+    modules = [m for r in unit.members for m in r.module.modules()]
+    buffers = _buffers_of(modules)
     copies = [t.detach().clone() for t in tensors]  # before a forward writes an input in place
     out = replay()
     if out.__class__ is not list:
@@ -135,24 +134,13 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     mode = torch.is_grad_enabled()  # of the call: a rerun in its backward runs in it too
     grad = cap.needs_backward and mode
     grad = grad and not any(hasattr(p, "main_grad") for p in state.route.autograd_params)
-    live = [table[k] for table, k in buffers]
+    live = [table[k] for table, k, _ in buffers]
 
     def run_eager(copies: list) -> Twin:
         """The unit run eagerly on ``copies`` from where the replay started (generators, and
         copies of the buffers as they were), leaving nothing behind."""
-        rng.set_states(before, cap.device)
-        for (table, k), v in zip(buffers, saved):
-            table[k] = v.clone()
-        dicts = [(vars(m), dict(vars(m))) for r in unit.members for m in r.module.modules()]
-        try:
+        with _as_before(modules, before, buffers, cap.device, after):
             return _eager_chain(unit, tensors, copies, mode, grad, module_call)
-        finally:  # what the eager run set (a weight a pre-hook computes, self.aux_loss) goes
-            for d, kept in dicts:
-                d.clear()
-                d.update(kept)
-            for (table, k), b in zip(buffers, live):
-                table[k] = b
-            rng.set_states(after, cap.device)
 
     try:
         twin = run_eager(copies)
@@ -180,7 +168,7 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
             )
         return out
     with torch.no_grad():  # undo the replay: this call runs eagerly from where it started
-        for b, v in zip(live, saved):
+        for b, (_, _, v) in zip(live, buffers):
             b.copy_(v)
     rng.set_states(before, cap.device)
     why = wrong(state, why)
@@ -252,51 +240,64 @@ def _member(cap, j: int, r, module_call, grad: bool):
     first: list = []  # the generator states and buffers its first run started from
 
     def run(mine: list, rg: list, leaves: list | None = None) -> list:
-        modules = list(r.module.modules())
-        redo = bool(first)
-        if grad and not redo:
-            first.append(rng.get_states(cap.device))
-            first.append(
-                [
-                    (m._buffers, k, b.detach().clone())
-                    for m in modules
-                    for k, b in m._buffers.items()
-                    if b is not None
-                ]
-            )
-        if redo:
-            outer = rng.get_states(cap.device)
-            rng.set_states(first[0], cap.device)
-            live = [(table, k, table[k]) for table, k, _ in first[1]]
-            for table, k, v in first[1]:
-                table[k] = v.clone()
-            dicts = [(vars(m), dict(vars(m))) for m in modules]
-        try:
-            given = []
-            for x, needs in zip(mine, rg):
-                if needs:
-                    leaf = x.detach().requires_grad_()
-                    if leaves is not None:
-                        leaves.append(leaf)
-                    x = leaf.clone()
-                given.append(x)
-            with graphed_region():
-                a, kw = r.call_template.fill(given)
-                tensors = split(module_call(r.module)(*a, **kw))[0]
-            full = tensors + [None] * (s.stop - s.start - len(tensors))
-            for m, k, at in stored:
-                full[at] = m.__dict__[k]
-            return full
-        finally:
-            if redo:  # what the rerun set goes; generators and buffers as it found them
-                for d, kept in dicts:
-                    d.clear()
-                    d.update(kept)
-                for table, k, v in live:
-                    table[k] = v
-                rng.set_states(outer, cap.device)
+        if first:  # again: from where the first run started, leaving nothing behind
+            modules = list(r.module.modules())
+            with _as_before(modules, *first, cap.device, rng.get_states(cap.device)):
+                return call(mine, rg, leaves)
+        if grad:
+            first.extend((rng.get_states(cap.device), _buffers_of(r.module.modules())))
+        return call(mine, rg, leaves)
+
+    def call(mine: list, rg: list, leaves: list | None) -> list:
+        given = []
+        for x, needs in zip(mine, rg):
+            if needs:
+                leaf = x.detach().requires_grad_()
+                if leaves is not None:
+                    leaves.append(leaf)
+                x = leaf.clone()
+            given.append(x)
+        with graphed_region():
+            a, kw = r.call_template.fill(given)
+            tensors = split(module_call(r.module)(*a, **kw))[0]
+        full = tensors + [None] * (s.stop - s.start - len(tensors))
+        for m, k, at in stored:
+            full[at] = m.__dict__[k]
+        return full
 
     return run
+
+
+def _buffers_of(modules) -> list[tuple[dict, str, torch.Tensor]]:
+    """``(table, name, copy of its value)`` for every buffer of ``modules``."""
+    return [
+        (m._buffers, k, b.detach().clone())
+        for m in modules
+        for k, b in m._buffers.items()
+        if b is not None
+    ]
+
+
+@contextlib.contextmanager
+def _as_before(modules: list, states: list, buffers: list, device, leave: list) -> Iterator[None]:
+    """Run from the generator ``states``, with every buffer of ``buffers`` (from
+    :func:`_buffers_of`) a fresh copy of its value; afterwards the buffers are the modules' own
+    again, what the run set on the modules goes (a weight a pre-hook computes,
+    ``self.aux_loss``) and the generators are at ``leave``."""
+    live = [(table, k, table[k]) for table, k, _ in buffers]
+    rng.set_states(states, device)
+    for table, k, v in buffers:
+        table[k] = v.clone()
+    dicts = [(vars(m), dict(vars(m))) for m in modules]
+    try:
+        yield
+    finally:
+        for d, kept in dicts:
+            d.clear()
+            d.update(kept)
+        for table, k, v in live:
+            table[k] = v
+        rng.set_states(leave, device)
 
 
 def _backprop(cap, twins: list[Twin], grads: tuple, member_params: list):
