@@ -28,11 +28,11 @@ def tiny_gpt(device, dropout: float = 0.0, seed: int = 0) -> GPT:
 class MLPBlock(tgraph.GraphableModule):
     """A non-transformer block: residual two-layer MLP with LayerNorm."""
 
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, hidden: int = 2) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
+        self.fc1 = nn.Linear(d, hidden * d)
+        self.fc2 = nn.Linear(hidden * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))

@@ -8,8 +8,7 @@ import gc
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from layer_models import MLPNet, gpt_batches, tiny_gpt, train
+from layer_models import MLPBlock, MLPNet, gpt_batches, tiny_gpt, train
 
 import tgraph
 
@@ -151,23 +150,10 @@ def test_creating_graphs_holds_each_gradient_once():
     assert replayed <= eager and tgraph.eager_calls() == 0
 
 
-class _WideBlock(tgraph.GraphableModule):
-    """Activation-heavy: about 18 saved activations of the block's output size."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 8 * d)
-        self.fc2 = nn.Linear(8 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 @pytest.mark.cuda
 def test_a_verified_replay_holds_one_members_activations(monkeypatch):
-    """8 activation-heavy blocks (about 150 MiB of saved activations each, 8 MiB outputs,
-    small weights): a verified replay reruns the stack eagerly beside the graphs, whose pool
+    """8 activation-heavy blocks (hidden 8d: about 80 MiB of saved activations each, 8 MiB
+    outputs, small weights): a verified replay reruns the stack eagerly beside the graphs, whose pool
     holds the replay's activations. The eager twin keeps each block's inputs and outputs, not
     its activations, and the verified backward runs one block at a time (tgraph.layers.verify):
     the step holds the outputs and one block's activations on top of the replay, not a second
@@ -176,7 +162,7 @@ def test_a_verified_replay_holds_one_members_activations(monkeypatch):
 
     device = torch.device("cuda")
     torch.manual_seed(0)
-    blocks = nn.ModuleList(_WideBlock(128) for _ in range(8)).to(device)
+    blocks = nn.ModuleList(MLPBlock(128, hidden=8) for _ in range(8)).to(device)
     x = torch.randn(16384, 128, device=device, requires_grad=True)
 
     def step():

@@ -104,9 +104,9 @@ class Pending:
     __slots__ = ("twin", "params", "member_params", "strict", "rerun")
 
     def __init__(self, twin: Twin, params: list, member_params: list, strict: bool, rerun) -> None:
-        self.twin, self.params, self.strict, self.rerun = twin, params, strict, rerun
+        self.twin, self.params, self.strict = twin, params, strict
         self.member_params = member_params  # per member: its parameters among ``params``
-        # rerun: () -> Twin, the eager run made again
+        self.rerun = rerun  # () -> Twin: the eager run made again
 
 
 def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, module_call):
@@ -338,21 +338,16 @@ def _backprop(cap, twins: list[Twin], grads: tuple, member_params: list):
                 [o for o, _ in pairs], leaves + ps, [g for _, g in pairs], allow_unused=True
             )
             del full, pairs
-            k_leaf = 0
+            found = iter(found)  # the leaves' gradients, then the parameters'
             for k, needs in enumerate(twin.rg_of[j]):
-                if not needs:
-                    continue
-                g = found[k_leaf]
-                k_leaf += 1
-                if j == 0:
-                    head[t][k] = _add(head[t][k], g)
-                else:
-                    from_prev, kk = cap.sources[j][k]
+                if needs:  # to the previous member's output, or the head's input
+                    from_prev, kk = cap.sources[j][k] if j else (False, k)
+                    g = next(found)
                     if from_prev:
                         acc[t][(j - 1, kk)] = _add(acc[t].get((j - 1, kk)), g)
                     else:
                         head[t][kk] = _add(head[t][kk], g)
-            for p, g in zip(ps, found[len(leaves) :]):
+            for p, g in zip(ps, found):
                 pgrads[t][id(p)] = _add(pgrads[t].get(id(p)), g)
         for p in ps:
             if done_at[id(p)] == j:
