@@ -104,6 +104,8 @@ MODES = [
     "tgraph_layer_direct",
     "tgraph_layer_opt_noskip_direct",
     "tgraph_layer_opt_compiled_direct",
+    "tgraph_layer_autograd",
+    "tgraph_layer_opt_noskip_autograd",
     "tgraph_model",
     "tgraph_model_opt_noskip",
     "tgraph_layer_norm_eager",
@@ -118,6 +120,7 @@ CPU_MODES = [
     "tgraph_full_skip",
     "tgraph_layer_direct",
     "tgraph_layer_opt_noskip_direct",
+    "tgraph_layer_autograd",
     "tgraph_model",
     "tgraph_model_opt_noskip",
 ]
@@ -180,9 +183,9 @@ def _norm_eager(model):
 _UNITS = {"layers": lambda m: m, "whole": _whole, "head": _head_members, "norm_eager": _norm_eager}
 
 
-def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=False, units="layers"):  # noqa: A002
+def mode_tgraph_layer(s: Setup, ckpt=False, compile=False, direct=None, units="layers"):  # noqa: A002
     """``compile``: enable(compile=True); capture_s then includes the recorded iteration,
-    where inductor compiles the layers. ``direct``: enable(direct_grads=True). ``units``: what
+    where inductor compiles the layers. ``direct``: enable(direct_grads=...). ``units``: what
     is graphed (:data:`_UNITS`): the blocks (HF Llama's final norm a member, as graph_layers
     makes it), the model as one unit (:func:`_whole`), the toy's ln_f and lm_head as members
     too (:func:`_head_members`), or HF Llama's final norm eager (:func:`_norm_eager`)."""
@@ -236,11 +239,11 @@ def mode_tgraph_full(s: Setup, skip: bool = False, compiled: bool = False):
     return times, loss, capture, note + ("; skip_nonfinite=True" if skip else "")
 
 
-def mode_tgraph_layer_opt(s: Setup, skip=True, compile=False, direct=False, units="layers"):  # noqa: A002
+def mode_tgraph_layer_opt(s: Setup, skip=True, compile=False, direct=None, units="layers"):  # noqa: A002
     """Per-layer graphs for forward/backward plus tgraph.OptimizerGraph for the AdamW step;
     ``skip``: non-finite steps skipped on the device (the default); ``compile``:
     enable(compile=True), capture_s then includes the recorded (compiling) iteration;
-    ``direct``: enable(direct_grads=True); ``units``: as :func:`mode_tgraph_layer`'s."""
+    ``direct``: enable(direct_grads=...); ``units``: as :func:`mode_tgraph_layer`'s."""
     model, opt = s.fresh()
     _UNITS[units](model)
     graph = tgraph.OptimizerGraph(opt, skip_nonfinite=skip, backend=s.backend)
@@ -298,7 +301,12 @@ MODE_FUNCS: dict[str, Callable] = {
     "tgraph_layer_compiled": lambda s: mode_tgraph_layer(s, compile=True),
     "tgraph_layer_opt_compiled": lambda s: mode_tgraph_layer_opt(s, compile=True),
     "tgraph_full_compiled": lambda s: mode_tgraph_full(s, compiled=True),
-    # enable(direct_grads=True): the node writes .grad, no AccumulateGrad per parameter
+    # enable(direct_grads=True): the node writes .grad, no AccumulateGrad per parameter (the
+    # default does the same in one process); False: autograd's path, the default until 2026-12-07
+    "tgraph_layer_autograd": lambda s: mode_tgraph_layer(s, direct=False),
+    "tgraph_layer_opt_noskip_autograd": lambda s: mode_tgraph_layer_opt(
+        s, skip=False, direct=False
+    ),
     "tgraph_layer_direct": lambda s: mode_tgraph_layer(s, direct=True),
     "tgraph_layer_opt_noskip_direct": lambda s: mode_tgraph_layer_opt(s, skip=False, direct=True),
     "tgraph_layer_opt_compiled_direct": lambda s: mode_tgraph_layer_opt(

@@ -91,7 +91,7 @@ perf | final)
   bounded bench_toy 50 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 \
     --warmup 3 --modes "$TOY_MODES,tgraph_layer_opt_noskip_direct" --out "$W/toy"
   bounded profile_host 35 python scripts/profile_host.py --device cuda --backend cuda --model both \
-    --direct --steps 100 --reps 3 --out "$W/profile"
+    --direct on --steps 100 --reps 3 --out "$W/profile"
   archive_end
   exit 0
   ;;
@@ -107,7 +107,7 @@ direct)
   bounded profile_host 30 python scripts/profile_host.py --device cuda --backend cuda --model both \
     --steps 100 --reps 3 --out "$W/profile"
   bounded profile_host_direct 30 python scripts/profile_host.py --device cuda --backend cuda \
-    --model both --direct --steps 100 --reps 3 --out "$W/profile_direct"
+    --model both --direct on --steps 100 --reps 3 --out "$W/profile_direct"
   archive_end
   exit 0
   ;;
@@ -195,7 +195,7 @@ te | te-verify | te-megatron)
     stage profile-host 60 python scripts/profile_host.py --device cuda --backend cuda \
       --model both --steps 200 --reps 3 --out "$OUT/profile"
     stage profile-host-direct 60 python scripts/profile_host.py --device cuda --backend cuda \
-      --model both --direct --steps 200 --reps 3 --out "$OUT/profile_direct"
+      --model both --direct on --steps 200 --reps 3 --out "$OUT/profile_direct"
   fi
   printf '%s\n' "${STAGES[@]}"
   exit 0

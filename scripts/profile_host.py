@@ -80,7 +80,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--optimizer", default="graph", choices=["graph", "eager", "none"])
     p.add_argument("--no-merge", action="store_true", help="tgraph.enable(merge=False)")
-    p.add_argument("--direct", action="store_true", help="tgraph.enable(direct_grads=True)")
+    p.add_argument(
+        "--direct",
+        choices=["default", "on", "off"],
+        default="default",
+        help="tgraph.enable(direct_grads=None / True / False)",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile tgraph's functions")
     p.add_argument("--top", type=int, default=30, help="functions listed by --profile")
     p.add_argument(
@@ -186,7 +191,12 @@ def layer_setup(a: argparse.Namespace, device: torch.device):
                 PHASES[k] += v
         return loss
 
-    tgraph.enable(model, backend=a.backend, merge=not a.no_merge, direct_grads=a.direct)
+    tgraph.enable(
+        model,
+        backend=a.backend,
+        merge=not a.no_merge,
+        direct_grads={"default": None, "on": True, "off": False}[a.direct],
+    )
     step()  # the recorded iteration
     if opt is not None and graph is None:
         opt.zero_grad(set_to_none=True)

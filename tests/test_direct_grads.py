@@ -1,7 +1,9 @@
-"""``tgraph.enable(model, direct_grads=True)``: the graphed node writes parameter gradients to
-``.grad`` itself (tgraph.layers.direct_grads.DirectGrads), so autograd's engine runs no AccumulateGrad node
-per parameter. Every gradient must end as eager leaves it: set, accumulated, None where no used
-output reaches it, hooks run; whatever it cannot do exactly is refused with an error."""
+"""Direct gradients (``tgraph.enable(model)``'s default where exact, ``direct_grads=True``): the
+graphed node writes parameter gradients to ``.grad`` itself (tgraph.layers.direct_grads.DirectGrads),
+so autograd's engine runs no AccumulateGrad node per parameter. Every gradient must end as eager
+leaves it: set, accumulated, None where no used output reaches it, hooks run, handed to
+``autograd.grad`` and ``backward(inputs=...)``; what it cannot do exactly (torch.distributed)
+goes back to autograd's path by default and is refused with ``direct_grads=True``."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def _train(model, batches, backend=None, *, accumulate=1, lr=0.1, before=None, *
     ``before(i)`` before step i. Returns the losses and the last step's gradients by name."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if backend is not None:
-        tgraph.enable(model, backend=backend, strict=True, direct_grads=True, **enable)
+        tgraph.enable(model, backend=backend, strict=True, **{"direct_grads": True, **enable})
     losses, grads = [], {}
     for i in range(0, len(batches), accumulate):
         if before is not None:
@@ -62,7 +64,7 @@ def test_direct_grads_train_as_eager(backend, device, merge, accumulate):
 def test_planted_bug_direct_grads_overwrite_instead_of_accumulate(backend, device, monkeypatch):
     """A second microbatch's gradient assigned over the first (not added) must be caught."""
 
-    def assign(self, grads):
+    def assign(self, grads, asked=None):
         out = [None]
         params = iter(self.params)
         for g, m in zip(grads, self.mask):
@@ -81,26 +83,25 @@ def test_planted_bug_direct_grads_overwrite_instead_of_accumulate(backend, devic
         _assert_same(got, want)
 
 
-def test_the_engine_runs_no_accumulate_grad_for_parameters_written_directly(backend, device):
-    """The point of the mode, and its documented blind spot: no AccumulateGrad node runs for a
-    parameter the node writes, so a hook on that node (not on the tensor) does not run either;
-    one parameter per unit keeps autograd's path (what makes backward(inputs=...) run the node,
-    which refuses it). With the mode off, every parameter's node runs. The gradients are
-    eager's both ways."""
-    for direct in (True, False):
-        model, eager, x = _captured(backend, device, direct_grads=direct, merge=False)
-        ran = []
-        params = list(model.blocks[0].parameters())
-        for p in params:
-            node = p.view_as(p).grad_fn.next_functions[0][0]  # held by tgraph: the same node
-            node.register_hook(lambda grad_inputs, grad_outputs, ran=ran: ran.append(1))
-        model(x).sum().backward()
-        eager(x).sum().backward()
-        assert len(ran) == (1 if direct else len(params)), direct
-        for p, q in zip(model.parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
-        tgraph.reset()
-        tgraph.disable(model)
+@pytest.mark.parametrize("direct", [None, True, False], ids=["default", "on", "off"])
+def test_the_engine_runs_no_accumulate_grad_for_parameters_written_directly(
+    backend, device, direct
+):
+    """The point of the mode, on by default, and its documented blind spot: no AccumulateGrad
+    node runs for a parameter the node writes, so a hook on that node (not on the tensor) does
+    not run either. With the mode off, every parameter's node runs. The gradients are eager's
+    every way."""
+    model, eager, x = _captured(backend, device, direct_grads=direct, merge=False)
+    ran = []
+    params = list(model.blocks[0].parameters())
+    for p in params:
+        node = p.view_as(p).grad_fn.next_functions[0][0]  # held by tgraph: the same node
+        node.register_hook(lambda grad_inputs, grad_outputs, ran=ran: ran.append(1))
+    model(x).sum().backward()
+    eager(x).sum().backward()
+    assert len(ran) == (len(params) if direct is False else 0)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
 
 
 class MLPNetLike(nn.Module):
@@ -121,6 +122,7 @@ def _captured(backend, device, x_grad=False, **enable):
     model = MLPNetLike(device)
     eager = copy.deepcopy(model)
     tgraph.enable(model, backend=backend, strict=True, **{"direct_grads": True, **enable})
+    assert tgraph.eager_calls() == 0
     x = torch.randn(4, 16, device=device, requires_grad=x_grad)
     model(x).sum().backward()
     model.zero_grad(set_to_none=True)
@@ -143,13 +145,17 @@ class Twice(nn.Module):
         return pred, F.mse_loss(pred, y)
 
 
-def test_a_parameter_differentiated_twice_gets_the_sum(backend, device):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "autograd"])
+def test_a_parameter_differentiated_twice_gets_the_sum(backend, device, direct):
+    """Also what the shadow verifier compares (strict: a difference raises): the sum of the
+    node's two gradients for the parameter against eager's (found with direct gradients on
+    by default: it compared one use's gradient with eager's sum, a false alarm both ways)."""
     torch.manual_seed(0)
     model = Twice().to(device)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(5, 8, generator=g), torch.randn(5, 1, generator=g)) for _ in range(6)]
     batches = [(x.to(device), y.to(device)) for x, y in batches]
-    got = _train(copy.deepcopy(model), batches, backend, accumulate=2)
+    got = _train(copy.deepcopy(model), batches, backend, accumulate=2, direct_grads=direct)
     want = _train(model, batches, accumulate=2)
     _assert_same(got, want)
 
@@ -202,56 +208,72 @@ def test_a_parameter_with_a_hook_keeps_autograd_path(backend, device, when, kind
     assert seen["graphed"] == seen["eager"] > 0
 
 
-def test_autograd_grad_and_backward_inputs_are_refused(backend, device):
-    model, _, x = _captured(backend, device, x_grad=True)
-    w = model.blocks[1].fc1.weight
-    with pytest.raises(RuntimeError, match="direct_grads=True.*plain loss.backward"):
-        torch.autograd.grad(model(x).sum(), [x])
-    with pytest.raises(RuntimeError, match="direct_grads=True.*plain loss.backward"):
-        model(x).sum().backward(inputs=[x])
-    assert w.grad is None
-    model(x).sum().backward()  # a plain backward still works after the refusals
-    assert w.grad is not None
+def _grads_of(model, x, how, asked):
+    """The gradients ``how`` gives for ``asked`` (names of model's parameters, or "x") through
+    a fresh forward, and every parameter's ``.grad`` after it."""
+    tensors = [x if n == "x" else model.get_parameter(n) for n in asked]
+    loss = model(x).pow(2).sum()
+    if how == "autograd_grad":
+        got = list(torch.autograd.grad(loss, tensors))
+    elif how == "materialize_grads":
+        got = list(torch.autograd.grad(loss, tensors, materialize_grads=True))
+    else:
+        loss.backward(inputs=tensors)
+        got = [t.grad for t in tensors]
+    return got, {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad"])
-def test_gradients_asked_for_the_parameters_are_refused(backend, device, how):
-    """``backward(inputs=params)`` and ``autograd.grad(loss, params, allow_unused=True)`` where
-    nothing upstream of the graphed layers requires grad: the node's only edge was the anchor,
-    so autograd skipped it and every graphed parameter got no gradient, with no error. The
-    node must run and refuse; then a plain backward trains as eager."""
-    model, eager, x = _captured(backend, device)
-    params = list(model.parameters())
-    with pytest.raises(RuntimeError, match="direct_grads=True.*plain loss.backward"):
-        if how == "backward_inputs":
-            model(x).sum().backward(inputs=params)
-        else:
-            torch.autograd.grad(model(x).sum(), params, allow_unused=True)
-    assert all(p.grad is None for p in params)
-    model(x).sum().backward()  # strict: replayed
-    eager(x).sum().backward()
-    for p, q in zip(params, eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+ASKED = {  # parameters the node writes; the input; both; a block's every parameter
+    "one_param": ["blocks.1.fc1.bias"],
+    "input": ["x"],
+    "input_and_params": ["x", "blocks.0.fc2.weight", "blocks.1.fc1.weight"],
+    "a_whole_block": [f"blocks.1.{m}.{k}" for m in ("fc1", "fc2") for k in ("weight", "bias")],
+    "twice": ["blocks.0.fc1.weight", "blocks.0.fc1.weight"],
+}
 
 
+@pytest.mark.parametrize("asked", list(ASKED))
 @pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad", "materialize_grads"])
-def test_a_gradient_asked_for_one_directly_written_parameter_is_refused(backend, device, how):
-    """Asked for a parameter the node writes (not the unit's first, which keeps an edge):
-    no edge reaches it, so autograd skipped the node and returned None (zeros with
-    ``materialize_grads``, ``.grad`` untouched for ``backward(inputs=...)``) where eager
-    has its gradient. Refused before the engine runs, losing nothing."""
-    model, eager, x = _captured(backend, device)
-    p = model.blocks[1].fc1.bias
-    with pytest.raises(RuntimeError, match="asks for the gradient of a parameter.*direct_grads"):
-        if how == "backward_inputs":
-            model(x).sum().backward(inputs=[p])
-        else:
-            kw = {"allow_unused": True} if how == "autograd_grad" else {"materialize_grads": True}
-            torch.autograd.grad(model(x).sum(), [p], **kw)
-    assert p.grad is None
-    model(x).sum().backward()  # strict: replayed
+@pytest.mark.parametrize("direct", [None, True], ids=["default", "on"])
+def test_gradients_asked_for_get_eagers(backend, device, asked, how, direct):
+    """``backward(inputs=...)`` and ``torch.autograd.grad`` naming parameters the node writes
+    (no edge reaches them: the engine's entry asks for their anchors instead), the input, or
+    both: eager's gradients, and no ``.grad`` written beyond what was asked (autograd.grad
+    writes none). Planted: the node writing every ``.grad`` whatever was asked; the entry not
+    handing back the node's gradients (autograd would return None, or zeros with
+    materialize_grads). Then a plain backward trains as eager (strict: replayed)."""
+    if how == "materialize_grads" and asked != "one_param":
+        pytest.skip("one case of materialize_grads is enough")
+    model, eager, x = _captured(backend, device, x_grad=True, direct_grads=direct)
+    names = ASKED[asked]
+    for _ in range(2):  # asked once, and again with .grad already set (accumulated)
+        got, grads = _grads_of(model, x.detach().requires_grad_(), how, names)
+        want, eager_grads = _grads_of(eager, x.detach().requires_grad_(), how, names)
+        for n, g, w in zip(names, got, want, strict=True):
+            if n != "x":
+                torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=n)
+        for n, w in eager_grads.items():
+            if w is None:
+                assert grads[n] is None, n
+            else:
+                torch.testing.assert_close(grads[n], w, rtol=RTOL, atol=ATOL, msg=n)
+    model.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+    model(x).sum().backward()
     eager(x).sum().backward()
-    torch.testing.assert_close(p.grad, eager.blocks[1].fc1.bias.grad, rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    assert tgraph.eager_calls() == 0
+
+
+def test_a_parameter_of_a_unit_not_run_is_unused_as_in_eager(backend, device):
+    """``autograd.grad`` naming a directly written parameter whose unit the loss does not
+    reach: eager's error without ``allow_unused``, None with it."""
+    model, eager, x = _captured(backend, device)
+    p = model.blocks[1].fc1.weight
+    with pytest.raises(RuntimeError, match="not have been used"):
+        torch.autograd.grad(model.blocks[0](x).sum(), [p])  # blocks[1] not run
+    assert torch.autograd.grad(model.blocks[0](x).sum(), [p], allow_unused=True) == (None,)
 
 
 def test_torch_distributed_is_refused(backend, device):
@@ -291,23 +313,29 @@ def test_direct_grads_beside_the_optimizer_graph(backend, device):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_a_hook_registered_between_forward_and_backward_is_refused(backend, device):
-    """That forward left the parameter's gradient to the node: its hook could not run, so
-    the backward raises (no silent skip); the next forward gives it autograd's path."""
+@pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
+def test_a_hook_registered_between_forward_and_backward_runs_as_in_eager(backend, device, kind):
+    """That forward left the parameter's gradient to the node: the node runs the hook as
+    AccumulateGrad would (a tensor hook that scales the gradient before the accumulation, a
+    post-accumulate hook after it), then the next forward gives the parameter autograd's
+    path. Planted: the hook not run (the gradient unscaled, the count short)."""
     model, eager, x = _captured(backend, device)
-    out = model(x).sum()
     calls = []
-    model.blocks[1].fc1.weight.register_hook(lambda g: calls.append(1))
-    with pytest.raises(RuntimeError, match="between its forward and its backward"):
+    for m in (model, eager):
+        out = m(x).sum()
+        w = m.blocks[1].fc1.weight
+        if kind == "register_hook":
+            w.register_hook(lambda g: calls.append(1) or 3 * g)
+        else:
+            w.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.sum().item()))
         out.backward()
-    assert not calls
-    del out  # its autograd graph (and the unit's flight) goes with it
-    model.zero_grad(set_to_none=True)
-    model(x).sum().backward()
-    eager(x).sum().backward()
-    assert calls == [1]
+        m(x).sum().backward()  # the next step: autograd's path
+    assert len(calls) == 4
+    if kind == "post_accumulate":
+        assert calls[:2] == pytest.approx(calls[2:])
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    assert tgraph.eager_calls() == 0
 
 
 class MixedBlock(tgraph.GraphableModule):
@@ -394,5 +422,40 @@ def test_torch_distributed_initialized_after_capture_is_refused(backend, device)
     try:
         with pytest.raises(ValueError, match="direct_grads=True with torch.distributed"):
             out.backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def _accumulator_hooks_run(model) -> tuple[list, list]:
+    """A hook on each parameter's AccumulateGrad node, held, as DDP and megatron-core
+    register them: the list the hooks append to, and the nodes."""
+    ran, nodes = [], [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]
+    for node in nodes:
+        node.register_hook(lambda grad_inputs, grad_outputs, ran=ran: ran.append(1))
+    return ran, nodes
+
+
+@pytest.mark.parametrize("when", ["before_enable", "after_capture"])
+def test_the_default_under_torch_distributed_keeps_autograds_path(backend, device, when):
+    """The default (direct where exact) with torch.distributed initialized, before enable()
+    or after capture: the parameters keep autograd's path, so the hooks DDP puts on their
+    gradient accumulators run (planted: the default not looking at torch.distributed, 0 of
+    6 run), and the gradients are eager's; the replays are strict."""
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    if when == "before_enable":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, eager, x = _captured(backend, device, direct_grads=None)
+        if when == "after_capture":
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        ran, nodes = _accumulator_hooks_run(model.blocks[0])
+        model(x).sum().backward()
+        eager(x).sum().backward()
+        assert len(ran) == len(nodes)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        assert tgraph.eager_calls() == 0
     finally:
         dist.destroy_process_group()

@@ -54,12 +54,12 @@ def test_planted_bug_unprotected_param_grads_is_caught(backend, device, swaps):
             check_gradient_accumulation(backend, device)
 
 
-def _scaled_pair(backend, device, strict=True):
+def _scaled_pair(backend, device, strict=True, **enable):
     """A graphed Scaled and its eager twin, graphs created after one recorded step."""
     torch.manual_seed(0)
     mod = Scaled().to(device)
     eager = copy.deepcopy(mod)
-    tgraph.enable(mod, backend=backend, strict=strict)
+    tgraph.enable(mod, backend=backend, strict=strict, **enable)
     x = torch.randn(4, 8, device=device)
     mod(x).sum().backward()
     mod.zero_grad(set_to_none=True)
@@ -302,8 +302,9 @@ def test_the_parameters_gradient_accumulators_live_as_long_as_the_graphs(backend
     the graphed parameters' nodes, so replays do not build them anew each step. Seen through
     the node's metadata, which lives and dies with the node; also after the gradients are
     re-routed to parameters replaced after capture (load_state_dict(assign=True)); every call
-    replays (strict mode)."""
-    mod, eager, x = _scaled_pair(backend, device)
+    replays (strict mode). On autograd's path (direct_grads=False): a parameter written
+    directly has no node to hold."""
+    mod, eager, x = _scaled_pair(backend, device, direct_grads=False)
     loose = nn.Parameter(torch.ones(()))  # no holder: a new node at each call
     _accumulator(loose).metadata["mark"] = 1
     assert "mark" not in _accumulator(loose).metadata
@@ -327,8 +328,8 @@ def test_the_parameters_gradient_accumulators_live_as_long_as_the_graphs(backend
 def test_the_held_accumulators_follow_a_dtype_round_trip(backend, device):
     """model.double().float() (an offload round trip) gives each parameter a new
     AccumulateGrad node; the held ones follow (found in review: the stale ones stayed held and
-    every step built the nodes anew again)."""
-    mod, eager, x = _scaled_pair(backend, device)
+    every step built the nodes anew again). On autograd's path (direct_grads=False)."""
+    mod, eager, x = _scaled_pair(backend, device, direct_grads=False)
     mod(x).sum().backward()
     for trip in range(2):  # the second while the first is followed (found in review)
         for m in (mod, eager):

@@ -95,9 +95,6 @@ def grads_for_autograd(
     if active is not None and not all(active):
         for pos in cap.unused.none_positions(active, state.none_at):
             grads[pos] = None
-    if state.route.direct is not None:  # direct_grads: written to .grad here, not by autograd
-        n = len(cap.static_grads)
-        grads[n:] = state.route.direct.deliver(grads[n:])
     return grads
 
 

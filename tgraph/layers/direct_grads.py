@@ -1,5 +1,6 @@
-"""Opt-in direct gradients (``tgraph.enable(model, direct_grads=True)``): a graphed node writes
-its parameters' gradients to ``.grad`` itself, in place of autograd's AccumulateGrad nodes.
+"""Direct gradients (``tgraph.enable(model, direct_grads=...)``, on by default where exact): a
+graphed node writes its parameters' gradients to ``.grad`` itself, in place of autograd's
+AccumulateGrad nodes.
 
 :class:`DirectGrads` is the unit's switch (and the refusal under torch.distributed);
 :class:`DirectRoute` is one unit's route: which parameters the node writes, and the anchor leaf
@@ -17,61 +18,88 @@ _ROUTES: weakref.WeakSet[DirectRoute] = weakref.WeakSet()  # the live routes: wh
 
 
 class DirectGrads:
-    """Opt-in (``tgraph.enable(model, direct_grads=True)``): the graphed node writes parameter
-    gradients to ``.grad`` itself instead of handing them to autograd's AccumulateGrad.
+    """Whether a unit's node writes its parameters' gradients to ``.grad`` itself instead of
+    handing them to autograd's AccumulateGrad (``tgraph.enable(direct_grads=...)``; None, the
+    default: wherever torch.distributed is not initialized).
 
-    Normally the node takes every parameter as an input, and after each backward autograd's
-    engine runs one AccumulateGrad node per parameter (its hooks, a lock, the steal or the add,
-    the engine's per-node path): together a few microseconds a parameter on the host, the
-    largest part of a host-bound step's backward. With this on, the node takes one internal
-    leaf (the *anchor*) and the parameters that keep autograd's path; its backward does for
-    the others what AccumulateGrad does: ``.grad`` set to the gradient where it is None, the
-    gradient added in place otherwise (one multi-tensor add; one add each where a parameter
-    repeats). :class:`DirectRoute` holds one unit's route.
+    Normally the node takes every parameter as an input: ``Function.apply`` then pays for each
+    (about 0.5 us a parameter on the host, 60 us for a 12-layer stack's 112), and after each
+    backward autograd's engine runs one AccumulateGrad node per parameter (its hooks, a lock,
+    the steal or the add, the engine's per-node path): together the largest part of a
+    host-bound step's graphed calls. Direct, the node takes one internal leaf (the *anchor*)
+    and the parameters that keep autograd's path; its backward does for the others what
+    AccumulateGrad does: ``.grad`` set to the gradient where it is None, the gradient added in
+    place otherwise (one multi-tensor add), a tensor hook registered since the forward run
+    first, a post-accumulate one after. :class:`DirectRoute` holds one unit's route.
 
-    Exact for ``loss.backward()`` in one process. Refused with an error naming the fix:
-    torch.distributed initialized (DDP, FSDP and megatron hook the parameters' grad
-    accumulators, which would not run); ``backward(inputs=...)`` or ``torch.autograd.grad``
-    through a graphed layer (they would not accumulate into every ``.grad``; one parameter
-    per unit keeps autograd's path so that a list of parameters reaches the node, which
-    refuses it), and either one asking for a parameter written directly, which no edge
-    reaches (refused before autograd's engine runs, by :func:`_guard_inputs`); torch.func
-    transforms. Parameters with tensor hooks (``register_hook``,
-    ``register_post_accumulate_grad_hook``), non-contiguous or non-leaf ones keep autograd's path; a
-    hook registered after capture, or a parameter laid out anew, moves it back to that path
-    before the next forward. Not seen: hooks registered on a parameter's AccumulateGrad node
-    itself (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``) in one process; they
-    do not run for the parameters written directly.
+    ``backward(inputs=...)`` and ``torch.autograd.grad`` get what eager gives them: the
+    engine's entry (:func:`_guard_inputs`) asks for the anchor of a directly written parameter
+    in its place and hands back that parameter's gradient, and the node writes no ``.grad``
+    the call did not ask for. Parameters with tensor hooks, non-contiguous, non-leaf or
+    subclassed ones keep autograd's path. Never direct: units under torch.distributed (DDP,
+    FSDP and megatron-core hook the parameters' gradient accumulators, which would not run) or
+    a torch.func transform; by default a unit finding either at a forward goes back to
+    autograd's path for good, and ``direct_grads=True`` refuses them. Not seen: hooks
+    registered on a parameter's AccumulateGrad node itself
+    (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``) in one process without
+    torch.distributed; they do not run for the parameters written directly
+    (``direct_grads=False`` runs them).
     """
 
-    def __init__(self, enabled: bool = False) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = enabled  # None: wherever it is exact (chosen, not asked for)
 
     @staticmethod
     def refuse_distributed() -> None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
+        if distributed():
             raise ValueError(
                 "tgraph: direct_grads=True with torch.distributed initialized: DDP, FSDP and "
                 "megatron-core hook every parameter's gradient accumulator, which direct "
-                "gradients skip. Enable without direct_grads (the default)."
+                "gradients skip. Enable without direct_grads (the default chooses)."
             )
 
     def route(self, kept: list[torch.Tensor], device: torch.device) -> DirectRoute | None:
         """The route of one unit's parameters ``kept`` (those autograd would get), or None
         when off. Its backward hands fresh tensors each time (ParamGradOutputs), which
         AccumulateGrad would adopt as they are."""
-        if not self.enabled:
+        if self.enabled is False:
+            return None
+        if self.enabled is None and (distributed() or not _guardable()):
+            self.enabled = False
             return None
         self.refuse_distributed()
         return DirectRoute(kept, device)
 
+    def leave(self, name: str) -> None:
+        """At a forward under a torch.func transform or torch.distributed: the default goes
+        back to autograd's path for good (the caller re-routes); ``direct_grads=True``
+        refuses."""
+        if self.enabled is None:
+            self.enabled = False
+            return
+        self.refuse_distributed()
+        raise RuntimeError(
+            f"tgraph: {name} was enabled with direct_grads=True, whose node writes .grad "
+            "itself, under a torch.func transform (which takes gradients through autograd). "
+            "Enable without direct_grads=True to graph it under torch.func."
+        )
+
+
+def distributed() -> bool:
+    """Whether torch.distributed is initialized (never direct then)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
 
 def _direct(p: torch.Tensor) -> bool:
     """Whether AccumulateGrad's work for ``p`` is only the steal or the add that
-    :meth:`DirectRoute.deliver` does: a dense, contiguous leaf without tensor hooks."""
+    :meth:`DirectRoute.deliver` does: a dense, contiguous leaf of a plain class (a subclass
+    may accumulate its own way) without tensor hooks, and without megatron-core's
+    ``main_grad`` (whose DDP hooks the gradient accumulator, even in one process)."""
     return (
-        p.is_leaf
+        type(p) in _PLAIN
+        and not hasattr(p, "main_grad")
+        and p.is_leaf
         and p.requires_grad
         and p.layout == torch.strided
         and p.is_contiguous()
@@ -80,18 +108,18 @@ def _direct(p: torch.Tensor) -> bool:
     )
 
 
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
+
+
 class DirectRoute:
     """Which of a unit's parameters get their gradients from the node (:class:`DirectGrads`),
     and the anchor leaf that stands in for them as the node's input."""
 
-    __slots__ = ("mask", "params", "ids", "unique", "anchor", "anchor_node", "__weakref__")
+    __slots__ = ("kept", "mask", "params", "ids", "unique", "anchor", "anchor_node", "__weakref__")
 
     def __init__(self, kept: list[torch.Tensor], device: torch.device) -> None:
-        # Per parameter autograd would get: direct? Not the first one: an edge to a parameter
-        # makes backward(inputs=params) run the node (to be refused), not skip it silently.
-        mask = list(map(_direct, kept))
-        first = next((p for p, m in zip(kept, mask) if m), None)
-        self.mask = tuple(m and p is not first for p, m in zip(kept, mask))
+        self.kept = kept  # per parameter gradient the node's backward computes
+        self.mask = tuple(map(_direct, kept))
         self.params = [p for p, m in zip(kept, self.mask) if m]
         self.ids = frozenset(map(id, self.params))  # held by self.params: ids stay theirs
         self.unique = len(self.ids) == len(self.params)
@@ -105,39 +133,37 @@ class DirectRoute:
         """The node's parameter inputs: the anchor, then those that keep autograd's path."""
         return [self.anchor, *(p for p, m in zip(kept, self.mask) if not m)]
 
-    def check_backward(self, name: str, hooks_moved: bool) -> None:
-        """Before the backward replay: this is a plain ``backward()``, which runs every node
-        (the anchor's too), not ``backward(inputs=...)`` or ``torch.autograd.grad``; and no
-        parameter written directly got a tensor hook since its forward (``hooks_moved``: a
-        hook was registered somewhere since)."""
-        DirectGrads.refuse_distributed()  # initialized after capture
-        if hooks_moved:
-            hooked = [p for p in self.params if not _direct(p)]
-            if hooked:
-                raise RuntimeError(
-                    f"tgraph: a tensor hook was registered on a parameter of {name} between its "
-                    "forward and its backward; with direct_grads=True that forward left the "
-                    "parameter's gradient to the node, so the hook would not run. Register it "
-                    "before the forward (the next forward gives the parameter autograd's path)."
-                )
+    def request(self, name: str, strict_dist: bool) -> Request | None:
+        """Before the backward replay: None in a plain ``backward()`` (the engine runs every
+        node, the anchor's too); the :class:`Request` of a ``backward(inputs=...)`` or
+        ``torch.autograd.grad`` (set by the engine's entry). ``strict_dist``: refuse
+        torch.distributed initialized since the forward (``direct_grads=True``)."""
+        if strict_dist:
+            DirectGrads.refuse_distributed()
+        asked = _request[0]
+        if asked is not None:
+            return asked
         try:
             plain = torch._C._will_engine_execute_node(self.anchor_node)
         except RuntimeError:  # torch.autograd.grad
             plain = False
-        if not plain:
+        if not plain:  # entered past torch.autograd's Python entry (which sets the request)
             raise RuntimeError(
-                f"tgraph: {name} writes its parameters' gradients to .grad itself "
-                "(direct_grads=True), which is exact only for a plain loss.backward(); this "
-                "backward is torch.autograd.grad or backward(inputs=...). Enable without "
-                "direct_grads for this training loop."
+                f"tgraph: {name} writes its parameters' gradients to .grad itself, and this "
+                "backward entered autograd's engine past torch.autograd.backward and grad, so "
+                "it cannot tell which gradients were asked for. Enable with "
+                "direct_grads=False for this training loop."
             )
+        return None
 
-    def deliver(self, grads: list) -> list:
+    def deliver(self, grads: list, asked: Request | None = None) -> list:
         """``grads``: per parameter autograd would get. Writes the direct ones to ``.grad``
-        (as AccumulateGrad: set where None, added in place otherwise); returns the node's
-        gradients for :meth:`inputs` (None for the anchor)."""
-        mask, out = self.mask, [None]
-        targets, addends = [], []
+        (as AccumulateGrad: a tensor hook first, then set where None, added in place
+        otherwise, then a post-accumulate hook), only those ``asked`` names when a backward
+        names its inputs (or, for ``autograd.grad``, hands them to it); returns the node's
+        gradients for :meth:`inputs` (a zero for the anchor the engine was asked for)."""
+        mask, out = self.mask, [None if asked is None else self.anchor.new_zeros(())]
+        targets, addends, hooked = [], [], []
         params = iter(self.params)
         for g, m in zip(grads, mask):
             if not m:
@@ -146,7 +172,16 @@ class DirectRoute:
             p = next(params)
             if g is None or not p.requires_grad:  # frozen since the forward: as AccumulateGrad
                 continue
-            if p.grad is None:
+            if asked is not None:
+                if id(p) not in asked.wanted:
+                    continue
+                if not asked.accumulate:
+                    have = asked.got.get(id(p))
+                    asked.got[id(p)] = g if have is None else have + g
+                    continue
+            if p._backward_hooks or p._post_accumulate_grad_hooks:  # registered since
+                hooked.append((p, g))
+            elif p.grad is None:
                 p.grad = g
             else:
                 targets.append(p.grad)
@@ -157,36 +192,101 @@ class DirectRoute:
             else:  # one destination twice in one _foreach_add_ races on CUDA
                 for t, g in zip(targets, addends):
                     t.add_(g)
+        for p, g in hooked:
+            _accumulate_with_hooks(p, g)
         return out
 
 
-def _asked_direct(inputs) -> bool:
-    """Whether ``inputs`` (a backward's ``inputs=``, ``autograd.grad``'s inputs) names a
-    parameter some live route writes directly."""
-    routes = list(_ROUTES)
-    return any(isinstance(t, torch.Tensor) and any(id(t) in r.ids for r in routes) for t in inputs)
+def _accumulate_with_hooks(p: torch.Tensor, g: torch.Tensor) -> None:
+    """AccumulateGrad's order for a parameter that got a hook between its forward and its
+    backward: tensor hooks (each may replace the gradient), the accumulation, then the
+    post-accumulate hooks."""
+    for hook in (p._backward_hooks or {}).values():
+        r = hook(g)
+        if r is not None:
+            g = r
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
+    for hook in (p._post_accumulate_grad_hooks or {}).values():
+        hook(p)
+
+
+class Request:
+    """A ``backward(inputs=...)`` or ``torch.autograd.grad`` in progress that asks for
+    directly written parameters (``wanted``, by id): ``accumulate`` (``backward``: into their
+    ``.grad``) or not (``grad``: their gradients, summed in ``got``, handed back in place of
+    their anchors')."""
+
+    __slots__ = ("wanted", "accumulate", "got")
+
+    def __init__(self, wanted: set[int], accumulate: bool) -> None:
+        self.wanted, self.accumulate, self.got = wanted, accumulate, {}
+
+
+_request: list[Request | None] = [None]  # the engine call in progress that names its inputs
+_unguarded = [0]  # inside unguarded(): tgraph's own eager autograd.grad (the shadow verifier)
+
+
+class unguarded:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """tgraph's own ``autograd.grad`` on eagerly run modules (the shadow verifier), whose
+    parameters are reached by their own edges: the engine's entry leaves them as asked."""
+
+    def __enter__(self) -> None:
+        _unguarded[0] += 1
+
+    def __exit__(self, *exc) -> None:
+        _unguarded[0] -= 1
 
 
 def _guard_inputs(run):
-    """torch.autograd's engine entry, refusing first a backward or ``autograd.grad`` that asks
-    for a parameter written directly: no edge of the graph reaches it (its gradient comes from
-    the node, only in a plain backward), so autograd would skip the node and hand back None,
-    or zeros, or leave ``.grad`` untouched, silently. A plain ``loss.backward()`` passes no
-    inputs: one falsy test."""
+    """torch.autograd's engine entry: a backward or ``autograd.grad`` that names its inputs
+    gets, for a directly written parameter (which no edge reaches: its gradient comes from the
+    node), the anchor of its route asked for in its place, and the gradient the node hands the
+    :class:`Request`. A plain ``loss.backward()`` passes no inputs: one falsy test."""
 
     def run_backward(t_outputs, *args, **kwargs):
         inputs = args[3] if len(args) > 3 else kwargs.get("inputs")
-        if inputs and _ROUTES and _asked_direct(inputs):
+        if not inputs or not _ROUTES or _unguarded[0]:
+            return run(t_outputs, *args, **kwargs)
+        anchor_of = {id(p): r.anchor for r in list(_ROUTES) for p in r.params}
+        wanted = {id(t) for t in inputs if id(t) in anchor_of}
+        accumulate = args[5] if len(args) > 5 else kwargs.get("accumulate_grad", True)
+        asked = Request(wanted, accumulate)
+        if wanted:
+            swapped = tuple(anchor_of.get(id(t), t) for t in inputs)
+            if len(args) > 3:
+                args = (*args[:3], swapped, *args[4:])
+            else:
+                kwargs = {**kwargs, "inputs": swapped}
+        before, _request[0] = _request[0], asked
+        try:
+            out = run(t_outputs, *args, **kwargs)
+        finally:
+            _request[0] = before
+            if wanted and accumulate:
+                for i in wanted:  # the engine gave the anchors a zero
+                    anchor_of[i].grad = None
+        if not wanted or accumulate:
+            return out
+        unused_ok = args[4] if len(args) > 4 else kwargs.get("allow_unreachable", False)
+        got = [asked.got.get(id(t)) if id(t) in wanted else o for t, o in zip(inputs, out)]
+        if not unused_ok and any(g is None for g in got):
             raise RuntimeError(
-                "tgraph: this backward(inputs=...) or torch.autograd.grad asks for the gradient "
-                "of a parameter whose graphed module writes .grad itself (direct_grads=True), "
-                "which is exact only for a plain loss.backward(); autograd would return no "
-                "gradient for it. Enable without direct_grads for this training loop."
+                "One of the differentiated Tensors appears to not have been used in the graph. "
+                "Set allow_unused=True if this is the desired behavior."
             )
-        return run(t_outputs, *args, **kwargs)
+        return tuple(got)
 
     run_backward._tgraph_guard = True
     return run_backward
+
+
+def _guardable() -> bool:
+    return hasattr(_autograd, "_engine_run_backward") and hasattr(
+        _autograd.graph, "_engine_run_backward"
+    )
 
 
 def _install_guard() -> None:
@@ -194,13 +294,12 @@ def _install_guard() -> None:
     module's own name for the engine's entry, and ``torch.autograd.graph``'s, which torch's own
     temporary patches save and put back; once). Without that entry (another PyTorch) direct
     gradients are refused, since nothing would see such a request."""
-    graph = _autograd.graph
-    run = getattr(_autograd, "_engine_run_backward", None)
-    if run is None or getattr(graph, "_engine_run_backward", None) is None:
+    if not _guardable():
         raise ValueError(
             "tgraph: direct_grads=True needs torch.autograd._engine_run_backward (PyTorch >= "
-            "2.3) to refuse a backward that asks for a directly written parameter; enable "
-            "without direct_grads."
+            "2.3) to serve a backward that asks for a directly written parameter; enable "
+            "with direct_grads=False."
         )
+    run = _autograd._engine_run_backward
     if not getattr(run, "_tgraph_guard", False):
-        _autograd._engine_run_backward = graph._engine_run_backward = _guard_inputs(run)
+        _autograd._engine_run_backward = _autograd.graph._engine_run_backward = _guard_inputs(run)

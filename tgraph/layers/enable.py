@@ -33,7 +33,7 @@ def enable(
     main_grad_fusion: bool = False,
     capturable_hooks: bool = False,
     compile: bool | dict[str, Any] = False,  # noqa: A002 - the option's name, as torch.compile
-    direct_grads: bool = False,
+    direct_grads: bool | None = None,
 ) -> nn.Module:
     """Turn on per-layer graphs for every :class:`GraphableModule` in ``model``.
 
@@ -67,22 +67,27 @@ def enable(
             parameter aliases, so that nothing compiles inside the capture. Modes
             that put inductor's own CUDA graphs inside ours (``"reduce-overhead"``,
             ``"max-autotune"``) are refused: use ``"max-autotune-no-cudagraphs"``.
-        direct_grads: the graphed node writes parameter gradients to ``.grad`` itself (set
-            where None, added in place otherwise), instead of handing them to autograd, whose
-            engine runs one AccumulateGrad node per parameter: the largest host cost of a
-            host-bound step's backward. Exact for ``loss.backward()`` in one process;
-            ``backward(inputs=...)``, ``torch.autograd.grad`` through graphed layers,
-            torch.func transforms and torch.distributed (DDP, FSDP) are refused with an
-            error. Parameters with tensor hooks, and units of mixed-dtype parameters, keep
-            autograd's path. Hooks registered on a parameter's AccumulateGrad node itself do
-            not run (:class:`tgraph.layers.direct_grads.DirectGrads`).
+        direct_grads: whether the graphed node writes parameter gradients to ``.grad``
+            itself (set where None, added in place otherwise, a hook registered since the
+            forward run as AccumulateGrad runs it) instead of taking every parameter as an
+            autograd input and handing autograd their gradients, whose engine runs one
+            AccumulateGrad node per parameter: together the largest host cost of a host-bound
+            step's graphed calls. None (the default): wherever it is exact, that is without
+            torch.distributed (DDP, FSDP and megatron-core hook the gradient accumulators) and
+            outside torch.func transforms; a unit finding either at a forward goes back to
+            autograd's path. True: refuse those with an error. False: never.
+            ``backward(inputs=...)`` and ``torch.autograd.grad`` get eager's gradients either
+            way. Parameters with tensor hooks, subclassed ones and units of mixed-dtype
+            parameters keep autograd's path. Hooks registered on a parameter's AccumulateGrad
+            node itself (not on the tensor) do not run for a parameter written directly: pass
+            False for them (:class:`tgraph.layers.direct_grads.DirectGrads`).
 
     Returns:
         ``model`` (unchanged apart from the flag on its graphable modules).
 
     Raises:
         ValueError: no ``GraphableModule`` in ``model``, an unknown backend, a compile mode
-            with CUDA graphs of its own, or ``direct_grads`` with torch.distributed
+            with CUDA graphs of its own, or ``direct_grads=True`` with torch.distributed
             initialized.
         RuntimeError: graphs already exist (call :func:`reset` first).
     """

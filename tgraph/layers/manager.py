@@ -64,7 +64,7 @@ class _ModuleState:
     merge: bool = True
     main_grad_fusion: bool = False
     capturable_hooks: bool = False
-    direct_grads: bool = False
+    direct_grads: bool | None = None
     # Where the module's parameters are (their ``_parameters`` dicts and names): every key
     # reads their requires_grad there, so a replaced parameter (load_state_dict(assign=True))
     # is read anew and the replaced one is not kept alive here.

@@ -46,6 +46,13 @@ _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _grad_enabled = torch._C.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
+_dist = torch.distributed
+
+
+def _distributed() -> bool:  # direct_grads.distributed, kept on this file's hot path
+    return _dist.is_available() and _dist.is_initialized()
+
+
 _OUTPUT_CAPTURING = "transformers.utils.output_capturing"
 # the data-pointer pass of inductor's cudagraph trees, in C++; absent from CPU builds of torch
 _ptrs_equal = ptrs_equal
@@ -252,13 +259,10 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]) -> li
         flight.fp8_first = fp8_first
         if cap.recomputes:
             state.inflight.rng_at_forward = rng.default_generator(cap.device).get_state()
+        if state.route.direct is not None and (_functorch_active() or _distributed()):
+            cap.direct.leave(cap.name)  # the default: autograd's path from now on
+            set_params(cap, state, state.route.params)
         if _functorch_active():
-            if state.route.direct is not None:
-                raise RuntimeError(
-                    f"tgraph: {cap.name} was enabled with direct_grads=True, whose node writes "
-                    ".grad itself, under a torch.func transform (which takes gradients through "
-                    "autograd). Enable without direct_grads to graph it under torch.func."
-                )
             outs = list(
                 GraphedCall.apply(cap, state, flight, *tensors, *state.route.autograd_params)
             )
@@ -427,8 +431,8 @@ class GraphedCall(torch.autograd.Function):
                 "the output before modifying it (y = block(x).clone())."
             ) from exc
         cap.fusion.check()
-        if state.route.direct is not None:
-            state.route.direct.check_backward(cap.name, RemovableHandle.next_id != state.hook_epoch)
+        direct = state.route.direct
+        asked = None if direct is None else direct.request(cap.name, cap.direct.enabled is True)
         active = tuple(grads[i] is not None for i in cap.out_rg)
         if not any(active):  # nothing reached this node's outputs: no gradient anywhere
             flight.land()
@@ -445,6 +449,9 @@ class GraphedCall(torch.autograd.Function):
         if pending is not None:  # its eager twin's graph goes now: it holds saved weights
             ctx.verify = None
             result = verify.check_grads(cap, state, pending, result, grads)
+        if direct is not None:  # written to .grad here (the verifier compared them first)
+            n = len(cap.static_grads)
+            result[n:] = direct.deliver(result[n:], asked)
         return (None, None, None, *result)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ from tgraph import rng
 from tgraph.baked import hooks_run_outside
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers.capture import graphed_region
+from tgraph.layers.direct_grads import unguarded
 from tgraph.signature import split
 
 
@@ -133,7 +135,9 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     # into main_grad: an eager backward would add twice)
     mode = torch.is_grad_enabled()  # of the call: a rerun in its backward runs in it too
     grad = cap.needs_backward and mode
-    grad = grad and not any(hasattr(p, "main_grad") for p in state.route.autograd_params)
+    direct = state.route.direct  # its gradients are compared before it writes them
+    params = list(state.route.autograd_params if direct is None else direct.kept)
+    grad = grad and not any(hasattr(p, "main_grad") for p in params)
     live = [table[k] for table, k, _ in buffers]
 
     def run_eager(copies: list) -> Twin:
@@ -154,7 +158,6 @@ def checked_replay(unit, args: tuple, kwargs: dict, tensors: list, replay, modul
     if why is None:
         node = next((o.grad_fn for o in out if o.grad_fn is not None), None) if grad else None
         if node is not None:  # its backward compares the gradients (GraphedCall.backward)
-            params = list(state.route.autograd_params)
             ids = {id(p) for p in params}
             owned = [[p for p in r.module.parameters() if id(p) in ids] for r in unit.members]
             held = {id(p) for ps in owned for p in ps}
@@ -334,9 +337,10 @@ def _backprop(cap, twins: list[Twin], grads: tuple, member_params: list):
             ]
             if not pairs:
                 continue
-            found = torch.autograd.grad(
-                [o for o, _ in pairs], leaves + ps, [g for _, g in pairs], allow_unused=True
-            )
+            with unguarded():  # the parameters' own edges: asked as they are
+                found = torch.autograd.grad(
+                    [o for o, _ in pairs], leaves + ps, [g for _, g in pairs], allow_unused=True
+                )
             del full, pairs
             found = iter(found)  # the leaves' gradients, then the parameters'
             for k, needs in enumerate(twin.rg_of[j]):
@@ -404,15 +408,17 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
     (what the node hands autograd: the input gradients, then the parameter gradients) as each
     is complete. Returns what to hand autograd."""
     n = len(cap.static_grads)
-    direct = state.route.direct is not None or len(result) - n != len(pending.params)
+    unmatched = len(result) - n != len(pending.params)  # routed otherwise since the forward
     # a parameter with a tensor hook is left out: autograd.grad would run the hook (it may keep
     # or count what it is given), and the node hands autograd the gradient before the hook
     member_params = [
-        [] if direct else [p for p in ps if _compared(p)] for ps in pending.member_params
+        [] if unmatched else [p for p in ps if _compared(p)] for ps in pending.member_params
     ]
     if all(g is None for g in grads) or not (any(member_params) or any(pending.twin.rg_of[0])):
-        return result  # nothing to compare (direct_grads writes .grad itself)
-    at = {id(p): n + k for k, p in enumerate(pending.params)}  # where result holds its gradient
+        return result  # nothing to compare
+    at: dict[int, list[int]] = {}  # where result holds a parameter's gradients (one a use)
+    for k, p in enumerate(pending.params):
+        at.setdefault(id(p), []).append(n + k)
     states = rng.get_states(cap.device)  # an eager backward that draws leaves no trace
     try:
         why = _compare(cap, [pending.twin], grads, member_params, result, at)
@@ -446,7 +452,10 @@ def check_grads(cap, state, pending: Pending, result: list, grads: tuple) -> lis
     fixed = list(result)
     for p, (g, *_) in eager:
         if p is not None:
-            fixed[at[id(p)]] = g
+            first, *more = at[id(p)]
+            fixed[first] = g  # autograd (or the direct route) sums a parameter's uses
+            for i in more:
+                fixed[i] = None
         else:
             for i, needs in enumerate(pending.twin.rg_of[0]):
                 if needs:
@@ -460,12 +469,22 @@ def _compare(cap, twins: list[Twin], grads, member_params, result: list, at: dic
     Each is compared and freed as :func:`_backprop` completes it."""
     for p, gs in _backprop(cap, twins, grads, member_params):
         if p is not None:
-            pairs = [(at[id(p)], gs)]
+            first, *more = at[id(p)]  # a parameter used twice: the replay's sum
+            got = (
+                [result[first]]
+                if not more
+                else [functools.reduce(_add, [result[i] for i in at[id(p)]], None)]
+            )
+            pairs = [(first, got, gs)]
         else:
-            pairs = [(i, [g[i] for g in gs]) for i, need in enumerate(twins[0].rg_of[0]) if need]
-        for i, gs_i in pairs:
+            pairs = [
+                (i, [result[i]], [g[i] for g in gs])
+                for i, need in enumerate(twins[0].rg_of[0])
+                if need
+            ]
+        for i, got, gs_i in pairs:
             noise = _gaps(gs_i[:1], gs_i[1:]) if len(gs_i) > 1 else None
-            why = _differs([result[i]], gs_i[:1], "gradient", noise=noise)
+            why = _differs(got, gs_i[:1], "gradient", noise=noise)
             if why is not None:
                 return why.replace("gradient 0", f"gradient {i}", 1)
     return None
