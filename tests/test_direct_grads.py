@@ -64,7 +64,7 @@ def test_direct_grads_train_as_eager(backend, device, merge, accumulate):
 def test_planted_bug_direct_grads_overwrite_instead_of_accumulate(backend, device, monkeypatch):
     """A second microbatch's gradient assigned over the first (not added) must be caught."""
 
-    def assign(self, grads, asked=None):
+    def assign(self, grads, asked=None, hooks_moved=True):
         out = [None]
         params = iter(self.params)
         for g, m in zip(grads, self.mask):

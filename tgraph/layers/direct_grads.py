@@ -10,6 +10,8 @@ that stands in for them as the node's input.
 from __future__ import annotations
 
 import weakref
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not
 
 import torch
 import torch.autograd as _autograd
@@ -115,11 +117,22 @@ class DirectRoute:
     """Which of a unit's parameters get their gradients from the node (:class:`DirectGrads`),
     and the anchor leaf that stands in for them as the node's input."""
 
-    __slots__ = ("kept", "mask", "params", "ids", "unique", "anchor", "anchor_node", "__weakref__")
+    __slots__ = (
+        "kept",
+        "mask",
+        "keeps",
+        "params",
+        "ids",
+        "unique",
+        "anchor",
+        "anchor_node",
+        "__weakref__",
+    )
 
     def __init__(self, kept: list[torch.Tensor], device: torch.device) -> None:
         self.kept = kept  # per parameter gradient the node's backward computes
         self.mask = tuple(map(_direct, kept))
+        self.keeps = tuple(not m for m in self.mask)  # those that keep autograd's path
         self.params = [p for p, m in zip(kept, self.mask) if m]
         self.ids = frozenset(map(id, self.params))  # held by self.params: ids stay theirs
         self.unique = len(self.ids) == len(self.params)
@@ -156,20 +169,23 @@ class DirectRoute:
             )
         return None
 
-    def deliver(self, grads: list, asked: Request | None = None) -> list:
+    def deliver(self, grads: list, asked: Request | None = None, hooks_moved: bool = True) -> list:
         """``grads``: per parameter autograd would get. Writes the direct ones to ``.grad``
         (as AccumulateGrad: a tensor hook first, then set where None, added in place
         otherwise, then a post-accumulate hook), only those ``asked`` names when a backward
         names its inputs (or, for ``autograd.grad``, hands them to it); returns the node's
-        gradients for :meth:`inputs` (a zero for the anchor the engine was asked for)."""
-        mask, out = self.mask, [None if asked is None else self.anchor.new_zeros(())]
+        gradients for :meth:`inputs` (a zero for the anchor the engine was asked for).
+        ``hooks_moved``: a hook was registered somewhere since the forward."""
+        out = [None if asked is None else self.anchor.new_zeros(()), *compress(grads, self.keeps)]
+        gs = list(compress(grads, self.mask))
+        params = self.params
+        if asked is None and not hooks_moved and self.unique and all(map(is_not, gs, repeat(None))):
+            if all(map(_requires_grad, params)):  # the steady step: C-level passes
+                if all(map(is_, map(_grad, params), repeat(None))):  # set_to_none: set each
+                    list(map(setattr, params, repeat("grad"), gs))
+                    return out
         targets, addends, hooked = [], [], []
-        params = iter(self.params)
-        for g, m in zip(grads, mask):
-            if not m:
-                out.append(g)
-                continue
-            p = next(params)
+        for p, g in zip(params, gs):
             if g is None or not p.requires_grad:  # frozen since the forward: as AccumulateGrad
                 continue
             if asked is not None:
@@ -195,6 +211,10 @@ class DirectRoute:
         for p, g in hooked:
             _accumulate_with_hooks(p, g)
         return out
+
+
+_requires_grad = attrgetter("requires_grad")
+_grad = attrgetter("grad")
 
 
 def _accumulate_with_hooks(p: torch.Tensor, g: torch.Tensor) -> None:

@@ -451,7 +451,8 @@ class GraphedCall(torch.autograd.Function):
             result = verify.check_grads(cap, state, pending, result, grads)
         if direct is not None:  # written to .grad here (the verifier compared them first)
             n = len(cap.static_grads)
-            result[n:] = direct.deliver(result[n:], asked)
+            moved = RemovableHandle.next_id != state.hook_epoch
+            result[n:] = direct.deliver(result[n:], asked, moved)
         return (None, None, None, *result)
 
 
