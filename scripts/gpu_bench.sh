@@ -3,7 +3,7 @@
 # against an older tree unpacked in .old/ (carry it: `git archive <commit> tgraph scripts | tar -x
 # -C .old`), alternated, then the toy against the floor and HF Llama's goal cells, each cell in
 # one process. TREE / OLD: the commits to name in env.txt; HF_CELLS= (empty): no HF Llama
-# cells; D1024_MODES, AB_REPS. Output: $OUT.
+# cells; TOY_MODES, HF_MODES, D1024_MODES, AB_REPS. Output: $OUT.
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -24,7 +24,7 @@ run() {  # configs dtype name limit steps modes
   echo "bench $3 rc=$?" >> "$OUT/env.txt"; cp "/tmp/w/$3/bench_train.md" "$OUT/bench_$3.md" 2>/dev/null
   cp "/tmp/w/$3/bench_train.json" "$OUT/bench_$3.json" 2>/dev/null
 }
-[ "${TOY:-1}" = 1 ] && run tiny,tiny_b1 fp32 toy 110 50 eager,floor,graphed_callables,tgraph_layer,tgraph_layer_head,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_head,tgraph_model,tgraph_full
+[ "${TOY:-1}" = 1 ] && run tiny,tiny_b1 fp32 toy 110 50 ${TOY_MODES:-eager,floor,graphed_callables,tgraph_layer,tgraph_layer_head,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_head,tgraph_model,tgraph_full}
 hf=${HF_MODES:-eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_opt_noskip_direct,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled}
 for cell in ${HF_CELLS-llama_b1 llama_b8}; do run $cell fp32 $cell ${HF_LIMIT:-100} 20 $hf; done
 [ "${D1024:-1}" = 1 ] && run llama_d1024 bf16 d1024 ${D1024_LIMIT:-70} 10 ${D1024_MODES:-eager,tgraph_layer,tgraph_layer_opt_noskip}

@@ -9,7 +9,9 @@ that stands in for them as the node's input.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from itertools import compress, repeat
 from operator import attrgetter, is_, is_not
 
@@ -249,14 +251,14 @@ _request: list[Request | None] = [None]  # the engine call in progress that name
 _unguarded = [0]  # inside unguarded(): tgraph's own eager autograd.grad (the shadow verifier)
 
 
-class unguarded:  # noqa: N801 - used as a context manager, like torch.no_grad
+@contextlib.contextmanager
+def unguarded() -> Iterator[None]:
     """tgraph's own ``autograd.grad`` on eagerly run modules (the shadow verifier), whose
     parameters are reached by their own edges: the engine's entry leaves them as asked."""
-
-    def __enter__(self) -> None:
-        _unguarded[0] += 1
-
-    def __exit__(self, *exc) -> None:
+    _unguarded[0] += 1
+    try:
+        yield
+    finally:
         _unguarded[0] -= 1
 
 
