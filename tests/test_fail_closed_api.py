@@ -1,4 +1,5 @@
-"""Fail closed at the edges of torch's API: forward-mode AD into graphed layers, and a backward
+"""Fail closed at the edges of torch's API: forward-mode AD and torch.func transforms into graphed
+layers, and a backward
 restricted to some inputs in the recorded step. Each either equals eager or stops with a message
 that names tgraph, the cause and the fix; never a crash from inside torch
 (tests/fail_closed_models.py).
@@ -68,6 +69,39 @@ def test_forward_mode_ad_under_strict_names_the_cause(backend, device):
     x = data[1][0]
     with pytest.raises(tgraph.GraphFallbackError, match=r"forward-mode AD tangent.*strict=False"):
         dual_call(model, x, torch.ones_like(x))
+
+
+def grad_call(model, x):
+    """``torch.func.grad`` of the model's squared output with respect to its input."""
+    return (torch.func.grad(lambda xx: model(xx).pow(2).sum())(x),)
+
+
+def vmap_call(model, x):
+    return (torch.func.vmap(model)(x.unsqueeze(1)).squeeze(1),)
+
+
+@pytest.mark.parametrize("how", [grad_call, vmap_call], ids=["torch.func.grad", "torch.func.vmap"])
+def test_torch_func_transforms_run_eagerly_with_eagers_results(backend, device, replays, how):
+    """torch.func.grad and vmap hand the blocks wrapped tensors, which have no memory of their
+    own for a graph to read (found: the replay's input copy raised from inside torch, "Cannot
+    access data pointer"): the call runs eagerly, counted and named, with eager's result; plain
+    calls replay again after it."""
+    model, ref = make_pair(device)
+    data = batches(device, 2)
+    train(model, data[:1], backend)
+    train(ref, data[:1])
+    x = data[1][0]
+    before = tgraph.eager_calls()
+    with fallbacks() as msgs:
+        got = how(model, x)
+    want = how(ref, x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+    assert tgraph.eager_calls() > before
+    assert_never_silent(msgs, r"argument 0 is a torch.func transform's tensor")
+    before, replayed = tgraph.eager_calls(), replays[0]
+    torch.testing.assert_close(model(x).detach().clone(), ref(x).detach(), **TOL)
+    assert tgraph.eager_calls() == before and replays[0] > replayed
 
 
 # -- a backward restricted to some inputs in the recorded step -----------------------------------

@@ -76,7 +76,7 @@ _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, 
 class MutableArgument(TypeError):
     """A graphed call got an argument that a graph cannot stand for: a Python object compared
     by identity (:func:`describe`), a tensor carrying a forward-mode AD tangent
-    (:func:`refuse_tangents`)."""
+    (:func:`refuse_transformed`)."""
 
 
 def describe(leaf: Any, where: str) -> Any:
@@ -196,8 +196,8 @@ def call_key(
     Raises:
         MutableArgument, TypeError: see :func:`describe`.
     """
-    if forward_ad._current_level >= 0:  # a forward-mode AD region is open (rare): one read
-        refuse_tangents(args, kwargs)
+    if forward_ad._current_level >= 0 or _functorch_active():  # rare: one read each
+        refuse_transformed(args, kwargs)
     # Called for every graphed call: the hot path of a replayed step. Plain arguments (tensors
     # and values in tuples, lists and dicts) are walked by _plain_leaves, and their structure
     # is looked up by a flat tuple of its containers' sizes and keys; pytree runs only for a
@@ -230,26 +230,40 @@ def call_key(
     return CallKey(tree, descs, training, grad, autocast, frozen)
 
 
-def refuse_tangents(args: tuple, kwargs: dict) -> None:
+def refuse_transformed(args: tuple, kwargs: dict) -> None:
     """Raise where an argument carries a forward-mode AD tangent (a ``torch.autograd.forward_ad``
-    dual tensor, or an input of ``torch.func.jvp``): a graph replays kernels on the primal
-    values only, with no tangent to compute, so the call must run eagerly.
+    dual tensor, or an input of ``torch.func.jvp``) or is a torch.func transform's wrapped
+    tensor (``torch.func.grad``, ``vjp``, ``vmap``): a graph replays kernels on plain tensors'
+    memory, so such a call must run eagerly.
 
     Raises:
         MutableArgument: naming the argument.
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
     for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent is not None:
-            raise MutableArgument(
-                f"{structure_of(spec).paths[i]} carries a forward-mode AD tangent (a "
-                "torch.autograd.forward_ad dual tensor, or torch.func.jvp): a graph replays "
-                "kernels on the primal values and would drop the tangent, so a call with "
-                "tangents runs eagerly (under strict=True, run it with strict=False or without "
-                "tgraph.enable)"
+        if not isinstance(x, torch.Tensor):
+            continue
+        if forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None:
+            what = (
+                "carries a forward-mode AD tangent (a torch.autograd.forward_ad dual tensor, or "
+                "torch.func.jvp): a graph replays kernels on the primal values and would drop "
+                "the tangent"
             )
+        elif _functorch_wrapped(x):
+            what = (
+                "is a torch.func transform's tensor (torch.func.grad, vjp or vmap), which has no "
+                "memory of its own for a graph to read"
+            )
+        else:
+            continue
+        raise MutableArgument(
+            f"{structure_of(spec).paths[i]} {what}, so the call runs eagerly (under "
+            "strict=True, run it with strict=False or without tgraph.enable)"
+        )
 
 
+_functorch_active = torch._C._are_functorch_transforms_active
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 # The layout is part of a tensor's signature: a graph replays the kernels chosen for the captured
 # layout and returns outputs and input gradients in it, where eager would pick other kernels and
