@@ -469,13 +469,8 @@ def _compare(cap, twins: list[Twin], grads, member_params, result: list, at: dic
     Each is compared and freed as :func:`_backprop` completes it."""
     for p, gs in _backprop(cap, twins, grads, member_params):
         if p is not None:
-            first, *more = at[id(p)]  # a parameter used twice: the replay's sum
-            got = (
-                [result[first]]
-                if not more
-                else [functools.reduce(_add, [result[i] for i in at[id(p)]], None)]
-            )
-            pairs = [(first, got, gs)]
+            where = at[id(p)]  # a parameter used twice: the sum of the replay's gradients
+            pairs = [(where[0], [functools.reduce(_add, [result[i] for i in where], None)], gs)]
         else:
             pairs = [
                 (i, [result[i]], [g[i] for g in gs])
