@@ -124,7 +124,6 @@ class DirectRoute:
         "mask",
         "keeps",
         "params",
-        "ids",
         "unique",
         "anchor",
         "anchor_node",
@@ -135,18 +134,17 @@ class DirectRoute:
         self.kept = kept  # per parameter gradient the node's backward computes
         self.mask = tuple(map(_direct, kept))
         self.keeps = tuple(not m for m in self.mask)  # those that keep autograd's path
-        self.params = [p for p, m in zip(kept, self.mask) if m]
-        self.ids = frozenset(map(id, self.params))  # held by self.params: ids stay theirs
-        self.unique = len(self.ids) == len(self.params)
+        self.params = list(compress(kept, self.mask))
+        self.unique = len(set(map(id, self.params))) == len(self.params)
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         with torch.enable_grad():  # held: the node the plain-backward check asks about
             self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
         _install_guard()
         _ROUTES.add(self)
 
-    def inputs(self, kept: list[torch.Tensor]) -> list[torch.Tensor]:
+    def inputs(self) -> list[torch.Tensor]:
         """The node's parameter inputs: the anchor, then those that keep autograd's path."""
-        return [self.anchor, *(p for p, m in zip(kept, self.mask) if not m)]
+        return [self.anchor, *compress(self.kept, self.keeps)]
 
     def request(self, name: str, strict_dist: bool) -> Request | None:
         """Before the backward replay: None in a plain ``backward()`` (the engine runs every

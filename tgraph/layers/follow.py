@@ -81,7 +81,7 @@ def set_params(cap: Captured, state: ReplayState, params: list[torch.Tensor]) ->
     kept = cap.fusion.keep(params)
     state.route.direct = cap.direct.route(kept, cap.device) if kept else None
     if state.route.direct is not None:  # direct_grads: the anchor stands in for the direct ones
-        state.route.autograd_params = state.route.direct.inputs(kept)
+        state.route.autograd_params = state.route.direct.inputs()
     else:
         state.route.autograd_params = autograd_params(cap, params)
     with torch.enable_grad():
