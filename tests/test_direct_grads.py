@@ -266,6 +266,40 @@ def test_gradients_asked_for_get_eagers(backend, device, asked, how, direct):
     assert tgraph.eager_calls() == 0
 
 
+@pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad"])
+@pytest.mark.parametrize("forwards", [1, 2])
+def test_a_parameter_of_two_units_gets_eagers_gradient(backend, device, how, forwards):
+    """Recorded with two forwards before their backward, each block is two units (one per
+    call in flight) writing the same parameters: asked for one, the engine's entry must ask
+    for both units' anchors (found in review on HF Llama: it asked for one, the other unit's,
+    and autograd said the parameter was unused), and hand back their sum when both ran.
+    Strict: every call replays."""
+    torch.manual_seed(0)
+    model = MLPNetLike(device)
+    eager = copy.deepcopy(model)
+    tgraph.enable(model, backend=backend, strict=True)
+    xs = [torch.randn(4, 16, device=device) for _ in range(2)]
+    sum(model(x).sum() for x in xs).backward()  # the recorded step: two forwards in flight
+    model.zero_grad(set_to_none=True)
+    tgraph.create_graphs()
+    routes = [u.state.route.direct for u in tgraph.layers.manager._manager.units]
+    assert len(routes) == 2 and all(routes)
+    w = model.blocks[1].fc1.weight
+    for m in (model, eager):
+        loss = sum(m(x).pow(2).sum() for x in xs[:forwards])
+        p = m.blocks[1].fc1.weight
+        if how == "autograd_grad":
+            got = torch.autograd.grad(loss, [p])[0]
+        else:
+            loss.backward(inputs=[p])
+            got = p.grad
+        if m is model:
+            mine = got
+    torch.testing.assert_close(mine, got, rtol=RTOL, atol=ATOL)
+    assert w.grad is None or how == "backward_inputs"
+    assert tgraph.eager_calls() == 0
+
+
 def test_a_parameter_of_a_unit_not_run_is_unused_as_in_eager(backend, device):
     """``autograd.grad`` naming a directly written parameter whose unit the loss does not
     reach: eager's error without ``allow_unused``, None with it."""

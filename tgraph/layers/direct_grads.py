@@ -263,35 +263,40 @@ def unguarded() -> Iterator[None]:
 def _guard_inputs(run):
     """torch.autograd's engine entry: a backward or ``autograd.grad`` that names its inputs
     gets, for a directly written parameter (which no edge reaches: its gradient comes from the
-    node), the anchor of its route asked for in its place, and the gradient the node hands the
-    :class:`Request`. A plain ``loss.backward()`` passes no inputs: one falsy test."""
+    node), the anchors of the live routes writing it asked for in its place (one per unit that
+    holds it: a unit recorded for several calls, two forwards in flight), and the gradient the
+    nodes hand the :class:`Request`, summed. A plain ``loss.backward()`` passes no inputs: one
+    falsy test."""
 
     def run_backward(t_outputs, *args, **kwargs):
         inputs = args[3] if len(args) > 3 else kwargs.get("inputs")
         if not inputs or not _ROUTES or _unguarded[0]:
             return run(t_outputs, *args, **kwargs)
-        anchor_of = {id(p): r.anchor for r in list(_ROUTES) for p in r.params}
-        wanted = {id(t) for t in inputs if id(t) in anchor_of}
+        anchors: dict[int, list[torch.Tensor]] = {}  # per parameter written directly
+        for r in list(_ROUTES):
+            for p in r.params:
+                anchors.setdefault(id(p), []).append(r.anchor)
+        wanted = {id(t) for t in inputs if id(t) in anchors}
         accumulate = args[5] if len(args) > 5 else kwargs.get("accumulate_grad", True)
         asked = Request(wanted, accumulate)
-        if wanted:
-            swapped = tuple(anchor_of.get(id(t), t) for t in inputs)
-            if len(args) > 3:
-                args = (*args[:3], swapped, *args[4:])
-            else:
-                kwargs = {**kwargs, "inputs": swapped}
+        unused_ok = args[4] if len(args) > 4 else kwargs.get("allow_unreachable", False)
+        asked_anchors = list({id(a): a for i in wanted for a in anchors[i]}.values())
+        if wanted:  # the other inputs, then the anchors (a unit not run leaves its anchor unused)
+            others = tuple(t for t in inputs if id(t) not in wanted)
+            args, kwargs = _set(args, kwargs, 3, "inputs", others + tuple(asked_anchors))
+            args, kwargs = _set(args, kwargs, 4, "allow_unreachable", True)
         before, _request[0] = _request[0], asked
         try:
             out = run(t_outputs, *args, **kwargs)
         finally:
             _request[0] = before
-            if wanted and accumulate:
-                for i in wanted:  # the engine gave the anchors a zero
-                    anchor_of[i].grad = None
+            if accumulate:
+                for a in asked_anchors:  # the engine gave the anchors a zero
+                    a.grad = None
         if not wanted or accumulate:
             return out
-        unused_ok = args[4] if len(args) > 4 else kwargs.get("allow_unreachable", False)
-        got = [asked.got.get(id(t)) if id(t) in wanted else o for t, o in zip(inputs, out)]
+        rest = iter(out)
+        got = [asked.got.get(id(t)) if id(t) in wanted else next(rest) for t in inputs]
         if not unused_ok and any(g is None for g in got):
             raise RuntimeError(
                 "One of the differentiated Tensors appears to not have been used in the graph. "
@@ -301,6 +306,13 @@ def _guard_inputs(run):
 
     run_backward._tgraph_guard = True
     return run_backward
+
+
+def _set(args: tuple, kwargs: dict, i: int, name: str, value) -> tuple[tuple, dict]:
+    """The engine's arguments with argument ``i`` (keyword ``name``) set to ``value``."""
+    if len(args) > i:
+        return (*args[:i], value, *args[i + 1 :]), kwargs
+    return args, {**kwargs, name: value}
 
 
 def _guardable() -> bool:
