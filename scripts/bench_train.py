@@ -151,12 +151,13 @@ PARITY_RTOL = {"fp32": 2e-3, "bf16": 3e-2}
 
 
 def _whole(model):
-    """The toy GPT as one graphed unit (``tgraph.toy.gpt.graph_whole``); the HF Llama has no
-    such mode: transformers builds its attention mask another way under a capture (an
-    explicit mask instead of SDPA's causal flag), so its graphs would not be eager's bits."""
-    if not isinstance(model, GPT):
-        raise ValueError("the tgraph_model modes take the toy GPT (--configs tiny, ...)")
-    return graph_whole(model)
+    """The model as one graphed unit, embeddings to loss: the toy GPT by
+    ``tgraph.toy.gpt.graph_whole``, the HF Llama wrapper (HF's forward and the loss) the same
+    way (``graph_layers(model, whole=True)`` does it for a transformers model)."""
+    if isinstance(model, GPT):
+        return graph_whole(model)
+    model.__class__ = tgraph.GraphableModule.of(type(model))
+    return model
 
 
 def _head_members(model):

@@ -352,7 +352,10 @@ def emulated_capture() -> Iterator[None]:
     optimizers ask it to refuse a CUDA capture of a non-capturable step; the emulated graph's
     tensors are CPU tensors, for which a CUDA capture is no concern, so an optimizer asking (a
     method of a ``torch.optim.Optimizer``) and every other thread get the true answer. The
-    attribute is replaced for the duration only.
+    attribute is replaced for the duration only. The eager warmup passes before a capture run
+    under it on every backend (:func:`tgraph.layers.capture.run_warmup`): they run the branch
+    the capture will run, and the pass that refuses host syncs checks that branch, not eager's
+    (HF's mask code syncs on the host outside a capture only).
     """
     modules = [torch.cuda, torch.cuda.graphs]
     saved = [m.is_current_stream_capturing for m in modules]

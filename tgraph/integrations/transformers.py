@@ -48,6 +48,20 @@ graphable too, as a member only (:attr:`tgraph.GraphableModule.graphed_alone` Fa
 right after the last layer on its output, it joins the layers' merged stack, which saves its
 eager kernels and autograd nodes each step; called otherwise, it runs plainly.
 
+**The whole model** (``graph_layers(model, whole=True)``): the outermost ``PreTrainedModel``
+becomes one graphed unit, embeddings to loss, with one forward and one backward graph per call
+signature, so transformers' Python around the layers (masks, rotary tables, output classes, the
+loss) leaves the step too; the layers and the norm run plainly inside its graphs. Its call key
+carries every layer's state (above), and a call it was not recorded with (no ``labels``, a cache,
+``output_attentions``) runs eagerly, warned. transformers' mask code branches on
+``torch.cuda.is_current_stream_capturing()`` to skip its host syncs; the capture takes that
+branch (an explicit causal mask where eager passes SDPA's causal flag), and the warmup before it
+takes the same one (:func:`tgraph.emulated.emulated_capture`). Whether that branch computes
+eager's bits depends on the attention kernel and the transformers version; the shadow verifier
+compares the first replays with eager and leaves the model eager, warned, where they differ.
+Around a PEFT model the transformers model inside is the unit (its adapters' state is in the
+key). Pipeline and interleaved schedules keep per-layer graphs.
+
 MoE layers graph when their experts run grouped or batched
 (``model.set_experts_implementation("batched_mm")`` or ``"grouped_mm"``); the eager
 expert loop syncs with the host per expert and is refused by :func:`graph_layers`.
@@ -158,7 +172,7 @@ def _final_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
+def graph_layers(model: nn.Module, *, whole: bool = False, **enable_options) -> nn.Module:
     """Make every decoder layer of a transformers model graphable, then :func:`tgraph.enable` it.
 
     Call it after ``get_peft_model`` (the adapters' parameters must exist) and before the
@@ -166,6 +180,10 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
 
     Args:
         model: a transformers ``PreTrainedModel``, or a wrapper around one (PEFT, DDP).
+        whole: graph the whole model (its outermost ``PreTrainedModel``: embeddings, layers,
+            final norm, head and the loss of ``labels=``) as one unit, one forward and one
+            backward graph per call signature (module docstring, "The whole model"); per-layer
+            graphs (the default) stay the mode for pipeline and interleaved schedules.
         **enable_options: passed to :func:`tgraph.enable` (``backend``, ``strict``,
             ``warmup_steps``, ``debug``, ``merge``, ``direct_grads``).
 
@@ -188,8 +206,14 @@ def graph_layers(model: nn.Module, **enable_options) -> nn.Module:
     for norm in _final_norms(model, layers):
         cls = type(norm)
         norm.__class__ = GraphableModule.of(cls, graphed_alone=False, _tgraph_hf_base=cls)
-    if model not in _cache_hooks:  # on the models around the layers, never inside a graph
-        inside = {id(m) for layer in layers for m in layer.modules()}
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    if whole:
+        top = _outermost_model(model)
+        if not isinstance(top, GraphableModule):
+            top.__class__ = _graphable_model(type(top))
+        top._tgraph_hf_layers = tuple(layers)
+        inside |= {id(m) for m in top.modules() if m is not top}
+    if model not in _cache_hooks:  # on the models around the graphed units, never inside one
         _cache_hooks[model] = [
             m.register_forward_pre_hook(
                 functools.partial(_no_cache_by_default, at), with_kwargs=True
@@ -215,6 +239,7 @@ def ungraph(model: nn.Module) -> nn.Module:
         if hf_base is not None:
             m.__class__ = hf_base
             m.__dict__.pop("_tgraph_hf_adapters", None)
+            m.__dict__.pop("_tgraph_hf_layers", None)
     for handle in _cache_hooks.pop(model, []):
         handle.remove()
     return model
@@ -373,6 +398,48 @@ def _layer_call(self, *args, **kwargs):
         _refuse_reentrant(self)
     kwargs[STATE_KWARG] = _layer_state(self)
     return GraphableModule.__call__(self, *args, **kwargs)
+
+
+def _outermost_model(model: nn.Module) -> nn.Module:
+    """The outermost transformers ``PreTrainedModel`` in ``model`` (``model`` itself unless it
+    is a wrapper: PEFT, DDP)."""
+    base = _transformers().PreTrainedModel
+    top = next((m for m in model.modules() if isinstance(m, base)), None)
+    if top is None:
+        raise ValueError(
+            f"whole=True: {type(model).__name__} holds no transformers PreTrainedModel to graph "
+            "whole; call graph_layers(model) for per-layer graphs"
+        )
+    return top
+
+
+def _model_call(self, *args, **kwargs):
+    """The whole model's ``__call__`` (``graph_layers(whole=True)``): its layers' state joins
+    the call key, as each layer's does in per-layer graphs (:func:`_layer_call`)."""
+    state = self.__dict__.get("_tgraph")
+    if state is None or inside_graphed_region():
+        return nn.Module.__call__(self, *args, **kwargs)
+    layers = self.__dict__.get("_tgraph_hf_layers", ())
+    if self.training and torch.is_grad_enabled():
+        for layer in layers:
+            if getattr(layer, "gradient_checkpointing", False):
+                _refuse_reentrant(layer)
+    kwargs[STATE_KWARG] = tuple(map(_layer_state, layers))
+    return GraphableModule.__call__(self, *args, **kwargs)
+
+
+@functools.cache
+def _graphable_model(cls: type) -> type:
+    """``cls`` (a transformers model) as one graphable unit, calling its layers plainly inside."""
+    base_forward = cls.forward
+
+    def forward(self, *args, **kwargs):
+        kwargs.pop(STATE_KWARG, None)
+        return base_forward(self, *args, **kwargs)
+
+    forward.__doc__ = base_forward.__doc__
+    forward.__signature__ = inspect.signature(base_forward)  # _use_cache_position reads it
+    return GraphableModule.of(cls, __call__=_model_call, forward=forward, _tgraph_hf_base=cls)
 
 
 @functools.cache

@@ -47,6 +47,7 @@ import torch
 from tgraph import rng
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
+from tgraph.emulated import emulated_capture
 from tgraph.fp8 import FP8Region, FP8Replay
 from tgraph.guards import RefuseHostSync
 from tgraph.layers.captured import Captured, ReplayState
@@ -111,7 +112,8 @@ def run_warmup(
     for i in range(warmup):
         checked = i == 0 and check_first
         host = host_scalars if device.type == "cuda" else None
-        with RefuseHostSync(device.type, gens, host) if checked else contextlib.nullcontext():
+        refuse = RefuseHostSync(device.type, gens, host) if checked else contextlib.nullcontext()
+        with emulated_capture(), refuse:  # the branches the capture takes (emulated_capture)
             outs = fn()
             rg = [o for o in outs if o.requires_grad]
             if rg:

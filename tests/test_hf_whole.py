@@ -1,0 +1,129 @@
+"""``graph_layers(model, whole=True)``: a transformers model as one graphed unit, from the
+embeddings through the layers, the final norm, the head and the loss of ``labels=``.
+
+Each test compares with a stock twin (never made graphable) run on the same batches and
+generator states. ``strict=True`` makes any call that does not replay raise, so a passing
+training run replayed every call after the recorded one; the capture report's counts show
+that the unit is the whole model (one forward and one backward graph), not its layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import VOCAB, tiny_model, token_batches  # noqa: E402
+
+import tgraph  # noqa: E402
+from tgraph.integrations import transformers as tg_hf  # noqa: E402
+
+LR = 1e-3
+
+
+def whole_and_twin(kind: str, device, backend: str, *, strict: bool = True, **model_kw):
+    model = tiny_model(kind, device, **model_kw)
+    eager = copy.deepcopy(model)
+    tg_hf.graph_layers(model, whole=True, backend=backend, strict=strict)
+    return model, eager
+
+
+def train(model, xs, *, graphed: bool, eval_x=None):
+    """AdamW steps on ``xs`` (labels = inputs); create_graphs() after the first step, which is
+    the recorded iteration (with a no-grad eval call when ``eval_x`` is given). Returns the
+    losses, the eval logits and the parameters after the last step."""
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses, logits = [], []
+    for i, x in enumerate(xs):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if eval_x is not None:
+            model.eval()
+            with torch.no_grad():
+                logits.append(model(input_ids=eval_x).logits.clone())
+            model.train()
+        if graphed and i == 0:
+            report = tgraph.create_graphs()
+            assert (report.runners, report.graphs) == (
+                1 + (eval_x is not None),
+                3 if eval_x is not None else 2,
+            )
+    params = [p.detach().clone() for p in model.parameters()]
+    return torch.stack(losses), logits, params
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_whole_model_trains_as_eager(backend, device, kind):
+    """Dropout on: each replay draws fresh masks, eager's (a frozen mask would differ)."""
+    model, eager = whole_and_twin(kind, device, backend, dropout=0.1)
+    xs = token_batches(device, 5)
+    x_eval = token_batches(device, 1, seed=7)[0]
+    g_losses, g_logits, g_params = train(model, xs, graphed=True, eval_x=x_eval)
+    e_losses, e_logits, e_params = train(eager, xs, graphed=False, eval_x=x_eval)
+    assert tgraph.eager_calls() == 0
+    assert torch.equal(g_losses, e_losses), (g_losses, e_losses)
+    assert all(map(torch.equal, g_logits, e_logits))
+    assert all(map(torch.equal, g_params, e_params))
+
+
+def test_whole_model_state_changed_after_capture_runs_eagerly_named(backend, device):
+    """Gradient checkpointing turned on after capture: the graph baked the layers without it,
+    so the call runs eagerly (warned, naming the change) with eager's result."""
+    model, eager = whole_and_twin("llama", device, backend, strict=False)
+    xs = token_batches(device, 3)
+    train(model, xs[:1], graphed=True)
+    train(eager, xs[:1], graphed=False)
+    for m in (model, eager):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    before = tgraph.eager_calls()
+    with pytest.warns(tgraph.GraphFallbackWarning, match="gradient checkpointing on"):
+        got = model(input_ids=xs[1], labels=xs[1]).loss
+    want = eager(input_ids=xs[1], labels=xs[1]).loss
+    assert tgraph.eager_calls() == before + 1
+    assert torch.equal(got, want)
+    got.backward()
+    want.backward()
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_whole_model_unrecorded_call_runs_eagerly_and_recorded_calls_replay(backend, device):
+    """A call without labels was not recorded: it runs eagerly (warned) with eager's logits;
+    the recorded call still replays afterwards (strict on the next one)."""
+    model, eager = whole_and_twin("gpt2", device, backend, strict=False)
+    xs = token_batches(device, 3)
+    train(model, xs[:1], graphed=True)
+    train(eager, xs[:1], graphed=False)
+    with pytest.warns(tgraph.GraphFallbackWarning):
+        got = model(input_ids=xs[1]).logits
+    assert torch.equal(got, eager(input_ids=xs[1]).logits)
+    n = tgraph.eager_calls()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tgraph.GraphFallbackWarning)
+        loss = model(input_ids=xs[2], labels=xs[2]).loss
+    assert tgraph.eager_calls() == n
+    assert torch.equal(loss, eager(input_ids=xs[2], labels=xs[2]).loss)
+
+
+def test_whole_model_refuses_a_module_without_transformers_model():
+    with pytest.raises(ValueError, match="no transformers PreTrainedModel"):
+        tg_hf._outermost_model(torch.nn.Linear(2, 2))
+
+
+def test_ungraph_restores_the_whole_models_class(device):
+    model = tiny_model("llama", device)
+    cls = type(model)
+    tg_hf.graph_layers(model, whole=True, backend="emulated")
+    assert isinstance(model, tgraph.GraphableModule)
+    tg_hf.ungraph(model)
+    assert type(model) is cls and "_tgraph_hf_layers" not in model.__dict__
+    x = torch.randint(0, VOCAB, (1, 8), device=device)
+    model(input_ids=x, labels=x).loss.backward()  # a plain model again
