@@ -9,13 +9,15 @@
 The model is ``AutoModelForCausalLM.from_config`` of a preset (``--arch``, sized by
 ``--n-layer``, ``--n-embd``, ``--n-head``, ``--block-size``) or of a config file (``--config``, a
 transformers ``config.json``); its vocabulary is the corpus's 256 byte values. ``--graph`` picks
-how a step runs; all four compute the same numbers:
+how a step runs; all five compute the same numbers:
 
 * ``none``: eager (DDP under torchrun).
 * ``layer`` (default): the decoder layers replay per-layer graphs
   (``tgraph.integrations.transformers.graph_layers``; the first step runs eagerly and is
   recorded, then ``tgraph.create_graphs()``); the optimizer step stays eager.
 * ``layer+opt``: per-layer graphs, plus clipping and AdamW as one graph (``tgraph.OptimizerGraph``).
+* ``model``: the transformers model, embeddings to logits, as one graphed unit
+  (``graph_layers(model, whole=True)``); the loss and the optimizer step stay eager.
 * ``full``: forward, backward, the gradient all-reduce, clipping and AdamW as one
   ``tgraph.FullIterationGraph``.
 
@@ -145,7 +147,7 @@ class HFTrainConfig(
 ):
     """The transformers recipe's run: the shared groups (this recipe's defaults), its model."""
 
-    graph_modes = ("none", "layer", "layer+opt", "full")
+    graph_modes = ("none", "layer", "layer+opt", "model", "full")
     default_steps = 200
     cli_choices = {"graph": GRAPH_MODES, "on_nonfinite": NONFINITE_MODES, "arch": sorted(ARCHS)}
     cli_aliases = {"keep_checkpoints": ["--keep"]}  # the recipe's own flag before the port
@@ -255,6 +257,11 @@ class HFSpec(ModelSpec):
         from tgraph.integrations import transformers as tg_hf
 
         tg_hf.graph_layers(unwrap(net), backend=backend)
+
+    def enable_model_graph(self, net, backend):
+        from tgraph.integrations import transformers as tg_hf
+
+        tg_hf.graph_layers(unwrap(net), whole=True, backend=backend)
 
     def disable_graphs(self, net):
         from tgraph.integrations import transformers as tg_hf

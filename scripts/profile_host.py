@@ -81,6 +81,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--optimizer", default="graph", choices=["graph", "eager", "none"])
     p.add_argument("--no-merge", action="store_true", help="tgraph.enable(merge=False)")
     p.add_argument(
+        "--whole",
+        action="store_true",
+        help="the model as one graphed unit, embeddings to loss (graph_layers(whole=True)'s unit)",
+    )
+    p.add_argument(
         "--direct",
         choices=["default", "on", "off"],
         default="default",
@@ -191,6 +196,8 @@ def layer_setup(a: argparse.Namespace, device: torch.device):
                 PHASES[k] += v
         return loss
 
+    if a.whole:
+        model.__class__ = tgraph.GraphableModule.of(type(model))
     tgraph.enable(
         model,
         backend=a.backend,

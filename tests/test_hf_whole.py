@@ -127,3 +127,50 @@ def test_ungraph_restores_the_whole_models_class(device):
     assert type(model) is cls and "_tgraph_hf_layers" not in model.__dict__
     x = torch.randint(0, VOCAB, (1, 8), device=device)
     model(input_ids=x, labels=x).loss.backward()  # a plain model again
+
+
+def test_whole_model_around_peft_lora_trains_as_eager(backend, device):
+    """PEFT LoRA around Llama: the transformers model inside is the unit (strict: it replays);
+    the adapters disabled after capture (their state is in the key) run eagerly, named."""
+    peft = pytest.importorskip("peft")
+    base = tiny_model("llama", device)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    eager = copy.deepcopy(model)
+    tg_hf.graph_layers(model, whole=True, backend=backend)
+    xs = token_batches(device, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tgraph.GraphFallbackWarning)  # as strict, for training
+        g_losses, _, g_params = train(model, xs, graphed=True)
+    e_losses, _, e_params = train(eager, xs, graphed=False)
+    assert tgraph.eager_calls() == 0
+    assert torch.equal(g_losses, e_losses)
+    assert all(map(torch.equal, g_params, e_params))
+    with model.disable_adapter(), eager.disable_adapter():
+        with pytest.warns(tgraph.GraphFallbackWarning):  # names requires_grad or the adapters
+            got = model(input_ids=xs[0], labels=xs[0]).loss
+        assert torch.equal(got, eager(input_ids=xs[0], labels=xs[0]).loss)
+
+
+def test_grouped_kv_heads_replay_eagers_bits_or_run_eagerly_warned(backend, device):
+    """Grouped k/v heads: transformers' capture branch (explicit mask) may repeat them in Python
+    where eager lets SDPA group them. Either the replays are eager's bits (the verifier passes
+    them, no fallback) or the verifier finds the difference and the model runs eagerly, warned;
+    the results are eager's either way (never a silent difference)."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_model("llama", "cpu").config
+    config.num_key_value_heads = 2  # of 4 heads
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device)
+    eager = copy.deepcopy(model)
+    tg_hf.graph_layers(model, whole=True, backend=backend, strict=False)
+    xs = token_batches(device, 4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", tgraph.GraphFallbackWarning)
+        g_losses, _, g_params = train(model, xs, graphed=True)
+    e_losses, _, e_params = train(eager, xs, graphed=False)
+    fallbacks = [w for w in seen if issubclass(w.category, tgraph.GraphFallbackWarning)]
+    assert bool(fallbacks) == bool(tgraph.eager_calls())
+    assert all("differ" in str(w.message) or "verif" in str(w.message) for w in fallbacks)
+    assert torch.equal(g_losses, e_losses)
+    assert all(map(torch.equal, g_params, e_params))

@@ -68,7 +68,7 @@ def tol(backend: str) -> dict:
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_graph_modes_train_as_eager_and_save_loadable_checkpoints(run, backend, arch):
     eager = run("none", "--arch", arch, "--steps", "4", "--graph", "none")
-    for mode in ("layer", "layer+opt", "full"):
+    for mode in ("layer", "layer+opt", "model", "full"):
         got = run(mode, "--arch", arch, "--steps", "4", "--graph", mode)
         torch.testing.assert_close(got, eager, **tol(backend), msg=lambda m, g=mode: f"{g}: {m}")
 
