@@ -174,3 +174,20 @@ def test_grouped_kv_heads_replay_eagers_bits_or_run_eagerly_warned(backend, devi
     assert all("differ" in str(w.message) or "verif" in str(w.message) for w in fallbacks)
     assert torch.equal(g_losses, e_losses)
     assert all(map(torch.equal, g_params, e_params))
+
+
+def test_whole_model_config_changed_after_capture_runs_eagerly_named(backend, device):
+    """The whole model's forward reads its config at every call: ``output_hidden_states`` set
+    on the config after capture must not replay a graph that returns none (a stale replay
+    would hand back no hidden states); the call runs eagerly, naming the entry."""
+    model, eager = whole_and_twin("llama", device, backend, strict=False)
+    xs = token_batches(device, 2)
+    train(model, xs[:1], graphed=True)
+    train(eager, xs[:1], graphed=False)
+    for m in (model, eager):
+        m.config.output_hidden_states = True
+    with pytest.warns(tgraph.GraphFallbackWarning, match="config changed: output_hidden_states"):
+        got = model(input_ids=xs[1], labels=xs[1])
+    want = eager(input_ids=xs[1], labels=xs[1])
+    assert len(got.hidden_states) == len(want.hidden_states) == 3
+    assert all(map(torch.equal, got.hidden_states, want.hidden_states))

@@ -69,6 +69,7 @@ expert loop syncs with the host per expert and is refused by :func:`graph_layers
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -212,6 +213,9 @@ def graph_layers(model: nn.Module, *, whole: bool = False, **enable_options) -> 
         if not isinstance(top, GraphableModule):
             top.__class__ = _graphable_model(type(top))
         top._tgraph_hf_layers = tuple(layers)
+        config = getattr(top, "config", None)
+        if config is not None:
+            top._tgraph_hf_config = copy.deepcopy(vars(config))  # _model_state compares
         inside |= {id(m) for m in top.modules() if m is not top}
     if model not in _cache_hooks:  # on the models around the graphed units, never inside one
         _cache_hooks[model] = [
@@ -240,6 +244,7 @@ def ungraph(model: nn.Module) -> nn.Module:
             m.__class__ = hf_base
             m.__dict__.pop("_tgraph_hf_adapters", None)
             m.__dict__.pop("_tgraph_hf_layers", None)
+            m.__dict__.pop("_tgraph_hf_config", None)
     for handle in _cache_hooks.pop(model, []):
         handle.remove()
     return model
@@ -424,8 +429,27 @@ def _model_call(self, *args, **kwargs):
         for layer in layers:
             if getattr(layer, "gradient_checkpointing", False):
                 _refuse_reentrant(layer)
-    kwargs[STATE_KWARG] = tuple(map(_layer_state, layers))
+    kwargs[STATE_KWARG] = _model_state(self, layers)
     return GraphableModule.__call__(self, *args, **kwargs)
+
+
+def _model_state(model: nn.Module, layers: tuple) -> str:
+    """What the whole model's graph bakes in beyond its arguments: its layers' state and its
+    config's entries changed since :func:`graph_layers` (the forward reads the config at every
+    call: ``output_hidden_states``, ``loss_type``, the attention implementation), compared by
+    value (one dict comparison when nothing changed)."""
+    text = " | ".join(sorted(set(map(_layer_state, layers))))
+    config = getattr(model, "config", None)
+    seen = model.__dict__.get("_tgraph_hf_config")
+    if config is not None and seen is not None and vars(config) != seen:
+        now = vars(config)
+        changed = sorted(
+            k for k in now.keys() | seen.keys() if now.get(k, seen) != seen.get(k, now)
+        )
+        text += "; config changed: " + ", ".join(
+            f"{k}={now.get(k, '(removed)')!r}" for k in changed
+        )
+    return text
 
 
 @functools.cache
