@@ -60,7 +60,10 @@ takes the same one (:func:`tgraph.emulated.emulated_capture`). Whether that bran
 eager's bits depends on the attention kernel and the transformers version; the shadow verifier
 compares the first replays with eager and leaves the model eager, warned, where they differ.
 Around a PEFT model the transformers model inside is the unit (its adapters' state is in the
-key). Pipeline and interleaved schedules keep per-layer graphs.
+key). A head tied to the embedding (GPT-2) with several forwards in flight before one backward:
+each replay's backward hands over that weight's summed uses, where eager's engine adds every
+use's contribution in its own order, so the sum may differ in the last bit (compared within
+rounding in ``tests/test_hf_whole.py``). Pipeline and interleaved schedules keep per-layer graphs.
 
 MoE layers graph when their experts run grouped or batched
 (``model.set_experts_implementation("batched_mm")`` or ``"grouped_mm"``); the eager
