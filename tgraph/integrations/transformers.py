@@ -59,6 +59,9 @@ branch (an explicit causal mask where eager passes SDPA's causal flag), and the 
 takes the same one (:func:`tgraph.emulated.emulated_capture`). Whether that branch computes
 eager's bits depends on the attention kernel and the transformers version; the shadow verifier
 compares the first replays with eager and leaves the model eager, warned, where they differ.
+A model whose forward syncs with the host outside those branches (dynamic RoPE scaling reads
+the largest position id) cannot be captured whole: ``create_graphs()`` says so and leaves it
+eager (``strict=True`` raises); graph its layers instead (the default).
 Around a PEFT model the transformers model inside is the unit (its adapters' state is in the
 key). A head tied to the embedding (GPT-2) with several forwards in flight before one backward:
 each replay's backward hands over that weight's summed uses, where eager's engine adds every
