@@ -131,6 +131,22 @@ def check_family_training(arch, device, backend, **enable):
     assert report.runners == DIMS["num_hidden_layers"] + 1 and report.segments >= 1, report
 
 
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_family_whole_model_training_matches_eager(backend, device, arch):
+    """``graph_layers(whole=True)``: each family's whole model is one unit (one runner; strict,
+    so every later call replayed and the shadow verifier passed its first replays)."""
+    model, eager = graphed_and_twin(arch, device, backend, whole=True)
+    xs = batches(device)
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    assert_same_training(
+        train(model, xs, graphed=True),
+        train(eager, xs, graphed=False),
+        {} if bf16 else tol(backend),
+    )
+    report = tgraph.capture_report()
+    assert (report.runners, report.graphs) == (1, 2), report
+
+
 def test_float32_grouped_experts_on_cuda_are_refused_with_the_fix(device):
     if device.type != "cuda":
         pytest.skip("grouped_mm takes float32 on the CPU")
