@@ -230,3 +230,32 @@ def test_whole_model_microbatches_in_flight_and_another_order(backend, device, k
         # AdamW's normalised step turns a last-bit difference of a near-zero gradient into up
         # to ~lr * 1e-2 (the per-layer HF tests' tolerance); a stale value moves far more
         torch.testing.assert_close(g_params, e_params, rtol=1e-4, atol=1e-5)
+
+
+def test_whole_model_key_tells_which_layer_changed(device):
+    """The layers' states in the whole model's key are per layer: checkpointing moved from one
+    layer to another keeps the set of states, not the key."""
+    model = tiny_model("llama", device, n_layer=2)
+    tg_hf.graph_layers(model, whole=True, backend="emulated")
+    layers = model._tgraph_hf_layers
+    layers[0].gradient_checkpointing = True
+    first = tg_hf._model_state(model, layers)
+    layers[0].gradient_checkpointing, layers[1].gradient_checkpointing = False, True
+    assert tg_hf._model_state(model, layers) != first
+    layers[1].gradient_checkpointing = False
+    assert tg_hf._model_state(model, layers) == "gradient checkpointing off"
+
+
+def test_whole_model_config_entries_without_equality_compare_by_identity(device):
+    """An entry whose copy does not compare equal (an object without ``__eq__``) is compared
+    by identity: unchanged, the key says nothing changed; replaced, it names the entry."""
+
+    class Opaque:
+        pass
+
+    model = tiny_model("llama", device)
+    model.config.opaque = Opaque()
+    tg_hf.graph_layers(model, whole=True, backend="emulated")
+    assert "config changed" not in tg_hf._model_state(model, model._tgraph_hf_layers)
+    model.config.opaque = Opaque()
+    assert "config changed: opaque" in tg_hf._model_state(model, model._tgraph_hf_layers)

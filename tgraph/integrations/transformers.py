@@ -221,7 +221,7 @@ def graph_layers(model: nn.Module, *, whole: bool = False, **enable_options) -> 
         top._tgraph_hf_layers = tuple(layers)
         config = getattr(top, "config", None)
         if config is not None:
-            top._tgraph_hf_config = copy.deepcopy(vars(config))  # _model_state compares
+            top._tgraph_hf_config = _config_snapshot(config)  # _model_state compares
         inside |= {id(m) for m in top.modules() if m is not top}
     if model not in _cache_hooks:  # on the models around the graphed units, never inside one
         _cache_hooks[model] = [
@@ -444,7 +444,11 @@ def _model_state(model: nn.Module, layers: tuple) -> str:
     config's entries changed since :func:`graph_layers` (the forward reads the config at every
     call: ``output_hidden_states``, ``loss_type``, the attention implementation), compared by
     value (one dict comparison when nothing changed)."""
-    text = " | ".join(sorted(set(map(_layer_state, layers))))
+    states = tuple(map(_layer_state, layers))
+    if len(set(states)) > 1:
+        text = "; ".join(f"layer {i}: {state}" for i, state in enumerate(states))
+    else:
+        text = states[0] if states else ""
     config = getattr(model, "config", None)
     seen = model.__dict__.get("_tgraph_hf_config")
     if config is not None and seen is not None and vars(config) != seen:
@@ -456,6 +460,20 @@ def _model_state(model: nn.Module, layers: tuple) -> str:
             f"{k}={now.get(k, '(removed)')!r}" for k in changed
         )
     return text
+
+
+def _config_snapshot(config) -> dict:
+    """A config's entries as :func:`_model_state` compares them: by value (a deep copy), or by
+    identity where a copy does not compare equal to its original (an object without ``__eq__``)."""
+    snap = {}
+    for k, v in vars(config).items():
+        c = copy.deepcopy(v)
+        try:
+            same = bool(c == v)
+        except Exception:  # an ambiguous or failing comparison: keep the object itself
+            same = False
+        snap[k] = c if same else v
+    return snap
 
 
 @functools.cache
