@@ -32,10 +32,11 @@ def whole_and_twin(kind: str, device, backend: str, *, strict: bool = True, **mo
     return model, eager
 
 
-def train(model, xs, *, graphed: bool, eval_x=None):
+def train(model, xs, *, graphed: bool, eval_x=None, report=None):
     """AdamW steps on ``xs`` (labels = inputs); create_graphs() after the first step, which is
-    the recorded iteration (with a no-grad eval call when ``eval_x`` is given). Returns the
-    losses, the eval logits and the parameters after the last step."""
+    the recorded iteration (with a no-grad eval call when ``eval_x`` is given), expecting
+    ``report`` (runners, graphs): by default the whole model's. Returns the losses, the eval
+    logits and the parameters after the last step."""
     torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, logits = [], []
@@ -51,11 +52,9 @@ def train(model, xs, *, graphed: bool, eval_x=None):
                 logits.append(model(input_ids=eval_x).logits.clone())
             model.train()
         if graphed and i == 0:
-            report = tgraph.create_graphs()
-            assert (report.runners, report.graphs) == (
-                1 + (eval_x is not None),
-                3 if eval_x is not None else 2,
-            )
+            got = tgraph.create_graphs()
+            want = report or (1 + (eval_x is not None), 3 if eval_x is not None else 2)
+            assert (got.runners, got.graphs) == want, got
     params = [p.detach().clone() for p in model.parameters()]
     return torch.stack(losses), logits, params
 
@@ -259,3 +258,27 @@ def test_whole_model_config_entries_without_equality_compare_by_identity(device)
     assert "config changed" not in tg_hf._model_state(model, model._tgraph_hf_layers)
     model.config.opaque = Opaque()
     assert "config changed: opaque" in tg_hf._model_state(model, model._tgraph_hf_layers)
+
+
+def test_a_model_that_cannot_be_graphed_whole_keeps_its_layers_graphs(backend, device, replays):
+    """Dynamic RoPE scaling reads the largest position id on the host in the model's own code,
+    so the whole model cannot be captured; its layers (and final norm), recorded inside its
+    recorded call, keep graphs of their own: one merged stack, replayed (a forward and a
+    backward replay per step), eager's bits, no fallback counted."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_model("llama", "cpu").config
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device)
+    eager = copy.deepcopy(model)
+    tg_hf.graph_layers(model, whole=True, backend=backend, strict=False)
+    xs = token_batches(device, 4)
+    with pytest.warns(tgraph.GraphFallbackWarning, match="keep their own graphs"):
+        g_losses, _, g_params = train(model, xs, graphed=True, report=(3, 2))
+    e_losses, _, e_params = train(eager, xs, graphed=False)
+    assert tgraph.capture_report().segments == 1
+    assert replays[0] == 2 * (len(xs) - 1)  # the stack's forward and backward, each later step
+    assert tgraph.eager_calls() == 0
+    assert torch.equal(g_losses, e_losses)
+    assert all(map(torch.equal, g_params, e_params))

@@ -60,8 +60,10 @@ takes the same one (:func:`tgraph.emulated.emulated_capture`). Whether that bran
 eager's bits depends on the attention kernel and the transformers version; the shadow verifier
 compares the first replays with eager and leaves the model eager, warned, where they differ.
 A model whose forward syncs with the host outside those branches (dynamic RoPE scaling reads
-the largest position id) cannot be captured whole: ``create_graphs()`` says so and leaves it
-eager (``strict=True`` raises); graph its layers instead (the default).
+the largest position id) cannot be captured whole: ``create_graphs()`` says so, and the layers
+and norm, recorded inside the model's recorded call (:attr:`tgraph.GraphableModule.graphs_parts`),
+keep graphs of their own, the model's own code running eagerly around them, as per-layer
+graphs would (``strict=True`` raises instead).
 Around a PEFT model the transformers model inside is the unit (its adapters' state is in the
 key). A head tied to the embedding (GPT-2) with several forwards in flight before one backward:
 each replay's backward hands over that weight's summed uses, where eager's engine adds every
@@ -487,7 +489,9 @@ def _graphable_model(cls: type) -> type:
 
     forward.__doc__ = base_forward.__doc__
     forward.__signature__ = inspect.signature(base_forward)  # _use_cache_position reads it
-    return GraphableModule.of(cls, __call__=_model_call, forward=forward, _tgraph_hf_base=cls)
+    return GraphableModule.of(
+        cls, __call__=_model_call, forward=forward, _tgraph_hf_base=cls, graphs_parts=True
+    )
 
 
 @functools.cache

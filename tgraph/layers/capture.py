@@ -140,6 +140,12 @@ class GraphedUnit:
     #: :func:`tgraph.create_graphs`; None for a captured unit
     left_eager: str | None = None
     refused: str | None = None  # why the recorded call cannot be graphed (manager._record_call)
+    #: the runner whose recorded call recorded this one (a module inside a unit that
+    #: ``GraphableModule.graphs_parts`` lets fall back to its parts), or None
+    within: Any = None
+    #: the unit could not be captured whole and the graphed modules inside it keep their graphs:
+    #: its calls run its own code plainly and theirs replay (set by create_graphs)
+    by_parts: bool = False
 
     def _init_unit(
         self,

@@ -75,6 +75,14 @@ def create_graphs() -> CaptureReport:
             seg.debug = seg.head.debug
         with fp8.capture_scope(list(m.roots) + list(m.modules)):
             _capture_in_recorded_order(m.record.events, runners, factory_of, eager)
+        parts_unused = _inside_graphed_whole(runners, eager)
+        for r in parts_unused:  # recorded for a fallback that is not needed
+            eager.pop(r, None)
+            alone.pop(r, None)
+            r.left_eager = f"it was recorded inside {r.within}, which is graphed whole"
+            r.draft.call.samples = []
+        runners = [r for r in runners if r not in parts_unused]
+        _by_parts(runners, eager)
     except BaseException:
         for f in factories:
             f.synchronize()
@@ -85,7 +93,7 @@ def create_graphs() -> CaptureReport:
             s.restore()
     for f in factories:
         f.synchronize()
-    m.segments = [seg for seg in m.segments if seg.head.segment is seg]  # not split
+    m.segments = [seg for seg in m.segments if seg.head.segment is seg and seg.head in runners]
     units = list(dict.fromkeys(r.segment or r for r in runners if r not in eager))
     _bake(units)
     m.captured, m.units = True, units
@@ -176,7 +184,7 @@ def _capture_in_recorded_order(
     first recorded backward (then those whose backward never ran), all into one pool. A unit
     whose capture fails joins ``eager`` (:func:`_capture`)."""
     for r, phase in events:
-        if r in eager:
+        if r in eager or _graphed_whole_around(r, eager):
             continue
         unit = r.segment or r
         f = factory_of[r]
@@ -187,8 +195,11 @@ def _capture_in_recorded_order(
             phase == "bwd" and d.fwd_graph is not None and d.needs_backward and d.bwd_graph is None
         ):
             _capture(unit, "bwd", f, runners, eager)
-    for unit in dict.fromkeys(r.segment or r for r in runners if r not in eager):
-        if unit.draft.needs_backward and unit.draft.bwd_graph is None:  # its backward never ran
+    for unit in dict.fromkeys(
+        r.segment or r for r in runners if r not in eager and not _graphed_whole_around(r, eager)
+    ):
+        d = unit.draft
+        if d.fwd_graph is not None and d.needs_backward and d.bwd_graph is None:  # never ran
             _capture(unit, "bwd", factory_of[unit.head], runners, eager)
 
 
@@ -250,6 +261,42 @@ def _capture(unit, phase: str, f: GraphFactory, runners: list[Runner], eager: di
         for i, t in enumerate(d.static_inputs):
             if d.shared_inputs[i] and t.untyped_storage().data_ptr() in outputs:
                 d.shared_inputs[i] = False
+
+
+def _graphed_whole_around(r: Runner, eager: dict[Runner, str]) -> bool:
+    """Whether ``r`` was recorded inside a unit (``GraphableModule.graphs_parts``) that is
+    graphed whole, or not yet known to fall back (its forward event comes first), so that ``r``
+    runs inside that unit's graphs: not captured."""
+    o = r.within
+    while o is not None:
+        if o not in eager:
+            return True
+        o = o.within
+    return False
+
+
+def _inside_graphed_whole(runners: list[Runner], eager: dict[Runner, str]) -> list[Runner]:
+    """The runners recorded inside units graphed whole (none of their own graphs), and those
+    whose unit fell back but whose forward was captured before its backward failed."""
+    return [
+        r
+        for r in runners
+        if _graphed_whole_around(r, eager)
+        or (r.within is not None and r not in eager and (r.segment or r).draft.fwd_graph is None)
+    ]
+
+
+def _by_parts(runners: list[Runner], eager: dict[Runner, str]) -> None:
+    """Units that could not be captured whole and whose recorded parts were all captured: their
+    calls run their own code plainly around the parts' replays (:attr:`Runner.by_parts`)."""
+    parts: dict[Runner, list[Runner]] = {}
+    for r in runners:
+        if r.within is not None:
+            parts.setdefault(r.within, []).append(r)
+    for o, inner in parts.items():
+        if o in eager and all(r not in eager for r in inner):
+            o.by_parts = True
+            eager[o] = f"{eager[o]}; the graphed modules inside it keep their own graphs"
 
 
 def _bake(units: list) -> None:

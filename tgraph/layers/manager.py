@@ -92,6 +92,7 @@ class _Manager:
         self.segments: list[Segment] = []
         self.units: list = []  # every captured unit (runners and merged stacks)
         self.eager_calls = 0  # fallbacks to eager since the last reset (create_graphs' message)
+        self.outer: list[Runner] = []  # recording: the units whose calls record their parts too
 
     def call(self, module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
         if state.plain:  # graphed only merged, and create_graphs() found it alone
@@ -155,12 +156,15 @@ class _Manager:
                     direct=state.direct_grads,
                 )
                 runner.draft.call.shared_with = [self.record.consumers(t) for t in tensors]
+                runner.within = self.outer[-1] if self.outer else None
                 state.runners.setdefault(key, []).append(runner)
             return self._record_call(runner, args, kwargs, tensors)
         if runners:
             turns = state.turns.get(key) if len(runners) > 1 else None
             reason = BUSY  # unless a runner that is free says why it cannot answer
             for r in runners if turns is None else turns.order():  # the recorded one first
+                if r.by_parts:  # not graphed whole: its parts replay (create_graphs said so)
+                    return module_call(module)(*args, **kwargs)
                 j = r.seg_index
                 cap = r.cap
                 if not j and cap is not None and cap.stored:
@@ -238,7 +242,14 @@ class _Manager:
         call, first = runner.draft.call, not runner.draft.call.rng_after
         if first:  # where a merged stack may not reorder random draws (tgraph.layers.segment)
             call.rng_before = rng.position(runner.device)
-        out = self._plain_call(runner.module, args, kwargs)
+        if type(runner.module).graphs_parts:  # its graphable modules record their calls too
+            self.outer.append(runner)
+            try:
+                out = module_call(runner.module)(*args, **kwargs)
+            finally:
+                self.outer.pop()
+        else:
+            out = self._plain_call(runner.module, args, kwargs)
         if first:
             call.rng_after = rng.position(runner.device)
         outs, template = split(out)
@@ -348,6 +359,11 @@ class GraphableModule(nn.Module):
     """
 
     unread_attributes: frozenset[str] = frozenset()
+    graphs_parts: bool = False
+    """True: where ``create_graphs()`` cannot capture this module whole (a host sync in its own
+    code, say), the graphable modules inside it keep graphs of their own, recorded in its
+    recorded call, and its calls run its own code plainly around their replays (a whole-model
+    unit: ``graph_layers(model, whole=True)``). False: it is graphed whole or runs eagerly."""
     graphed_alone: bool = True
     """False: graphed only as a member of a merged stack (a final norm after the layers, whose
     own graph would cost the host more than its few eager kernels); a module that
