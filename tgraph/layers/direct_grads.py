@@ -181,8 +181,12 @@ class DirectRoute:
         params = self.params
         if asked is None and not hooks_moved and self.unique and all(map(is_not, gs, repeat(None))):
             if all(map(_requires_grad, params)):  # the steady step: C-level passes
-                if all(map(is_, map(_grad, params), repeat(None))):  # set_to_none: set each
+                have = list(map(_grad, params))
+                if all(map(is_, have, repeat(None))):  # set_to_none: set each
                     list(map(setattr, params, repeat("grad"), gs))
+                    return out
+                if all(map(is_not, have, repeat(None))):  # zeroed in place, or accumulating
+                    torch._foreach_add_(have, gs)
                     return out
         targets, addends, hooked = [], [], []
         for p, g in zip(params, gs):
