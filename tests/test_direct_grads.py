@@ -61,10 +61,39 @@ def test_direct_grads_train_as_eager(backend, device, merge, accumulate):
     _assert_same(got, want)
 
 
+def test_later_microbatches_add_the_buffers_themselves(backend, device, monkeypatch, no_verifier):
+    """A microbatch after the first finds every ``.grad`` set: the node adds its static
+    buffers into them without an alias per parameter (``DirectRoute.adds``), and no ``.grad``
+    ever is a buffer (the next backward would overwrite it). Counted, so that equal numbers
+    cannot come from the long way."""
+    taken, shared = [], []
+    adds, deliver = DirectRoute.adds, DirectRoute.deliver
+
+    def counted(self, asked, hooks_moved):
+        taken.append(adds(self, asked, hooks_moved))
+        return taken[-1]
+
+    def checked(self, grads, *args):
+        out = deliver(self, grads, *args)
+        bufs = {g.untyped_storage().data_ptr() for g in grads if g is not None}
+        held = {p.grad.untyped_storage().data_ptr() for p in self.params}
+        shared.append(bool(bufs & held))
+        return out
+
+    monkeypatch.setattr(DirectRoute, "adds", counted)
+    monkeypatch.setattr(DirectRoute, "deliver", checked)
+    model = tiny_gpt(device)
+    batches = gpt_batches(device, 9)
+    got = _train(twin(model), batches, backend, accumulate=3)
+    _assert_same(got, _train(model, batches, accumulate=3))
+    assert taken == [False, True, True] * 2, taken  # (a verified replay goes the long way)
+    assert shared == [True, False, False] * 2, shared  # the first: .grad set to an alias
+
+
 def test_planted_bug_direct_grads_overwrite_instead_of_accumulate(backend, device, monkeypatch):
     """A second microbatch's gradient assigned over the first (not added) must be caught."""
 
-    def assign(self, grads, asked=None, hooks_moved=True):
+    def assign(self, grads, asked=None, hooks_moved=True, adding=False):
         out = [None]
         params = iter(self.params)
         for g, m in zip(grads, self.mask):

@@ -402,8 +402,8 @@ def test_a_wrong_gradient_of_a_merged_stack_is_caught_in_its_backward(backend, d
 
     real = replay.grads_for_autograd
 
-    def doubled(*args):
-        return [None if g is None else 2 * g for g in real(*args)]
+    def doubled(*args, **kwargs):
+        return [None if g is None else 2 * g for g in real(*args, **kwargs)]
 
     monkeypatch.setattr(replay, "grads_for_autograd", doubled)
     with tgraph.verification(every=1):

@@ -77,16 +77,21 @@ def after_backward(cap: Captured, state: ReplayState) -> None:
 
 
 def grads_for_autograd(
-    cap: Captured, state: ReplayState, active: tuple[bool, ...] | None = None
+    cap: Captured,
+    state: ReplayState,
+    active: tuple[bool, ...] | None = None,
+    raw: bool = False,
 ) -> list[torch.Tensor | None]:
     """Input gradients (static) + parameter gradients (aliases of their static buffers, which
     the pool's ledger protects, or copies of them; see ParamGradOutputs).
 
     ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
     parameters that only inactive outputs reach get None (:class:`tgraph.layers.grads.UnusedOutputs`).
+    ``raw``: the parameter gradients are the buffers themselves, for ``direct_grads`` adding
+    them into existing ``.grad`` tensors (:meth:`~tgraph.layers.direct_grads.DirectRoute.adds`).
     """
     hand = state.grads
-    kept = cap.fusion.keep(hand.for_autograd())
+    kept = cap.fusion.keep(hand.for_autograd(raw))
     if not kept and state.route.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
     grads = [*cap.static_grads, *kept]

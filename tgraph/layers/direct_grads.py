@@ -125,6 +125,7 @@ class DirectRoute:
         "keeps",
         "params",
         "unique",
+        "alone",
         "anchor",
         "anchor_node",
         "__weakref__",
@@ -136,6 +137,7 @@ class DirectRoute:
         self.keeps = tuple(not m for m in self.mask)  # those that keep autograd's path
         self.params = list(compress(kept, self.mask))
         self.unique = len(set(map(id, self.params))) == len(self.params)
+        self.alone = not any(self.keeps)  # no parameter of the unit keeps autograd's path
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         with torch.enable_grad():  # held: the node the plain-backward check asks about
             self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
@@ -169,16 +171,46 @@ class DirectRoute:
             )
         return None
 
-    def deliver(self, grads: list, asked: Request | None = None, hooks_moved: bool = True) -> list:
+    def adds(self, asked: Request | None, hooks_moved: bool) -> bool:
+        """Whether :meth:`deliver` will only add into ``.grad`` tensors that exist (a plain
+        backward, no hook registered since the forward, each parameter once and requiring
+        grad, every one with a ``.grad``: zeroed in place, or a later microbatch). Then the
+        static buffers themselves can be the addends: no alias per parameter."""
+        params = self.params
+        return (
+            asked is None
+            and not hooks_moved
+            and self.unique
+            and self.alone
+            and all(map(_requires_grad, params))
+            and all(map(is_not, map(_grad, params), repeat(None)))
+        )
+
+    def deliver(
+        self,
+        grads: list,
+        asked: Request | None = None,
+        hooks_moved: bool = True,
+        adding: bool = False,
+    ) -> list:
         """``grads``: per parameter autograd would get. Writes the direct ones to ``.grad``
         (as AccumulateGrad: a tensor hook first, then set where None, added in place
         otherwise, then a post-accumulate hook), only those ``asked`` names when a backward
         names its inputs (or, for ``autograd.grad``, hands them to it); returns the node's
         gradients for :meth:`inputs` (a zero for the anchor the engine was asked for).
-        ``hooks_moved``: a hook was registered somewhere since the forward."""
+        ``hooks_moved``: a hook was registered somewhere since the forward. ``adding``:
+        :meth:`adds` said so, and ``grads`` may be the static buffers themselves."""
         out = [None if asked is None else self.anchor.new_zeros(()), *compress(grads, self.keeps)]
         gs = list(compress(grads, self.mask))
         params = self.params
+        if adding:  # add only: a buffer never becomes a .grad
+            have = list(map(_grad, params))
+            if not all(map(is_not, gs, repeat(None))):  # outputs the loss did not reach
+                have = [h for h, g in zip(have, gs) if g is not None]
+                gs = [g for g in gs if g is not None]
+            if gs:
+                torch._foreach_add_(have, gs)
+            return out
         if asked is None and not hooks_moved and self.unique and all(map(is_not, gs, repeat(None))):
             if all(map(_requires_grad, params)):  # the steady step: C-level passes
                 have = list(map(_grad, params))

@@ -265,11 +265,12 @@ class GradHandOff:
     def present(self) -> bool:
         return self.plan.present
 
-    def for_autograd(self) -> list:
-        """Per-parameter gradients for autograd after a replay: aliases of the buffers."""
+    def for_autograd(self, raw: bool = False) -> list:
+        """Per-parameter gradients for autograd after a replay: aliases of the buffers (``raw``:
+        the buffers themselves, for a caller that only adds them into ``.grad`` tensors)."""
         plan = self.plan
         if not self.copying:  # one C-level pass: fresh tensors AccumulateGrad adopts
-            handed = list(map(_detach, plan.bufs))
+            handed = list(plan.bufs) if raw else list(map(_detach, plan.bufs))
         else:
             handed = [b.clone() for b in plan.bufs]
         if len(handed) == plan._n:

@@ -444,15 +444,16 @@ class GraphedCall(torch.autograd.Function):
         if flight.fp8_first:  # the backward amax reduction the first FP8 module runs in eager
             cap.fp8.after_backward()
         flight.land()
-        result = grads_for_autograd(cap, state, active)
         pending = getattr(ctx, "verify", None)  # a verified replay (tgraph.layers.verify)
+        moved = direct is not None and RemovableHandle.next_id != state.hook_epoch
+        adding = direct is not None and pending is None and direct.adds(asked, moved)
+        result = grads_for_autograd(cap, state, active, raw=adding)
         if pending is not None:  # its eager twin's graph goes now: it holds saved weights
             ctx.verify = None
             result = verify.check_grads(cap, state, pending, result, grads)
         if direct is not None:  # written to .grad here (the verifier compared them first)
             n = len(cap.static_grads)
-            moved = RemovableHandle.next_id != state.hook_epoch
-            result[n:] = direct.deliver(result[n:], asked, moved)
+            result[n:] = direct.deliver(result[n:], asked, moved, adding)
         return (None, None, None, *result)
 
 
