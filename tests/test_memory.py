@@ -3,6 +3,7 @@ GPU the buffers held between steps add up to what capture left allocated."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -188,4 +189,86 @@ def test_a_verified_replay_holds_one_members_activations(monkeypatch):
     with tgraph.verification(every=1):
         checked = _peak_above(step)
     assert verified == [1] and tgraph.eager_calls() == 0  # one verified replay, no fallback
+    assert checked < 0.5 * eager, (checked, eager)
+
+
+class _Whole(tgraph.GraphableModule):
+    """A unit that graphs its parts (as graph_layers(model, whole=True)'s model): its graphable
+    blocks are captured inside its graphs, or keep graphs of their own where it cannot be."""
+
+    graphs_parts = True
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def test_a_verified_whole_unit_checkpoints_its_parts(backend, device, monkeypatch):
+    """The shadow verifier's eager twin of a whole unit runs its graphable parts under
+    non-reentrant checkpoint (tgraph.layers.capture.parts_checkpointed): forward and the
+    backward's rerun, one checkpoint per block each, counted; the verified steps keep eager's
+    numbers (strict: a mismatch would raise) and the unit replays (no eager call)."""
+    import tgraph.layers.manager as manager
+
+    calls = []
+    real = manager._checkpoint
+    monkeypatch.setattr(manager, "_checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(MLPBlock(16, hidden=4) for _ in range(3)).to(device)
+    ref = _Whole(blocks).to(device)
+    model = copy.deepcopy(ref)
+    xs = [torch.randn(8, 16, device=device) for _ in range(4)]
+
+    def train(m, steps):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        out = []
+        for i, x in enumerate(xs):
+            loss = m(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.detach())
+            if steps is not None and i == 0:
+                steps()
+        return torch.stack(out)
+
+    want = train(ref, None)
+    tgraph.enable(model, backend=backend, strict=True)
+    with tgraph.verification(every=1):
+        got = train(model, tgraph.create_graphs)
+    assert torch.equal(got, want)
+    assert tgraph.eager_calls() == 0
+    assert len(calls) == 3 * 2 * 3, len(calls)  # 3 verified steps, forward and rerun, 3 blocks
+
+
+@pytest.mark.cuda
+def test_a_verified_whole_unit_holds_one_parts_activations():
+    """The whole-unit twin of the test above: 8 activation-heavy blocks inside one unit. A
+    verified replay's eager twin without checkpointed parts holds every block's activations
+    beside the graphs (about eager's step again); with them, the blocks' inputs and one
+    block's activations."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = _Whole(nn.ModuleList(MLPBlock(128, hidden=8) for _ in range(8))).to(device)
+    x = torch.randn(16384, 128, device=device)
+
+    def step():
+        model(x).backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    eager = _peak_above(step)
+    with tgraph.verification(first=0, every=0):
+        tgraph.enable(model, backend="cuda", strict=True)
+        step()  # recorded
+        tgraph.create_graphs()
+        step()
+    with tgraph.verification(every=1):
+        checked = _peak_above(step)
+    assert tgraph.eager_calls() == 0
     assert checked < 0.5 * eager, (checked, eager)

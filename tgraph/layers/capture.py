@@ -81,6 +81,25 @@ def inside_graphed_region() -> bool:
     return _depth > 0
 
 
+_checkpointed = 0  # > 0: graphable modules called in a graphed region run checkpointed
+
+
+@contextlib.contextmanager
+def parts_checkpointed() -> Iterator[None]:
+    """Inside (and in a graphed region), a graphable module called with grad enabled runs
+    under non-reentrant ``torch.utils.checkpoint``: autograd keeps its inputs, not its
+    activations, and recomputes them in the backward, from the same generator states (the
+    same numbers). The shadow verifier's eager twin of a unit that graphs its parts (a whole
+    model) runs so, so that it holds about one layer's activations beside the graphs, not a
+    second copy of the model's."""
+    global _checkpointed
+    _checkpointed += 1
+    try:
+        yield
+    finally:
+        _checkpointed -= 1
+
+
 def warmup_passes(warmup: int, compiled: bool) -> int:
     """How many warmup passes a unit runs: ``warmup``, and at least two when it runs compiled
     code. The first pass runs under the host-sync check, a dispatch mode, where dynamo does not

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from tgraph import rng
 from tgraph.baked import call_with_own_hooks, hooks_run_outside
@@ -390,6 +391,8 @@ class GraphableModule(nn.Module):
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get("_tgraph")
         if state is None or _unit._depth:  # _depth: inside_graphed_region(), read in place
+            if _unit._checkpointed and state is not None and torch.is_grad_enabled():
+                return _checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
             return super().__call__(*args, **kwargs)
         if (  # the module's or the global forward hooks, read in place: every call asks
             self._forward_hooks

@@ -6,7 +6,9 @@ generator states as the replay, and compares the outputs with the replay's; the 
 compared in that call's backward. Memory: the eager run goes member by member, keeping each
 member's inputs and outputs but not its autograd graph; the backward runs each member again, last
 first, and compares each gradient as it completes (:func:`_backprop`), so a verified replay adds
-about one member's activations and gradients to the step, not the unit's. Selected calls: each
+about one member's activations and gradients to the step, not the unit's (a member that graphs
+its parts, a whole model, runs them checkpointed: :func:`tgraph.layers.capture.parts_checkpointed`).
+Selected calls: each
 graph's first :attr:`Settings.first` replays, the first replay after an event tgraph sees (a
 fallback, a re-bind), and one in :attr:`Settings.every` after that.
 
@@ -40,7 +42,7 @@ import torch
 from tgraph import rng
 from tgraph.baked import hooks_run_outside
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
-from tgraph.layers.capture import graphed_region
+from tgraph.layers.capture import graphed_region, parts_checkpointed
 from tgraph.layers.direct_grads import unguarded
 from tgraph.signature import split
 
@@ -260,7 +262,8 @@ def _member(cap, j: int, r, module_call, grad: bool):
                     leaves.append(leaf)
                 x = leaf.clone()
             given.append(x)
-        with graphed_region():
+        parts = parts_checkpointed() if type(r.module).graphs_parts else contextlib.nullcontext()
+        with graphed_region(), parts:  # a whole model: its layers' activations recomputed
             a, kw = r.call_template.fill(given)
             tensors = split(module_call(r.module)(*a, **kw))[0]
         full = tensors + [None] * (s.stop - s.start - len(tensors))
