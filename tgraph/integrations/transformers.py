@@ -378,13 +378,17 @@ def _describe_state(checkpointing: bool, adapters: frozenset) -> str:
     return text
 
 
+_PLAIN_STATES = {on: _describe_state(on, frozenset()) for on in (False, True)}
+
+
 def _layer_state(layer: nn.Module) -> str:
-    """What the layer's graph bakes in beyond its arguments, as one comparable string."""
-    adapters = layer.__dict__.get("_tgraph_hf_adapters") or ()
-    return _describe_state(
-        bool(getattr(layer, "gradient_checkpointing", False)),
-        frozenset(map(_adapter_state, adapters)),
-    )
+    """What the layer's graph bakes in beyond its arguments, as one comparable string (a
+    layer without PEFT adapters: one of two strings made once; every call asks)."""
+    adapters = layer.__dict__.get("_tgraph_hf_adapters")
+    checkpointing = bool(getattr(layer, "gradient_checkpointing", False))
+    if not adapters:
+        return _PLAIN_STATES[checkpointing]
+    return _describe_state(checkpointing, frozenset(map(_adapter_state, adapters)))
 
 
 def _refuse_reentrant(layer: nn.Module) -> None:
