@@ -413,6 +413,11 @@ def _count_writes_to(mods) -> None:
             _baked_modules[i] = weakref.ref(m, functools.partial(_forget_module, i))
 
 
+def watched(modules) -> bool:
+    """Whether a write to any of ``modules`` through nn.Module's setters moves the epoch."""
+    return all(id(m) in _baked_modules for m in modules)
+
+
 def _forget_module(i: int, _ref, _modules: dict = _baked_modules) -> None:
     _modules.pop(i, None)  # (bound at definition: may run while the interpreter shuts down)
 

@@ -37,7 +37,8 @@ from torch.nn.modules import module as nn_module
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from tgraph import rng
-from tgraph.baked import call_with_own_hooks, hooks_run_outside
+from tgraph.baked import _epoch as _module_epoch
+from tgraph.baked import call_with_own_hooks, hooks_run_outside, watched
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers import capture as _unit
 from tgraph.layers import verify
@@ -72,6 +73,8 @@ class _ModuleState:
     param_tables: tuple = ()
     param_keys: tuple = ()
     submodules: tuple = ()  # module.modules(): their training flags are part of every key
+    training: tuple = ()  # those flags as of module epoch ``training_at`` (tgraph.baked._epoch;
+    training_at: int = -1  # -1: not every submodule's writes are counted: read them each call)
     names: list[str] = field(default_factory=list)  # the submodules' names, for messages
     compiled: Any = None  # torch.compile of the module's call (enable(compile=...)), or None
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
@@ -120,7 +123,12 @@ class _Manager:
                 "would overwrite the buffers of graphs whose backward is still running",
             )
         tensors: list[torch.Tensor] = []
-        training = tuple(map(_TRAINING, state.submodules))  # every call: no generator frame
+        if state.training_at == _module_epoch[0]:  # no write to a baked module since: train()
+            training = state.training  # and eval() set .training through nn.Module.__setattr__
+        else:
+            training = tuple(map(_TRAINING, state.submodules))  # no generator frame
+            if self.captured and watched(state.submodules):
+                state.training, state.training_at = training, _module_epoch[0]
         if self.captured:  # a later member of a replayed merged stack: no call key needed
             out = self._continue_stack(state, args, kwargs, training)
             if out is not None:
