@@ -24,6 +24,7 @@ backward in backward.py), the shared memory pool in tgraph/pool.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import warnings
@@ -400,7 +401,8 @@ class GraphableModule(nn.Module):
         state = self.__dict__.get("_tgraph")
         if state is None or _unit._depth:  # _depth: inside_graphed_region(), read in place
             if _unit._checkpointed and state is not None and torch.is_grad_enabled():
-                return _checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
+                call = functools.partial(super().__call__, **kwargs)  # (no keyword of its own
+                return _checkpoint(call, *args, use_reentrant=False)  # taken by checkpoint)
             return super().__call__(*args, **kwargs)
         if (  # the module's or the global forward hooks, read in place: every call asks
             self._forward_hooks

@@ -8,9 +8,8 @@ member's inputs and outputs but not its autograd graph; the backward runs each m
 first, and compares each gradient as it completes (:func:`_backprop`), so a verified replay adds
 about one member's activations and gradients to the step, not the unit's (a member that graphs
 its parts, a whole model, runs them checkpointed: :func:`tgraph.layers.capture.parts_checkpointed`).
-Selected calls: each
-graph's first :attr:`Settings.first` replays, the first replay after an event tgraph sees (a
-fallback, a re-bind), and one in :attr:`Settings.every` after that.
+Selected calls: each graph's first :attr:`Settings.first` replays, the first replay after an
+event tgraph sees (a fallback, a re-bind), and one in :attr:`Settings.every` after that.
 
 A mismatch leaves the unit eager for good: the call itself runs eagerly from the generator and
 buffer states it started from (so its result is eager's), a :class:`tgraph.GraphFallbackWarning`
