@@ -112,19 +112,21 @@ def enable(
     for m in found:
         old = m.__dict__.get("_tgraph")
         named = list(m.named_modules())
+        tables, keys = _param_slots(m)
         m._tgraph = _ModuleState(
             backend,
             strict,
             warmup_steps,
             debug,
-            merge,
-            main_grad_fusion,
-            capturable_hooks,
-            direct_grads,
-            *_param_slots(m),
-            tuple(sub for _, sub in named),
-            [name or type(m).__name__ for name, _ in named],
-            compiled_call(m, compile_options),
+            merge=merge,
+            main_grad_fusion=main_grad_fusion,
+            capturable_hooks=capturable_hooks,
+            direct_grads=direct_grads,
+            param_tables=tables,
+            param_keys=keys,
+            submodules=tuple(sub for _, sub in named),
+            names=[name or type(m).__name__ for name, _ in named],
+            compiled=compiled_call(m, compile_options),
             name=qualified.get(id(m)) or type(m).__name__,
         )
         if old is not None:  # enabled again: new options, same recorded runners

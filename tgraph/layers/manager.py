@@ -74,8 +74,6 @@ class _ModuleState:
     param_tables: tuple = ()
     param_keys: tuple = ()
     submodules: tuple = ()  # module.modules(): their training flags are part of every key
-    training: tuple = ()  # those flags as of module epoch ``training_at`` (tgraph.baked._epoch;
-    training_at: int = -1  # -1: not every submodule's writes are counted: read them each call)
     names: list[str] = field(default_factory=list)  # the submodules' names, for messages
     compiled: Any = None  # torch.compile of the module's call (enable(compile=...)), or None
     runners: dict[tuple, list[Runner]] = field(default_factory=dict)
@@ -83,6 +81,8 @@ class _ModuleState:
     warned: set[str] = field(default_factory=set)
     name: str = ""  # the module's qualified name in the enabled model (``blocks.3``), for messages
     plain: bool = False  # graphed only merged (graphed_alone=False), recorded alone: plain calls
+    training: tuple = ()  # the submodules' training flags as of module epoch ``training_at``
+    training_at: int = -1  # (tgraph.baked._epoch; -1: not every submodule's writes are counted)
 
 
 class _Manager:
