@@ -264,7 +264,7 @@ ASKED = {  # parameters the node writes; the input; both; a block's every parame
 @pytest.mark.parametrize("asked", list(ASKED))
 @pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad", "materialize_grads"])
 @pytest.mark.parametrize("direct", [None, True], ids=["default", "on"])
-def test_gradients_asked_for_get_eagers(backend, device, asked, how, direct):
+def test_gradients_asked_for_get_eagers(backend, device, asked, how, direct, swaps):
     """``backward(inputs=...)`` and ``torch.autograd.grad`` naming parameters the node writes
     (no edge reaches them: the engine's entry asks for their anchors instead), the input, or
     both: eager's gradients, and no ``.grad`` written beyond what was asked (autograd.grad

@@ -60,7 +60,7 @@ def train(model, xs, *, graphed: bool, eval_x=None, report=None):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_whole_model_trains_as_eager(backend, device, kind):
+def test_whole_model_trains_as_eager(backend, device, kind, swaps):
     """Dropout on: each replay draws fresh masks, eager's (a frozen mask would differ)."""
     model, eager = whole_and_twin(kind, device, backend, dropout=0.1)
     xs = token_batches(device, 5)

@@ -208,7 +208,7 @@ class _Whole(tgraph.GraphableModule):
         return x.square().mean()
 
 
-def test_a_verified_whole_unit_checkpoints_its_parts(backend, device, monkeypatch):
+def test_a_verified_whole_unit_checkpoints_its_parts(backend, device, monkeypatch, swaps):
     """The shadow verifier's eager twin of a whole unit runs its graphable parts under
     non-reentrant checkpoint (tgraph.layers.capture.parts_checkpointed): forward and the
     backward's rerun, one checkpoint per block each, counted; the verified steps keep eager's

@@ -375,6 +375,7 @@ class GraphedUnit:
             aliasing_outputs=tuple(
                 i for i, o in enumerate(outs) if o.untyped_storage().data_ptr() in ins
             ),
+            fresh_outputs=tuple(i for i, o in enumerate(outs) if o.dim() == 0),
             output_internal=tuple(
                 tuple(internal.get(o.untyped_storage().data_ptr(), [o])) for o in outs
             ),

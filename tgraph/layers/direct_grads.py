@@ -229,7 +229,8 @@ class DirectRoute:
                     continue
                 if not asked.accumulate:
                     have = asked.got.get(id(p))
-                    asked.got[id(p)] = g if have is None else have + g
+                    # handed to the caller, who may keep it: its own memory, as eager's
+                    asked.got[id(p)] = g.clone() if have is None else have + g
                     continue
             if p._backward_hooks or p._post_accumulate_grad_hooks:  # registered since
                 hooked.append((p, g))

@@ -249,8 +249,8 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]) -> li
     if not cap.needs_backward:
         cap.fwd_graph.replay()
         outs = [o.detach() for o in cap.static_outputs]
-        for i in cap.aliasing_outputs:  # the static input buffer: the next call's copy
-            outs[i] = outs[i].clone()  # would overwrite it under the caller
+        for i in {*cap.aliasing_outputs, *cap.fresh_outputs}:  # the static input buffer (the
+            outs[i] = outs[i].clone()  # next call's copy would overwrite it), or a loss
         for i in cap.out_rg:  # a leaf that requires grad under no_grad, as the eager call
             outs[i].requires_grad_()  # made it (megatron's make_viewless_tensor): next keys
         hold_while_alive(state, outs)
@@ -397,7 +397,10 @@ class GraphedCall(torch.autograd.Function):
         # An output the loss did not use gets None, not zeros: then the parameters only it
         # reaches get no gradient, as in eager (tgraph.layers.grads.UnusedOutputs).
         ctx.set_materialize_grads(False)
-        outs = tuple([o.detach() for o in cap.static_outputs])
+        outs = [o.detach() for o in cap.static_outputs]
+        for i in cap.fresh_outputs:  # a loss: kept across steps by callers, so a copy
+            outs[i] = outs[i].clone()
+        outs = tuple(outs)
         # The backward graph may read the outputs as saved activations: saving them lets
         # autograd check their version counters (an in-place change raises, as in eager).
         # Keeping them on ctx instead would make a reference cycle through the autograd node.
