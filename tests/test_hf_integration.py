@@ -132,7 +132,7 @@ def check_family_training(arch, device, backend, **enable):
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
-def test_family_whole_model_training_matches_eager(backend, device, arch):
+def test_family_whole_model_training_matches_eager(backend, device, arch, swaps):
     """``graph_layers(whole=True)``: each family's whole model is one unit (one runner; strict,
     so every later call replayed and the shadow verifier passed its first replays)."""
     model, eager = graphed_and_twin(arch, device, backend, whole=True)

@@ -128,7 +128,7 @@ def test_ungraph_restores_the_whole_models_class(device):
     model(input_ids=x, labels=x).loss.backward()  # a plain model again
 
 
-def test_whole_model_around_peft_lora_trains_as_eager(backend, device):
+def test_whole_model_around_peft_lora_trains_as_eager(backend, device, swaps):
     """PEFT LoRA around Llama: the transformers model inside is the unit (strict: it replays);
     the adapters disabled after capture (their state is in the key) run eagerly, named."""
     peft = pytest.importorskip("peft")
@@ -150,7 +150,7 @@ def test_whole_model_around_peft_lora_trains_as_eager(backend, device):
         assert torch.equal(got, eager(input_ids=xs[0], labels=xs[0]).loss)
 
 
-def test_grouped_kv_heads_replay_eagers_bits_or_run_eagerly_warned(backend, device):
+def test_grouped_kv_heads_replay_eagers_bits_or_run_eagerly_warned(backend, device, swaps):
     """Grouped k/v heads: transformers' capture branch (explicit mask) may repeat them in Python
     where eager lets SDPA group them. Either the replays are eager's bits (the verifier passes
     them, no fallback) or the verifier finds the difference and the model runs eagerly, warned;
