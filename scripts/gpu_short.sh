@@ -4,8 +4,9 @@
 # processes), the capture-path probe of HF Llama's step, host time per graphed call (HF Llama,
 # per-layer and whole), the toy against the floor in every graph mode; with HF=1 also HF Llama's
 # goal cells (batch 1 and 8, fp32), each cell in one process. Stages: PYTEST, PROBE, PROFILE,
-# TOY, HF (1 runs it). Output: $OUT.
-OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
+# TOY, HF (1 runs it). Output: $OUT/summary.txt and $OUT/gpu_short.tgz (every log, JSON and
+# table; the device call brings back at most 8 files).
+FINAL=${OUT:-./gpu_out}; OUT=/tmp/gpu_short; rm -rf "$OUT"; mkdir -p "$FINAL" "$OUT" /tmp/w
 export PYTHONPATH="$PWD:$PYTHONPATH"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -19,8 +20,10 @@ if [ "${PYTEST:-1}" = 1 ]; then
     "tests/test_hf_integration.py::test_family_whole_model_training_matches_eager" > "$OUT/pytest_b.log" 2>&1 &
   wait; echo "pytest done" >> "$OUT/env.txt"
 fi
-[ "${PROBE:-1}" = 1 ] && timeout 90 python scripts/probe_hf_mask_path.py --out "$OUT/probe_hf_mask_path.json" > "$OUT/probe.log" 2>&1
-echo "probe rc=$?" >> "$OUT/env.txt"
+if [ "${PROBE:-1}" = 1 ]; then
+  timeout 90 python scripts/probe_hf_mask_path.py --out "$OUT/probe_hf_mask_path.json" > "$OUT/probe.log" 2>&1
+  echo "probe rc=$?" >> "$OUT/env.txt"
+fi
 if [ "${PROFILE:-1}" = 1 ]; then
   for w in "" --whole; do
     timeout 60 python scripts/profile_host.py --device cuda --backend cuda --model llama --steps 200 --reps 3 $w \
@@ -28,9 +31,12 @@ if [ "${PROFILE:-1}" = 1 ]; then
     echo "profile $w rc=$?" >> "$OUT/env.txt"; cp /tmp/w/p$w/profile_host.json "$OUT/profile_host$w.json" 2>/dev/null
   done
 fi
-[ "${TOY:-1}" = 1 ] && timeout 150 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 2 \
-  --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_head,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_head,tgraph_model,tgraph_model_opt_noskip,tgraph_full \
-  --out "$OUT/toy" > "$OUT/bench_toy.log" 2>&1 && echo "bench toy rc=0" >> "$OUT/env.txt"
+if [ "${TOY:-1}" = 1 ]; then
+  timeout 150 python scripts/bench_train.py --configs tiny,tiny_b1 --dtypes fp32 --steps 50 --warmup 2 \
+    --modes eager,floor,graphed_callables,tgraph_layer,tgraph_layer_head,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_head,tgraph_model,tgraph_model_opt_noskip,tgraph_full \
+    --out "$OUT/toy" > "$OUT/bench_toy.log" 2>&1
+  echo "bench toy rc=$?" >> "$OUT/env.txt"
+fi
 if [ "${HF:-0}" = 1 ]; then
   for cell in ${HF_CELLS:-llama_b1 llama_b8}; do
     timeout ${HF_LIMIT:-120} python scripts/bench_train.py --configs $cell --dtypes fp32 --steps 20 --warmup 2 \
@@ -39,7 +45,10 @@ if [ "${HF:-0}" = 1 ]; then
     echo "bench $cell rc=$?" >> "$OUT/env.txt"
   done
 fi
-cat "$OUT/env.txt"; grep -hE "^(FAILED|ERROR)|passed|failed" "$OUT"/pytest_*.log 2>/dev/null | tail -30
-cat "$OUT/probe_hf_mask_path.json" 2>/dev/null
-grep -hE "^\|" "$OUT"/*/bench_train.md 2>/dev/null
-grep -hE -A9 "per graphed call|head's checks" "$OUT"/profile_host*.log 2>/dev/null | head -40
+{ cat "$OUT/env.txt"; grep -hE "^(FAILED|ERROR)|passed|failed" "$OUT"/pytest_*.log 2>/dev/null | tail -40
+  cat "$OUT/probe_hf_mask_path.json" 2>/dev/null
+  grep -hE "^\|" "$OUT"/*/bench_train.md 2>/dev/null
+  grep -hE -A9 "per graphed call|head's checks" "$OUT"/profile_host*.log 2>/dev/null | head -40
+} > "$FINAL/summary.txt"
+tar czf "$FINAL/gpu_short.tgz" -C /tmp gpu_short
+cat "$FINAL/summary.txt"
