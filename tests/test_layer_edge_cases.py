@@ -204,3 +204,59 @@ def test_enable_again_after_recording_keeps_the_record(backend, device):
     tgraph.enable(layer, backend=backend, strict=True)  # new options, same recorded runners
     tgraph.create_graphs()
     torch.testing.assert_close(layer(x), torch.nn.Module.__call__(layer, x))
+
+
+class _ScalarOut(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y.square().mean()  # a 0-dim output: handed out as a copy
+
+
+class _ScalarIn(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        return self.lin(x) * t
+
+
+class _ScalarNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _ScalarOut(), _ScalarIn()
+
+    def forward(self, x):
+        y, t = self.a(x)
+        return self.b(y, t).sum() + t, t
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per_module"])
+def test_a_kept_scalar_output_and_a_scalar_passed_on_replay(backend, device, merge, swaps):
+    """A 0-dim output (a loss, an auxiliary loss) kept across steps, as a list of losses keeps
+    it, and passed on to the next graphed module: each step replays (strict) with eager's
+    numbers, on PyTorch without storage swaps too (a kept view of graph memory would run the
+    next call eagerly there). The next module copies the scalar in rather than reading the
+    producer's buffer, which the caller never gets."""
+    torch.manual_seed(0)
+    ref = _ScalarNet().to(device)
+    net = copy.deepcopy(ref)
+    tgraph.enable(net, backend=backend, strict=True, merge=merge)
+    x = torch.randn(4, 8, device=device)
+    kept = []
+    for i in range(4):
+        (got, t), (want, u) = net(x), ref(x)
+        got.backward()
+        want.backward()
+        kept.append((torch.stack([got, t]).detach(), torch.stack([want, u]).detach(), t.detach()))
+        if i == 0:
+            tgraph.create_graphs()
+    assert tgraph.eager_calls() == 0
+    for got, want, t in kept:
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        assert torch.equal(t, got[1])  # the kept scalar: not overwritten by later replays
+    torch.testing.assert_close(_grads(net), _grads(ref), rtol=RTOL, atol=ATOL)

@@ -95,12 +95,14 @@ class Runner(GraphedUnit):
         producer = link[0] if link is not None else None
         # Share the producer's static output only if the producer has a backward: then it
         # stays in flight (cannot replay again) until after this runner's backward, which may
-        # read this buffer as a saved activation.
+        # read this buffer as a saved activation. A 0-dim output is handed out as a copy
+        # (Captured.fresh_outputs): its consumer copies it in.
         shared = (
             producer is not None
             and producer.draft is not None
             and bool(producer.draft.static_outputs)
             and (producer.segment or producer).draft.needs_backward
+            and producer.draft.static_outputs[link[1]].dim() != 0
         )
         self.draft.shared_inputs.append(shared)
         if shared:  # the producer's static output is this static input: no copy at replay
