@@ -260,3 +260,21 @@ def test_a_kept_scalar_output_and_a_scalar_passed_on_replay(backend, device, mer
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         assert torch.equal(t, got[1])  # the kept scalar: not overwritten by later replays
     torch.testing.assert_close(_grads(net), _grads(ref), rtol=RTOL, atol=ATOL)
+
+
+def test_an_eval_loop_keeping_each_scalar_replays_every_call(backend, device):
+    """Under no_grad a call's outputs keep its graph from replaying while they live (the next
+    replay would overwrite them); a 0-dim output is a copy, so an eval loop that keeps each
+    call's loss (and drops the rest) replays every call, strict, with eager's values."""
+    torch.manual_seed(0)
+    ref = _ScalarOut().to(device)
+    net = copy.deepcopy(ref)
+    tgraph.enable(net, backend=backend, strict=True)
+    xs = [torch.randn(4, 8, device=device) for _ in range(5)]
+    with torch.no_grad():
+        net(xs[0])  # recorded
+        tgraph.create_graphs()
+        got = [net(x)[1] for x in xs]
+        want = [ref(x)[1] for x in xs]
+    assert tgraph.eager_calls() == 0
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)

@@ -249,11 +249,12 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]) -> li
     if not cap.needs_backward:
         cap.fwd_graph.replay()
         outs = [o.detach() for o in cap.static_outputs]
-        for i in {*cap.aliasing_outputs, *cap.fresh_outputs}:  # the static input buffer (the
-            outs[i] = outs[i].clone()  # next call's copy would overwrite it), or a loss
+        copied = {*cap.aliasing_outputs, *cap.fresh_outputs}
+        for i in copied:  # the static input buffer (the next call's copy would overwrite it),
+            outs[i] = outs[i].clone()  # or a loss
         for i in cap.out_rg:  # a leaf that requires grad under no_grad, as the eager call
             outs[i].requires_grad_()  # made it (megatron's make_viewless_tensor): next keys
-        hold_while_alive(state, outs)
+        hold_while_alive(state, [o for i, o in enumerate(outs) if i not in copied])
     else:
         flight = Flight(state, cap)
         flight.fp8_first = fp8_first
