@@ -282,3 +282,24 @@ def test_a_model_that_cannot_be_graphed_whole_keeps_its_layers_graphs(backend, d
     assert tgraph.eager_calls() == 0
     assert torch.equal(g_losses, e_losses)
     assert all(map(torch.equal, g_params, e_params))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_whole_model_recorded_with_gradient_checkpointing_trains_as_eager(backend, device, kind):
+    """Gradient checkpointing (non-reentrant) on before graph_layers: transformers hooks the
+    input embedding (``enable_input_require_grads``), inside the whole unit; its effect is
+    part of the captured autograd graph, so the model captures (it raised as an undeclared
+    hook), and trains as eager with every replay verified against an eager twin (whose layers
+    run checkpointed inside checkpointed parts)."""
+    model = tiny_model(kind, device, dropout=0.1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    eager = copy.deepcopy(model)
+    tg_hf.graph_layers(model, whole=True, backend=backend, strict=True)
+    xs = token_batches(device, 4)
+    with tgraph.verification(every=1):
+        g_losses, _, g_params = train(model, xs, graphed=True)
+    e_losses, _, e_params = train(eager, xs, graphed=False)
+    assert tgraph.eager_calls() == 0
+    assert torch.equal(g_losses, e_losses)
+    for p, q in zip(g_params, e_params):
+        assert torch.equal(p, q)

@@ -459,7 +459,7 @@ def describe_hooks(modules: list[tuple[str, nn.Module]], roots: list[nn.Module])
         own = _OWN_HOOKS if m in roots and hooks_run_outside(m) else ()
         for h in _HOOKS:
             for fn in vars(m)[h].values() if h not in own else ():
-                if not _inert(fn):
+                if not _inert(fn) and not _structural(fn):
                     found.append(f"{name}: {h.strip('_').replace('_', ' ')[:-1]} {_name(fn)}")
     for h in _GLOBAL_HOOKS:
         for fn in getattr(nn_module, h).values():
@@ -522,6 +522,16 @@ def _inert(fn: object) -> bool:
     (``output_attentions``, ``output_router_logits``), which :func:`recording_outputs` tells."""
     return getattr(fn, "__module__", "").startswith("transformers.") and _name(fn).endswith(
         "output_capturing_hook"
+    )
+
+
+def _structural(fn: object) -> bool:
+    """transformers' ``enable_input_require_grads`` hook (``gradient_checkpointing_enable``
+    installs it on the input embedding): it marks the embedding's output as requiring grad, a
+    fact of the autograd graph that a captured forward and backward keep as they were captured
+    (removing it moves torch's hook counter, and the hook tables are compared again)."""
+    return getattr(fn, "__module__", "").startswith("transformers.") and _name(fn).endswith(
+        "make_inputs_require_grads"
     )
 
 
