@@ -303,3 +303,34 @@ def test_whole_model_recorded_with_gradient_checkpointing_trains_as_eager(backen
     assert torch.equal(g_losses, e_losses)
     for p, q in zip(g_params, e_params):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_attention_masks_that_change_after_capture_give_eagers_numbers(backend, device, kind):
+    """Recorded with an all-ones attention mask, replayed with padded ones every other step.
+    Eager branches on the mask's values (all ones: SDPA's causal flag; padding: an explicit
+    mask); the captured branch builds the mask from the values inside the graph, so each
+    replay computes what eager does (strict: every call replayed)."""
+    model, eager = whole_and_twin(kind, device, backend)
+    xs = token_batches(device, 4)
+    masks = [torch.ones_like(x) for x in xs]
+    for m in masks[1::2]:
+        m[0, -3:] = 0
+
+    def run(m, graphed):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(m.parameters(), lr=LR)
+        out = []
+        for i, (x, mask) in enumerate(zip(xs, masks)):
+            loss = m(input_ids=x, attention_mask=mask, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.detach())
+            if graphed and i == 0:
+                tgraph.create_graphs()
+        return torch.stack(out)
+
+    got, want = run(model, True), run(eager, False)
+    assert tgraph.eager_calls() == 0
+    torch.testing.assert_close(got, want, **({} if backend == "cuda" else {"rtol": 0, "atol": 0}))
