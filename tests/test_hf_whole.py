@@ -333,4 +333,6 @@ def test_attention_masks_that_change_after_capture_give_eagers_numbers(backend, 
 
     got, want = run(model, True), run(eager, False)
     assert tgraph.eager_calls() == 0
+    # on a GPU the all-ones steps may run another SDPA kernel than eager's causal flag (the
+    # probe, BENCHMARKS.md): fp32's default tolerance there; bit for bit on the CPU
     torch.testing.assert_close(got, want, **({} if backend == "cuda" else {"rtol": 0, "atol": 0}))
