@@ -520,9 +520,7 @@ def _inert(fn: object) -> bool:
     """transformers (>= 5) installs output-recording forward hooks on every layer and
     attention module; they do nothing unless a model call records outputs
     (``output_attentions``, ``output_router_logits``), which :func:`recording_outputs` tells."""
-    return getattr(fn, "__module__", "").startswith("transformers.") and _name(fn).endswith(
-        "output_capturing_hook"
-    )
+    return _transformers_hook(fn, "output_capturing_hook")
 
 
 def _structural(fn: object) -> bool:
@@ -530,9 +528,11 @@ def _structural(fn: object) -> bool:
     installs it on the input embedding): it marks the embedding's output as requiring grad, a
     fact of the autograd graph that a captured forward and backward keep as they were captured
     (removing it moves torch's hook counter, and the hook tables are compared again)."""
-    return getattr(fn, "__module__", "").startswith("transformers.") and _name(fn).endswith(
-        "make_inputs_require_grads"
-    )
+    return _transformers_hook(fn, "make_inputs_require_grads")
+
+
+def _transformers_hook(fn: object, name: str) -> bool:
+    return getattr(fn, "__module__", "").startswith("transformers.") and _name(fn).endswith(name)
 
 
 def recording_outputs() -> str | None:

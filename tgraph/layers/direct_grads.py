@@ -177,13 +177,13 @@ class DirectRoute:
         grad, every one with a ``.grad``: zeroed in place, or a later microbatch). Then the
         static buffers themselves can be the addends: no alias per parameter."""
         params = self.params
-        return (
+        return (  # .grad first: after zero_grad(set_to_none=True) the first None ends it
             asked is None
             and not hooks_moved
             and self.unique
             and self.alone
-            and all(map(_requires_grad, params))
             and all(map(is_not, map(_grad, params), repeat(None)))
+            and all(map(_requires_grad, params))
         )
 
     def deliver(

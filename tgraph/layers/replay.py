@@ -254,7 +254,9 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]) -> li
             outs[i] = outs[i].clone()  # or a loss
         for i in cap.out_rg:  # a leaf that requires grad under no_grad, as the eager call
             outs[i].requires_grad_()  # made it (megatron's make_viewless_tensor): next keys
-        hold_while_alive(state, [o for i, o in enumerate(outs) if i not in copied])
+        hold_while_alive(
+            state, [o for i, o in enumerate(outs) if i not in copied] if copied else outs
+        )
     else:
         flight = Flight(state, cap)
         flight.fp8_first = fp8_first
