@@ -3,7 +3,7 @@
 # fail-closed, edge-case and whole-model tests and of the toy recipe's graph modes (two pytest
 # processes), the capture-path probe of HF Llama's step, host time per graphed call (HF Llama,
 # per-layer and whole), the toy against the floor in every graph mode; with HF=1 also HF Llama's
-# goal cells (batch 1 and 8, fp32), each cell in one process. Stages: PYTEST, PROBE, PROFILE,
+# goal cells (batch 1 and 8, fp32; HF_CELLS may name cell:dtype), each cell in one process. Stages: PYTEST, PROBE, PROFILE,
 # TOY, HF (1 runs it). Output: $OUT/summary.txt and $OUT/gpu_short.tgz (every log, JSON and
 # table; the device call brings back at most 8 files).
 FINAL=${OUT:-./gpu_out}; OUT=/tmp/gpu_short; rm -rf "$OUT"; mkdir -p "$FINAL" "$OUT" /tmp/w
@@ -38,8 +38,9 @@ if [ "${TOY:-1}" = 1 ]; then
   echo "bench toy rc=$?" >> "$OUT/env.txt"
 fi
 if [ "${HF:-0}" = 1 ]; then
-  for cell in ${HF_CELLS:-llama_b1 llama_b8}; do
-    timeout ${HF_LIMIT:-120} python scripts/bench_train.py --configs $cell --dtypes fp32 --steps 20 --warmup 2 \
+  for spec in ${HF_CELLS:-llama_b1 llama_b8}; do  # a cell, or cell:dtype (llama_d1024:bf16)
+    cell=${spec%%:*}; dtype=fp32; [ "$cell" != "$spec" ] && dtype=${spec#*:}
+    timeout ${HF_LIMIT:-120} python scripts/bench_train.py --configs $cell --dtypes $dtype --steps 20 --warmup 2 \
       --modes ${HF_MODES:-eager,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip_direct,tgraph_model,tgraph_model_opt_noskip,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled} \
       --out "$OUT/$cell" > "$OUT/bench_$cell.log" 2>&1
     echo "bench $cell rc=$?" >> "$OUT/env.txt"
