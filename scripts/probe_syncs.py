@@ -42,6 +42,8 @@ def _syncs(model, opt, x, y) -> list[list[str]]:
     show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):  # set_sync_debug_mode's own "prototype" warning
+            return
         frames = [
             f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")
         ]

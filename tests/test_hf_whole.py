@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_models import VOCAB, tiny_model, token_batches  # noqa: E402
+from layer_models import ATOL, RTOL  # noqa: E402
 
 import tgraph  # noqa: E402
 from tgraph.integrations import transformers as tg_hf  # noqa: E402
@@ -152,9 +153,13 @@ def test_whole_model_around_peft_lora_trains_as_eager(backend, device, swaps):
 
 def test_grouped_kv_heads_replay_eagers_bits_or_run_eagerly_warned(backend, device, swaps):
     """Grouped k/v heads: transformers' capture branch (explicit mask) may repeat them in Python
-    where eager lets SDPA group them. Either the replays are eager's bits (the verifier passes
-    them, no fallback) or the verifier finds the difference and the model runs eagerly, warned;
-    the results are eager's either way (never a silent difference)."""
+    where eager lets SDPA group them. Either the replays pass the verifier (no fallback) or the
+    verifier finds the difference and the model runs eagerly, warned. Emulated: eager's bits.
+    CUDA (an H100, transformers 5.17, 2026-12-07): the loss bit for bit, the gradients of the
+    k/v projections summed over each group in another order (repeat_kv's backward against
+    SDPA's own), so the parameters after 4 AdamW steps agree within the CUDA tolerance of
+    ``layer_models`` (a few ulps), which the verifier's tolerance passes by design (README,
+    "The whole model")."""
     from transformers import LlamaForCausalLM
 
     config = tiny_model("llama", "cpu").config
@@ -172,7 +177,11 @@ def test_grouped_kv_heads_replay_eagers_bits_or_run_eagerly_warned(backend, devi
     assert bool(fallbacks) == bool(tgraph.eager_calls())
     assert all("differ" in str(w.message) or "verif" in str(w.message) for w in fallbacks)
     assert torch.equal(g_losses, e_losses)
-    assert all(map(torch.equal, g_params, e_params))
+    if backend == "emulated":
+        assert all(map(torch.equal, g_params, e_params))
+    else:
+        for g, e in zip(g_params, e_params):
+            torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
 
 
 def test_whole_model_config_changed_after_capture_runs_eagerly_named(backend, device):

@@ -31,10 +31,13 @@ _TGRAPH = str(Path(tgraph.__file__).parent)
 
 class CountSyncs(TorchDispatchMode):
     """Host reads of tensors (``refusal``'s classes and device-to-CPU copies); ``ours``: those
-    made with a frame of tgraph's package on the Python stack."""
+    made with a frame of tgraph's package on the Python stack. On CUDA only reads of CUDA
+    tensors sync (``.item()`` of a CPU scalar the graph baked in, which ``replay.refusal``
+    compares, does not); the emulated backend's device is the CPU, so every read counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, device) -> None:
         super().__init__()
+        self.cuda = device.type == "cuda"
         self.all: list[str] = []
         self.ours: list[str] = []
 
@@ -49,7 +52,10 @@ class CountSyncs(TorchDispatchMode):
                 or (name == "aten::copy_" and args[0].device.type == "cpu")
             )
         )
-        if to_cpu or refusal(func, args, kwargs) is not None:
+        on_device = not self.cuda or any(
+            isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args
+        )
+        if to_cpu or (on_device and refusal(func, args, kwargs) is not None):
             self.all.append(name)
             f = sys._getframe(1)
             while f is not None:
@@ -80,7 +86,7 @@ def steady_step(model, step, batches, device, *, model_syncs: bool = False):
     tgraph.create_graphs()
     for b in batches[1:3]:
         step(b)
-    count = CountSyncs()
+    count = CountSyncs(device)
     before = tgraph.eager_calls()
     with no_sync_on_cuda(device, not model_syncs), count:
         step(batches[3])
