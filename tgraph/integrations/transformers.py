@@ -60,9 +60,10 @@ takes the same one (:func:`tgraph.emulated.emulated_capture`). Whether that bran
 eager's bits depends on the attention kernel and the transformers version. Measured
 (``scripts/probe_hf_mask_path.py``, an H100, transformers 5.17, no attention mask): fp32 bit for
 bit; bf16 within rounding (another SDPA kernel: the loss 5e-5 off), which the shadow verifier's
-tolerance passes; per-layer graphs are bit for bit there. transformers 5.25 builds no mask on
-that branch without an attention mask (eager's kernel). A difference beyond rounding (the
-verifier compares the first replays with eager) leaves the model eager, warned.
+tolerance passes; per-layer graphs are bit for bit there. transformers 5.25 takes the same
+branch (its packed-sequence check of the position ids is skipped under capture, so the mask is
+built). A difference beyond rounding (the verifier compares the first replays with eager) leaves
+the model eager, warned.
 A model whose forward syncs with the host outside those branches (dynamic RoPE scaling reads
 the largest position id) cannot be captured whole: ``create_graphs()`` says so, and the layers
 and norm, recorded inside the model's recorded call (:attr:`tgraph.GraphableModule.graphs_parts`),
