@@ -132,3 +132,62 @@ def test_cpu_scalar_attribute_changed_in_place_is_not_replayed():
     model.temperature.fill_(4.0)
     with pytest.raises(tgraph.GraphFallbackError, match="holds 4.0 where the graph baked in 2.0"):
         model(x)
+
+
+class TemperedInDouble(Tempered):
+    """The temperature kept in float64 and converted in the forward: the CUDA kernel reads a
+    CPU scalar the forward made, whose value comes from the attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = torch.tensor(2.0, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.fc(x) / self.temperature.float()
+
+
+@pytest.mark.cuda
+def test_cpu_scalar_attribute_read_through_a_conversion_changed_in_place_is_not_replayed():
+    """The warmup notes the attribute a converted scalar came from (the converted one is new
+    at every call, so comparing it would never see the attribute change)."""
+    model = TemperedInDouble().cuda()
+    tgraph.enable(model, strict=True)
+    x = torch.randn(4, 8, device="cuda")
+    model(x).sum().backward()
+    tgraph.create_graphs()
+    model(x).sum().backward()  # replays (strict)
+    model.temperature.fill_(4.0)
+    with pytest.raises(tgraph.GraphFallbackError, match="holds 4.0 where the graph baked in 2.0"):
+        model(x)
+
+
+def test_the_host_scalars_a_warmup_notes_are_state_not_what_it_made():
+    """RefuseHostSync's notes (what replay.refusal compares at every call), on the meta device
+    as the graph's device: a CPU scalar an operation of the pass made (an attention kernel's
+    RNG seed, ``torch.tensor(5.0)``) is no state, so not noted; one made from state (a
+    ``.float()``, ``(t + 1).float()``) is noted as that state; state itself, an alias of it and
+    a view of a larger tensor are noted as they are (as before)."""
+    from tgraph.guards import RefuseHostSync
+
+    ext, ext64, scales = (
+        torch.tensor(2.0),
+        torch.tensor(3.0, dtype=torch.float64),
+        torch.arange(4.0),
+    )
+    noted: list[torch.Tensor] = []
+    with RefuseHostSync("meta", None, noted):
+        x = torch.ones(3, device="meta")
+        made = torch.zeros(())  # as a kernel's seed: made by the pass from nothing
+        x * made
+        x * torch.tensor(5.0)
+        x * ext
+        x * ext64.float()
+        x * (ext64 + 1).float()
+        alias, view, total = ext.detach(), scales[1], scales.sum()
+        x * alias
+        x * view
+        x * total
+    assert all(t is not made for t in noted)
+    assert [float(t) for t in noted] == [2.0, 3.0, 3.0, 2.0, 1.0, 6.0]
+    assert noted[0] is ext and noted[1] is ext64 and noted[2] is ext64
+    assert noted[3] is alias and noted[4] is view and noted[5] is total

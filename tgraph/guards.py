@@ -60,6 +60,9 @@ def refusal(func, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
+# torch.tensor(data) hands its new tensor to these: a value from Python data, not a tensor's
+_FROM_PYTHON = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+
 CAPTURE_HINT = (
     "Common causes: a host sync inside the captured region (.item(), bool(tensor), printing a "
     "tensor, torch.nonzero, boolean-mask indexing), a CPU tensor created or read inside it, or "
@@ -94,6 +97,10 @@ class RefuseHostSync(TorchDispatchMode):
         # one-element CPU tensors read by an operation on device_type's tensors: a CUDA kernel
         # takes their value at capture (a plain tensor attribute that .cuda() left on the CPU)
         self._host_scalars = host_scalars
+        # id -> (CPU scalar an operation of this pass made, the host scalars it was made from):
+        # a graph keeps the value of a fresh one (an attention kernel's RNG seed and offset,
+        # a `.float()` of an attribute) only as far as its sources keep theirs
+        self._made: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     # A function compiled with torch.compile that is called under a dispatch mode runs its
     # Python eagerly, and dynamo may then never run it compiled again (TransformerEngine's
@@ -103,7 +110,38 @@ class RefuseHostSync(TorchDispatchMode):
     def _note_host_scalars(self, args: tuple, kwargs: dict) -> None:
         flat = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(t.device.type == self._device_type for t in flat):
-            self._host_scalars.extend(t for t in flat if t.device.type == "cpu" and t.numel() == 1)
+            for t in flat:
+                if t.device.type == "cpu" and t.numel() == 1:
+                    made = self._made.get(id(t))
+                    if made is not None and made[0] is t:  # made in this pass: its sources
+                        self._host_scalars.extend(made[1])
+                    else:
+                        self._host_scalars.append(t)
+
+    def _note_made(self, args: tuple, kwargs: dict, out) -> None:
+        """Record the CPU scalars ``out`` holds that this pass made (new, or a view or alias of
+        one made before) with the host scalars they were made from. A view of state, or one
+        made from a larger CPU tensor, is not recorded: it is checked as itself."""
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        cpu = [t for t in ins if t.device.type == "cpu"]
+        for o in tree_leaves(out):
+            if not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.numel() != 1:
+                continue
+            if any(o is t for t in cpu):
+                continue  # written in place: what it is
+            ptr = o.untyped_storage().data_ptr()
+            aliased = [t for t in cpu if t.untyped_storage().data_ptr() == ptr]
+            sources: list[torch.Tensor] = []
+            for t in aliased or cpu:  # a view or alias holds what its base holds
+                made = self._made.get(id(t))
+                if made is not None and made[0] is t:
+                    sources.extend(made[1])
+                elif t.numel() == 1 and not aliased:
+                    sources.append(t)
+                else:
+                    break  # a view of state, or made from a larger tensor: checked as itself
+            else:
+                self._made[id(o)] = (o, tuple(sources))
 
     def __enter__(self):
         stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
@@ -137,7 +175,17 @@ class RefuseHostSync(TorchDispatchMode):
         gen = kwargs.get("generator")
         if gen is not None and self._generators is not None:
             check_registered(gen, self._generators)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self._host_scalars is not None:
+            if func in _FROM_PYTHON:  # torch.tensor(x): x is Python state, which baked.py checks
+                if isinstance(out, torch.Tensor):
+                    self._made[id(out)] = (out, ())
+            else:
+                try:
+                    self._note_made(args, kwargs, out)
+                except RuntimeError:  # no storage to compare (a sparse tensor): not recorded,
+                    pass  # so read as itself, as before this pass made it
+        return out
 
 
 def check_registered(gen: torch.Generator, registered: list[torch.Generator]) -> None:
