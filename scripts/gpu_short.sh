@@ -16,7 +16,7 @@ if [ "${PYTEST:-1}" = 1 ]; then
   pt tests/test_layer_parity.py tests/test_fail_closed_python.py tests/test_layer_edge_cases.py \
     tests/test_api.py tests/test_stack_shortcut.py \
     "tests/test_train_recipe.py::test_graph_modes_train_the_same_parameters" > "$OUT/pytest_a.log" 2>&1 &
-  pt tests/test_hf_whole.py tests/test_host_syncs.py tests/test_direct_grads.py tests/test_memory.py "tests/test_hf_integration.py::test_family_training_matches_eager" \
+  pt tests/test_hf_whole.py tests/test_host_syncs.py tests/test_mutated_inputs.py tests/test_direct_grads.py tests/test_memory.py "tests/test_hf_integration.py::test_family_training_matches_eager" \
     "tests/test_hf_integration.py::test_family_whole_model_training_matches_eager" > "$OUT/pytest_b.log" 2>&1 &
   wait; echo "pytest done" >> "$OUT/env.txt"
 fi
