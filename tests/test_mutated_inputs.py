@@ -165,7 +165,7 @@ def test_the_host_scalars_a_warmup_notes_are_state_not_what_it_made():
     """RefuseHostSync's notes (what replay.refusal compares at every call), on the meta device
     as the graph's device: a CPU scalar an operation of the pass made (an attention kernel's
     RNG seed, ``torch.tensor(5.0)``) is no state, so not noted; one made from state (a
-    ``.float()``, ``(t + 1).float()``) is noted as that state; state itself, an alias of it and
+    ``.float()``, ``(t + 1).float()``, one accumulated in place) is noted as that state; state itself, an alias of it and
     a view of a larger tensor are noted as they are (as before)."""
     from tgraph.guards import RefuseHostSync
 
@@ -174,6 +174,7 @@ def test_the_host_scalars_a_warmup_notes_are_state_not_what_it_made():
         torch.tensor(3.0, dtype=torch.float64),
         torch.arange(4.0),
     )
+    ext7 = torch.tensor(7.0)
     noted: list[torch.Tensor] = []
     with RefuseHostSync("meta", None, noted):
         x = torch.ones(3, device="meta")
@@ -187,7 +188,10 @@ def test_the_host_scalars_a_warmup_notes_are_state_not_what_it_made():
         x * alias
         x * view
         x * total
+        acc = torch.zeros(())
+        acc.add_(ext7)  # made, then written from state in place: that state
+        x * acc
     assert all(t is not made for t in noted)
-    assert [float(t) for t in noted] == [2.0, 3.0, 3.0, 2.0, 1.0, 6.0]
+    assert [float(t) for t in noted] == [2.0, 3.0, 3.0, 2.0, 1.0, 6.0, 7.0]
     assert noted[0] is ext and noted[1] is ext64 and noted[2] is ext64
-    assert noted[3] is alias and noted[4] is view and noted[5] is total
+    assert noted[3] is alias and noted[4] is view and noted[5] is total and noted[6] is ext7

@@ -127,21 +127,35 @@ class RefuseHostSync(TorchDispatchMode):
         for o in tree_leaves(out):
             if not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.numel() != 1:
                 continue
-            if any(o is t for t in cpu):
-                continue  # written in place: what it is
+            before = self._made.get(id(o))
+            if any(o is t for t in cpu):  # written in place: state stays state, and one made
+                if before is not None and before[0] is o:  # here takes the other inputs'
+                    self._made.pop(id(o))  # sources as well (or is checked as itself)
+                    rest = [t for t in cpu if t is not o]
+                    made = self._sources(rest, aliased=False)
+                    if made is not None:
+                        self._made[id(o)] = (o, before[1] + made)
+                continue
             ptr = o.untyped_storage().data_ptr()
             aliased = [t for t in cpu if t.untyped_storage().data_ptr() == ptr]
-            sources: list[torch.Tensor] = []
-            for t in aliased or cpu:  # a view or alias holds what its base holds
-                made = self._made.get(id(t))
-                if made is not None and made[0] is t:
-                    sources.extend(made[1])
-                elif t.numel() == 1 and not aliased:
-                    sources.append(t)
-                else:
-                    break  # a view of state, or made from a larger tensor: checked as itself
+            made = self._sources(aliased or cpu, aliased=bool(aliased))
+            if made is not None:
+                self._made[id(o)] = (o, made)
+
+    def _sources(self, ins: list[torch.Tensor], aliased: bool) -> tuple[torch.Tensor, ...] | None:
+        """The host scalars a new CPU scalar made from ``ins`` holds the value of (a view or
+        alias, ``aliased``: those of its base); None for a view of state or a scalar made from
+        a larger tensor, which is then checked as itself."""
+        sources: list[torch.Tensor] = []
+        for t in ins:
+            made = self._made.get(id(t))
+            if made is not None and made[0] is t:
+                sources.extend(made[1])
+            elif t.numel() == 1 and not aliased:
+                sources.append(t)
             else:
-                self._made[id(o)] = (o, tuple(sources))
+                return None
+        return tuple(sources)
 
     def __enter__(self):
         stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
