@@ -278,3 +278,48 @@ def test_an_eval_loop_keeping_each_scalar_replays_every_call(backend, device):
         want = [ref(x)[1] for x in xs]
     assert tgraph.eager_calls() == 0
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=RTOL, atol=ATOL)
+
+
+class Positioned(tgraph.GraphableModule):
+    """Called as a transformers layer is: float hidden states and integer position ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.pos = nn.Embedding(16, 8)
+
+    def forward(self, x, position_ids, scale):
+        return torch.tanh(self.lin(x) + self.pos(position_ids)) * scale
+
+
+def test_inputs_of_several_dtypes_are_copied_a_list_per_dtype(backend, device, monkeypatch):
+    """New float and integer inputs each call: one ``_foreach_copy_`` per dtype (CUDA's
+    one-kernel route takes a single dtype; a mixed list is copied tensor by tensor), and the
+    replays (strict) equal eager."""
+    torch.manual_seed(0)
+    net = Positioned().to(device)
+    ref = copy.deepcopy(net)
+    tgraph.enable(net, backend=backend, strict=True)
+    calls: list[set] = []
+    original = torch._foreach_copy_
+
+    def recorded(dst, src, **kw):
+        calls.append({t.dtype for t in dst})
+        return original(dst, src, **kw)
+
+    def inputs():
+        x = torch.randn(2, 4, 8, device=device)
+        return x, torch.arange(4, device=device).expand(2, 4) + 0, x.new_full((2, 4, 1), 0.5)
+
+    net(*inputs()).sum().backward()
+    tgraph.create_graphs()
+    monkeypatch.setattr(torch, "_foreach_copy_", recorded)
+    for _ in range(3):
+        xs = inputs()
+        got, want = net(*xs), ref(*xs)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert tgraph.eager_calls() == 0
+    mixed = [c for c in calls if len(c) > 1]
+    assert not mixed and {torch.int64} in calls, calls

@@ -301,7 +301,17 @@ def copy_inputs(cap: Captured, tensors: list[torch.Tensor]) -> None:
         was = _grad_enabled()
         _set_grad_enabled(False)
         try:
-            torch._foreach_copy_(dst, src)
+            first = dst[0].dtype
+            if all(d.dtype is first for d in dst):
+                torch._foreach_copy_(dst, src)
+            else:  # CUDA's one-kernel route takes one dtype: a list per dtype (hidden states
+                by: dict = {}  # and rotary tables, position ids), not one copy per tensor
+                for d, x in zip(dst, src):
+                    pair = by.setdefault(d.dtype, ([], []))
+                    pair[0].append(d)
+                    pair[1].append(x)
+                for d, x in by.values():
+                    torch._foreach_copy_(d, x)
         finally:
             _set_grad_enabled(was)
 
