@@ -195,3 +195,56 @@ def test_the_host_scalars_a_warmup_notes_are_state_not_what_it_made():
     assert [float(t) for t in noted] == [2.0, 3.0, 3.0, 2.0, 1.0, 6.0, 7.0]
     assert noted[0] is ext and noted[1] is ext64 and noted[2] is ext64
     assert noted[3] is alias and noted[4] is view and noted[5] is total and noted[6] is ext7
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda: torch.rand(()),
+        lambda: (torch.rand(()) * 2).double(),
+        lambda: torch.zeros(()).uniform_(),
+    ],
+    ids=["rand", "made_from_a_draw", "drawn_in_place"],
+)
+def test_a_cpu_draw_a_device_kernel_reads_is_refused_at_capture(draw):
+    """A random number drawn on the CPU in the forward and read by a device kernel: a graph
+    keeps the capture's draw (every replay would repeat it), so the warmup refuses it, naming
+    the fix; a device draw and a CPU scalar made from nothing pass (meta as the device)."""
+    from tgraph.guards import CaptureError, RefuseHostSync
+
+    with pytest.raises(CaptureError, match="random number drawn on the CPU"):
+        with RefuseHostSync("meta", None, []):
+            torch.ones(3, device="meta") * draw()
+    noted: list[torch.Tensor] = []
+    with RefuseHostSync("meta", None, noted):
+        x = torch.ones(3, device="meta")
+        x * torch.rand(3, device="meta") * torch.zeros(())
+        torch.nn.functional.dropout(x, 0.5)
+    assert noted == []
+
+
+class Jittered(tgraph.GraphableModule):
+    """Scales by a number drawn on the CPU at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * (1 + torch.rand(()))
+
+
+@pytest.mark.cuda
+def test_a_cpu_draw_in_a_cuda_forward_stays_eager_named():
+    """The module is left eager (a graph would repeat the capture's draw), the report names
+    why; strict raises the same at create_graphs()."""
+    model = Jittered().cuda()
+    tgraph.enable(model)
+    x = torch.randn(4, 8, device="cuda")
+    model(x).sum().backward()
+    with pytest.warns(tgraph.GraphFallbackWarning):
+        report = tgraph.create_graphs()
+    assert "random number drawn on the CPU" in str(report.eager_modules)
+    before = tgraph.eager_calls()
+    model(x).sum().backward()
+    assert tgraph.eager_calls() == before + 1

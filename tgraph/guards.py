@@ -62,6 +62,18 @@ def refusal(func, args: tuple, kwargs: dict) -> str | None:
 
 # torch.tensor(data) hands its new tensor to these: a value from Python data, not a tensor's
 _FROM_PYTHON = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_DRAWN = "a draw from the CPU's generator"  # a source no check can follow: each call draws anew
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` draws random numbers on the CPU (tagged as seeded, every tensor it
+    takes on the CPU: an attention kernel's dropout on the GPU draws there)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    device = kwargs.get("device")
+    return all(t.device.type == "cpu" for t in ts) and (device is None or device.type == "cpu")
+
 
 CAPTURE_HINT = (
     "Common causes: a host sync inside the captured region (.item(), bool(tensor), printing a "
@@ -114,6 +126,13 @@ class RefuseHostSync(TorchDispatchMode):
                 if t.device.type == "cpu" and t.numel() == 1:
                     made = self._made.get(id(t))
                     if made is not None and made[0] is t:  # made in this pass: its sources
+                        if any(s is _DRAWN for s in made[1]):
+                            raise CaptureError(
+                                "a CUDA kernel reads a random number drawn on "
+                                "the CPU in the forward; a graph keeps the capture's draw, so "
+                                "every replay would repeat it. Draw on the GPU (torch.rand(..., "
+                                "device=x.device)) or outside the graphed module."
+                            )
                         self._host_scalars.extend(made[1])
                     else:
                         self._host_scalars.append(t)
@@ -191,7 +210,11 @@ class RefuseHostSync(TorchDispatchMode):
             check_registered(gen, self._generators)
         out = func(*args, **kwargs)
         if self._host_scalars is not None:
-            if func in _FROM_PYTHON:  # torch.tensor(x): x is Python state, which baked.py checks
+            if _draws(func, args, kwargs):  # new, or written in place: each call draws anew
+                for o in tree_leaves(out):
+                    if isinstance(o, torch.Tensor) and o.numel() == 1:
+                        self._made[id(o)] = (o, (_DRAWN,))
+            elif func in _FROM_PYTHON:  # torch.tensor(x): x is Python state, which baked.py checks
                 if isinstance(out, torch.Tensor):
                     self._made[id(out)] = (out, ())
             else:
