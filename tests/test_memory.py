@@ -121,6 +121,18 @@ def _peak_above(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def _verified_step_peak(model, step) -> int:
+    """Enable ``model`` (CUDA, strict), record and capture with ``step``, one unverified
+    replayed step, then the peak (:func:`_peak_above`) of a step with every replay verified."""
+    with tgraph.verification(first=0, every=0):
+        tgraph.enable(model, backend="cuda", strict=True)
+        step()  # recorded
+        tgraph.create_graphs()
+        step()
+    with tgraph.verification(every=1):
+        return _peak_above(step)
+
+
 @pytest.mark.cuda
 def test_creating_graphs_holds_each_gradient_once():
     """A weight-heavy stack (8 blocks of 16 MiB, tiny activations): creating its graphs peaks
@@ -181,13 +193,7 @@ def test_a_verified_replay_holds_one_members_activations(monkeypatch):
     monkeypatch.setattr(
         verify, "checked_replay", lambda unit, *a: verified.append(1) or real(unit, *a)
     )
-    with tgraph.verification(first=0, every=0):
-        tgraph.enable(blocks, backend="cuda", strict=True)
-        step()  # recorded
-        tgraph.create_graphs()
-        step()
-    with tgraph.verification(every=1):
-        checked = _peak_above(step)
+    checked = _verified_step_peak(blocks, step)
     assert verified == [1] and tgraph.eager_calls() == 0  # one verified replay, no fallback
     assert checked < 0.5 * eager, (checked, eager)
 
@@ -263,12 +269,6 @@ def test_a_verified_whole_unit_holds_one_parts_activations():
 
     step()
     eager = _peak_above(step)
-    with tgraph.verification(first=0, every=0):
-        tgraph.enable(model, backend="cuda", strict=True)
-        step()  # recorded
-        tgraph.create_graphs()
-        step()
-    with tgraph.verification(every=1):
-        checked = _peak_above(step)
+    checked = _verified_step_peak(model, step)
     assert tgraph.eager_calls() == 0
     assert checked < 0.5 * eager, (checked, eager)

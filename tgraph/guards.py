@@ -65,14 +65,13 @@ _FROM_PYTHON = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_cop
 _DRAWN = "a draw from the CPU's generator"  # a source no check can follow: each call draws anew
 
 
-def _draws(func, args: tuple, kwargs: dict) -> bool:
+def _draws(func, flat: list[torch.Tensor], kwargs: dict) -> bool:
     """Whether ``func`` draws random numbers on the CPU (tagged as seeded, every tensor it
-    takes on the CPU: an attention kernel's dropout on the GPU draws there)."""
+    takes, ``flat``, on the CPU: an attention kernel's dropout on the GPU draws there)."""
     if torch.Tag.nondeterministic_seeded not in func.tags:
         return False
-    ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     device = kwargs.get("device")
-    return all(t.device.type == "cpu" for t in ts) and (device is None or device.type == "cpu")
+    return all(t.device.type == "cpu" for t in flat) and (device is None or device.type == "cpu")
 
 
 CAPTURE_HINT = (
@@ -119,41 +118,43 @@ class RefuseHostSync(TorchDispatchMode):
     # fused bias-GELU and bias-dropout-add: graphs of eager kernels, bf16 results off eager's
     # from the first replay). The checked pass asks for plain eager code instead, leaving
     # dynamo's caches alone.
-    def _note_host_scalars(self, args: tuple, kwargs: dict) -> None:
-        flat = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    def _made_of(self, t: torch.Tensor) -> tuple | None:
+        """The sources of ``t`` if this pass made it (:attr:`_made`), else None."""
+        made = self._made.get(id(t))
+        return made[1] if made is not None and made[0] is t else None
+
+    def _note_host_scalars(self, flat: list[torch.Tensor]) -> None:
         if any(t.device.type == self._device_type for t in flat):
             for t in flat:
                 if t.device.type == "cpu" and t.numel() == 1:
-                    made = self._made.get(id(t))
-                    if made is not None and made[0] is t:  # made in this pass: its sources
-                        if any(s is _DRAWN for s in made[1]):
-                            raise CaptureError(
-                                "a CUDA kernel reads a random number drawn on "
-                                "the CPU in the forward; a graph keeps the capture's draw, so "
-                                "every replay would repeat it. Draw on the GPU (torch.rand(..., "
-                                "device=x.device)) or outside the graphed module."
-                            )
-                        self._host_scalars.extend(made[1])
-                    else:
+                    sources = self._made_of(t)
+                    if sources is None:
                         self._host_scalars.append(t)
+                    elif any(s is _DRAWN for s in sources):
+                        raise CaptureError(
+                            "a CUDA kernel reads a random number drawn on "
+                            "the CPU in the forward; a graph keeps the capture's draw, so "
+                            "every replay would repeat it. Draw on the GPU (torch.rand(..., "
+                            "device=x.device)) or outside the graphed module."
+                        )
+                    else:  # made in this pass: its sources
+                        self._host_scalars.extend(sources)
 
-    def _note_made(self, args: tuple, kwargs: dict, out) -> None:
+    def _note_made(self, flat: list[torch.Tensor], out) -> None:
         """Record the CPU scalars ``out`` holds that this pass made (new, or a view or alias of
         one made before) with the host scalars they were made from. A view of state, or one
         made from a larger CPU tensor, is not recorded: it is checked as itself."""
-        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        cpu = [t for t in ins if t.device.type == "cpu"]
+        cpu = [t for t in flat if t.device.type == "cpu"]
         for o in tree_leaves(out):
             if not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.numel() != 1:
                 continue
-            before = self._made.get(id(o))
             if any(o is t for t in cpu):  # written in place: state stays state, and one made
-                if before is not None and before[0] is o:  # here takes the other inputs'
-                    self._made.pop(id(o))  # sources as well (or is checked as itself)
-                    rest = [t for t in cpu if t is not o]
-                    made = self._sources(rest, aliased=False)
+                before = self._made_of(o)  # here takes the other inputs' sources as well (or
+                if before is not None:  # is checked as itself)
+                    del self._made[id(o)]
+                    made = self._sources([t for t in cpu if t is not o], aliased=False)
                     if made is not None:
-                        self._made[id(o)] = (o, before[1] + made)
+                        self._made[id(o)] = (o, before + made)
                 continue
             ptr = o.untyped_storage().data_ptr()
             aliased = [t for t in cpu if t.untyped_storage().data_ptr() == ptr]
@@ -167,9 +168,9 @@ class RefuseHostSync(TorchDispatchMode):
         a larger tensor, which is then checked as itself."""
         sources: list[torch.Tensor] = []
         for t in ins:
-            made = self._made.get(id(t))
-            if made is not None and made[0] is t:
-                sources.extend(made[1])
+            made = self._made_of(t)
+            if made is not None:
+                sources.extend(made)
             elif t.numel() == 1 and not aliased:
                 sources.append(t)
             else:
@@ -194,8 +195,10 @@ class RefuseHostSync(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        flat = None
         if self._host_scalars is not None:
-            self._note_host_scalars(args, kwargs)
+            flat = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self._note_host_scalars(flat)
         why = refusal(func, args, kwargs)
         if why is not None and (
             self._device_type is None
@@ -209,8 +212,8 @@ class RefuseHostSync(TorchDispatchMode):
         if gen is not None and self._generators is not None:
             check_registered(gen, self._generators)
         out = func(*args, **kwargs)
-        if self._host_scalars is not None:
-            if _draws(func, args, kwargs):  # new, or written in place: each call draws anew
+        if flat is not None:
+            if _draws(func, flat, kwargs):  # new, or written in place: each call draws anew
                 for o in tree_leaves(out):
                     if isinstance(o, torch.Tensor) and o.numel() == 1:
                         self._made[id(o)] = (o, (_DRAWN,))
@@ -219,7 +222,7 @@ class RefuseHostSync(TorchDispatchMode):
                     self._made[id(out)] = (out, ())
             else:
                 try:
-                    self._note_made(args, kwargs, out)
+                    self._note_made(flat, out)
                 except RuntimeError:  # no storage to compare (a sparse tensor): not recorded,
                     pass  # so read as itself, as before this pass made it
         return out

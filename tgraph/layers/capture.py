@@ -372,10 +372,12 @@ class GraphedUnit:
             static_outputs=tuple(outs),
             out_rg=tuple(self.draft.out_rg),
             out_nodiff=tuple(self.draft.out_nodiff),
-            aliasing_outputs=tuple(
-                i for i, o in enumerate(outs) if o.untyped_storage().data_ptr() in ins
-            ),
             fresh_outputs=tuple(i for i, o in enumerate(outs) if o.dim() == 0),
+            nograd_copies=tuple(
+                i
+                for i, o in enumerate(outs)
+                if o.dim() == 0 or o.untyped_storage().data_ptr() in ins
+            ),
             output_internal=tuple(
                 tuple(internal.get(o.untyped_storage().data_ptr(), [o])) for o in outs
             ),

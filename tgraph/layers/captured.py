@@ -66,10 +66,11 @@ class Captured:
     static_outputs: tuple[torch.Tensor, ...]
     out_rg: tuple[int, ...]  # outputs that require grad (the backward's outputs)
     out_nodiff: tuple[int, ...]
-    aliasing_outputs: tuple[int, ...]  # outputs that are (views of) static inputs
     fresh_outputs: tuple[int, ...]  # 0-dim outputs (a loss), handed out as copies: a caller
     # keeps them across steps (a list of losses), which a PyTorch without storage swaps could
     # not move out of the graph's memory (tgraph.layers.follow.move_out_held_outputs)
+    nograd_copies: tuple[int, ...]  # what a no-grad replay hands out as copies: the fresh
+    # outputs and those that are (views of) static inputs, which the next call's copy overwrites
     output_internal: tuple[tuple[torch.Tensor, ...], ...]  # tgraph's tensors on each output
     templates: tuple[Template, ...]  # per member: the structure its call returns
     slices: tuple[slice, ...]  # per member: its outputs among static_outputs

@@ -249,7 +249,7 @@ def replay(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]) -> li
     if not cap.needs_backward:
         cap.fwd_graph.replay()
         outs = [o.detach() for o in cap.static_outputs]
-        copied = {*cap.aliasing_outputs, *cap.fresh_outputs}
+        copied = cap.nograd_copies
         for i in copied:  # the static input buffer (the next call's copy would overwrite it),
             outs[i] = outs[i].clone()  # or a loss
         for i in cap.out_rg:  # a leaf that requires grad under no_grad, as the eager call
