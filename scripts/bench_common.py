@@ -179,17 +179,28 @@ def environment_markdown(env: dict[str, Any]) -> str:
     return ", ".join(f"{k}: {env.get(k)}" for k in keys)
 
 
-def gpu_timeline(step: Callable[[int], Any], n: int, device: torch.device) -> dict[str, float]:
+def gpu_timeline(
+    step: Callable[[int], Any], n: int, device: torch.device, head_start_ms: float = 0.0
+) -> dict[str, float]:
     """Run ``step(i)`` for i < n under torch.profiler (CPU and CUDA activity): where a step's
     time goes on the GPU. ``kernel_ms``: the kernels' own time per step (those inside graph
     replays included); ``busy_ms``: time per step during which some kernel or copy ran (the
     union of their intervals); ``window_ms``: from the first device activity to the last, per
     step; ``idle_pct``: the window's share with nothing running, which a host that cannot
-    keep the GPU fed leaves; ``kernels``: kernels per step."""
+    keep the GPU fed leaves; ``kernels``: kernels per step.
+
+    ``head_start_ms``: the GPU first sleeps this long (a spin kernel, left out of every figure)
+    while the host queues the first steps, as in a training loop that has run for a while;
+    without it the window opens on an empty queue, and the host's work before its first launch
+    counts as idle (with 5 steps of a whole-step graph at batch 1, most of the idle measured).
+    A host slower than the GPU still drains the queue within a few steps and shows as idle."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
+    cycles = _spin_cycles(head_start_ms, device) if head_start_ms > 0 else 0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if cycles:
+            torch.cuda._sleep(cycles)
         for i in range(n):
             step(i)
         synchronize(device)
@@ -198,7 +209,7 @@ def gpu_timeline(step: Callable[[int], Any], n: int, device: torch.device) -> di
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         start, end = e.time_range.start, e.time_range.end
-        if end <= start:
+        if end <= start or "spin_kernel" in e.name:  # the head start's sleep
             continue
         spans.append((start, end))
         own += end - start
@@ -221,4 +232,18 @@ def gpu_timeline(step: Callable[[int], Any], n: int, device: torch.device) -> di
         "idle_pct": 100.0 * (1 - busy / window) if window else 0.0,
         "kernels": kernels / n,
         "steps": n,
+        "head_start_ms": head_start_ms,
     }
+
+
+def _spin_cycles(ms: float, device: torch.device) -> int:
+    """GPU clock cycles for ``torch.cuda._sleep`` to spin about ``ms`` milliseconds (timed)."""
+    probe = 2_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.device(device):
+        torch.cuda._sleep(probe)  # warm
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+    return int(probe * ms / max(start.elapsed_time(end), 1e-3))

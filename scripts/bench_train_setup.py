@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,7 +136,12 @@ def drive(s: Setup, step: Callable, start: int = 0) -> tuple[list[float], torch.
     if s.trace_steps and s.device.type == "cuda":  # the timed loss, before replays overwrite it
         loss = loss.detach().clone()
         try:
-            s.trace = gpu_timeline(lambda i: step(*s.batch(s.total + i)), s.trace_steps, s.device)
+            s.trace = gpu_timeline(
+                lambda i: step(*s.batch(s.total + i)),
+                s.trace_steps,
+                s.device,
+                head_start_ms=statistics.median(times) if times else 0.0,  # about one step
+            )
         except Exception as exc:  # noqa: BLE001 - a failed trace must not lose the timed steps
             print(f"  trace failed: {type(exc).__name__}: {exc}", flush=True)
     return times, loss

@@ -115,7 +115,7 @@ trace)
   # the GPU's timeline per step (kernel, busy and idle time) beside mgc, at batch 1 and 8
   archive_begin trace
   bounded trace_hf 70 python scripts/bench_train.py --configs llama_b1,llama_b8 --dtypes fp32 \
-    --steps 5 --warmup 2 --trace 5 --modes graphed_callables,tgraph_layer,tgraph_full --out "$W/trace"
+    --steps 5 --warmup 2 --trace 20 --modes graphed_callables,tgraph_layer,tgraph_full --out "$W/trace"
   archive_end
   exit 0
   ;;

@@ -9,7 +9,9 @@ dispatcher too. The toy GPT has none of its own, so every sync of its step count
 Face model's forward has transformers' own (``masking_utils``' packed-sequence check reads
 ``.all()`` of the position ids in every training forward): per-layer graphs keep it, only the
 syncs made from tgraph's code count there; the whole model as one unit leaves none (the check
-is inside the captured forward).
+is inside the captured forward). The optimizer step as an ``OptimizerGraph`` (clipping, skipping
+non-finite steps) and the whole step as a ``FullIterationGraph`` make none either: a host that
+never waits keeps the GPU fed (``bench_train.py --trace`` measures the GPU's idle share).
 """
 
 from __future__ import annotations
@@ -129,3 +131,52 @@ def test_a_steady_hf_llama_step_makes_no_host_sync_of_tgraphs(backend, device, w
     assert count.ours == [], count.ours
     if whole:  # transformers' own check runs inside the captured forward
         assert count.all == [], count.all
+
+
+def _adamw(model, device) -> torch.optim.Optimizer:
+    """AdamW whose step count lives on the device (capturable on CUDA, fused on the CPU)."""
+    extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **extra)
+
+
+def test_a_steady_optimizer_graph_step_makes_no_host_sync(backend, device, replays):
+    """Per-layer graphs and the optimizer step as an OptimizerGraph that clips and skips
+    non-finite steps: the norm, the skip decision and the learning rate stay on the device."""
+    model = tiny_gpt(device)
+    tgraph.enable(model, backend=backend, strict=True)
+    graph = tgraph.OptimizerGraph(
+        _adamw(model, device), clip_grad_norm=1.0, skip_nonfinite=True, backend=backend
+    )
+
+    def step(b):
+        loss = model(*b)[1]
+        loss.backward()
+        graph.step(loss)
+
+    count = steady_step(model, step, gpt_batches(device, 4), device)
+    assert graph.captured and replays[0] > 0
+    assert count.all == [], count.all
+
+
+def test_a_steady_full_iteration_step_makes_no_host_sync(backend, device, replays):
+    """The whole step as one FullIterationGraph: one counted call is one replay, no sync."""
+    model = tiny_gpt(device)
+    opt = _adamw(model, device)
+
+    def train_step(b):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*b)[1]
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graph = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
+    batches = gpt_batches(device, 5)
+    for b in batches[:4]:  # warmup, capture, one replay
+        graph(b)
+    count = CountSyncs(device)
+    before = replays[0]
+    with no_sync_on_cuda(device, True), count:
+        graph(batches[4])
+    assert replays[0] == before + 1  # replayed, not run eagerly
+    assert count.all == [], count.all
