@@ -179,6 +179,9 @@ def environment_markdown(env: dict[str, Any]) -> str:
     return ", ".join(f"{k}: {env.get(k)}" for k in keys)
 
 
+LONG_GAP_US = 10.0  # a gap between kernels at least this long is counted as the host's
+
+
 def gpu_timeline(
     step: Callable[[int], Any], n: int, device: torch.device, head_start_ms: float = 0.0
 ) -> dict[str, float]:
@@ -187,7 +190,9 @@ def gpu_timeline(
     replays included); ``busy_ms``: time per step during which some kernel or copy ran (the
     union of their intervals); ``window_ms``: from the first device activity to the last, per
     step; ``idle_pct``: the window's share with nothing running, which a host that cannot
-    keep the GPU fed leaves; ``kernels``: kernels per step.
+    keep the GPU fed leaves, and ``idle_long_pct`` the part of it in gaps of 10 us or more
+    (the GPU waiting on the host; shorter gaps are the device's own kernel-to-kernel time,
+    which a graph with many nodes has too); ``kernels``: kernels per step.
 
     ``head_start_ms``: the GPU first sleeps this long (a spin kernel, left out of every figure)
     while the host queues the first steps, as in a training loop that has run for a while;
@@ -217,9 +222,11 @@ def gpu_timeline(
     if not spans:
         return {}
     spans.sort()
-    busy, (cur_s, cur_e) = 0.0, spans[0]
+    busy, long_gaps, (cur_s, cur_e) = 0.0, 0.0, spans[0]
     for s, e in spans[1:]:
         if s > cur_e:
+            if s - cur_e >= LONG_GAP_US:
+                long_gaps += s - cur_e
             busy, cur_s, cur_e = busy + cur_e - cur_s, s, e
         else:
             cur_e = max(cur_e, e)
@@ -230,6 +237,9 @@ def gpu_timeline(
         "busy_ms": busy / n / 1e3,
         "window_ms": window / n / 1e3,
         "idle_pct": 100.0 * (1 - busy / window) if window else 0.0,
+        # gaps of LONG_GAP_US or more: the GPU waiting on the host; the shorter ones are the
+        # device's own time from one kernel to the next (inside a graph: its node launches)
+        "idle_long_pct": 100.0 * long_gaps / window if window else 0.0,
         "kernels": kernels / n,
         "steps": n,
         "head_start_ms": head_start_ms,

@@ -459,6 +459,7 @@ def markdown(payload: dict) -> str:
                     "busy ms",
                     "window ms",
                     "idle %",
+                    "idle in gaps >= 10 us, %",
                     "kernels",
                 ],
                 [
@@ -467,8 +468,15 @@ def markdown(payload: dict) -> str:
                         r["dtype"],
                         r["mode"],
                         *(
-                            r["gpu_timeline"][k]
-                            for k in ("kernel_ms", "busy_ms", "window_ms", "idle_pct", "kernels")
+                            r["gpu_timeline"].get(k)
+                            for k in (
+                                "kernel_ms",
+                                "busy_ms",
+                                "window_ms",
+                                "idle_pct",
+                                "idle_long_pct",
+                                "kernels",
+                            )
                         ),
                     ]
                     for r in traced
