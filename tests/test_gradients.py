@@ -388,9 +388,9 @@ def _accumulate_passed_through(backend, device):
     """Three microbatches accumulated through a graphed _PassedThrough equal eager's; returns
     its unit. After each backward ``a``'s gradient is halved in place, as per-parameter
     gradient scaling does: a ``b.grad`` sharing its memory then differs from eager's on every
-    backend. (The accumulation alone does not show it on CUDA: a and b have the same gradient,
-    and one ``_foreach_add_`` into two tensors on one memory races there, so the doubled
-    addend lands once.)"""
+    backend. (The accumulation alone did not show it on CUDA: a and b have the same gradient,
+    and one ``_foreach_add_`` into two tensors on one memory most likely races there, so the
+    doubled addend lands once.)"""
     torch.manual_seed(0)
     mod = _PassedThrough().to(device)
     eager = copy.deepcopy(mod)
