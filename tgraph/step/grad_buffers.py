@@ -186,29 +186,24 @@ class GradBuffers:
                 "capture anew when the set of parameters with gradients changes."
             )
         self.held_elsewhere = False
-        if any(g.check(*lives) for g in self._layout.guards):  # laid out as the graph reads
-            if (
-                ptrs_equal(lives, self._ptr_list, self._all)
-                if ptrs_equal is not None
-                else tuple(map(_data_ptr, lives)) == self._ptrs
-            ):
-                return False  # every gradient where the graph reads it: two C++ passes
-            # autograd's own tensors (an eagerly run embedding's, fresh at every backward)
-            moved = list(compress(range(len(lives)), map(ne, map(_data_ptr, lives), self._ptrs)))
-        else:
-            moved = list(
-                compress(
-                    range(len(lives)),
-                    map(
-                        or_,
-                        map(ne, map(_data_ptr, lives), self._ptrs),
-                        map(ne, map(_stride, lives), self._strides),
-                    ),
-                )
+        if any(g.check(*lives) for g in self._layout.guards) and (
+            ptrs_equal(lives, self._ptr_list, self._all)
+            if ptrs_equal is not None
+            else tuple(map(_data_ptr, lives)) == self._ptrs
+        ):
+            return False  # every gradient where the graph reads it: two C++ passes
+        moved = list(
+            compress(
+                range(len(lives)),
+                map(
+                    or_,
+                    map(ne, map(_data_ptr, lives), self._ptrs),
+                    map(ne, map(_stride, lives), self._strides),
+                ),
             )
-            if not any(map(ne, map(_stride, lives), self._strides)):
-                self._layout.remember(lives, tuple(map(_size, lives)), self._strides)
+        )
         if not moved:
+            self._layout.remember(lives, tuple(map(_size, lives)), self._strides)
             return False
         if self._held(moved):
             self.held_elsewhere = True
