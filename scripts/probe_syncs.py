@@ -20,7 +20,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F  # noqa: F401 - bench_llama's loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_llama import LLAMA_CONFIGS, LlamaLM  # noqa: E402
@@ -39,7 +38,6 @@ def _step(model, opt, x, y):
 def _syncs(model, opt, x, y) -> list[list[str]]:
     """The frames (innermost last) of every host sync in one step."""
     found: list[list[str]] = []
-    show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):  # set_sync_debug_mode's own "prototype" warning
@@ -55,16 +53,14 @@ def _syncs(model, opt, x, y) -> list[list[str]]:
         )
 
     torch.cuda.synchronize()
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning on the way out
             warnings.simplefilter("always")
             warnings.showwarning = record
             _step(model, opt, x, y)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = show
     torch.cuda.synchronize()
     return found
 

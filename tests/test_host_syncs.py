@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from layer_models import gpt_batches, tiny_gpt
+from optimizer_models import make_optimizer  # AdamW, its step count on the device
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tgraph
@@ -133,19 +134,13 @@ def test_a_steady_hf_llama_step_makes_no_host_sync_of_tgraphs(backend, device, w
         assert count.all == [], count.all
 
 
-def _adamw(model, device) -> torch.optim.Optimizer:
-    """AdamW whose step count lives on the device (capturable on CUDA, fused on the CPU)."""
-    extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **extra)
-
-
 def test_a_steady_optimizer_graph_step_makes_no_host_sync(backend, device, replays):
     """Per-layer graphs and the optimizer step as an OptimizerGraph that clips and skips
     non-finite steps: the norm, the skip decision and the learning rate stay on the device."""
     model = tiny_gpt(device)
     tgraph.enable(model, backend=backend, strict=True)
     graph = tgraph.OptimizerGraph(
-        _adamw(model, device), clip_grad_norm=1.0, skip_nonfinite=True, backend=backend
+        make_optimizer(model, device), clip_grad_norm=1.0, skip_nonfinite=True, backend=backend
     )
 
     def step(b):
@@ -161,7 +156,7 @@ def test_a_steady_optimizer_graph_step_makes_no_host_sync(backend, device, repla
 def test_a_steady_full_iteration_step_makes_no_host_sync(backend, device, replays):
     """The whole step as one FullIterationGraph: one counted call is one replay, no sync."""
     model = tiny_gpt(device)
-    opt = _adamw(model, device)
+    opt = make_optimizer(model, device)
 
     def train_step(b):
         opt.zero_grad(set_to_none=True)

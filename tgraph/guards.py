@@ -148,9 +148,11 @@ class RefuseHostSync(TorchDispatchMode):
         for o in tree_leaves(out):
             if not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.numel() != 1:
                 continue
-            if any(o is t for t in cpu):  # written in place: state stays state, and one made
-                before = self._made_of(o)  # here takes the other inputs' sources as well (or
-                if before is not None:  # is checked as itself)
+            if any(o is t for t in cpu):
+                # written in place: state stays state; one made in this pass takes the other
+                # inputs' sources as well (or, where they cannot be followed, is checked as itself)
+                before = self._made_of(o)
+                if before is not None:
                     del self._made[id(o)]
                     made = self._sources([t for t in cpu if t is not o], aliased=False)
                     if made is not None:
