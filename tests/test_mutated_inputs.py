@@ -203,8 +203,10 @@ def test_the_host_scalars_a_warmup_notes_are_state_not_what_it_made():
         lambda: torch.rand(()),
         lambda: (torch.rand(()) * 2).double(),
         lambda: torch.zeros(()).uniform_(),
+        lambda: torch.rand(3).sum(),
+        lambda: (torch.rand(3) * torch.arange(3.0)).mean(),
     ],
-    ids=["rand", "made_from_a_draw", "drawn_in_place"],
+    ids=["rand", "made_from_a_draw", "drawn_in_place", "reduced", "through_a_larger_tensor"],
 )
 def test_a_cpu_draw_a_device_kernel_reads_is_refused_at_capture(draw):
     """A random number drawn on the CPU in the forward and read by a device kernel: a graph

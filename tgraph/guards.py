@@ -143,10 +143,19 @@ class RefuseHostSync(TorchDispatchMode):
     def _note_made(self, flat: list[torch.Tensor], out) -> None:
         """Record the CPU scalars ``out`` holds that this pass made (new, or a view or alias of
         one made before) with the host scalars they were made from. A view of state, or one
-        made from a larger CPU tensor, is not recorded: it is checked as itself."""
+        made from a larger CPU tensor, is not recorded: it is checked as itself. Anything made
+        from a CPU draw, of any size, is recorded as drawn (``torch.rand(3).sum()``)."""
         cpu = [t for t in flat if t.device.type == "cpu"]
+        drawn = any(_DRAWN in (self._made_of(t) or ()) for t in cpu)
         for o in tree_leaves(out):
-            if not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.numel() != 1:
+            if not isinstance(o, torch.Tensor) or o.device.type != "cpu":
+                continue
+            # new, or made here and written in place (state written from a draw stays state,
+            # checked as itself at every call)
+            if drawn and (self._made_of(o) is not None or not any(o is t for t in cpu)):
+                self._made[id(o)] = (o, (_DRAWN,))
+                continue
+            if o.numel() != 1:
                 continue
             if any(o is t for t in cpu):
                 # written in place: state stays state; one made in this pass takes the other
@@ -217,7 +226,7 @@ class RefuseHostSync(TorchDispatchMode):
         if flat is not None:
             if _draws(func, flat, kwargs):  # new, or written in place: each call draws anew
                 for o in tree_leaves(out):
-                    if isinstance(o, torch.Tensor) and o.numel() == 1:
+                    if isinstance(o, torch.Tensor):
                         self._made[id(o)] = (o, (_DRAWN,))
             elif func in _FROM_PYTHON:  # torch.tensor(x): x is Python state, which baked.py checks
                 if isinstance(out, torch.Tensor):
