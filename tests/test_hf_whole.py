@@ -10,6 +10,8 @@ that the unit is the whole model (one forward and one backward graph), not its l
 from __future__ import annotations
 
 import copy
+import gc
+import sys
 import warnings
 
 import pytest
@@ -345,3 +347,31 @@ def test_attention_masks_that_change_after_capture_give_eagers_numbers(backend, 
     # on a GPU the all-ones steps may run another SDPA kernel than eager's causal flag (the
     # probe, BENCHMARKS.md): fp32's default tolerance there; bit for bit on the CPU
     torch.testing.assert_close(got, want, **({} if backend == "cuda" else {"rtol": 0, "atol": 0}))
+
+
+def test_whole_model_compiled_records_its_layers_outside_dynamos_trace(
+    backend, device, replays, monkeypatch
+):
+    """``graph_layers(whole=True, compile=True)``: the recorded call runs the compiled model,
+    whose trace meets the layers' graphable calls (they record as the model's parts). tgraph's
+    bookkeeping must run outside the trace: traced, dynamo made flight tokens without running
+    their ``__init__`` and freed them at its cleanup, where their finalizers raised (seen only by
+    ``sys.unraisablehook``). Training then matches eager, every call after the recorded one a
+    replay of the whole model's two graphs. Inductor fuses kernels: within float32 reordering,
+    as ``test_compile``."""
+    torch._dynamo.reset()
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    model = tiny_model("llama", device)
+    eager = copy.deepcopy(model)
+    tg_hf.graph_layers(model, whole=True, backend=backend, strict=True, compile=True)
+    xs = token_batches(device, 4)
+    g_losses, _, g_params = train(model, xs, graphed=True)
+    e_losses, _, e_params = train(eager, xs, graphed=False)
+    gc.collect()
+    torch._dynamo.reset()
+    assert not unraisable, [f"{u.exc_value!r} in {u.object}" for u in unraisable]
+    assert tgraph.eager_calls() == 0 and replays[0] == 2 * 3  # strict: none ran eagerly
+    torch.testing.assert_close(g_losses, e_losses, rtol=1e-5, atol=1e-5)
+    for g, e in zip(g_params, e_params):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
