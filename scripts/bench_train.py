@@ -21,7 +21,8 @@ megatron_local (megatron-core GPTModel of the same dims, when importable); compi
 (``torch.compile`` default mode, inductor without its CUDA graphs), tgraph_layer_compiled /
 tgraph_layer_opt_compiled (``tgraph.enable(model, compile=True)``: per-layer graphs over
 inductor-compiled layers), tgraph_full_compiled (``FullIterationGraph`` around a step of
-``torch.compile(model)``).
+``torch.compile(model)``), tgraph_model_compiled (the model as one graphed unit over its
+compiled code).
 
 The ``llama_*`` configs train a Hugging Face ``LlamaForCausalLM`` of those dims instead of the
 toy (random init, SDPA attention; scripts/bench_llama.py); ``--hf`` runs the three Llama cells
@@ -111,6 +112,7 @@ MODES = [
     "tgraph_layer_norm_eager",
     "tgraph_layer_head",
     "tgraph_layer_opt_noskip_head",
+    "tgraph_model_compiled",
 ]
 CPU_MODES = [
     "eager",
@@ -319,6 +321,9 @@ MODE_FUNCS: dict[str, Callable] = {
     "tgraph_layer_head": lambda s: mode_tgraph_layer(s, units="head"),
     "tgraph_layer_opt_noskip_head": lambda s: mode_tgraph_layer_opt(s, skip=False, units="head"),
     "tgraph_model_opt_noskip": lambda s: mode_tgraph_layer_opt(s, skip=False, units="whole"),
+    # the model as one unit over its compiled code (enable(compile=True)): inductor fuses the
+    # embedding, head and loss too, which per-layer graphs over compiled layers run eagerly
+    "tgraph_model_compiled": lambda s: mode_tgraph_layer(s, compile=True, units="whole"),
 }
 
 
