@@ -151,6 +151,21 @@ def test_full_iteration_graph_around_a_compiled_model(backend, device):
     torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=1e-4, atol=1e-5)
 
 
+def test_per_layer_graphs_inside_a_model_the_user_compiled(backend, device, replays):
+    """``torch.compile(model)`` around a model whose blocks tgraph graphs: dynamo meets the
+    blocks' calls in its trace and leaves them to tgraph (a graph break each), so the recorded
+    step records them, and every later call replays (strict) with eager's losses."""
+    model = _toy(device)
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 64, (2, 8), generator=g).to(device) for _ in range(2))
+    tgraph.enable(model, backend=backend, strict=True)
+    got = _train(torch.compile(model), x, y, 4, graphs=True)
+    want = _train(eager, x, y, 4, graphs=False)
+    assert tgraph.eager_calls() == 0 and replays[0] == 2 * 3  # one merged stack: fwd + bwd
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)
+
+
 @torch.compile
 def _bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x + b, approximate="tanh") * 1.1
