@@ -271,26 +271,39 @@ def test_whole_model_config_entries_without_equality_compare_by_identity(device)
     assert "config changed: opaque" in tg_hf._model_state(model, model._tgraph_hf_layers)
 
 
-def test_a_model_that_cannot_be_graphed_whole_keeps_its_layers_graphs(backend, device, replays):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_code", "compiled"])
+def test_a_model_that_cannot_be_graphed_whole_keeps_its_layers_graphs(
+    backend, device, replays, compiled
+):
     """Dynamic RoPE scaling reads the largest position id on the host in the model's own code,
     so the whole model cannot be captured; its layers (and final norm), recorded inside its
     recorded call, keep graphs of their own: one merged stack, replayed (a forward and a
-    backward replay per step), eager's bits, no fallback counted."""
+    backward replay per step), eager's bits, no fallback counted. Compiled
+    (``compile=True``): the layers were recorded inside the compiled model's call, outside
+    dynamo's trace, and replay their compiled code (within float32 reordering, as
+    ``test_compile``)."""
     from transformers import LlamaForCausalLM
 
+    torch._dynamo.reset()
     config = tiny_model("llama", "cpu").config
     config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device)
     eager = copy.deepcopy(model)
-    tg_hf.graph_layers(model, whole=True, backend=backend, strict=False)
+    tg_hf.graph_layers(model, whole=True, backend=backend, strict=False, compile=compiled)
     xs = token_batches(device, 4)
     with pytest.warns(tgraph.GraphFallbackWarning, match="keep their own graphs"):
         g_losses, _, g_params = train(model, xs, graphed=True, report=(3, 2))
     e_losses, _, e_params = train(eager, xs, graphed=False)
+    torch._dynamo.reset()
     assert tgraph.capture_report().segments == 1
     assert replays[0] == 2 * (len(xs) - 1)  # the stack's forward and backward, each later step
     assert tgraph.eager_calls() == 0
+    if compiled:
+        torch.testing.assert_close(g_losses, e_losses, rtol=1e-5, atol=1e-5)
+        for g, e in zip(g_params, e_params):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+        return
     assert torch.equal(g_losses, e_losses)
     assert all(map(torch.equal, g_params, e_params))
 
