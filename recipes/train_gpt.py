@@ -10,7 +10,10 @@
 ``--graph none`` runs eagerly; ``layer`` graphs every transformer block (``tgraph.enable``: the
 first iteration runs eagerly and is recorded, ``tgraph.create_graphs()`` captures, later
 iterations replay); ``full`` captures forward, backward, all-reduce and AdamW as one graph
-(``tgraph.FullIterationGraph``). All three compute the same numbers. The run directory gets
+(``tgraph.FullIterationGraph``); ``model`` graphs the whole model as one unit. All compute
+the same numbers. ``--compile`` runs inductor's fused kernels in any mode (per-layer and model
+graphs hold each unit's compiled code; none and full run ``torch.compile(model)``), the same
+numbers up to float32 reordering. The run directory gets
 ``config.json`` (resolved config), ``metrics.jsonl``, ``loss.png``, ``summary.json`` and
 ``checkpoints/step_NNNNNN`` (model safetensors + ``trainer.pt``: optimizer, step, RNG states,
 config), each written to a temporary directory and renamed into place, so a killed run leaves

@@ -21,6 +21,10 @@ how a step runs; all five compute the same numbers:
 * ``full``: forward, backward, the gradient all-reduce, clipping and AdamW as one
   ``tgraph.FullIterationGraph``.
 
+``--compile`` adds inductor's fused kernels to any mode (``graph_layers(..., compile=True)``;
+none and full run ``torch.compile(model)``), the same numbers up to float32 reordering;
+``--graph model --compile`` is the fastest mode that keeps the loop eager (docs/BENCHMARKS.md).
+
 This file adds only the model: :class:`HFSpec` and the config fields it reads. The loop, the data,
 validation, checkpoints, the run directory's rules, metrics, Ctrl-C and torchrun are the shared
 trainer's (``gpt_training/``, that of ``recipes/train_gpt.py``), and so are its protections.
@@ -43,6 +47,7 @@ from gpt_training import cli
 from gpt_training.config import (
     GRAPH_MODES,
     NONFINITE_MODES,
+    CompileConfig,
     ConfigGroup,
     DataConfig,
     JobConfig,
@@ -141,6 +146,7 @@ class HFTrainConfig(
     DataConfig,
     HFModelConfig,
     HFStepConfig,
+    CompileConfig,
     StepConfig,
     JobConfig,
     RunConfig,
@@ -253,15 +259,15 @@ class HFSpec(ModelSpec):
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return self.loss(net, x, y, use_cache=kv_heads < config.num_attention_heads)
 
-    def enable_graphs(self, net, backend):
+    def enable_graphs(self, net, backend, compile=False):  # noqa: A002 - enable's option
         from tgraph.integrations import transformers as tg_hf
 
-        tg_hf.graph_layers(unwrap(net), backend=backend)
+        tg_hf.graph_layers(unwrap(net), backend=backend, compile=compile)
 
-    def enable_model_graph(self, net, backend):
+    def enable_model_graph(self, net, backend, compile=False):  # noqa: A002
         from tgraph.integrations import transformers as tg_hf
 
-        tg_hf.graph_layers(unwrap(net), whole=True, backend=backend)
+        tg_hf.graph_layers(unwrap(net), whole=True, backend=backend, compile=compile)
 
     def disable_graphs(self, net):
         from tgraph.integrations import transformers as tg_hf

@@ -388,3 +388,31 @@ def test_whole_model_compiled_records_its_layers_outside_dynamos_trace(
     torch.testing.assert_close(g_losses, e_losses, rtol=1e-5, atol=1e-5)
     for g, e in zip(g_params, e_params):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_saved_mid_training_keeps_the_whole_model_replaying(
+    backend, device, replays, tmp_path
+):
+    """``save_pretrained`` writes records into the config (``architectures``: the graphable
+    class; ``dtype``: the parameters' dtype by name, where it was unset): no forward reads
+    them, so the whole model keeps replaying (strict) and trains as eager, and the checkpoint
+    loads. A dtype that is not the parameters' is a change the forward may read: eager, named."""
+    from transformers import AutoModelForCausalLM
+
+    model, eager = whole_and_twin("llama", device, backend)
+    xs = token_batches(device, 4)
+    train(model, xs[:1], graphed=True)
+    train(eager, xs[:1], graphed=False)
+    model.save_pretrained(tmp_path / "ckpt")
+    assert model.config.architectures == [type(model).__name__]
+    n = replays[0]
+    g_losses, _, g_params = train(model, xs[1:], graphed=False)
+    e_losses, _, e_params = train(eager, xs[1:], graphed=False)
+    assert replays[0] - n == 2 * 3 and tgraph.eager_calls() == 0
+    assert torch.equal(g_losses, e_losses)
+    assert all(map(torch.equal, g_params, e_params))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    model.config.dtype = "bfloat16"
+    with pytest.raises(tgraph.GraphFallbackError, match="config changed: dtype='bfloat16'"):
+        model(input_ids=xs[0], labels=xs[0])

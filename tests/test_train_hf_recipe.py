@@ -12,6 +12,7 @@ algorithms (tests/test_hf_integration.py explains the bound).
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -66,11 +67,37 @@ def tol(backend: str) -> dict:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_graph_modes_train_as_eager_and_save_loadable_checkpoints(run, backend, arch):
+def test_graph_modes_train_as_eager_and_save_loadable_checkpoints(run, backend, arch, tmp_path):
+    """Every mode ends at eager's parameters; the graphed units replay past the checkpoints
+    (``save_pretrained`` every 2 steps writes records into the config, which the whole model's
+    unit compares at every call): no call of a graphed unit ran eagerly."""
     eager = run("none", "--arch", arch, "--steps", "4", "--graph", "none")
     for mode in ("layer", "layer+opt", "model", "full"):
         got = run(mode, "--arch", arch, "--steps", "4", "--graph", mode)
         torch.testing.assert_close(got, eager, **tol(backend), msg=lambda m, g=mode: f"{g}: {m}")
+        summary = json.loads((tmp_path / mode / "summary.json").read_text())
+        assert summary.get("eager_calls", 0) == 0, mode
+
+
+@pytest.mark.parametrize("mode", ["layer", "model"])
+def test_compile_with_graphs_trains_as_eager(run, backend, mode, replays, tmp_path):
+    """``--compile`` with the per-layer and the whole-model graphs of a transformers model:
+    dynamo compiles (the flag reaches ``graph_layers``), every later call replays, and the
+    parameters end within AdamW's amplification of float32 reordering (up to one step of lr
+    on an element whose gradient is near zero) of the uncompiled eager run's."""
+    from torch._dynamo.utils import counters
+
+    eager = run("none", "--arch", "llama", "--steps", "4", "--graph", "none")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = run(mode, "--arch", "llama", "--steps", "4", "--graph", mode, "--compile")
+        assert counters["frames"]["ok"] > 0
+    finally:
+        torch._dynamo.reset()
+    summary = json.loads((tmp_path / mode / "summary.json").read_text())
+    assert replays[0] > 0 and summary["eager_calls"] == 0
+    torch.testing.assert_close(got, eager, rtol=0, atol=1e-2)
 
 
 def masks_under_every_capture() -> bool:

@@ -374,3 +374,38 @@ def test_compare_script_tables_and_plots_runs(good_run, tmp_path, capsys):
     table = (tmp_path / "t.md").read_text()
     assert table.count("| none |") == 2 and "0.00e+00" in table
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_compile_trains_as_eager_in_every_graph_mode(graph, run_cfg, device):
+    """``--compile``: the step's forward runs inductor's code (dynamo compiles frames: the
+    flag is not dropped on its way), per-layer and model graphs still replay (no eager call),
+    and the run ends where the uncompiled eager run ends, up to float32 reordering: the losses
+    logged within 1e-4, the parameters within AdamW's amplification of rounding (a near-zero
+    gradient's last bit can move an element by up to a step of lr)."""
+    from torch._dynamo.utils import counters
+
+    eager = run_cfg("eager", graph="none")
+    tg.train(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = run_cfg(graph, graph=graph, compile=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tgraph.GraphFallbackWarning)
+            summary = tg.train(cfg)
+        assert counters["frames"]["ok"] > 0
+    finally:
+        torch._dynamo.reset()
+    if graph in ("layer", "model"):
+        assert summary["eager_calls"] == 0
+
+    def losses(c):
+        rows = map(json.loads, (Path(c.out) / "metrics.jsonl").read_text().splitlines())
+        return torch.tensor([r["loss"] for r in rows if r["kind"] == "train"])
+
+    torch.testing.assert_close(losses(cfg), losses(eager), rtol=1e-4, atol=1e-4)
+    got, want = _final_params(cfg), _final_params(eager)
+    assert got.keys() == want.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=cfg.lr, msg=k)

@@ -6,7 +6,7 @@
 The groups come in two kinds. :class:`ModelConfig`, :class:`DataConfig` and
 :class:`OptimizerConfig` decide the numbers a run computes, so a resumed run must match its
 checkpoint in every one of their fields. The groups marked :class:`RunOnly` (:class:`JobConfig`,
-:class:`StepConfig`, :class:`ReportConfig`) decide where output goes, how a step executes (the
+:class:`StepConfig`, :class:`CompileConfig`, :class:`ReportConfig`) decide where output goes, how a step executes (the
 three graph modes compute the same numbers) and how often things are reported: they may change on
 resume. A new field is covered by that rule through the group it is declared in, not by a list.
 """
@@ -215,6 +215,14 @@ class StepConfig(RunOnly):
 
 
 @dataclass(kw_only=True)
+class CompileConfig(RunOnly):
+    """Whether the step runs inductor's fused kernels (recipes whose models torch.compile takes)."""
+
+    compile: bool = False
+    """Compile with torch.compile (inductor, default mode) before any capture: --graph layer, layer+opt and model graph each unit's compiled code (tgraph.enable(compile=True)); none and full run the step through torch.compile(model). The first step takes longer (it compiles); the numbers are eager's up to float32 reordering."""
+
+
+@dataclass(kw_only=True)
 class ReportConfig(RunOnly):
     """How often the run validates, logs and checkpoints."""
 
@@ -293,7 +301,14 @@ class RunConfig:
 # config.json read job, step, model, data, optimizer, report.
 @dataclass(kw_only=True)
 class TrainConfig(
-    ReportConfig, OptimizerConfig, DataConfig, ModelConfig, StepConfig, JobConfig, RunConfig
+    ReportConfig,
+    OptimizerConfig,
+    DataConfig,
+    ModelConfig,
+    CompileConfig,
+    StepConfig,
+    JobConfig,
+    RunConfig,
 ):
     """Everything that defines a run; saved as ``<out>/config.json`` and in every checkpoint.
 

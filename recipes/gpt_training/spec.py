@@ -64,11 +64,17 @@ class ModelSpec:
         same numbers. A model whose Python branches on a capture under way overrides it."""
         return self.loss(net, x, y)
 
-    def enable_graphs(self, net: torch.nn.Module, backend: str) -> None:
-        """Per-layer graphs (``--graph layer``): the next step records, ``create_graphs``."""
+    def enable_graphs(self, net: torch.nn.Module, backend: str, compile: bool = False) -> None:  # noqa: A002
+        """Per-layer graphs (``--graph layer``): the next step records, ``create_graphs``;
+        ``compile``: over each unit's compiled code (``--compile``, where offered)."""
         raise NotImplementedError
 
-    def enable_model_graph(self, net: torch.nn.Module, backend: str) -> None:
+    def enable_model_graph(
+        self,
+        net: torch.nn.Module,
+        backend: str,
+        compile: bool = False,  # noqa: A002
+    ) -> None:
         """The whole model as one graphed unit (``--graph model``, where offered)."""
         raise NotImplementedError
 
@@ -136,12 +142,12 @@ class GPTSpec(ModelSpec):
     def loss(self, net, x, y):
         return net(x, y)[1]
 
-    def enable_graphs(self, net, backend):
-        tgraph.enable(net, backend=backend)
+    def enable_graphs(self, net, backend, compile=False):  # noqa: A002 - enable's option
+        tgraph.enable(net, backend=backend, compile=compile)
 
-    def enable_model_graph(self, net, backend):
+    def enable_model_graph(self, net, backend, compile=False):  # noqa: A002
         graph_whole(net.module if isinstance(net, DDP) else net)
-        tgraph.enable(net, backend=backend)
+        tgraph.enable(net, backend=backend, compile=compile)
 
     def disable_graphs(self, net):
         tgraph.disable(net)

@@ -49,9 +49,9 @@ class StepSpec(Protocol):
         self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     ) -> torch.Tensor: ...
 
-    def enable_graphs(self, net: torch.nn.Module, backend: str) -> None: ...
+    def enable_graphs(self, net: torch.nn.Module, backend: str, compile: bool) -> None: ...  # noqa: A002
 
-    def enable_model_graph(self, net: torch.nn.Module, backend: str) -> None: ...
+    def enable_model_graph(self, net: torch.nn.Module, backend: str, compile: bool) -> None: ...  # noqa: A002
 
     def disable_graphs(self, net: torch.nn.Module) -> None: ...
 
@@ -74,8 +74,10 @@ class TrainStep:
     """Call once per optimizer step: ``step(x, y) -> StepOutput``. Build it with :func:`make_step`.
 
     Attributes:
-        net: what the forward runs through: the model, or its DDP wrapper (eager and per-layer
-            graphs under torchrun).
+        net: the model, or its DDP wrapper (eager and per-layer graphs under torchrun).
+        run: what the step's forward calls: ``net``, or ``torch.compile(net)`` with
+            ``--compile`` and ``--graph none`` or ``full`` (the graph modes of units compile
+            inside tgraph: ``enable(compile=True)``).
         backend: the graph backend in use ("cuda" or "emulated"), None when eager.
     """
 
@@ -106,10 +108,14 @@ class TrainStep:
                 dist.broadcast(p.data, src=0)  # what DDP's constructor does for the others
         self.full_graph: tgraph.FullIterationGraph | None = None
         self.opt_graph: tgraph.OptimizerGraph | None = None
+        compiled = getattr(cfg, "compile", False)  # --compile (CompileConfig), where offered
+        self.run = self.net  # what the step's forward calls
         if cfg.graph == "model":
-            spec.enable_model_graph(self.net, cfg.backend)
+            spec.enable_model_graph(self.net, cfg.backend, compile=compiled)
         elif self.layered:
-            spec.enable_graphs(self.net, cfg.backend)
+            spec.enable_graphs(self.net, cfg.backend, compile=compiled)
+        elif compiled:  # eager or the full-iteration graph: the whole forward compiled
+            self.run = torch.compile(self.net)
         if cfg.graph == "layer+opt":
             self.opt_graph = tgraph.OptimizerGraph(
                 opt, clip_grad_norm=cfg.grad_clip or None, skip_nonfinite=False, backend=cfg.backend
@@ -135,7 +141,7 @@ class TrainStep:
         cfg, env, params = self.cfg, self.env, self.params
         if self.opt_graph is None:  # (OptimizerGraph owns the .grad tensors and zeroes them)
             self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.net, x, y)
+        loss = self.loss_fn(self.run, x, y)
         loss.backward()
         if self.opt_graph is not None:  # clips, steps and zeroes the gradients
             self.opt_graph.step(loss.detach())

@@ -465,12 +465,40 @@ def _model_state(model: nn.Module, layers: tuple) -> str:
     if config is not None and seen is not None and vars(config) != seen:
         now = vars(config)
         changed = sorted(
-            k for k in now.keys() | seen.keys() if now.get(k, seen) != seen.get(k, now)
+            k
+            for k in now.keys() | seen.keys()
+            if now.get(k, seen) != seen.get(k, now) and not _recorded(k, now, seen, model)
         )
-        text += "; config changed: " + ", ".join(
-            f"{k}={now.get(k, '(removed)')!r}" for k in changed
-        )
+        if changed:
+            text += "; config changed: " + ", ".join(
+                f"{k}={now.get(k, '(removed)')!r}" for k in changed
+            )
+        else:  # only what save_pretrained records: compared from here on (the fast path back)
+            model.__dict__["_tgraph_hf_config"] = _config_snapshot(config)
     return text
+
+
+_CONFIG_RECORDS = frozenset({"architectures", "_name_or_path", "transformers_version"})
+"""Config entries that ``save_pretrained`` and ``from_pretrained`` write as a record of the
+model, which no forward reads: a checkpoint saved mid-training must not end the whole model's
+replays (``save_pretrained`` sets ``architectures`` to the class, graphable here, and the dtype
+to the name of the parameters' dtype)."""
+
+
+def _recorded(key: str, now: dict, seen: dict, model: nn.Module) -> bool:
+    """Whether ``key``'s change is one of those records: an entry of :data:`_CONFIG_RECORDS`,
+    or the dtype set to the name of the model's own dtype where it was unset or that dtype."""
+    if key in _CONFIG_RECORDS:
+        return True
+    if key not in ("dtype", "torch_dtype"):
+        return False
+    own = str(getattr(model, "dtype", None)).removeprefix("torch.")
+    was, new = seen.get(key), now.get(key)
+    return (
+        isinstance(new, str | torch.dtype)
+        and str(new).removeprefix("torch.") == own
+        and (was is None or str(was).removeprefix("torch.") == own)
+    )
 
 
 def _config_snapshot(config) -> dict:
