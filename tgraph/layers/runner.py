@@ -279,19 +279,19 @@ def warn_skipped_call(cls: type, base: type) -> None:
         )
 
 
-def module_call(module: torch.nn.Module) -> Any:
+def module_call(module: torch.nn.Module, compiled: bool = True) -> Any:
     """How the recorded call, eager fallbacks, warmup and capture call ``module``: its
-    compiled call when enabled with ``compile=...`` (:func:`compiled_call`), else its
-    ``forward`` (its own forward hooks run around the call, :mod:`tgraph.baked`), else (it has
-    backward hooks) ``nn.Module.__call__``."""
+    compiled call when enabled with ``compile=...`` (:func:`compiled_call`; ``compiled=False``:
+    never, as an emulated capture calls it), else its ``forward`` (its own forward hooks run
+    around the call, :mod:`tgraph.baked`), else (it has backward hooks) ``nn.Module.__call__``."""
     state = module.__dict__.get("_tgraph")
-    compiled = getattr(state, "compiled", None)
+    code = getattr(state, "compiled", None) if compiled else None
     # Dynamo does not run under a dispatch mode (the warmup's host-sync check, an emulated
     # capture) and, once a compiled function was called under one, stops running it at all
     # (torch 2.13): such passes call the module itself, so that a CUDA capture, which runs no
     # dispatch mode, still graphs the compiled kernels.
-    if compiled is not None and not torch._C._len_torch_dispatch_stack():
-        return compiled
+    if code is not None and not torch._C._len_torch_dispatch_stack():
+        return code
     if hooks_run_outside(module):  # GraphableModule.__call__ runs its own forward hooks
         return module.forward
     return functools.partial(torch.nn.Module.__call__, module)

@@ -40,6 +40,7 @@ import torch
 
 from tgraph import rng
 from tgraph.baked import hooks_run_outside
+from tgraph.emulated import EmulatedGraph
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers.capture import graphed_region, parts_checkpointed
 from tgraph.layers.direct_grads import unguarded
@@ -242,6 +243,9 @@ def _member(cap, j: int, r, module_call, grad: bool):
     generators, the module's attributes and its buffers as it found them."""
     s, stored = cap.slices[j], cap.stored[j] if cap.stored else ()
     first: list = []  # the generator states and buffers its first run started from
+    # the code the graph holds: an emulated capture ran the module's own (under its dispatch
+    # mode, where dynamo does not run), a CUDA capture the compiled code of compile=...
+    compiled = not isinstance(cap.fwd_graph, EmulatedGraph)
 
     def run(mine: list, rg: list, leaves: list | None = None) -> list:
         if first:  # again: from where the first run started, leaving nothing behind
@@ -264,7 +268,7 @@ def _member(cap, j: int, r, module_call, grad: bool):
         parts = parts_checkpointed() if type(r.module).graphs_parts else contextlib.nullcontext()
         with graphed_region(), parts:  # a whole model: its layers' activations recomputed
             a, kw = r.call_template.fill(given)
-            tensors = split(module_call(r.module)(*a, **kw))[0]
+            tensors = split(module_call(r.module, compiled)(*a, **kw))[0]
         full = tensors + [None] * (s.stop - s.start - len(tensors))
         for m, k, at in stored:
             full[at] = m.__dict__[k]
