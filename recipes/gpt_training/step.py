@@ -74,10 +74,10 @@ class TrainStep:
     """Call once per optimizer step: ``step(x, y) -> StepOutput``. Build it with :func:`make_step`.
 
     Attributes:
-        net: the model, or its DDP wrapper (eager and per-layer graphs under torchrun).
-        run: what the step's forward calls: ``net``, or ``torch.compile(net)`` with
-            ``--compile`` and ``--graph none`` or ``full`` (the graph modes of units compile
-            inside tgraph: ``enable(compile=True)``).
+        net: what the forward runs through: the model, or its DDP wrapper (eager and
+            per-layer graphs under torchrun); with ``--compile`` and ``--graph none`` or
+            ``full``, compiled in place (``nn.Module.compile``; the graphed units of the other
+            modes compile inside tgraph: ``enable(compile=True)``).
         backend: the graph backend in use ("cuda" or "emulated"), None when eager.
     """
 
@@ -109,13 +109,12 @@ class TrainStep:
         self.full_graph: tgraph.FullIterationGraph | None = None
         self.opt_graph: tgraph.OptimizerGraph | None = None
         compiled = getattr(cfg, "compile", False)  # --compile (CompileConfig), where offered
-        self.run = self.net  # what the step's forward calls
         if cfg.graph == "model":
             spec.enable_model_graph(self.net, cfg.backend, compile=compiled)
         elif self.layered:
             spec.enable_graphs(self.net, cfg.backend, compile=compiled)
-        elif compiled:  # eager or the full-iteration graph: the whole forward compiled
-            self.run = torch.compile(self.net)
+        elif compiled:  # eager or the full-iteration graph: the whole forward compiled, in
+            self.net.compile()  # place (no wrapper module for the full step's module hooks)
         if cfg.graph == "layer+opt":
             self.opt_graph = tgraph.OptimizerGraph(
                 opt, clip_grad_norm=cfg.grad_clip or None, skip_nonfinite=False, backend=cfg.backend
@@ -141,7 +140,7 @@ class TrainStep:
         cfg, env, params = self.cfg, self.env, self.params
         if self.opt_graph is None:  # (OptimizerGraph owns the .grad tensors and zeroes them)
             self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.run, x, y)
+        loss = self.loss_fn(self.net, x, y)
         loss.backward()
         if self.opt_graph is not None:  # clips, steps and zeroes the gradients
             self.opt_graph.step(loss.detach())
