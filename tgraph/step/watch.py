@@ -10,6 +10,7 @@ fewer eager iterations than PyTorch requires before a capture (:data:`DDP_MIN_WA
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -50,21 +51,30 @@ def check_not_nested(modules: Iterable[nn.Module], recurse: bool = True) -> None
                 )
 
 
+_EXTRA_FIRE = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+
+
 class Watch:
     """During an eager call: note the optimizers that step and the modules that run in ``fn``."""
 
     def __init__(self, owner: Owner) -> None:
         self._owner = owner
         self._handles: list[Any] = []
+        self._quiet = warnings.catch_warnings()
 
     def __enter__(self) -> Watch:
         self._handles = [
             register_optimizer_step_pre_hook(self._on_step),
             nn.modules.module.register_module_forward_pre_hook(self._on_forward),
         ]
+        # torch.compile(model), the README's step, warns at each call that a global hook fires
+        # once more for the compiled wrapper: this one is idempotent (a module noted once)
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=_EXTRA_FIRE, category=UserWarning)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._quiet.__exit__(*exc)
         for h in self._handles:
             h.remove()
 
