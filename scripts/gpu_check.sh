@@ -125,13 +125,13 @@ compiled)
   # model. Each mode compiles afresh (a bare machine has no inductor cache); JSON is written
   # after every mode, so a stage cut by its limit keeps what it measured.
   archive_begin compiled
-  C_MODES=compile,tgraph_full_compiled,tgraph_layer_compiled,compile_default,tgraph_layer_opt_compiled
+  C_MODES=compile,tgraph_full_compiled,tgraph_layer_compiled,tgraph_model_compiled,compile_default,tgraph_layer_opt_compiled
   C_MODES=$C_MODES,tgraph_layer_opt_compiled_direct
-  bounded compiled_b1 145 python scripts/bench_train.py --configs llama_b1 --dtypes fp32 \
+  bounded compiled_b1 190 python scripts/bench_train.py --configs llama_b1 --dtypes fp32 \
     --steps 10 --warmup 2 --modes "$C_MODES" --out "$W/c_b1"
-  bounded compiled_b8 130 python scripts/bench_train.py --configs llama_b8 --dtypes fp32 \
+  bounded compiled_b8 175 python scripts/bench_train.py --configs llama_b8 --dtypes fp32 \
     --steps 10 --warmup 2 --modes "$C_MODES" --out "$W/c_b8"
-  bounded compiled_d1024 165 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
+  bounded compiled_d1024 210 python scripts/bench_train.py --configs llama_d1024 --dtypes bf16 \
     --steps 10 --warmup 2 --modes "$C_MODES" --out "$W/c_d1024"
   # the optimizer hand-off: per-layer alone against per-layer + OptimizerGraph without and with
   # the non-finite skip (whose gradient norm is one more pass over every gradient), one process

@@ -40,8 +40,8 @@ fi
 if [ "${HF:-0}" = 1 ]; then
   for spec in ${HF_CELLS:-llama_b1 llama_b8}; do  # a cell, or cell:dtype (llama_d1024:bf16)
     cell=${spec%%:*}; dtype=fp32; [ "$cell" != "$spec" ] && dtype=${spec#*:}
-    timeout ${HF_LIMIT:-120} python scripts/bench_train.py --configs $cell --dtypes $dtype --steps 20 --warmup 2 \
-      --modes ${HF_MODES:-eager,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip_direct,tgraph_model,tgraph_model_opt_noskip,tgraph_full,compile,tgraph_layer_compiled,tgraph_full_compiled} \
+    timeout ${HF_LIMIT:-240} python scripts/bench_train.py --configs $cell --dtypes $dtype --steps 20 --warmup 2 \
+      --modes ${HF_MODES:-eager,graphed_callables,tgraph_layer,tgraph_layer_opt_noskip_direct,tgraph_model,tgraph_model_opt_noskip,tgraph_full,compile,tgraph_layer_compiled,tgraph_model_compiled,tgraph_full_compiled} \
       --out "$OUT/$cell" > "$OUT/bench_$cell.log" 2>&1
     echo "bench $cell rc=$?" >> "$OUT/env.txt"
   done
