@@ -108,6 +108,40 @@ def test_no_grad_outputs_are_never_overwritten_while_alive(backend, device):
         torch.testing.assert_close(y3, eager(block, x2))
 
 
+def test_a_no_grad_outputs_copies_are_its_own_and_a_shallow_copy_still_holds(
+    backend, device, replays, tmp_path
+):
+    """An output kept by ``copy.deepcopy`` or ``torch.save`` (the best evaluation's logits):
+    the copy is new memory, so it copies (it failed on the tokens that keep the unit in
+    flight) and holds nothing: the next call replays into the same buffer, the copies keep
+    their values. A shallow ``copy.copy`` shares the buffer, so it keeps the unit busy."""
+    import copy
+
+    model = tiny_gpt(device)
+    block = model.h[0]
+    tgraph.enable(model, backend=backend, strict=True)
+    x1, x2 = torch.randn(2, 4, 16, 32, device=device)
+    with torch.no_grad():
+        block(x1)
+    tgraph.create_graphs()
+    with torch.no_grad():
+        y1 = block(x1)
+        kept = copy.deepcopy(y1)
+        torch.save(y1, tmp_path / "y1.pt")
+        shallow = copy.copy(y1)
+        del y1
+        with pytest.raises(tgraph.GraphFallbackError, match="awaiting its backward"):
+            block(x2)  # the shallow copy is the buffer: it must not be overwritten
+        del shallow
+        y2 = block(x2)  # replayed into the buffer the copies were taken from
+        loaded = torch.load(tmp_path / "y1.pt")
+    assert replays[0] == 2 and tgraph.eager_calls() == 1  # the refused call counts
+    want1 = torch.nn.Module.__call__(block, x1)
+    torch.testing.assert_close(kept, want1)
+    torch.testing.assert_close(loaded, want1)
+    torch.testing.assert_close(y2, torch.nn.Module.__call__(block, x2))
+
+
 def test_two_live_no_grad_outputs_in_the_recorded_iteration_get_two_graphs(backend, device):
     model = tiny_gpt(device)
     block = model.h[0]

@@ -200,6 +200,11 @@ class LiveOutputs:
     def __del__(self) -> None:
         self.ledger.leave(id(self))
 
+    def __reduce__(self):
+        """An output's deep copy, pickle or ``torch.save`` is new memory, outside the pool: its
+        copy of this token holds nothing (a shallow ``copy.copy`` shares the memory and the token)."""
+        return set, ()  # a global torch.load(weights_only=True) takes: an empty set
+
 
 class PoolGraph(Protocol):
     """What :class:`EmulatedPool` reads of a graph (:class:`tgraph.emulated.EmulatedGraph`)."""

@@ -114,6 +114,12 @@ class Flight:
     def __del__(self) -> None:  # autograd graph freed without a backward
         self.land()
 
+    def __reduce__(self):
+        """An output's deep copy, pickle or ``torch.save`` is new memory, which no replay
+        overwrites: its copy of this token holds nothing in flight (a shallow
+        ``copy.copy`` of an output shares its memory and this very token)."""
+        return set, ()  # a global torch.load(weights_only=True) takes: an empty set
+
 
 def hold_while_alive(state: ReplayState, outputs: list[torch.Tensor]) -> None:
     """Keep the unit of ``state`` in flight while any of ``outputs`` is alive.
