@@ -492,13 +492,18 @@ def _recorded(key: str, now: dict, seen: dict, model: nn.Module) -> bool:
         return True
     if key not in ("dtype", "torch_dtype"):
         return False
-    own = str(getattr(model, "dtype", None)).removeprefix("torch.")
+    own = _dtype_name(getattr(model, "dtype", None))
     was, new = seen.get(key), now.get(key)
     return (
         isinstance(new, str | torch.dtype)
-        and str(new).removeprefix("torch.") == own
-        and (was is None or str(was).removeprefix("torch.") == own)
+        and _dtype_name(new) == own
+        and (was is None or _dtype_name(was) == own)
     )
+
+
+def _dtype_name(dtype) -> str:
+    """``torch.float32`` or ``"float32"`` as ``"float32"`` (save_pretrained's spelling)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _config_snapshot(config) -> dict:

@@ -405,10 +405,7 @@ class GraphableModule(nn.Module):
                 return _checkpoint(call, *args, use_reentrant=False)  # taken by checkpoint)
             return super().__call__(*args, **kwargs)
         if _is_compiling():  # dynamo traces a compiled unit holding this one (a whole model's
-            return _untraced(self, state, args, kwargs)  # recorded call): see _untraced
-        return self._tgraph_call(state, args, kwargs)
-
-    def _tgraph_call(self, state: _ModuleState, args: tuple, kwargs: dict):
+            return _untraced(self, args, kwargs)  # recorded call): see _untraced
         if (  # the module's or the global forward hooks, read in place: every call asks
             self._forward_hooks
             or self._forward_pre_hooks
@@ -430,14 +427,15 @@ _is_compiling = torch.compiler.is_compiling
 
 
 @torch._disable_dynamo  # torch's own lazy form of torch.compiler.disable (optimizer.zero_grad's)
-def _untraced(module: GraphableModule, state: _ModuleState, args: tuple, kwargs: dict):
+def _untraced(module: GraphableModule, args: tuple, kwargs: dict):
     """A graphed module's call met while dynamo traces the compiled unit that holds it (its
-    parts are recorded inside a compiled whole model's recorded call): tgraph's bookkeeping
-    (the record, the flight tokens, the ledger) runs as Python, outside the trace, where a
-    trace would make objects whose ``__init__`` never ran and replay their side effects after
-    its graph. The module's own compiled code still runs (:func:`tgraph.layers.runner.
-    module_call`); the trace breaks around the call, as it did at tgraph's code before."""
-    return module._tgraph_call(state, args, kwargs)
+    parts are recorded inside a compiled whole model's recorded call): the call again, outside
+    the trace (where ``is_compiling()`` is False), so tgraph's bookkeeping (the record, the
+    flight tokens, the ledger) runs as Python, where a trace would make objects whose
+    ``__init__`` never ran and replay their side effects after its graph. The module's own
+    compiled code still runs (:func:`tgraph.layers.runner.module_call`); the trace breaks
+    around the call, as it did at tgraph's code before."""
+    return module(*args, **kwargs)
 
 
 def _param_slots(module: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
