@@ -401,6 +401,37 @@ def test_accumulated_gradients_restart_from_zero_after_set_to_none(backend, devi
         torch.testing.assert_close(b, a, **TOL)
 
 
+def test_gradients_accumulated_over_calls_into_a_graph_captured_without_grads_raise(
+    backend, device
+):
+    """fn = forward + backward; the caller accumulates two calls per optimizer step, zeroing
+    with ``set_to_none=True``. With two warmup calls the capture (call 3) is a first microbatch,
+    .grad None: the graph writes fresh gradients. The next call finds .grad still holding the
+    last replay's gradient, which eager code adds to: refused (the graph would overwrite it)."""
+    batches = make_batches(device, n=4)
+    grads = []
+    for graphed in (False, True):
+        model = make_model(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+
+        def fn(batch, model=model):
+            loss = model(*batch)[1]
+            loss.backward()
+            return loss.detach()
+
+        step = tgraph.FullIterationGraph(fn, warmup_steps=2, backend=backend) if graphed else fn
+        for i, b in enumerate(batches[:3]):
+            step(b)
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if graphed:
+            with pytest.raises(ValueError, match="captured with .grad set to None"):
+                step(batches[3])
+    torch.testing.assert_close(grads[1], grads[0], **TOL)  # the capture's own gradients
+
+
 def test_optimizer_first_seen_at_a_later_capture_keeps_its_schedule(backend, device):
     """A second batch shape brings a second optimizer; its learning rate must reach the graph."""
     finals = []

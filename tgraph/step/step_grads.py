@@ -47,11 +47,13 @@ def sync_grads_in(grads: list[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
     """
     for p, g, mode in grads:
         live = p.grad
-        if live is g or mode == "cleared":
-            continue  # as left by the last replay, or fn clears .grad itself
         if mode == "add":  # the graph adds into g: give it the live starting value
-            g.zero_() if live is None else g.copy_(live)
-        elif live is not None:  # mode "assign": the graph cannot add to an existing .grad
+            if live is not g:
+                g.zero_() if live is None else g.copy_(live)
+        elif mode == "assign" and live is not None:
+            # The graph overwrites g, eager execution would add to ``live``: refused, also when
+            # ``live`` is g itself, the last replay's gradient nobody zeroed (accumulation
+            # over calls with the optimizer outside fn).
             raise ValueError(
                 "FullIterationGraph: a parameter's .grad holds a gradient before this step, "
                 "but the step was captured with .grad set to None, so the graph overwrites "
