@@ -118,6 +118,60 @@ def test_baked_lr_change_raises(backend, device):
         run_pair(backend, device, "sgd", sched="step")
 
 
+def test_second_batch_shape_captured_after_a_float_lr_reads_the_lr_tensor(backend, device, replays):
+    """A float assigned to ``lr`` after each call (documented: copied into the lr tensor at the
+    next call); the second batch shape is captured right after such an assignment, when the
+    group holds the float. That capture must read the lr tensor too, or its replays keep the
+    float of its capture. The learning rates are powers of two, exact in float32: the emulated
+    backend is bitwise with eager."""
+
+    def run(graphed: bool):
+        model = make_model(device)
+        opt = make_optimizer("adamw", model, device)
+        step = make_step(model, opt)
+        if graphed:
+            step = tgraph.FullIterationGraph(step, warmup_steps=2, backend=backend)
+        long, short = make_batches(device, n=14), make_batches(device, n=14, batch_size=2)
+        losses = []
+        for i in range(14):  # every third batch is short; captured at call 6, lr a float
+            losses.append(step(short[i] if i % 3 == 0 else long[i]))
+            for g in opt.param_groups:
+                g["lr"] = 2.0**-8 * 0.5 ** (i // 4)  # a step decay, assigned as a float
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+    want = run(graphed=False)
+    got = run(graphed=True)
+    tol = dict(rtol=0, atol=0) if backend == "emulated" else TOL
+    torch.testing.assert_close(got, want, **tol)
+    # long: captured at call 4, replays 5 7 8 10 11 13; short: captured at 6, replays 9 12
+    assert replays[0] == 8 + 2 * (backend == "cuda")
+
+
+def test_lr_assigned_inside_fn_is_refused(backend, device):
+    """fn assigns ``group['lr']`` a float: the graph would bake the capture's value, and the
+    floats assigned later would reach a tensor it does not read."""
+    model = make_model(device)
+    opt = make_optimizer("adamw", model, device)
+    lr = [2.0**-8]
+
+    def fn(batch):
+        for g in opt.param_groups:
+            g["lr"] = lr[0]  # a schedule applied inside the step
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    step = tgraph.FullIterationGraph(fn, warmup_steps=2, backend=backend)
+    batches = make_batches(device, n=3)
+    step(batches[0])
+    step(batches[1])
+    with pytest.raises(tgraph.CaptureError, match="'lr' was assigned inside the captured step"):
+        step(batches[2])
+
+
 @pytest.mark.parametrize("every", [1, 5], ids=["every_step", "every_5_steps"])
 def test_weight_decay_schedule_is_captured_again_as_eager(backend, device, every, replays):
     """AdamW's weight decay, changed after a step (a schedule): the fused and capturable kernels

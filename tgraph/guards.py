@@ -280,6 +280,15 @@ LR_WRITE_ERROR = (
 )
 
 
+LR_REPLACED_ERROR = (
+    "{where}: 'lr' was assigned inside the captured step (group['lr'] = value inside fn, or an "
+    "LR scheduler of older PyTorch stepping inside fn): the graph would replay that "
+    "capture-time value at every step. Assign the learning rate (or step the scheduler) "
+    "outside fn, before each step(batch); the new value reaches the graph through the "
+    "learning-rate tensor."
+)
+
+
 def check_lr_unwritten(lr_tensors: list[torch.Tensor], versions: list[int]) -> None:
     """After a capture: raise CaptureError if an in-place write bumped a learning-rate
     tensor's version counter since ``versions`` were read. The after-the-fact form of

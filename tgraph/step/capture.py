@@ -6,16 +6,17 @@ in the same order, whichever entry asks:
 
 1. refuse optimizers a graph cannot step: parameters elsewhere, state on the host
    (:func:`tgraph.step.host_state.check_graphable_optimizer`);
-2. move the learning rates of optimizers not covered yet into device tensors
+2. move the learning rates of optimizers not covered yet into device tensors, and put back
+   the tensors of those covered where a float replaced them since
    (:class:`tgraph.step.hyperparams.HyperParams`);
 3. snapshot what the capture may change (:class:`tgraph.snapshot.Snapshot`: values too when the
    backend executes the captured function, references only on CUDA);
 4. capture on the backend's side stream (fused param_groups say ``capturable=True`` meanwhile,
    :func:`tgraph.step.host_state.fused_groups_capturable`), refusing a learning-rate tensor
-   written inside the step (a scheduler stepping inside it), host state it wrote
-   (:class:`tgraph.step.host_state.HostWrites`) and optimizer step pre-hooks, with the step
-   post-hooks detached and the optimizer steps noted, to run the hooks after each replay
-   (:mod:`tgraph.step.step_hooks`);
+   written or replaced inside the step (a scheduler stepping inside it, ``group['lr'] = x``),
+   host state it wrote (:class:`tgraph.step.host_state.HostWrites`) and optimizer step
+   pre-hooks, with the step post-hooks detached and the optimizer steps noted, to run the
+   hooks after each replay (:mod:`tgraph.step.step_hooks`);
 5. on failure, undo 3 and 2 and raise a :class:`tgraph.CaptureError` that names the likely cause
    (a ``ValueError``, a misconfiguration the message already explains, passes unchanged).
 
@@ -41,7 +42,13 @@ from typing import Any, NoReturn
 import torch
 
 from tgraph.backend import GraphFactory, stale_stream_override
-from tgraph.guards import RefuseLrWrites, check_lr_unwritten, explain_capture_failure
+from tgraph.guards import (
+    LR_REPLACED_ERROR,
+    CaptureError,
+    RefuseLrWrites,
+    check_lr_unwritten,
+    explain_capture_failure,
+)
 from tgraph.snapshot import Snapshot
 from tgraph.step.captured import CapturedStep
 from tgraph.step.host_state import (
@@ -95,6 +102,8 @@ class StepCapture:
         self.what = what
         self.optimizers = list(optimizers)
         check_optimizers(self.optimizers, factory.device, elsewhere)
+        for hp in held:  # a float assigned since the last capture must not be baked into this one
+            hp.reinstate()
         new = [o for o in self.optimizers if not all(_covered(g, held) for g in o.param_groups)]
         self.fresh: HyperParams | None = HyperParams(new) if new else None
         if self.fresh is not None:
@@ -151,7 +160,9 @@ class StepCapture:
         (:class:`tgraph.step.host_state.HostWrites`). So does a learning-rate tensor written
         inside ``fn``: after the capture, from the tensors' version counters (invisible to
         ``torch.compile``), or, with ``refuse_lr_writes``, at the write itself (a torch
-        function mode: the error's traceback points at the write). An optimizer step pre-hook
+        function mode: the error's traceback points at the write). So does a learning-rate
+        tensor replaced in its param_group inside ``fn`` (``group['lr'] = 0.01``: the graph
+        bakes that number), found after the capture. An optimizer step pre-hook
         raises ``ValueError``; post-hooks are detached meanwhile (:mod:`tgraph.step.step_hooks`).
         """
         refuse_pre_hooks(self.optimizers, self.what)
@@ -166,6 +177,10 @@ class StepCapture:
                 out = self.graph.capture(fn)
         self.steps = OptimizerSteps(steps, self.optimizers, self.what)
         check_lr_unwritten(self.lr_tensors, versions)
+        for hp in self.hparams:
+            where = hp.replaced()
+            if where is not None:
+                raise CaptureError(LR_REPLACED_ERROR.format(where=where))
         host.check()
         f.synchronize()
         self.seconds = time.perf_counter() - start

@@ -41,7 +41,8 @@ Ownership and aliasing:
   optimizer outside ``fn``, zero gradients with ``set_to_none=True`` between calls (or inside
   ``fn``): a graph captured with ``.grad`` None overwrites gradients and refuses to run when one
   is left over; a graph captured with ``.grad`` present accumulates exactly as eager code.
-* An LR scheduler must step outside ``fn``; stepping inside it is refused at capture.
+* An LR scheduler must step, and ``group['lr']`` be assigned, outside ``fn``; either inside it
+  is refused at capture.
 
 Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` runs inside
 ``fn`` during the warmup calls):

@@ -78,6 +78,22 @@ class HyperParams:
         self._refresh_tensor_lrs()
         self._check_baked()
 
+    def reinstate(self) -> None:
+        """Before another capture reads these hyper-parameters: bring replaced learning rates
+        into their tensors and put the tensors back in their param_groups, so that the new graph
+        reads the tensors too instead of baking the float a scheduler or the user assigned."""
+        self._refresh_tensor_lrs()
+
+    def replaced(self) -> str | None:
+        """After a capture: the param_group whose learning-rate tensor the captured step itself
+        replaced (``group['lr'] = 0.01`` inside it: the graph baked that value, and a later
+        value would be copied into a tensor the graph does not read), or None."""
+        held = {id(g): t for g, t in self._tensor_lrs}
+        for name, i, g in self._groups:
+            if id(g) in held and g.get("lr") is not held[id(g)]:
+                return f"{name} param_group {i}"
+        return None
+
     def change(self) -> str | None:
         """Why a captured step no longer fits: a Python number of a param_group other than a
         float ``lr`` (``weight_decay``, ``betas``, ``momentum``, ...) changed since the capture.
