@@ -11,8 +11,10 @@ named tuples, Hugging Face ``ModelOutput``) are walked once, with ``torch.utils.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import operator
+from collections.abc import Iterator
 from sys import modules as _sys_modules
 from typing import Any, NamedTuple
 
@@ -140,6 +142,25 @@ def autocast_key() -> tuple:
         if fp8 is not None:
             autocast = (*autocast, fp8)
     return autocast
+
+
+@contextlib.contextmanager
+def ambient(regions: tuple) -> Iterator[None]:
+    """Run under torch's autocast regions of a call key's ``regions`` (:attr:`CallKey.autocast`),
+    whatever is active now: the capture of a graph (``create_graphs()`` may run outside the
+    block the recorded call ran in) and the shadow verifier's eager run in a backward (which
+    runs outside it). TransformerEngine's region is the caller's to enter (the capture enters
+    it in TE's graph mode)."""
+    want = dict(r for r in regions if type(r) is tuple)  # device type -> dtype
+    now = dict(autocast_state())
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cuda", "cpu"):
+            if device_type in want:
+                dtype = want[device_type]
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+            elif device_type in now:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 class Structure:
