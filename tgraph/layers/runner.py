@@ -3,7 +3,7 @@
 What is the runner's own: its recorded first call (:class:`tgraph.layers.draft.RecordedCall`),
 from which its capture fills its static input buffers (or the producer's static output, shared)
 and parameter aliases in its draft, and how its module's forward runs under the recorded grad
-mode, autocast and ``training`` flags. Capture and the buffers' ownership
+mode, autocast, SDPA backend selection and ``training`` flags. Capture and the buffers' ownership
 are the unit's (:mod:`tgraph.layers.capture`); a replay works on the unit's frozen capture result
 (:mod:`tgraph.layers.replay`).
 """
@@ -149,7 +149,7 @@ class Runner(GraphedUnit):
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad_mode))
             stack.enter_context(_training_flags(self.module, self.key.training))
-            # capture under the recorded autocast regions
+            # capture under the recorded autocast regions and SDPA selection
             stack.enter_context(ambient(self.key.autocast))
             for region in self.key.autocast:
                 if isinstance(region, FP8Region):  # TransformerEngine's te.autocast
