@@ -11,6 +11,7 @@ within the first verified replays; with the rules on, it catches a change no rul
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import types
@@ -732,3 +733,46 @@ def test_a_forward_writing_an_input_that_requires_grad_stays_eager_saying_why(ba
     fix, not a host sync."""
     _, _, msgs = _twins(device, lambda: _InPlaceNet(_InPlaceBlock), backend=backend)
     assert msgs and all("writes an input that requires grad in place" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_verifier_reruns_a_backward_under_the_forwards_autocast(
+    backend, device, dtype, replays, monkeypatch
+):
+    """The usual AMP step: the forward under ``torch.autocast``, the backward outside it. The
+    verifier's eager rerun in the backward runs under the forward's autocast too, so it finds
+    the replays right (``strict=True`` raises at a mismatch) and the gradients are eager's:
+    bitwise on CPU (the same kernels on the same values), to rounding on CUDA."""
+    from tgraph.layers import verify
+    from tgraph.toy.gpt import GPT, GPTConfig
+
+    compared = []
+    real = verify.check_grads
+
+    def counted(*args):
+        compared.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(verify, "check_grads", counted)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)).to(device)
+    ref = copy.deepcopy(model)
+    tgraph.enable(model, backend=backend, strict=True)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 256, (2, 4, 16), generator=g).to(device) for _ in range(4)]
+
+    def step(m, xy):
+        with torch.autocast(device.type, dtype=dtype):
+            _, loss = m(*xy)
+        loss.backward()  # outside autocast, as torch's AMP recipe does
+        grads = [p.grad for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return [loss.detach(), *grads]
+
+    tol = {} if device.type == "cuda" else {"rtol": 0, "atol": 0}
+    with tgraph.verification(first=2, every=1):
+        for i, xy in enumerate(data):
+            torch.testing.assert_close(step(model, xy), step(ref, xy), **tol)
+            if i == 0:
+                tgraph.create_graphs()
+    assert replays[0] and compared and tgraph.eager_calls() == 0

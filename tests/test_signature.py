@@ -3,6 +3,7 @@ with a message naming the difference; arguments a graph cannot stand for are ref
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -99,6 +100,46 @@ def test_autocast_is_part_of_the_signature(backend, device):
     with pytest.warns(tgraph.GraphFallbackWarning, match="autocast changed"):
         plain = mod(x)
     assert plain.dtype == torch.float32
+
+
+def test_the_sdpa_backend_selection_is_part_of_the_signature(backend, device, replays):
+    """``torch.nn.attention.sdpa_kernel`` picks the kernel eager runs, and a graph keeps the one
+    picked at its capture: calls recorded under a selection replay graphs captured under it,
+    though ``create_graphs()`` runs outside the block (eager's numbers: bitwise on CPU, the same
+    kernels on the same values; to rounding on CUDA, where cuBLAS may pick another algorithm
+    under capture); a call under another selection is refused (strict) naming it, as is one
+    under the selection torch started with. The toy GPT's attention is
+    ``F.scaled_dot_product_attention``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tgraph.toy.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)).to(device)
+    ref = copy.deepcopy(model)
+    tgraph.enable(model, backend=backend, strict=True)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 256, (2, 4, 16), generator=g).to(device)
+
+    def step(m):
+        with sdpa_kernel(SDPBackend.MATH):
+            _, loss = m(x, y)
+        loss.backward()
+        grads = [p.grad for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return [loss.detach(), *grads]
+
+    tol = {} if device.type == "cuda" else {"rtol": 0, "atol": 0}
+    for i in range(3):
+        torch.testing.assert_close(step(model), step(ref), **tol)
+        if i == 0:
+            tgraph.create_graphs()  # outside the sdpa_kernel block
+    assert replays[0] and tgraph.eager_calls() == 0
+    with pytest.raises(tgraph.GraphFallbackError, match=r"SDPA backend selection changed from "):
+        model(x, y)
+    other = SDPBackend.EFFICIENT_ATTENTION if device.type == "cuda" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel(other), pytest.raises(tgraph.GraphFallbackError, match="SDPA backend"):
+        model(x, y)
 
 
 def test_submodule_switched_to_eval_gets_its_own_graph(backend, device):

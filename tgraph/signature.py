@@ -2,7 +2,8 @@
 
 A graph replays fixed kernels on fixed buffers, so it is valid only for calls that match its
 capture in every tensor's shape, dtype, device and requires_grad, in every non-tensor argument's
-value, in the ``training`` flags of the module and its submodules, in grad mode and autocast.
+value, in the ``training`` flags of the module and its submodules, in grad mode, autocast and
+the SDPA backend selection (:class:`SDPASelection`).
 :func:`call_key` reduces a call to a hashable :class:`CallKey`; :func:`difference` turns two keys
 into the sentence a warning or error shows. Nested arguments and outputs (tuples, lists, dicts,
 named tuples, Hugging Face ``ModelOutput``) are walked once, with ``torch.utils._pytree``;
@@ -11,8 +12,10 @@ named tuples, Hugging Face ``ModelOutput``) are walked once, with ``torch.utils.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import operator
+from collections.abc import Iterator
 from sys import modules as _sys_modules
 from typing import Any, NamedTuple
 
@@ -64,7 +67,8 @@ class CallKey(NamedTuple):
     grad: bool
     """Grad mode."""
     autocast: tuple
-    """``((device_type, dtype), ...)`` of the active autocast regions."""
+    """``((device_type, dtype), ...)`` of the active autocast regions, then the SDPA backend
+    selection and TransformerEngine's region where they apply (:func:`autocast_key`)."""
     frozen: tuple[bool, ...]
     """``requires_grad`` of the module's parameters."""
 
@@ -132,14 +136,115 @@ def autocast_state() -> tuple:
 
 
 def autocast_key() -> tuple:
-    """:attr:`CallKey.autocast` now: torch's autocast regions, then TransformerEngine's
-    ``te.autocast`` region once TE is imported."""
+    """:attr:`CallKey.autocast` now: torch's autocast regions, the SDPA backend selection where
+    it is not the usual one (:class:`SDPASelection`), then TransformerEngine's ``te.autocast``
+    region once TE is imported."""
     autocast = autocast_state() if _any_autocast() else ()
+    sdpa = _sdpa_flags()
+    if sdpa != _USUAL_FLAGS:
+        autocast = (*autocast, _selection(sdpa))
     if FP8_MODULE in _sys_modules:
         fp8 = fp8_region()
         if fp8 is not None:
             autocast = (*autocast, fp8)
     return autocast
+
+
+class SDPASelection(NamedTuple):
+    """The backends ``scaled_dot_product_attention`` may pick, and in which order: process-wide
+    flags that ``torch.nn.attention.sdpa_kernel`` and ``torch.backends.cuda.enable_*_sdp`` set
+    and that eager reads at every call, where a graph keeps the kernel picked at its capture.
+    Part of :attr:`CallKey.autocast` where it differs from the selection torch had when tgraph
+    was imported (:data:`_USUAL_SDPA`): another selection needs a graph captured under it."""
+
+    flash: bool
+    mem_efficient: bool
+    math: bool
+    cudnn: bool
+    overrideable: bool
+    fa3: bool  # FlashAttention-3 registered (torch.nn.attention.register_flash_attention_fa3)
+    priority: tuple[int, ...]  # torch._C._get_sdp_priority_order(): SDPBackend values
+    math_reduced: bool  # the math backend may reduce in fp16/bf16
+
+    def __repr__(self) -> str:
+        on = [n for n in self._fields[:6] if getattr(self, n)]
+        text = f"sdpa_kernel({', '.join(on) or 'no backend'}"
+        if self.priority != _USUAL_SDPA.priority:
+            text += f", priority={list(self.priority)}"
+        if self.math_reduced != _USUAL_SDPA.math_reduced:
+            text += f", math fp16/bf16 reduction={self.math_reduced}"
+        return text + ")"
+
+
+def _sdpa_flags() -> tuple:
+    """The SDPA selection now, as a plain tuple of :class:`SDPASelection`'s fields, the priority
+    a list (eight reads of C flags, for every graphed call: torch has no counter of their
+    changes)."""
+    return (
+        _sdp_flash(),
+        _sdp_mem_efficient(),
+        _sdp_math(),
+        _sdp_cudnn(),
+        _sdp_overrideable(),
+        _sdp_fa3(),
+        _sdp_priority(),
+        _sdp_math_reduced(),
+    )
+
+
+def _selection(flags: tuple) -> SDPASelection:
+    """:func:`_sdpa_flags`' tuple as a hashable :class:`SDPASelection`."""
+    return tuple.__new__(SDPASelection, (*flags[:6], tuple(flags[6]), flags[7]))
+
+
+_sdp_flash = torch._C._get_flash_sdp_enabled
+_sdp_mem_efficient = torch._C._get_mem_efficient_sdp_enabled
+_sdp_math = torch._C._get_math_sdp_enabled
+_sdp_cudnn = torch._C._get_cudnn_sdp_enabled
+_sdp_overrideable = torch._C._get_overrideable_sdp_enabled
+_sdp_fa3 = torch._C._get_fa3_sdp_enabled
+_sdp_priority = torch._C._get_sdp_priority_order
+_sdp_math_reduced = torch._C._get_math_sdp_allow_fp16_bf16_reduction
+_USUAL_FLAGS = _sdpa_flags()  # a call under it keys no SDPASelection (the common case: short keys)
+_USUAL_SDPA = _selection(_USUAL_FLAGS)
+_SDPA_SETTERS = (
+    torch._C._set_sdp_use_flash,
+    torch._C._set_sdp_use_mem_efficient,
+    torch._C._set_sdp_use_math,
+    torch._C._set_sdp_use_cudnn,
+    torch._C._set_sdp_use_overrideable,
+    torch._C._set_sdp_use_fa3,
+    lambda order: torch._C._set_sdp_priority_order(list(order)),
+    torch._C._set_math_sdp_allow_fp16_bf16_reduction,
+)
+
+
+@contextlib.contextmanager
+def ambient(regions: tuple) -> Iterator[None]:
+    """Run under torch's autocast regions and the SDPA selection of a call key's ``regions``
+    (:attr:`CallKey.autocast`), whatever is active now: the capture of a graph
+    (``create_graphs()`` may run outside the block the recorded call ran in) and the shadow
+    verifier's eager run in a backward (which runs outside it). TransformerEngine's region is
+    the caller's to enter (the capture enters it in TE's graph mode)."""
+    want = dict(r for r in regions if type(r) is tuple)  # device type -> dtype
+    sdpa = next((r for r in regions if isinstance(r, SDPASelection)), _USUAL_SDPA)
+    now = dict(autocast_state())
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cuda", "cpu"):
+            if device_type in want:
+                dtype = want[device_type]
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+            elif device_type in now:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        live = _selection(_sdpa_flags())
+        changed = [(i, v) for i, (v, w) in enumerate(zip(live, sdpa)) if v != w]
+        try:
+            for i, _ in changed:
+                _SDPA_SETTERS[i](sdpa[i])
+            yield
+        finally:
+            for i, v in changed:
+                _SDPA_SETTERS[i](v)
 
 
 class Structure:
@@ -378,7 +483,7 @@ def difference(old: CallKey, new: CallKey, names: list[str] | None = None) -> st
             "since the recorded iteration)"
         )
     if old.autocast != new.autocast:
-        return f"autocast changed from {old.autocast or 'off'} to {new.autocast or 'off'}"
+        return _regions_difference(old.autocast, new.autocast)
     if old.tree != new.tree:
         return f"the arguments changed from {_structure(old.tree)} to {_structure(new.tree)}"
     paths = leaf_paths(new.tree)
@@ -386,6 +491,21 @@ def difference(old: CallKey, new: CallKey, names: list[str] | None = None) -> st
         if a != b:
             return f"{path} changed from {format_leaf(a)} to {format_leaf(b)}"
     return "no difference in signature (every matching graph is still awaiting its backward)"
+
+
+def _regions_difference(old: tuple, new: tuple) -> str:
+    """:func:`difference` of two :attr:`CallKey.autocast` fields."""
+    was, now = (
+        next((r for r in x if isinstance(r, SDPASelection)), _USUAL_SDPA) for x in (old, new)
+    )
+    if was != now:
+        return (
+            f"the SDPA backend selection changed from {was} to {now} (torch.nn.attention."
+            "sdpa_kernel, torch.backends.cuda.enable_*_sdp): a graph keeps the kernel picked at "
+            "its capture"
+        )
+    was, now = (tuple(r for r in x if not isinstance(r, SDPASelection)) for x in (old, new))
+    return f"autocast changed from {was or 'off'} to {now or 'off'}"
 
 
 def first_difference(old: CallKey, new: CallKey, what: str) -> str:

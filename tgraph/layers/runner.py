@@ -3,7 +3,7 @@
 What is the runner's own: its recorded first call (:class:`tgraph.layers.draft.RecordedCall`),
 from which its capture fills its static input buffers (or the producer's static output, shared)
 and parameter aliases in its draft, and how its module's forward runs under the recorded grad
-mode, autocast and ``training`` flags. Capture and the buffers' ownership
+mode, autocast, SDPA backend selection and ``training`` flags. Capture and the buffers' ownership
 are the unit's (:mod:`tgraph.layers.capture`); a replay works on the unit's frozen capture result
 (:mod:`tgraph.layers.replay`).
 """
@@ -23,7 +23,7 @@ from tgraph.fp8 import FP8Region, first_microbatch, set_weight_caching
 from tgraph.guards import CaptureError
 from tgraph.layers.capture import GraphedUnit, graphed_region
 from tgraph.layers.draft import RecordedCall
-from tgraph.signature import CallKey, split
+from tgraph.signature import CallKey, ambient, split
 
 
 class Runner(GraphedUnit):
@@ -149,15 +149,12 @@ class Runner(GraphedUnit):
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad_mode))
             stack.enter_context(_training_flags(self.module, self.key.training))
-            for region in self.key.autocast:  # capture under the recorded autocast regions
+            # capture under the recorded autocast regions and SDPA selection
+            stack.enter_context(ambient(self.key.autocast))
+            for region in self.key.autocast:
                 if isinstance(region, FP8Region):  # TransformerEngine's te.autocast
                     stack.enter_context(region.capture_context())
                     set_weight_caching(first_microbatch(kwargs))
-                else:
-                    device_type, dtype = region
-                    stack.enter_context(
-                        torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-                    )
             stack.enter_context(self._parameters_aliased())
             stack.enter_context(graphed_region())  # nested GraphableModules are part of this graph
             versions = [t._version for t in d.static_inputs]

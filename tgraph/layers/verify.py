@@ -44,7 +44,7 @@ from tgraph.emulated import EmulatedGraph
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers.capture import graphed_region, parts_checkpointed
 from tgraph.layers.direct_grads import unguarded
-from tgraph.signature import split
+from tgraph.signature import ambient, split
 
 
 @dataclasses.dataclass
@@ -238,9 +238,11 @@ def _member(cap, j: int, r, module_call, grad: bool):
     """Member ``j``'s eager call on its input tensors (those of ``rg`` as leaves that require
     grad; the call gets clones of them, which it may write in place): its outputs padded to its
     slice of the static outputs, with the tensors it stores in module state
-    (``self.aux_loss = ...``) at their places. With ``grad``, :func:`_backprop` calls it again:
-    it then starts from the generator states and buffers of its first run, and leaves the
-    generators, the module's attributes and its buffers as it found them."""
+    (``self.aux_loss = ...``) at their places. It runs under the autocast regions and SDPA
+    selection of the member's call key (:func:`tgraph.signature.ambient`), in a backward too.
+    With ``grad``, :func:`_backprop` calls it again: it then starts from the generator states
+    and buffers of its first run, and leaves the generators, the module's attributes and its
+    buffers as it found them."""
     s, stored = cap.slices[j], cap.stored[j] if cap.stored else ()
     first: list = []  # the generator states and buffers its first run started from
     # the code the graph holds: an emulated capture ran the module's own (under its dispatch
@@ -266,7 +268,10 @@ def _member(cap, j: int, r, module_call, grad: bool):
                 x = leaf.clone()
             given.append(x)
         parts = parts_checkpointed() if type(r.module).graphs_parts else contextlib.nullcontext()
-        with graphed_region(), parts:  # a whole model: its layers' activations recomputed
+        # parts: a whole model's layers' activations recomputed; ambient: the call's autocast
+        # and SDPA selection, for a rerun in the backward too (which runs outside the user's
+        # blocks)
+        with graphed_region(), parts, ambient(r.key.autocast):
             a, kw = r.call_template.fill(given)
             tensors = split(module_call(r.module, compiled)(*a, **kw))[0]
         full = tensors + [None] * (s.stop - s.start - len(tensors))
