@@ -202,7 +202,7 @@ _sdp_mem_efficient = torch._C._get_mem_efficient_sdp_enabled
 _sdp_math = torch._C._get_math_sdp_enabled
 _sdp_cudnn = torch._C._get_cudnn_sdp_enabled
 _sdp_overrideable = torch._C._get_overrideable_sdp_enabled
-_sdp_fa3 = torch._C._get_fa3_sdp_enabled
+_sdp_fa3 = getattr(torch._C, "_get_fa3_sdp_enabled", bool)  # absent from older PyTorch
 _sdp_priority = torch._C._get_sdp_priority_order
 _sdp_math_reduced = torch._C._get_math_sdp_allow_fp16_bf16_reduction
 _USUAL_FLAGS = _sdpa_flags()  # a call under it keys no SDPASelection (the common case: short keys)
@@ -213,7 +213,7 @@ _SDPA_SETTERS = (
     torch._C._set_sdp_use_math,
     torch._C._set_sdp_use_cudnn,
     torch._C._set_sdp_use_overrideable,
-    torch._C._set_sdp_use_fa3,
+    getattr(torch._C, "_set_sdp_use_fa3", bool),
     lambda order: torch._C._set_sdp_priority_order(list(order)),
     torch._C._set_math_sdp_allow_fp16_bf16_reduction,
 )
