@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 from decode_models import engines, prompts, tiny_gpt
 
-from tgraph.decode import DecodeEngine
+from tgraph.decode import DecodeEngine, as_decode_model
 from tgraph.decode.requests import Request, make_requests
 
 NEW = 12
@@ -133,3 +134,119 @@ def test_hand_written_loop_steps_on_the_new_weights(backend, device, replays):
         logits.append(engine.step(batch)[: batch.n].clone())
         assert replays[0] == before + use_graphs
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+# -- the modules' code and Python state: a submodule swapped, a hook, an attribute ----------
+
+
+def captures(engine) -> list[int]:
+    """Counts the engine's re-captures (generate() calls recapture() itself)."""
+    count = [0]
+    recapture = engine.recapture
+
+    def counted() -> None:
+        count[0] += 1
+        recapture()
+
+    engine.recapture = counted
+    return count
+
+
+def replace_head(model, device) -> None:
+    """A fine-tuned head swapped in: a new module, with new tensors the graphs never read."""
+    new = nn.Linear(32, 256, bias=False).to(device)
+    with torch.no_grad():
+        new.weight.normal_(0.0, 0.3)
+    model.lm_head = new
+
+
+def negate_logits(model, device) -> None:
+    model.lm_head.register_forward_hook(lambda module, args, out: -out)
+
+
+def ln_eps(model, device) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.LayerNorm):
+            m.eps = 10.0  # a Python float the LayerNorm kernels baked in
+
+
+@pytest.mark.parametrize("change", [replace_head, negate_logits, ln_eps])
+def test_a_module_change_after_capture_is_captured_again(backend, device, change, replays):
+    """A change to what the forwards run (a submodule replaced, a hook added, an attribute they
+    read): generate() captures again and its tokens equal the eager engine's, not the old ones;
+    the next call replays the new graphs without capturing again."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    recaptured = captures(graphed)
+    ps = prompts(3)
+    old = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    change(model, device)
+    got = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    assert got != old  # the change decodes other tokens: stale graphs would show
+    assert recaptured[0] == 1
+    assert_graphed_equal_eager(graphed, eager, replays, ps)
+    assert recaptured[0] == 1  # the new graphs replay
+
+
+def test_a_hook_removed_after_capture_is_captured_again(backend, device, replays):
+    """A hook present at capture is baked in; removing it captures again (the old tokens)."""
+    model = tiny_gpt(device)
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: -out)
+    graphed, eager = engines(model, backend, **SHAPE)
+    recaptured = captures(graphed)
+    ps = prompts(3)
+    hooked = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    handle.remove()
+    assert assert_graphed_equal_eager(graphed, eager, replays, ps) != hooked
+    assert recaptured[0] == 1
+
+
+def test_module_writes_that_change_nothing_keep_the_graphs(backend, device, replays):
+    """Sampling between training steps: train() and eval() write every module's ``training``,
+    an attribute set to its own value: the module epoch moves, the comparison finds the
+    captured state and the graphs replay without a re-capture."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    recaptured = captures(graphed)
+    ps = prompts(3)
+    assert_graphed_equal_eager(graphed, eager, replays, ps)
+    model.train()
+    model.ln_f.eps = model.ln_f.eps
+    assert_graphed_equal_eager(graphed, eager, replays, ps)
+    model.eval()
+    assert_graphed_equal_eager(graphed, eager, replays, ps)
+    assert recaptured[0] == 0
+
+
+def test_a_module_swap_between_hand_written_calls_names_the_fix(backend, device, replays):
+    """prefill()/decode()/step() between requests: a swapped submodule raises, naming it and
+    the fix; after recapture() the calls serve the new head."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    (request,) = make_requests([prompts(1)[0]], NEW, vocab_size=256, max_seq_len=64,
+                               max_positions=64)  # fmt: skip
+    request.slot = 0
+    graphed.prefill(request)
+    replace_head(model, device)
+    with pytest.raises(RuntimeError, match=r"lm_head was replaced by another module.*recapture"):
+        graphed.prefill(request)
+    graphed.recapture()
+    before = replays[0]
+    torch.testing.assert_close(graphed.prefill(request), eager.prefill(request), rtol=0, atol=0)
+    assert replays[0] == before + 1
+
+
+def test_a_mode_switch_of_a_decoder_without_serving_is_captured_again(backend, device, replays):
+    """A decoder without ``serving()`` runs the model in the mode its user set: train() after
+    an eval-mode capture captures again (the graphs ran eval-mode code). Dropout is 0 here, so
+    the tokens stay equal; the count shows the switch was seen."""
+    model = tiny_gpt(device).eval()
+    decoder = as_decode_model(model)
+    decoder.serving = None  # the engine enters nothing: the model's own mode
+    graphed, eager = engines(decoder, backend, **SHAPE)
+    recaptured = captures(graphed)
+    ps = prompts(3)
+    assert_graphed_equal_eager(graphed, eager, replays, ps)
+    model.train()
+    assert_graphed_equal_eager(graphed, eager, replays, ps)
+    assert recaptured[0] == 1

@@ -25,6 +25,8 @@ rows and bucket as the one before it.
 Weights (:mod:`tgraph.decode.weights`): the graphs read the memory each parameter and buffer
 had at capture. A sync that replaces them (``load_state_dict(sd, assign=True)``) is followed by a
 copy into that memory before each call, or by :meth:`DecodeEngine.recapture`; never old tokens.
+So is a change to what the forwards run: a submodule replaced (``model.lm_head = ...``), a hook
+added or removed, an attribute they read (``LayerNorm.eps``) changed: generate() captures again.
 
 Sampling (:mod:`tgraph.decode.sampling`) draws each request's tokens from its own counter-based
 stream keyed by its seed and position, so a seeded request gives the same tokens in any slot,
@@ -202,7 +204,8 @@ class DecodeEngine:
         with self._serving():
             self.decode_graphs.capture()
             self.prefill_graphs.capture()
-        self.weights = BakedWeights(self._modules)
+        # a serving() context sets the mode the model runs in; without one, the model's own
+        self.weights = BakedWeights(self._modules, modes=self._serving is contextlib.nullcontext)
         self.buffers.reset()  # warmups moved the padding rows' tokens; start clean
         st = self.stats
         st.capture_seconds = (

@@ -13,19 +13,33 @@ is followed by a copy into the captured memory before each call, when it has the
 shape, dtype and device and owns memory of its own; anything else (a new shape or dtype, an
 added parameter, tied weights untied, weights swapped among themselves) asks for a re-capture
 (:meth:`tgraph.decode.DecodeEngine.recapture`), never for a replay of the old weights.
+
+The graphs also baked in the module tree, the hooks that ran and the Python attributes the
+forwards read (``LayerNorm.eps``). :class:`BakedWeights` keeps the per-layer graphs' inventory of
+them (:class:`tgraph.baked.Baked`) and asks for a re-capture when a submodule was replaced
+(``model.lm_head = nn.Linear(...)``), a hook added or removed, or an attribute changed. Its
+check is gated as :func:`tgraph.layers.replay.check`'s: the hook tables are read only when
+torch's hook counter moved (or a hook was present at capture), the attributes and the tree only
+when the module epoch moved (a write through ``nn.Module``'s setters to a served module).
 """
 
 from __future__ import annotations
 
 import logging
 from itertools import chain
+from operator import attrgetter, getitem
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from tgraph.baked import Baked, watch_module_writes
+from tgraph.baked import _epoch as _module_epoch
 
 logger = logging.getLogger(__name__)
 
 _data_ptr = torch.Tensor.data_ptr
+_training = attrgetter("training")
 
 
 def served_modules(*objects: object) -> list[nn.Module]:
@@ -43,9 +57,11 @@ class BakedWeights:
 
     Args:
         modules: the served modules (every submodule's tables are watched).
+        modes: also ask for a re-capture when a module's train/eval mode changed (when the
+            engine does not set the mode itself: a decoder without ``serving()``).
     """
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], modes: bool = False) -> None:
         named = {
             id(m): (f"{i}.{name}" if len(modules) > 1 else name, m)
             for i, root in enumerate(modules)
@@ -64,6 +80,12 @@ class BakedWeights:
         self.held = tuple(None if t is None else t.detach() for t in live)
         self._held_ptrs = tuple(None if t is None else _data_ptr(t) for t in live)
         self._remember(live, [])
+        watch_module_writes()  # idempotent: the module epoch the check reads
+        self.baked = Baked.of([(name, m) for name, m in named.values()], [])
+        self._hook_epoch = self.baked.hook_epoch  # scanned as unchanged at this hook epoch
+        self._module_epoch = _module_epoch[0]  # ... and at this module epoch
+        # the train/eval mode the graphs ran in (Baked leaves it to the per-layer call key)
+        self._training = tuple(map(_training, self.baked.mods)) if modes else None
 
     def _table_keys(self) -> tuple:
         return tuple(map(tuple, self._tables))
@@ -81,6 +103,9 @@ class BakedWeights:
     def check(self) -> str | None:
         """Before a call: copy moved tensors into the captured memory; None when the graphs
         may replay, else why they must be captured again."""
+        why = self._changed_modules()
+        if why is not None:
+            return why
         live = self._live()
         if tuple(map(id, live)) != self._ids or tuple(map(_data_ptr, self._tensors)) != self._ptrs:
             why = self._follow(live)
@@ -90,6 +115,40 @@ class BakedWeights:
             with torch.no_grad():
                 torch._foreach_copy_(self._copy_to, self._copy_from)
         return None
+
+    def _changed_modules(self) -> str | None:
+        """Why the module tree, a hook or an attribute differs from the capture's (None: none
+        does); the full comparison only off the steady path (as tgraph.layers.replay.check)."""
+        b = self.baked
+        epoch = RemovableHandle.next_id  # moves whenever a hook is registered anywhere
+        if epoch != self._hook_epoch or b.any_hooks:
+            why = b.changed_hooks(scan=True)
+            if why is not None:
+                return why
+            self._hook_epoch = epoch
+        try:  # the globals the forwards name: no epoch sees them change
+            same = tuple(map(getitem, b.global_tables, b.global_keys)) == b.global_values
+        except KeyError:
+            same = False
+        module_epoch = _module_epoch[0]  # moved by nn.Module's setters
+        if not same or module_epoch != self._module_epoch:
+            why = b.changed_tree() or b.changed_attrs() or self._changed_mode()
+            if why is not None:
+                return why
+            self._module_epoch = module_epoch
+        return None
+
+    def _changed_mode(self) -> str | None:
+        b = self.baked
+        if self._training is None or tuple(map(_training, b.mods)) == self._training:
+            return None
+        name, m = next((n, m) for n, m, t in zip(b.dict_names, b.mods, self._training)
+                       if m.training != t)  # fmt: skip
+        now, was = ("train", "eval") if m.training else ("eval", "train")
+        return (
+            f"{name or type(m).__name__} was switched to {now} mode after capture; the graphs "
+            f"run it in {was} mode (dropout and other mode-dependent code as captured)"
+        )
 
     def _follow(self, live: tuple) -> str | None:
         """Decide again how each tensor reaches the graphs (only when something moved)."""
