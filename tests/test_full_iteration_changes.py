@@ -1,5 +1,6 @@
 """FullIterationGraph against eager training when something the step depends on changes between
-calls: the modules' train/eval mode, a parameter frozen or unfrozen.
+calls: the modules' train/eval mode, a parameter frozen or unfrozen, the batch written in place
+by the step.
 
 Tolerance: bitwise on the emulated backend (the same kernels on the same numbers, learning rates
 exact in float32); on CUDA the suite's ``rtol=1e-4, atol=1e-5`` (reduction order in backward
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import tgraph
+from tgraph.step import full_iteration
 from tgraph.step.captured import StepMode
 
 WARMUP = 2
@@ -44,9 +46,11 @@ def make_batches(device: torch.device, n: int) -> list[tuple[torch.Tensor, torch
     ]
 
 
-def make_fn(model: nn.Module, opt: torch.optim.Optimizer):
+def make_fn(model: nn.Module, opt: torch.optim.Optimizer, write_x: bool = False):
     def fn(batch):
         x, y = batch
+        if write_x:
+            x.mul_(0.5)  # in-place preprocessing of the batch
         opt.zero_grad(set_to_none=True)
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
@@ -61,12 +65,12 @@ def adamw(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **extra)
 
 
-def run(backend, device, graphed, before_step, opt=None, n=13, batches=None):
+def run(backend, device, graphed, before_step, opt=None, n=13, write_x=False, batches=None):
     """Losses, final parameters and the step of ``n`` steps; ``before_step(i, model)`` runs
     before step ``i``."""
     model = make_model(device)
     opt = (opt or (lambda m, d: torch.optim.SGD(m.parameters(), lr=LR)))(model, device)
-    step = make_fn(model, opt)
+    step = make_fn(model, opt, write_x)
     if graphed:
         step = tgraph.FullIterationGraph(step, warmup_steps=WARMUP, backend=backend)
     torch.manual_seed(123)  # the dropout masks: the same draws eagerly and in the graph
@@ -193,3 +197,82 @@ def test_frozen_parameter_after_capture_matches_eager(backend, device, replays):
     assert got[2].num_graphs == 2
     # first graph: steps 3, 4 and 10-12; frozen graph: 8, 9 (+ the captures 2, 7 on CUDA)
     assert replays[0] == 7 + 2 * (backend == "cuda")
+
+
+def test_step_writing_its_batch_in_place_reaches_the_caller(backend, device, replays):
+    """fn scales its batch in place: after a replay the caller's tensor holds what eager leaves
+    in it, and a loop that reuses one batch trains on the same data as eager."""
+    x, y = make_batches(device, 1)[0]
+    results = []
+    for graphed in (False, True):
+        batch = (x.clone(), y.clone())
+        kept = []
+
+        def note(i: int, model: nn.Module, kept=kept, batch=batch) -> None:
+            kept.append(batch[0].clone())  # the caller's x before each step
+
+        losses, params, _ = run(
+            backend, device, graphed, note, n=6, write_x=True, batches=[batch] * 6
+        )
+        results.append((losses, params, kept, batch[0].clone()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, **tol(backend))
+    assert replays[0] == 3 + (backend == "cuda")  # steps 3-5 (+ 2 on CUDA)
+
+
+def test_planted_missing_write_back_is_caught(backend, device, monkeypatch):
+    monkeypatch.setattr(full_iteration, "_copy_back", lambda cap, tensors: None)
+    with pytest.raises(AssertionError, match="Tensor-likes are not"):
+        test_step_writing_its_batch_in_place_reaches_the_caller(backend, device, [0])
+
+
+def _aliased(batch):
+    x, _ = batch
+    return (x, x.view(-1)[:20].view(5, 4))  # y is a view of x (contiguous: the same signature)
+
+
+def test_batch_views_are_served_while_the_step_only_reads_them(backend, device, replays):
+    batches = [_aliased(b) for b in make_batches(device, 6)]
+    want = run(backend, device, False, lambda i, m: None, batches=batches)
+    batches = [_aliased(b) for b in make_batches(device, 6)]
+    got = run(backend, device, True, lambda i, m: None, batches=batches)
+    torch.testing.assert_close(got[0], want[0], **tol(backend))
+    assert replays[0] == 3 + (backend == "cuda")
+
+
+def _write_y(model, opt):
+    def fn(batch):
+        x, y = batch
+        y.mul_(2)  # reaches x eagerly, where y is a view of x
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return fn
+
+
+@pytest.mark.parametrize("when", ["capture", "replay"])
+def test_batch_views_written_in_place_are_refused(backend, device, when):
+    """A step that writes a batch tensor which is a view of another batch tensor: the graph's
+    static copies are separate tensors, so the write would not reach the other one. Refused
+    before the step runs, at the capture or at a later call; the parameters stay as eager left
+    them."""
+    model = make_model(device, p=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    step = tgraph.FullIterationGraph(_write_y(model, opt), warmup_steps=WARMUP, backend=backend)
+    batches = make_batches(device, WARMUP + 3)
+    n = WARMUP if when == "capture" else WARMUP + 1  # the calls before the refused one
+    for b in batches[:n]:
+        step(_aliased(b) if when == "capture" else b)  # eager (and, separate, captured)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="writes batch tensor 1 in place, and it shares memory"):
+        step(_aliased(batches[n]))
+    torch.testing.assert_close([p.detach() for p in model.parameters()], before, rtol=0, atol=0)
+    if when == "capture":  # failed: eager from now on, as after any failed capture
+        with pytest.warns(tgraph.GraphFallbackWarning, match="capture failed"):
+            step(_aliased(batches[n + 1]))
+    else:  # the graph stays for batches of separate tensors
+        step(batches[n + 1])
+        assert step.num_graphs == 1

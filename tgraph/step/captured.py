@@ -118,6 +118,7 @@ class CapturedStep:
     grad_buffers: GradBuffers | None = None  # the gradient buffers it reads
     baked: Baked | None = None  # what the step's modules baked in
     mode: StepMode | None = None  # the modules' training and parameters' requires_grad flags
+    mutated_inputs: tuple[int, ...] = ()  # static inputs the step writes: copied back
 
     def change(self) -> str | None:
         """Why the graph no longer fits what it baked in (the optimizers' layout or numbers,

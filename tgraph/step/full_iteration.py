@@ -40,7 +40,10 @@ which no epoch sees, at every call (one pass).
 Ownership and aliasing:
 
 * The static batch buffers belong to the graph; live batches are copied into them before each
-  replay. A list of microbatches gets one static buffer per microbatch.
+  replay. A list of microbatches gets one static buffer per microbatch. A batch tensor ``fn``
+  writes in place (seen at capture: its version moved) is copied back into the caller's tensor
+  after each replay, as the eager step leaves it. The static buffers are separate tensors, so a
+  written batch tensor that shares memory with another (one a view of the other) is refused.
 * Returned outputs are fresh, detached clones of the graph's static outputs: safe to keep (a
   list of losses holds each step's value). The clone costs one small copy per output tensor.
 * ``param.grad`` after a replay on CUDA is the gradient tensor the graph writes. With the
@@ -210,7 +213,8 @@ class FullIterationGraph:
 
         Raises:
             ValueError: a misconfigured optimizer, a hyper-parameter baked into the graph changed,
-                per-layer graphs enabled inside ``fn``, or DDP with too few warmup steps.
+                per-layer graphs enabled inside ``fn``, DDP with too few warmup steps, or a batch
+                tensor ``fn`` writes in place that shares memory with another batch tensor.
             RuntimeError: a batch signature or mode beyond ``max_graphs``.
             tgraph.CaptureError: capture failed (e.g. a host sync inside ``fn``); the call made no
                 training step, and later calls of that signature run eagerly.
@@ -337,9 +341,13 @@ class FullIterationGraph:
         watch_module_writes()  # eval() and train() move the module epoch (_in_mode reads it)
         step.save(params, self._buffers(), drops_grads=True)
         grads_before = grads_weakly(params)
+        versions = [s._version for s in static]
         try:
             out = step.capture(lambda: self.fn(static_batch), modules=modules)
             _refuse_non_tensors(out)
+            # the batch tensors fn writes in place (x.mul_(0.5)): copied back after each replay
+            mutated = tuple(i for i, s in enumerate(static) if s._version != versions[i])
+            _refuse_shared_writes(tensors, mutated)
         except BaseException as exc:
             entry.phase = Phase.FAILED
             step.fail(exc)  # undone; a CaptureError naming the cause (a ValueError as is)
@@ -355,6 +363,7 @@ class FullIterationGraph:
             # writes move the module epoch from now on)
             baked=Baked.of([(type(m).__name__, m) for m in modules], []),
             mode=mode,
+            mutated_inputs=mutated,
         )
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
@@ -366,6 +375,7 @@ class FullIterationGraph:
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
             cap.steps.run_post_hooks()  # detached during the capture (tgraph.step.step_hooks)
+            _copy_back(cap, tensors)
             return self._outputs(cap)
         return self._replay(cap, tensors, first=True)
 
@@ -375,6 +385,8 @@ class FullIterationGraph:
         return cap.template.fill([t.detach().clone() for t in cap.outputs])
 
     def _replay(self, cap: CapturedStep, tensors: list[torch.Tensor], first: bool = False) -> Any:
+        if cap.mutated_inputs:
+            _refuse_shared_writes(tensors, cap.mutated_inputs)
         for hp in cap.hparams:
             hp.refresh()
         with torch.no_grad():
@@ -384,6 +396,7 @@ class FullIterationGraph:
             if not first:
                 sync_grads_in(cap.grad_modes)
         cap.graph.replay()
+        _copy_back(cap, tensors)
         for p, grad, _ in cap.grad_modes:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
         cap.steps.run_post_hooks()  # the optimizers' step post-hooks, as the eager step runs them
@@ -452,6 +465,39 @@ def _in_mode(entry: _Entry) -> bool:
             return False
         entry.training_at = epoch
     return True
+
+
+def _refuse_shared_writes(tensors: list[torch.Tensor], written: tuple[int, ...]) -> None:
+    """Refuse a batch where a tensor the step writes in place shares memory with another batch
+    tensor (one a view of the other): the graph's static copies of the batch are separate
+    tensors, so inside the graph the write would not reach the other one as it does eagerly.
+
+    Raises:
+        ValueError: naming both tensors and the fix.
+    """
+    if not written:
+        return
+    storages = [t.untyped_storage().data_ptr() if t.numel() else None for t in tensors]
+    for i in written:
+        for j, s in enumerate(storages):
+            if j != i and s is not None and s == storages[i]:
+                raise ValueError(
+                    f"FullIterationGraph: the step writes batch tensor {i} in place, and it "
+                    f"shares memory with batch tensor {j} (a view of one another); the graph "
+                    "keeps a separate static copy of each, so the write would not reach the "
+                    "other as it does eagerly. Pass separate tensors (clone one of them)."
+                )
+
+
+def _copy_back(cap: CapturedStep, tensors: list[torch.Tensor]) -> None:
+    """The step's in-place writes to its batch, from the static copies to the caller's
+    tensors, as an eager step leaves them."""
+    if cap.mutated_inputs:
+        with torch.no_grad():
+            for i in cap.mutated_inputs:
+                static = cap.static_inputs[i]
+                if tensors[i].data_ptr() != static.data_ptr():
+                    tensors[i].copy_(static)
 
 
 def _elsewhere(device: torch.device) -> str:
