@@ -3,8 +3,9 @@
 A whole-step capture (:class:`tgraph.step.capture.StepCapture`) ends in the step's capture
 result, a :class:`CapturedStep`: the graph, the static batch and outputs, the hyper-parameters
 whose tensors it reads, the optimizers' layout and Python numbers it baked in, the gradients it
-reads or writes and what the step's modules baked in. :class:`tgraph.FullIterationGraph` (one
-capture result per batch signature) and :class:`tgraph.OptimizerGraph` replay from it alone, as
+reads or writes, what the step's modules baked in and the mode it was captured in
+(:class:`StepMode`). :class:`tgraph.FullIterationGraph` (one capture result per batch signature
+and mode) and :class:`tgraph.OptimizerGraph` replay from it alone, as
 the per-layer wing replays from a unit's :class:`tgraph.layers.captured.Captured`. A capture
 result is never changed; a change it cannot follow (:meth:`CapturedStep.change`) drops it and
 the entry warms up anew.
@@ -17,10 +18,12 @@ one capture (an optimizer graph's loss and gradient norm).
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
@@ -45,6 +48,56 @@ class Phase(enum.Enum):
     """Eager for good after a failed capture (warned once)."""
 
 
+_TRAINING = operator.attrgetter("training")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepMode:
+    """The mode a whole step was captured in: the ``training`` flag of each module that ran in
+    it and the ``requires_grad`` of each parameter it reads. A graph replays the kernels of its
+    mode (dropout drawing a mask or not, a gradient computed and stepped or not): a step in
+    another mode needs another graph, as a per-layer call key holds the same flags
+    (:class:`tgraph.signature.CallKey`)."""
+
+    modules: tuple[nn.Module, ...]
+    training: tuple[bool, ...]
+    params: tuple[torch.Tensor, ...]
+    requires_grad: tuple[bool, ...]
+
+    @classmethod
+    def now(cls, modules: tuple[nn.Module, ...], params: tuple[torch.Tensor, ...]) -> StepMode:
+        """The mode of ``modules`` and ``params`` as they are now."""
+        return cls(
+            modules, tuple(map(_TRAINING, modules)), params, tuple(map(_REQUIRES_GRAD, params))
+        )
+
+    def same_grads(self) -> bool:
+        """Whether every parameter's ``requires_grad`` is as at capture (one C-level pass)."""
+        return tuple(map(_REQUIRES_GRAD, self.params)) == self.requires_grad
+
+    def same_training(self) -> bool:
+        """Whether every module's ``training`` is as at capture (one C-level pass)."""
+        return tuple(map(_TRAINING, self.modules)) == self.training
+
+    def difference(self) -> str:
+        """The first flag that differs from the capture's, as a message names it."""
+        for m, was in zip(self.modules, self.training):
+            if m.training != was:
+                mode = {True: "train", False: "eval"}
+                return (
+                    f"{type(m).__name__}.training changed from {was} to {m.training} "
+                    f"({mode[was]} -> {mode[m.training]})"
+                )
+        for i, (p, was) in enumerate(zip(self.params, self.requires_grad)):
+            if p.requires_grad != was:
+                return (
+                    f"requires_grad of parameter {i} {tuple(p.shape)} changed from {was} to "
+                    f"{p.requires_grad} (frozen or unfrozen)"
+                )
+        return "no difference in mode"
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class CapturedStep:
     """One captured whole step: what its replay reads and checks (module docstring)."""
@@ -64,6 +117,8 @@ class CapturedStep:
     grad_modes: tuple[tuple[torch.Tensor, torch.Tensor, str], ...] = ()  # the .grad it writes
     grad_buffers: GradBuffers | None = None  # the gradient buffers it reads
     baked: Baked | None = None  # what the step's modules baked in
+    mode: StepMode | None = None  # the modules' training and parameters' requires_grad flags
+    mutated_inputs: tuple[int, ...] = ()  # static inputs the step writes: copied back
 
     def change(self) -> str | None:
         """Why the graph no longer fits what it baked in (the optimizers' layout or numbers,
@@ -78,4 +133,4 @@ class CapturedStep:
         return why
 
 
-__all__ = ["Phase", "CapturedStep"]
+__all__ = ["CapturedStep", "Phase", "StepMode"]

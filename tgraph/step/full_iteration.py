@@ -30,11 +30,20 @@ grouped-query attention the graph then differs from eager in the last bits (READ
 graphs"); call such a model with ``use_cache=True`` inside ``fn``.
 Later calls copy the live batch into the static buffers and replay. A batch of another signature
 gets its own warmups and graph (at most ``max_graphs``), never a replay of the wrong shapes.
+So does another *mode* (:class:`tgraph.step.captured.StepMode`): ``model.eval()`` or a parameter
+frozen (``requires_grad_(False)``) after capture warms up and captures again in that mode, and
+switching back replays the first graph, as per-layer graphs key on the same flags. The modules'
+training flags are read only when a module of the step was written since (the module epoch of
+:mod:`tgraph.baked`, moved by ``eval()`` and ``train()``); the parameters' ``requires_grad``,
+which no epoch sees, at every call (one pass).
 
 Ownership and aliasing:
 
 * The static batch buffers belong to the graph; live batches are copied into them before each
-  replay. A list of microbatches gets one static buffer per microbatch.
+  replay. A list of microbatches gets one static buffer per microbatch. A batch tensor ``fn``
+  writes in place (seen at capture: its version moved) is copied back into the caller's tensor
+  after each replay, as the eager step leaves it. The static buffers are separate tensors, so a
+  written batch tensor that shares memory with another (one a view of the other) is refused.
 * Returned outputs are fresh, detached clones of the graph's static outputs: safe to keep (a
   list of losses holds each step's value). The clone costs one small copy per output tensor.
 * ``param.grad`` after a replay on CUDA is the gradient tensor the graph writes. With the
@@ -83,7 +92,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,14 +102,15 @@ from torch.utils._pytree import tree_leaves
 
 from tgraph import rng
 from tgraph.backend import GraphFactory, check_backend_name
-from tgraph.baked import Baked
+from tgraph.baked import Baked, watch_module_writes
+from tgraph.baked import _epoch as _module_epoch
 from tgraph.errors import GraphFallbackWarning
 from tgraph.layers.enable import layer_graphs_enabled
 from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.signature import call_key, first_difference, split
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
-from tgraph.step.captured import CapturedStep, Phase
+from tgraph.step.captured import CapturedStep, Phase, StepMode
 from tgraph.step.hyperparams import HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
 from tgraph.step.step_grads import grad_modes, grads_weakly, sync_grads_in
@@ -111,14 +121,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    """One batch signature: its phase, its count of eager calls and, captured, its capture
-    result."""
+    """One batch signature in one mode: its phase, its count of eager calls and, captured, its
+    capture result (the mode is the capture's: :class:`tgraph.step.captured.StepMode`)."""
 
     key: tuple
     factory: GraphFactory
     phase: Phase = Phase.WARMUP
     eager_calls: int = 0
     cap: CapturedStep | None = None  # exactly in Phase.CAPTURED
+    training_at: int = -1  # the module epoch when the modules' training flags were last found
+    # as captured (tgraph.baked: eval() and train() write them through nn.Module.__setattr__)
 
 
 class FullIterationGraph:
@@ -131,7 +143,8 @@ class FullIterationGraph:
         warmup_steps: eager calls per batch signature before capture (>= 1; >= 11 with DDP).
         backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (resolved from the batch's device;
             ``TGRAPH_BACKEND`` overrides ``"auto"``).
-        max_graphs: most batch signatures to capture; a call with yet another signature raises.
+        max_graphs: most graphs to capture (one per batch signature and mode); a call that
+            needs yet another raises.
         skip_nonfinite: skip the optimizer steps inside ``fn`` on the device, without a host
             sync, when ``fn``'s loss (its first tensor output) or the gradients at the
             optimizer's ``step()`` are not finite: parameters and optimizer state stay untouched
@@ -170,7 +183,8 @@ class FullIterationGraph:
         self.warmup_steps = warmup_steps
         self.backend = backend
         self.max_graphs = max_graphs
-        self._entries: dict[tuple, _Entry] = {}
+        # per batch signature, its entries: one per mode captured, the one last used first
+        self._entries: dict[tuple, list[_Entry]] = {}
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._modules: dict[int, nn.Module] = {}
         self._hparams: list[HyperParams] = []  # one per batch of optimizers seen at a capture
@@ -179,8 +193,8 @@ class FullIterationGraph:
 
     @property
     def num_graphs(self) -> int:
-        """Number of captured graphs (one per batch signature)."""
-        return sum(e.phase is Phase.CAPTURED for e in self._entries.values())
+        """Number of captured graphs (one per batch signature and mode)."""
+        return sum(e.phase is Phase.CAPTURED for e in self._all_entries())
 
     @property
     def skipped_steps(self) -> int:
@@ -200,8 +214,9 @@ class FullIterationGraph:
 
         Raises:
             ValueError: a misconfigured optimizer, a hyper-parameter baked into the graph changed,
-                per-layer graphs enabled inside ``fn``, or DDP with too few warmup steps.
-            RuntimeError: a batch signature beyond ``max_graphs``.
+                per-layer graphs enabled inside ``fn``, DDP with too few warmup steps, or a batch
+                tensor ``fn`` writes in place that shares memory with another batch tensor.
+            RuntimeError: a batch signature or mode beyond ``max_graphs``.
             tgraph.CaptureError: capture failed (e.g. a host sync inside ``fn``); the call made no
                 training step, and later calls of that signature run eagerly.
         """
@@ -209,7 +224,10 @@ class FullIterationGraph:
             check_not_nested(self._modules.values(), recurse=False)
         tensors: list[torch.Tensor] = []
         key = call_key((batch,), {}, (False,), tensors)
-        entry = self._entries.get(key)
+        entries = self._entries.get(key)
+        entry = entries[0] if entries else None
+        if entry is not None and (entry.phase is not Phase.CAPTURED or not _in_mode(entry)):
+            entry = self._entry_in_mode(key, tensors)  # model.eval(), a parameter frozen, ...
         if entry is not None and entry.phase is Phase.CAPTURED:
             why = entry.cap.change()
             if why is None:
@@ -232,7 +250,7 @@ class FullIterationGraph:
 
     def reset(self) -> None:
         """Drop every graph; learning rates become Python floats again; calls warm up anew."""
-        for e in self._entries.values():
+        for e in self._all_entries():
             if e.cap is not None:
                 e.cap.graph.reset()
         self._entries.clear()
@@ -242,21 +260,46 @@ class FullIterationGraph:
 
     # -- the three kinds of call ------------------------------------------------------------
 
+    def _all_entries(self) -> Iterator[_Entry]:
+        return (e for entries in self._entries.values() for e in entries)
+
+    def _entry_in_mode(self, key: tuple, tensors: list[torch.Tensor]) -> _Entry:
+        """The entry of batch signature ``key`` for the mode of now, moved first: one captured
+        in it, else the one not captured (warming up, or eager after a failed capture), else a
+        new one that warms up and captures in this mode. A captured one goes first: a step that
+        sets its own mode (``model.train()`` inside ``fn``) after an ``eval()`` outside runs
+        eagerly once, and its next call replays the graph of the mode it set."""
+        entries = self._entries[key]
+        found = next((e for e in entries if e.phase is Phase.CAPTURED and _in_mode(e)), None)
+        found = found or next((e for e in entries if e.phase is not Phase.CAPTURED), None)
+        if found is None:
+            return self._new_entry(key, tensors)
+        entries.remove(found)
+        entries.insert(0, found)
+        return found
+
     def _new_entry(self, key: tuple, tensors: list[torch.Tensor]) -> _Entry:
         if not tensors:
             raise ValueError(
                 "FullIterationGraph needs a batch with at least one tensor (its device picks the backend)"
             )
-        if len(self._entries) >= self.max_graphs:
-            old = next(iter(self._entries))
+        held = sum(map(len, self._entries.values()))
+        if held >= self.max_graphs:
+            if key in self._entries:
+                mode = self._entries[key][0].cap.mode
+                why = f"this batch's graphs were captured in another mode: {mode.difference()}"
+                fix = "Keep the modules' training flags and requires_grad as at capture"
+            else:
+                old = next(iter(self._entries))
+                why = f"this batch matches none: {first_difference(old, key, 'batch')}"
+                fix = "Pad batches to a fixed shape"
             raise RuntimeError(
-                f"FullIterationGraph already holds {len(self._entries)} batch signature(s) "
-                f"(max_graphs={self.max_graphs}) and this batch matches none: "
-                f"{first_difference(old, key, 'batch')}. Pad batches to a fixed shape, or "
-                "raise max_graphs (each signature costs its own warmups and graph memory)."
+                f"FullIterationGraph already holds {held} graph(s) "
+                f"(max_graphs={self.max_graphs}) and {why}. {fix}, or raise max_graphs (each "
+                "batch signature and mode costs its own warmups and graph memory)."
             )
         entry = _Entry(key, GraphFactory.for_device(self.backend, tensors[0].device))
-        self._entries[key] = entry
+        self._entries.setdefault(key, []).insert(0, entry)
         return entry
 
     def _eager(self, entry: _Entry, batch: Any) -> Any:
@@ -294,11 +337,18 @@ class FullIterationGraph:
         for g in rng.graph_generators(f.device):
             step.graph.register_generator_state(g)
         params = self._params()
+        modules = tuple(self._modules.values())
+        mode = StepMode.now(modules, tuple(params))
+        watch_module_writes()  # eval() and train() move the module epoch (_in_mode reads it)
         step.save(params, self._buffers(), drops_grads=True)
         grads_before = grads_weakly(params)
+        versions = [s._version for s in static]
         try:
-            out = step.capture(lambda: self.fn(static_batch), modules=self._modules.values())
+            out = step.capture(lambda: self.fn(static_batch), modules=modules)
             _refuse_non_tensors(out)
+            # the batch tensors fn writes in place (x.mul_(0.5)): copied back after each replay
+            mutated = tuple(i for i, s in enumerate(static) if s._version != versions[i])
+            _refuse_shared_writes(tensors, mutated)
         except BaseException as exc:
             entry.phase = Phase.FAILED
             step.fail(exc)  # undone; a CaptureError naming the cause (a ValueError as is)
@@ -310,8 +360,11 @@ class FullIterationGraph:
             outputs=tuple(outputs),
             template=template,
             grad_modes=tuple(grad_modes(params, grads_before)),
-            # what the step's modules baked in (the modules that ran in it: tgraph.baked)
-            baked=Baked.of([(type(m).__name__, m) for m in self._modules.values()], []),
+            # what the step's modules baked in (the modules that ran in it: tgraph.baked; their
+            # writes move the module epoch from now on)
+            baked=Baked.of([(type(m).__name__, m) for m in modules], []),
+            mode=mode,
+            mutated_inputs=mutated,
         )
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
@@ -323,6 +376,7 @@ class FullIterationGraph:
             # The emulated capture really executed fn once: that was this call's step (running
             # it again would apply every side effect twice: EMA weights, counters, ...).
             cap.steps.run_post_hooks()  # detached during the capture (tgraph.step.step_hooks)
+            _copy_back(cap, tensors)
             return self._outputs(cap)
         return self._replay(cap, tensors, first=True)
 
@@ -332,6 +386,8 @@ class FullIterationGraph:
         return cap.template.fill([t.detach().clone() for t in cap.outputs])
 
     def _replay(self, cap: CapturedStep, tensors: list[torch.Tensor], first: bool = False) -> Any:
+        if cap.mutated_inputs:
+            _refuse_shared_writes(tensors, cap.mutated_inputs)
         for hp in cap.hparams:
             hp.refresh()
         with torch.no_grad():
@@ -341,6 +397,7 @@ class FullIterationGraph:
             if not first:
                 sync_grads_in(cap.grad_modes)
         cap.graph.replay()
+        _copy_back(cap, tensors)
         for p, grad, _ in cap.grad_modes:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
         cap.steps.run_post_hooks()  # the optimizers' step post-hooks, as the eager step runs them
@@ -350,8 +407,8 @@ class FullIterationGraph:
 
     def capture_report(self) -> CaptureReport:
         """What the captures made, in the shape of :func:`tgraph.create_graphs`'s report
-        (``entry="FullIterationGraph"``; one graph per batch signature)."""
-        captured = [e.cap for e in self._entries.values() if e.cap is not None]
+        (``entry="FullIterationGraph"``; one graph per batch signature and mode)."""
+        captured = [e.cap for e in self._all_entries() if e.cap is not None]
         return CaptureReport(
             graphs=len(captured),
             runners=0,
@@ -369,7 +426,7 @@ class FullIterationGraph:
         (``static_inputs``), the outputs (``static_outputs``) and the gradients the graphs
         write (``param_grads``)."""
         report = MemoryReport()
-        for e in self._entries.values():
+        for e in self._all_entries():
             cap = e.cap
             if cap is None:
                 continue
@@ -393,6 +450,55 @@ class FullIterationGraph:
 
     def _watch(self) -> Watch:
         return Watch(self)
+
+
+def _in_mode(entry: _Entry) -> bool:
+    """Whether the modules' training flags and the parameters' requires_grad are those
+    ``entry`` was captured in. The training flags are read only when the module epoch moved
+    since they were last found so (every module of the step is counted: ``Baked.of``);
+    ``requires_grad_`` moves no epoch, so those flags are read at every call."""
+    mode = entry.cap.mode
+    if not mode.same_grads():
+        return False
+    epoch = _module_epoch[0]
+    if entry.training_at != epoch:
+        if not mode.same_training():
+            return False
+        entry.training_at = epoch
+    return True
+
+
+def _refuse_shared_writes(tensors: list[torch.Tensor], written: tuple[int, ...]) -> None:
+    """Refuse a batch where a tensor the step writes in place shares memory with another batch
+    tensor (one a view of the other): the graph's static copies of the batch are separate
+    tensors, so inside the graph the write would not reach the other one as it does eagerly.
+
+    Raises:
+        ValueError: naming both tensors and the fix.
+    """
+    if not written:
+        return
+    storages = [t.untyped_storage().data_ptr() if t.numel() else None for t in tensors]
+    for i in written:
+        for j, s in enumerate(storages):
+            if j != i and s is not None and s == storages[i]:
+                raise ValueError(
+                    f"FullIterationGraph: the step writes batch tensor {i} in place, and it "
+                    f"shares memory with batch tensor {j} (a view of one another); the graph "
+                    "keeps a separate static copy of each, so the write would not reach the "
+                    "other as it does eagerly. Pass separate tensors (clone one of them)."
+                )
+
+
+def _copy_back(cap: CapturedStep, tensors: list[torch.Tensor]) -> None:
+    """The step's in-place writes to its batch, from the static copies to the caller's
+    tensors, as an eager step leaves them."""
+    if cap.mutated_inputs:
+        with torch.no_grad():
+            for i in cap.mutated_inputs:
+                static = cap.static_inputs[i]
+                if tensors[i].data_ptr() != static.data_ptr():
+                    tensors[i].copy_(static)
 
 
 def _elsewhere(device: torch.device) -> str:

@@ -1,0 +1,278 @@
+"""FullIterationGraph against eager training when something the step depends on changes between
+calls: the modules' train/eval mode, a parameter frozen or unfrozen, the batch written in place
+by the step.
+
+Tolerance: bitwise on the emulated backend (the same kernels on the same numbers, learning rates
+exact in float32); on CUDA the suite's ``rtol=1e-4, atol=1e-5`` (reduction order in backward
+kernels). Every planted bug below moves losses or parameters by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tgraph
+from tgraph.step import full_iteration
+from tgraph.step.captured import StepMode
+
+WARMUP = 2
+LR = 2.0**-7  # exact in float32: a tensor learning rate is the eager float
+
+
+@pytest.fixture(autouse=True)
+def _one_cpu_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tol(backend: str) -> dict:
+    return dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=1e-4, atol=1e-5)
+
+
+def make_model(device: torch.device, p: float = 0.5) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(p), nn.Tanh(), nn.Linear(16, 4)).to(device)
+
+
+def make_batches(device: torch.device, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(5, 8, generator=g).to(device), torch.randn(5, 4, generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
+def make_fn(model: nn.Module, opt: torch.optim.Optimizer, write_x: bool = False):
+    def fn(batch):
+        x, y = batch
+        if write_x:
+            x.mul_(0.5)  # in-place preprocessing of the batch
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return fn
+
+
+def adamw(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    extra = {"capturable": True} if device.type == "cuda" else {"fused": True}
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **extra)
+
+
+def run(backend, device, graphed, before_step, opt=None, n=13, write_x=False, batches=None):
+    """Losses, final parameters and the step of ``n`` steps; ``before_step(i, model)`` runs
+    before step ``i``."""
+    model = make_model(device)
+    opt = (opt or (lambda m, d: torch.optim.SGD(m.parameters(), lr=LR)))(model, device)
+    step = make_fn(model, opt, write_x)
+    if graphed:
+        step = tgraph.FullIterationGraph(step, warmup_steps=WARMUP, backend=backend)
+    torch.manual_seed(123)  # the dropout masks: the same draws eagerly and in the graph
+    if device.type == "cuda":
+        torch.cuda.manual_seed(123)
+    losses = []
+    for i, b in enumerate(batches or make_batches(device, n)):
+        before_step(i, model)
+        losses.append(step(b).detach().clone())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], step
+
+
+def _eval_then_train(i: int, model: nn.Module) -> None:
+    if i == 6:
+        model.eval()  # dropout off for some steps (captured at 2, replayed 3-5)
+    if i == 10:
+        model.train()  # back to the first graph
+
+
+def test_eval_and_train_after_capture_match_eager(backend, device, replays):
+    """model.eval() after capture gets a graph of its own (warmed up and captured in eval mode),
+    and model.train() replays the train graph again; eager all along would differ from a graph
+    that kept drawing dropout masks in eval mode."""
+    want = run(backend, device, False, _eval_then_train)
+    got = run(backend, device, True, _eval_then_train)
+    torch.testing.assert_close(got[0], want[0], **tol(backend))
+    torch.testing.assert_close(got[1], want[1], **tol(backend))
+    assert got[2].num_graphs == 2
+    # train graph: steps 3-5 and 10-12; eval graph: step 9 (+ the captures 2 and 8 on CUDA)
+    assert replays[0] == 7 + 2 * (backend == "cuda")
+
+
+def test_training_flags_are_read_only_after_a_module_write(backend, device, monkeypatch):
+    """The steady replay reads no module's training flag unless a module of the step was
+    written since (the module epoch): eval() and train() go through nn.Module.__setattr__."""
+    reads = [0]
+    same_training = StepMode.same_training
+
+    def counted(self):
+        reads[0] += 1
+        return same_training(self)
+
+    monkeypatch.setattr(StepMode, "same_training", counted)
+    steps = []
+
+    def note(i: int, model: nn.Module) -> None:
+        steps.append(reads[0])
+        if i == 8:
+            model.train()  # a write (the same mode): read once more, then cached again
+
+    run(backend, device, True, note, n=12)
+    # captured at step 2; read at step 3 (the first replay), then only after the write at 8
+    assert steps[4:] == [1, 1, 1, 1, 1, 2, 2, 2]
+
+
+def test_step_that_sets_its_own_mode_keeps_replaying(backend, device):
+    """fn calls model.train() itself and the loop calls model.eval() between steps (an
+    evaluation outside the step): eager trains in train mode all along, and so do the graphs;
+    every eval() does not make a new graph (max_graphs would stop the run)."""
+
+    def opt_of(model, device):
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        inner = make_fn(model, opt)
+
+        def fn(batch):  # make_fn's step, in train mode whatever the caller left
+            model.train()
+            return inner(batch)
+
+        return opt, fn
+
+    def evaluate_every_3(i: int, model: nn.Module) -> None:
+        if i % 3 == 2:
+            model.eval()
+
+    results = []
+    for graphed in (False, True):
+        model = make_model(device)
+        opt, step = opt_of(model, device)
+        if graphed:
+            step = tgraph.FullIterationGraph(step, warmup_steps=WARMUP, backend=backend)
+        torch.manual_seed(123)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(123)
+        losses = []
+        for i, b in enumerate(make_batches(device, 16)):
+            evaluate_every_3(i, model)
+            losses.append(step(b).detach().clone())
+        results.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[1], results[0], **tol(backend))
+    assert step.num_graphs <= 2
+
+
+def test_mode_beyond_max_graphs_raises(backend, device):
+    model = make_model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    step = tgraph.FullIterationGraph(
+        make_fn(model, opt), warmup_steps=WARMUP, backend=backend, max_graphs=1
+    )
+    batches = make_batches(device, WARMUP + 2)
+    for b in batches[:-1]:
+        step(b)
+    model.eval()
+    with pytest.raises(
+        RuntimeError, match=r"captured in another mode: .*training changed from True to False"
+    ):
+        step(batches[-1])
+
+
+def _freeze_then_unfreeze(i: int, model: nn.Module) -> None:
+    if i == 5:
+        model[0].weight.requires_grad_(False)  # fine-tuning: the first layer frozen
+    if i == 10:
+        model[0].weight.requires_grad_(True)
+
+
+def test_frozen_parameter_after_capture_matches_eager(backend, device, replays):
+    """requires_grad_(False) on a parameter after capture gets a graph of its own: the frozen
+    weight stays where it is, under fused AdamW (whose weight decay would move it in the first
+    graph); unfrozen, the first graph replays again."""
+    want = run(backend, device, False, _freeze_then_unfreeze, opt=adamw)
+    got = run(backend, device, True, _freeze_then_unfreeze, opt=adamw)
+    torch.testing.assert_close(got[0], want[0], **tol(backend))
+    torch.testing.assert_close(got[1], want[1], **tol(backend))
+    assert got[2].num_graphs == 2
+    # first graph: steps 3, 4 and 10-12; frozen graph: 8, 9 (+ the captures 2, 7 on CUDA)
+    assert replays[0] == 7 + 2 * (backend == "cuda")
+
+
+def test_step_writing_its_batch_in_place_reaches_the_caller(backend, device, replays):
+    """fn scales its batch in place: after a replay the caller's tensor holds what eager leaves
+    in it, and a loop that reuses one batch trains on the same data as eager."""
+    x, y = make_batches(device, 1)[0]
+    results = []
+    for graphed in (False, True):
+        batch = (x.clone(), y.clone())
+        kept = []
+
+        def note(i: int, model: nn.Module, kept=kept, batch=batch) -> None:
+            kept.append(batch[0].clone())  # the caller's x before each step
+
+        losses, params, _ = run(
+            backend, device, graphed, note, n=6, write_x=True, batches=[batch] * 6
+        )
+        results.append((losses, params, kept, batch[0].clone()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, **tol(backend))
+    assert replays[0] == 3 + (backend == "cuda")  # steps 3-5 (+ 2 on CUDA)
+
+
+def test_planted_missing_write_back_is_caught(backend, device, monkeypatch):
+    monkeypatch.setattr(full_iteration, "_copy_back", lambda cap, tensors: None)
+    with pytest.raises(AssertionError, match="Tensor-likes are not"):
+        test_step_writing_its_batch_in_place_reaches_the_caller(backend, device, [0])
+
+
+def _aliased(batch):
+    x, _ = batch
+    return (x, x.view(-1)[:20].view(5, 4))  # y is a view of x (contiguous: the same signature)
+
+
+def test_batch_views_are_served_while_the_step_only_reads_them(backend, device, replays):
+    batches = [_aliased(b) for b in make_batches(device, 6)]
+    want = run(backend, device, False, lambda i, m: None, batches=batches)
+    batches = [_aliased(b) for b in make_batches(device, 6)]
+    got = run(backend, device, True, lambda i, m: None, batches=batches)
+    torch.testing.assert_close(got[0], want[0], **tol(backend))
+    assert replays[0] == 3 + (backend == "cuda")
+
+
+def _write_y(model, opt):
+    def fn(batch):
+        x, y = batch
+        y.mul_(2)  # reaches x eagerly, where y is a view of x
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return fn
+
+
+@pytest.mark.parametrize("when", ["capture", "replay"])
+def test_batch_views_written_in_place_are_refused(backend, device, when):
+    """A step that writes a batch tensor which is a view of another batch tensor: the graph's
+    static copies are separate tensors, so the write would not reach the other one. Refused
+    before the step runs, at the capture or at a later call; the parameters stay as eager left
+    them."""
+    model = make_model(device, p=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    step = tgraph.FullIterationGraph(_write_y(model, opt), warmup_steps=WARMUP, backend=backend)
+    batches = make_batches(device, WARMUP + 3)
+    n = WARMUP if when == "capture" else WARMUP + 1  # the calls before the refused one
+    for b in batches[:n]:
+        step(_aliased(b) if when == "capture" else b)  # eager (and, separate, captured)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="writes batch tensor 1 in place, and it shares memory"):
+        step(_aliased(batches[n]))
+    torch.testing.assert_close([p.detach() for p in model.parameters()], before, rtol=0, atol=0)
+    if when == "capture":  # failed: eager from now on, as after any failed capture
+        with pytest.warns(tgraph.GraphFallbackWarning, match="capture failed"):
+            step(_aliased(batches[n + 1]))
+    else:  # the graph stays for batches of separate tensors
+        step(batches[n + 1])
+        assert step.num_graphs == 1
