@@ -18,9 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import itertools
+import sys
 from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 _extra: list[torch.Generator] = []
 
@@ -91,6 +94,29 @@ def default_generator(device: torch.device) -> torch.Generator:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]
     return torch.default_generator
+
+
+_regions = itertools.count(1)
+
+
+def forward_region() -> int:
+    """The custom ``autograd.Function`` whose ``forward`` this call runs in, innermost first,
+    as a number (0: none). A reentrant checkpoint (``torch.utils.checkpoint`` with
+    ``use_reentrant=True``, megatron's and DeepSpeed's) reads the generators' state as its
+    forward starts, to restore it for its recompute: two calls in different regions have such
+    a read between them. Walks the Python stack: for the recorded iteration only."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount:
+            ctx = frame.f_locals.get(code.co_varnames[0])
+            if isinstance(ctx, FunctionCtx):
+                region = ctx.__dict__.get("_tgraph_region")
+                if region is None:  # numbered on the ctx: an id could be reused once it dies
+                    region = ctx._tgraph_region = next(_regions)
+                return region
+        frame = frame.f_back
+    return 0
 
 
 def _checkpoint_hook(saved: Any) -> bool:

@@ -4,8 +4,10 @@ When the record shows runners r0, r1, ..., rk called back to back (rj's forward 
 r(j-1)'s, every tensor input of rj being either an output of r(j-1) or the very tensor r0 also
 took, such as an attention mask passed to every layer, and at least one being an output of
 r(j-1)) and backed through in exactly the reverse order, with no random number drawn in between
-from the generators the graphs draw from, nothing eager can sit between them that the graphs
-would need to see (or whose draws they would reorder). They are
+from the generators the graphs draw from, and no member that draws any called in another
+autograd Function's forward than an earlier one (a reentrant checkpoint per block reads the
+generators' state there), nothing eager can sit between them that the graphs would need to
+see (or whose draws they would reorder). They are
 then captured as one *segment*: one forward graph running all k+1 modules and one backward graph
 (``autograd.grad`` of every module's outputs), bridged into autograd as one node. A step then
 pays two replays and one autograd node for the whole stack instead of 2(k+1) of each.
@@ -42,7 +44,8 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
         first.setdefault((id(r), phase), i)
     order = sorted({id(r): r for r, _ in events}.values(), key=lambda r: first[(id(r), "fwd")])
 
-    def follows(head: Runner, prev: Runner, nxt: Runner) -> bool:
+    def follows(chain: list[Runner], nxt: Runner) -> bool:
+        head, prev = chain[0], chain[-1]
         if not (nxt.merge and prev.merge and nxt.draft.call.links and nxt.device == prev.device):
             return False
         # Modules with buffers (e.g. BatchNorm statistics) stay apart: if a merged member
@@ -59,7 +62,14 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
             return False
         # Random numbers drawn between the calls (LayerDrop's torch.rand between layers) come
         # from the generators the graphs draw from: the stack's replay would draw nxt's first.
-        if nxt.draft.call.rng_before != prev.draft.call.rng_after:
+        call = nxt.draft.call
+        if call.rng_before != prev.draft.call.rng_after:
+            return False
+        # A reentrant checkpoint around each block reads the generators' state as its forward
+        # starts, for its recompute: the stack's replay would have drawn nxt's numbers by then.
+        if call.rng_after != call.rng_before and any(
+            r.draft.call.region != call.region for r in chain
+        ):
             return False
         if sources(head, prev, nxt) is None:
             return False
@@ -70,7 +80,7 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
 
     chains: list[list[Runner]] = []
     for r in order:
-        if chains and follows(chains[-1][0], chains[-1][-1], r):
+        if chains and follows(chains[-1], r):
             chains[-1].append(r)
         else:
             chains.append([r])
