@@ -370,6 +370,9 @@ def check(cap: Captured, state: ReplayState):
         return b.replaced_tensors()  # names the removed parameter or buffer
     # the captured objects themselves (by weakref: no id a dead tensor left can pass)
     if state.route.rerouted or not all(map(is_, live, map(_deref, b.refs))):
+        gone = next((n for n, t in zip(b.names, live) if t is None), None)
+        if gone is not None:  # a later member's own key would find it (merged stack's head)
+            return f"{gone} was set to None after capture"
         route(cap, state, live)  # gradients go to the tensors the modules hold now
         if b.replaced_tensors(live) is not None:
             kept = [n for n, r, t in zip(b.names, b.refs, live) if r() is not None and r() is not t]
