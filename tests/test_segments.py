@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from layer_models import ATOL, RTOL, MLPNet, mlp_batches, twin
@@ -162,6 +164,58 @@ def test_random_draw_between_blocks_keeps_eagers_masks(backend, device, draw, re
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
             torch.testing.assert_close(*zip(*grads), rtol=RTOL, atol=ATOL)
     assert replays[0] == 3 * (6 if draw else 2)  # a forward and a backward graph per unit
+
+
+def _freeze(block):
+    for p in block.parameters():
+        p.requires_grad_(False)
+
+
+@pytest.mark.parametrize("change", [_freeze, torch.nn.Module.eval], ids=["frozen", "eval"])
+def test_later_member_leaving_its_key_keeps_the_stack_from_drawing_its_masks(
+    backend, device, change
+):
+    """A later member frozen (layer freezing for fine-tuning) or put in eval mode after capture
+    would run eagerly after the stack's replay drew its dropout masks, drawing them again from
+    the moved generator. The head checks the later members' modes first: the whole stack runs
+    eagerly, with eager's masks (bitwise on the emulated backend: the same kernels on the
+    same numbers), warning. The shadow verifier is off: its first replays would find the eval
+    member's stale mask, not the frozen one's."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(DropoutBlock(16) for _ in range(3)).to(device)
+    eager = twin(blocks)
+    xs = [x.repeat(1, 2) for x, _ in mlp_batches(device, 4, batch=4)]  # (4, 16)
+
+    def step(bs, x, seed):
+        torch.manual_seed(seed)
+        h = x
+        for b in bs:
+            h = b(h)
+        loss = h.square().mean()
+        loss.backward()
+        return loss.detach()
+
+    tgraph.enable(blocks, backend=backend)
+    step(blocks, xs[0], 0)
+    blocks.zero_grad(set_to_none=True)
+    assert tgraph.create_graphs().segments == 1
+    change(blocks[1]), change(eager[1])
+    with tgraph.verification(first=0, every=0):
+        for i, x in enumerate(xs[1:]):
+            blocks.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+            before = tgraph.eager_calls()
+            with pytest.warns(tgraph.GraphFallbackWarning) if i == 0 else contextlib.nullcontext():
+                got, want = step(blocks, x, i), step(eager, x, i)
+            grads = [(p.grad, q.grad) for p, q in zip(blocks.parameters(), eager.parameters())]
+            if backend == "emulated":
+                assert torch.equal(got, want), (got, want)
+                assert all((g is None) == (w is None) for g, w in grads)
+                assert all(torch.equal(g, w) for g, w in grads if g is not None)
+            else:
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+                torch.testing.assert_close(*zip(*grads), rtol=RTOL, atol=ATOL)
+            assert tgraph.eager_calls() - before == 3  # the whole stack, eagerly
 
 
 class GatedBlock(tgraph.GraphableModule):

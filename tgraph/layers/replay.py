@@ -217,6 +217,10 @@ def refusal(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
     why = check(cap, state) if _settings.rules else None
     if why is not None:
         return why
+    if cap.modes is not None:  # a merged stack that draws: would every member take its part?
+        why = cap.modes.changed(state.stack)
+        if why is not None:
+            return why
     for i, value in cap.host_values:  # a CUDA kernel took the host scalar's value at capture
         if tensors[i].item() != value:
             return (

@@ -35,6 +35,7 @@ import torch
 
 from tgraph.layers.capture import GraphedUnit, run_warmup, warmup_passes
 from tgraph.layers.runner import Runner, named
+from tgraph.layers.shortcut import MemberModes
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
@@ -178,6 +179,13 @@ class Segment(GraphedUnit):
 
     def _member_sources(self) -> list[list[tuple[bool, int]]]:
         return self._sources
+
+    def _member_modes(self) -> MemberModes | None:
+        """The later members' modes, which the head checks when the stack draws random
+        numbers (its replay draws every member's: one that fell back would draw again)."""
+        if all(r.draft.call.rng_before == r.draft.call.rng_after for r in self.runners):
+            return None
+        return MemberModes([(r, r.module.__dict__["_tgraph"]) for r in self.runners[1:]])
 
     def drop_graphs(self) -> None:
         super().drop_graphs()
