@@ -218,6 +218,54 @@ def test_later_member_leaving_its_key_keeps_the_stack_from_drawing_its_masks(
             assert tgraph.eager_calls() - before == 3  # the whole stack, eagerly
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict"])
+def test_random_draw_between_blocks_after_capture_is_seen(backend, device, strict):
+    """LayerDrop switched on after capture: a number drawn between the blocks of a stack whose
+    replay drew every block's masks already. The draw is seen at the next block's call (the
+    generator moved since the replay): that step warns (strict raises), and the stack runs
+    eagerly from then on, with eager's masks (bitwise on the emulated backend)."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(DropoutBlock(16) for _ in range(3)).to(device)
+    eager = twin(blocks)
+    xs = [x.repeat(1, 2) for x, _ in mlp_batches(device, 4, batch=4)]  # (4, 16)
+
+    def step(bs, x, seed, draw):
+        torch.manual_seed(seed)
+        h = x
+        for b in bs:
+            if draw:
+                torch.rand((), device=device)  # LayerDrop's draw (its branch never skips here)
+            h = b(h)
+        loss = h.square().mean()
+        loss.backward()
+        return loss.detach()
+
+    tgraph.enable(blocks, backend=backend, strict=strict)
+    step(blocks, xs[0], 0, draw=False)
+    blocks.zero_grad(set_to_none=True)
+    assert tgraph.create_graphs().segments == 1
+    if strict:
+        with pytest.raises(tgraph.GraphFallbackError, match="random numbers were drawn between"):
+            step(blocks, xs[1], 1, draw=True)
+        return
+    with pytest.warns(tgraph.GraphFallbackWarning, match="random numbers were drawn between"):
+        step(blocks, xs[1], 1, draw=True)
+    for i, x in enumerate(xs[2:]):
+        blocks.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        before = tgraph.eager_calls()
+        said = pytest.warns(tgraph.GraphFallbackWarning, match="of 0 .* eagerly from now on")
+        with said if i == 0 else contextlib.nullcontext():  # the head's refusal, said once
+            got, want = step(blocks, x, i, draw=True), step(eager, x, i, draw=True)
+        grads = [(p.grad, q.grad) for p, q in zip(blocks.parameters(), eager.parameters())]
+        if backend == "emulated":
+            assert torch.equal(got, want) and all(torch.equal(g, w) for g, w in grads)
+        else:
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(*zip(*grads), rtol=RTOL, atol=ATOL)
+        assert tgraph.eager_calls() - before == 3  # the whole stack, eagerly
+
+
 class GatedBlock(tgraph.GraphableModule):
     """Takes the stream ``x`` plus ``gate``, one tensor passed to every block (like a mask)."""
 

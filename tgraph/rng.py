@@ -18,8 +18,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,6 +68,25 @@ def position(device: torch.device) -> bytes:
     mean no random number was drawn from them in between."""
     gens = {id(g): g for g in (*graph_generators(device), default_generator(device))}
     return b"".join(g.get_state().numpy().tobytes() for g in gens.values())
+
+
+def reader(device: torch.device) -> Callable[[], Any]:
+    """A cheap :func:`position`, for two moments of one step: a function whose two equal
+    results mean no random number was drawn in between from the generators a graph on
+    ``device`` draws from (CUDA: their Philox offsets, which a replay advances on the host
+    too; CPU: their states)."""
+    gens = {id(g): g for g in (*graph_generators(device), default_generator(device))}
+    reads = [
+        g.get_offset if g.device.type == "cuda" else functools.partial(_state_bytes, g)
+        for g in gens.values()
+    ]
+    if len(reads) == 1:
+        return reads[0]
+    return lambda: [read() for read in reads]
+
+
+def _state_bytes(g: torch.Generator) -> bytes:
+    return g.get_state().numpy().tobytes()
 
 
 def get_states(device: torch.device | None) -> list[tuple[torch.Generator | None, torch.Tensor]]:

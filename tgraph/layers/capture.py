@@ -403,6 +403,7 @@ class GraphedUnit:
             stored=stored if any(stored) else (),
             mutated_inputs=self._mutated_inputs(),
             modes=modes,
+            rng_read=rng.reader(self.device) if modes is not None else None,
             foreign_host=self._foreign_host(),
             host_values=tuple(
                 (i, t.item())
