@@ -19,7 +19,12 @@ counters). Any other call
 (out of order, a modified or different input) runs eagerly with a warning: the merged graph
 never answers a call it did not compute. Like autograd's own saved-tensor check, the version
 check cannot see writes that bypass version counters (``t.data.mul_()``, ``t.numpy()[:] = ...``):
-do not modify a tensor that way between the calls of a merged stack. Every module's outputs are outputs of the node, so a
+do not modify a tensor that way between the calls of a merged stack. A stack whose replay draws
+random numbers draws every member's at once: its head replays only if every later member's
+``training`` flags and frozen parameters still match its key
+(:class:`tgraph.layers.shortcut.MemberModes`; a member falling back would draw its numbers
+again), and each later member's call checks that nothing drew since the replay (LayerDrop
+switched on after capture: that step warns, the stack runs eagerly from then on). Every module's outputs are outputs of the node, so a
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
 added in the backward graph.
 
