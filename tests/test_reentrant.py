@@ -43,7 +43,7 @@ class Checkpointed(torch.nn.Module):
         return self.head(checkpoint(self._stack, x, use_reentrant=True))
 
 
-def _train(model, device, *, graphed: bool, backend: str | None = None, steps: int = 4):
+def _train(model, device, *, graphed: bool, backend: str | None = None, steps: int = 4, made=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if graphed:
         tgraph.enable(model, backend=backend)
@@ -59,7 +59,9 @@ def _train(model, device, *, graphed: bool, backend: str | None = None, steps: i
         opt.step()
         opt.zero_grad(set_to_none=True)
         if graphed and i == 0:
-            tgraph.create_graphs()
+            report = tgraph.create_graphs()
+            if made is not None:
+                made.append(report)
     fallbacks = tgraph.eager_calls()
     tgraph.reset()
     return grads, caught, fallbacks
@@ -120,3 +122,39 @@ def test_reentrant_checkpoint_draws_the_same_dropout_in_forward_and_recompute(
     for step, (g, w) in enumerate(zip(got, want)):
         for a, b in zip(g, w):
             assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+
+
+class _CheckpointEachBlock(torch.nn.Module):
+    """A reentrant checkpoint around each graphed block (what ``gradient_checkpointing_enable``
+    does to a transformer's layers), every block's forward under no_grad there."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+        for b in self.blocks:
+            b.drop.p = p
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=True)
+        return x
+
+
+@pytest.mark.parametrize("p", [0.3, 0.0])
+def test_checkpoint_around_each_block_recomputes_the_dropout_it_drew(backend, device, p):
+    """Each checkpoint saves the generators' state as its block starts and its recompute draws
+    from it: a merged stack would have drawn every block's masks by the second checkpoint's
+    start, so the blocks that draw stay apart (bitwise: the same kernels on the same values);
+    blocks that draw nothing still merge."""
+    torch.manual_seed(0)
+    model = _CheckpointEachBlock(p).to(device)
+    eager = copy.deepcopy(model)
+    want, _, _ = _train(eager, device, graphed=False)
+    made = []
+    with tgraph.verification(first=0, every=0):  # the replays alone, nothing re-run
+        got, _, fallbacks = _train(model, device, graphed=True, backend=backend, made=made)
+    assert fallbacks == 9  # only the recomputes ran eagerly: the no-grad forwards replayed
+    for step, (g, w) in enumerate(zip(got, want)):
+        for a, b in zip(g, w):
+            assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+    assert made[0].segments == (0 if p else 1), made[0]

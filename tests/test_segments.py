@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from layer_models import ATOL, RTOL, MLPNet, mlp_batches, twin
@@ -162,6 +164,106 @@ def test_random_draw_between_blocks_keeps_eagers_masks(backend, device, draw, re
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
             torch.testing.assert_close(*zip(*grads), rtol=RTOL, atol=ATOL)
     assert replays[0] == 3 * (6 if draw else 2)  # a forward and a backward graph per unit
+
+
+def _freeze(block):
+    for p in block.parameters():
+        p.requires_grad_(False)
+
+
+@pytest.mark.parametrize("change", [_freeze, torch.nn.Module.eval], ids=["frozen", "eval"])
+def test_later_member_leaving_its_key_keeps_the_stack_from_drawing_its_masks(
+    backend, device, change
+):
+    """A later member frozen (layer freezing for fine-tuning) or put in eval mode after capture
+    would run eagerly after the stack's replay drew its dropout masks, drawing them again from
+    the moved generator. The head checks the later members' modes first: the whole stack runs
+    eagerly, with eager's masks (bitwise on the emulated backend: the same kernels on the
+    same numbers), warning. The shadow verifier is off: its first replays would find the eval
+    member's stale mask, not the frozen one's."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(DropoutBlock(16) for _ in range(3)).to(device)
+    eager = twin(blocks)
+    xs = [x.repeat(1, 2) for x, _ in mlp_batches(device, 4, batch=4)]  # (4, 16)
+
+    def step(bs, x, seed):
+        torch.manual_seed(seed)
+        h = x
+        for b in bs:
+            h = b(h)
+        loss = h.square().mean()
+        loss.backward()
+        return loss.detach()
+
+    tgraph.enable(blocks, backend=backend)
+    step(blocks, xs[0], 0)
+    blocks.zero_grad(set_to_none=True)
+    assert tgraph.create_graphs().segments == 1
+    change(blocks[1]), change(eager[1])
+    with tgraph.verification(first=0, every=0):
+        for i, x in enumerate(xs[1:]):
+            blocks.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+            before = tgraph.eager_calls()
+            with pytest.warns(tgraph.GraphFallbackWarning) if i == 0 else contextlib.nullcontext():
+                got, want = step(blocks, x, i), step(eager, x, i)
+            grads = [(p.grad, q.grad) for p, q in zip(blocks.parameters(), eager.parameters())]
+            if backend == "emulated":
+                assert torch.equal(got, want), (got, want)
+                assert all((g is None) == (w is None) for g, w in grads)
+                assert all(torch.equal(g, w) for g, w in grads if g is not None)
+            else:
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+                torch.testing.assert_close(*zip(*grads), rtol=RTOL, atol=ATOL)
+            assert tgraph.eager_calls() - before == 3  # the whole stack, eagerly
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict"])
+def test_random_draw_between_blocks_after_capture_is_seen(backend, device, strict):
+    """LayerDrop switched on after capture: a number drawn between the blocks of a stack whose
+    replay drew every block's masks already. The draw is seen at the next block's call (the
+    generator moved since the replay): that step warns (strict raises), and the stack runs
+    eagerly from then on, with eager's masks (bitwise on the emulated backend)."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(DropoutBlock(16) for _ in range(3)).to(device)
+    eager = twin(blocks)
+    xs = [x.repeat(1, 2) for x, _ in mlp_batches(device, 4, batch=4)]  # (4, 16)
+
+    def step(bs, x, seed, draw):
+        torch.manual_seed(seed)
+        h = x
+        for b in bs:
+            if draw:
+                torch.rand((), device=device)  # LayerDrop's draw (its branch never skips here)
+            h = b(h)
+        loss = h.square().mean()
+        loss.backward()
+        return loss.detach()
+
+    tgraph.enable(blocks, backend=backend, strict=strict)
+    step(blocks, xs[0], 0, draw=False)
+    blocks.zero_grad(set_to_none=True)
+    assert tgraph.create_graphs().segments == 1
+    if strict:
+        with pytest.raises(tgraph.GraphFallbackError, match="random numbers were drawn between"):
+            step(blocks, xs[1], 1, draw=True)
+        return
+    with pytest.warns(tgraph.GraphFallbackWarning, match="random numbers were drawn between"):
+        step(blocks, xs[1], 1, draw=True)
+    for i, x in enumerate(xs[2:]):
+        blocks.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        before = tgraph.eager_calls()
+        said = pytest.warns(tgraph.GraphFallbackWarning, match="of 0 .* eagerly from now on")
+        with said if i == 0 else contextlib.nullcontext():  # the head's refusal, said once
+            got, want = step(blocks, x, i, draw=True), step(eager, x, i, draw=True)
+        grads = [(p.grad, q.grad) for p, q in zip(blocks.parameters(), eager.parameters())]
+        if backend == "emulated":
+            assert torch.equal(got, want) and all(torch.equal(g, w) for g, w in grads)
+        else:
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(*zip(*grads), rtol=RTOL, atol=ATOL)
+        assert tgraph.eager_calls() - before == 3  # the whole stack, eagerly
 
 
 class GatedBlock(tgraph.GraphableModule):

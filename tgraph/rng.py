@@ -18,9 +18,14 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import itertools
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 _extra: list[torch.Generator] = []
 
@@ -65,6 +70,25 @@ def position(device: torch.device) -> bytes:
     return b"".join(g.get_state().numpy().tobytes() for g in gens.values())
 
 
+def reader(device: torch.device) -> Callable[[], Any]:
+    """A cheap :func:`position`, for two moments of one step: a function whose two equal
+    results mean no random number was drawn in between from the generators a graph on
+    ``device`` draws from (CUDA: their Philox offsets, which a replay advances on the host
+    too; CPU: their states)."""
+    gens = {id(g): g for g in (*graph_generators(device), default_generator(device))}
+    reads = [
+        g.get_offset if g.device.type == "cuda" else functools.partial(_state_bytes, g)
+        for g in gens.values()
+    ]
+    if len(reads) == 1:
+        return reads[0]
+    return lambda: [read() for read in reads]
+
+
+def _state_bytes(g: torch.Generator) -> bytes:
+    return g.get_state().numpy().tobytes()
+
+
 def get_states(device: torch.device | None) -> list[tuple[torch.Generator | None, torch.Tensor]]:
     """Snapshot every generator a capture may advance (to undo warmup and capture)."""
     states: list[tuple[torch.Generator | None, torch.Tensor]] = [
@@ -91,6 +115,29 @@ def default_generator(device: torch.device) -> torch.Generator:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]
     return torch.default_generator
+
+
+_regions = itertools.count(1)
+
+
+def forward_region() -> int:
+    """The custom ``autograd.Function`` whose ``forward`` this call runs in, innermost first,
+    as a number (0: none). A reentrant checkpoint (``torch.utils.checkpoint`` with
+    ``use_reentrant=True``, megatron's and DeepSpeed's) reads the generators' state as its
+    forward starts, to restore it for its recompute: two calls in different regions have such
+    a read between them. Walks the Python stack: for the recorded iteration only."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount:
+            ctx = frame.f_locals.get(code.co_varnames[0])
+            if isinstance(ctx, FunctionCtx):
+                region = ctx.__dict__.get("_tgraph_region")
+                if region is None:  # numbered on the ctx: an id could be reused once it dies
+                    region = ctx._tgraph_region = next(_regions)
+                return region
+        frame = frame.f_back
+    return 0
 
 
 def _checkpoint_hook(saved: Any) -> bool:

@@ -354,6 +354,7 @@ class GraphedUnit:
         head, outs = self.head, self.draft.static_outputs
         where = {id(r()): i for i, r in enumerate(baked.refs)}
         ins = {t.untyped_storage().data_ptr() for t in head.draft.static_inputs}
+        modes = self._member_modes()  # a merged stack that draws random numbers
         cap = Captured(
             name=repr(self),
             device=self.device,
@@ -401,6 +402,8 @@ class GraphedUnit:
             fp8=self._fp8_replay(),
             stored=stored if any(stored) else (),
             mutated_inputs=self._mutated_inputs(),
+            modes=modes,
+            rng_read=rng.reader(self.device) if modes is not None else None,
             foreign_host=self._foreign_host(),
             host_values=tuple(
                 (i, t.item())
@@ -456,6 +459,9 @@ class GraphedUnit:
 
     def _member_slices(self) -> list[slice]:
         return [slice(0, len(self.draft.static_outputs))]
+
+    def _member_modes(self) -> Any:
+        return None  # a merged stack's (tgraph.layers.segment.Segment)
 
     def _member_sources(self) -> list[list[tuple[bool, int]]]:
         return [[]]

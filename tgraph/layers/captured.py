@@ -96,6 +96,10 @@ class Captured:
     # per member: (submodule, attribute, output index) of the tensors its forward stores in
     # module state (self.aux_loss = ...), extra outputs a replay stores there again
     stored: tuple[tuple[tuple[Any, str, int], ...], ...] = ()
+    # a merged stack that draws random numbers: its later members' modes, checked at the head
+    # (tgraph.layers.shortcut.MemberModes)
+    modes: Any = None
+    rng_read: Any = None  # ... and where its generators stand, read cheaply (tgraph.rng.reader)
 
     @property
     def members(self) -> int:
@@ -168,6 +172,8 @@ class StackCursor:
         "next",
         "fell_back",
         "shapes",
+        "modes_at",
+        "rng_at",
     )
 
     def __init__(self) -> None:
@@ -180,6 +186,8 @@ class StackCursor:
         self.next = 0  # the member whose call comes next
         self.fell_back: str | None = None  # why the head's last call ran eagerly
         self.shapes: dict = {}  # member -> its calls' tgraph.layers.shortcut.Shape, once learned
+        self.modes_at = -1  # module epoch when members' training flags were last found as keyed
+        self.rng_at: object = None  # where the generators stood after the replay (rng_read)
 
     def release(self) -> None:
         """Forget the replayed stack's outputs and head inputs (its last member took its

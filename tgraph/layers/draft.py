@@ -39,6 +39,7 @@ class RecordedCall:
     shared_with: list[list[Any]]  # per tensor: earlier runners that took the very same tensor
     rng_before: bytes = b""  # the generators' position before its forward (tgraph.rng.position)
     rng_after: bytes = b""  # ... and after it
+    region: int = 0  # the autograd Function whose forward it ran in (tgraph.rng.forward_region)
 
 
 @dataclass(eq=False)

@@ -252,6 +252,7 @@ class _Manager:
         call, first = runner.draft.call, not runner.draft.call.rng_after
         if first:  # where a merged stack may not reorder random draws (tgraph.layers.segment)
             call.rng_before = rng.position(runner.device)
+            call.region = rng.forward_region()
         if type(runner.module).graphs_parts:  # its graphable modules record their calls too
             self.outer.append(runner)
             try:

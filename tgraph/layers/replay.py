@@ -63,6 +63,13 @@ BUSY = (
     "backward) the outputs of its last replay are still alive (more calls in flight than in "
     "the recorded iteration)"
 )
+DRAWN_BETWEEN = (
+    "random numbers were drawn between the calls of its modules after capture (LayerDrop's "
+    "torch.rand between layers?), from the generators its replay drew every module's from at "
+    "once: that step drew them in another order than eager; it runs eagerly from now on "
+    "(record such draws, then tgraph.reset() and tgraph.create_graphs(), to graph its modules "
+    "apart)"
+)
 DIFFERENT_SHARED_INPUT = (
     "an input captured as another graphed module's output buffer arrived as a different tensor"
 )
@@ -181,6 +188,8 @@ def start(cap: Captured, state: ReplayState, outs: list, inputs: list) -> list[t
     stack.head_inputs = inputs  # the call's own fresh list
     stack.head_versions = [t._version for t in inputs]
     stack.next = 1
+    if cap.rng_read is not None:  # the stack draws: nothing may draw until its last member
+        stack.rng_at = cap.rng_read()
     return stack.pending[0]
 
 
@@ -202,6 +211,10 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
             continue
         stack.release()  # the stack was left: its outputs go
         return None
+    if cap.rng_read is not None and cap.rng_read() != stack.rng_at:
+        stack.release()
+        stack.fell_back = state.wrong = DRAWN_BETWEEN
+        return None
     stack.next = j + 1
     if j + 1 == len(pending):
         stack.release()
@@ -212,11 +225,16 @@ def refusal(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):
     """Why this call of the unit cannot replay (a sentence, or :data:`REBIND`), or None when
     it can. What can be followed is followed here (a re-pointed parameter copied in, held
     outputs moved out), so that :func:`replay` only acts."""
-    if state.wrong is not None:  # the shadow verifier found it wrong (tgraph.layers.verify)
+    if state.wrong is not None:  # found wrong: by the shadow verifier (tgraph.layers.verify),
+        # or random numbers drawn between a merged stack's calls (take)
         return state.wrong
     why = check(cap, state) if _settings.rules else None
     if why is not None:
         return why
+    if cap.modes is not None:  # a merged stack that draws: would every member take its part?
+        why = cap.modes.changed(state.stack)
+        if why is not None:
+            return why
     for i, value in cap.host_values:  # a CUDA kernel took the host scalar's value at capture
         if tensors[i].item() != value:
             return (
@@ -370,6 +388,9 @@ def check(cap: Captured, state: ReplayState):
         return b.replaced_tensors()  # names the removed parameter or buffer
     # the captured objects themselves (by weakref: no id a dead tensor left can pass)
     if state.route.rerouted or not all(map(is_, live, map(_deref, b.refs))):
+        gone = next((n for n, t in zip(b.names, live) if t is None), None)
+        if gone is not None:  # a later member's own key would find it (merged stack's head)
+            return f"{gone} was set to None after capture"
         route(cap, state, live)  # gradients go to the tensors the modules hold now
         if b.replaced_tensors(live) is not None:
             kept = [n for n, r, t in zip(b.names, b.refs, live) if r() is not None and r() is not t]

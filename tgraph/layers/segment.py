@@ -4,8 +4,10 @@ When the record shows runners r0, r1, ..., rk called back to back (rj's forward 
 r(j-1)'s, every tensor input of rj being either an output of r(j-1) or the very tensor r0 also
 took, such as an attention mask passed to every layer, and at least one being an output of
 r(j-1)) and backed through in exactly the reverse order, with no random number drawn in between
-from the generators the graphs draw from, nothing eager can sit between them that the graphs
-would need to see (or whose draws they would reorder). They are
+from the generators the graphs draw from, and no member that draws any called in another
+autograd Function's forward than an earlier one (a reentrant checkpoint per block reads the
+generators' state there), nothing eager can sit between them that the graphs would need to
+see (or whose draws they would reorder). They are
 then captured as one *segment*: one forward graph running all k+1 modules and one backward graph
 (``autograd.grad`` of every module's outputs), bridged into autograd as one node. A step then
 pays two replays and one autograd node for the whole stack instead of 2(k+1) of each.
@@ -17,7 +19,12 @@ counters). Any other call
 (out of order, a modified or different input) runs eagerly with a warning: the merged graph
 never answers a call it did not compute. Like autograd's own saved-tensor check, the version
 check cannot see writes that bypass version counters (``t.data.mul_()``, ``t.numpy()[:] = ...``):
-do not modify a tensor that way between the calls of a merged stack. Every module's outputs are outputs of the node, so a
+do not modify a tensor that way between the calls of a merged stack. A stack whose replay draws
+random numbers draws every member's at once: its head replays only if every later member's
+``training`` flags and frozen parameters still match its key
+(:class:`tgraph.layers.shortcut.MemberModes`; a member falling back would draw its numbers
+again), and each later member's call checks that nothing drew since the replay (LayerDrop
+switched on after capture: that step warns, the stack runs eagerly from then on). Every module's outputs are outputs of the node, so a
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
 added in the backward graph.
 
@@ -33,6 +40,7 @@ import torch
 
 from tgraph.layers.capture import GraphedUnit, run_warmup, warmup_passes
 from tgraph.layers.runner import Runner, named
+from tgraph.layers.shortcut import MemberModes
 
 
 def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
@@ -42,7 +50,8 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
         first.setdefault((id(r), phase), i)
     order = sorted({id(r): r for r, _ in events}.values(), key=lambda r: first[(id(r), "fwd")])
 
-    def follows(head: Runner, prev: Runner, nxt: Runner) -> bool:
+    def follows(chain: list[Runner], nxt: Runner) -> bool:
+        head, prev = chain[0], chain[-1]
         if not (nxt.merge and prev.merge and nxt.draft.call.links and nxt.device == prev.device):
             return False
         # Modules with buffers (e.g. BatchNorm statistics) stay apart: if a merged member
@@ -59,7 +68,14 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
             return False
         # Random numbers drawn between the calls (LayerDrop's torch.rand between layers) come
         # from the generators the graphs draw from: the stack's replay would draw nxt's first.
-        if nxt.draft.call.rng_before != prev.draft.call.rng_after:
+        call = nxt.draft.call
+        if call.rng_before != prev.draft.call.rng_after:
+            return False
+        # A reentrant checkpoint around each block reads the generators' state as its forward
+        # starts, for its recompute: the stack's replay would have drawn nxt's numbers by then.
+        if call.rng_after != call.rng_before and any(
+            r.draft.call.region != call.region for r in chain
+        ):
             return False
         if sources(head, prev, nxt) is None:
             return False
@@ -70,7 +86,7 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
 
     chains: list[list[Runner]] = []
     for r in order:
-        if chains and follows(chains[-1][0], chains[-1][-1], r):
+        if chains and follows(chains[-1], r):
             chains[-1].append(r)
         else:
             chains.append([r])
@@ -168,6 +184,13 @@ class Segment(GraphedUnit):
 
     def _member_sources(self) -> list[list[tuple[bool, int]]]:
         return self._sources
+
+    def _member_modes(self) -> MemberModes | None:
+        """The later members' modes, which the head checks when the stack draws random
+        numbers (its replay draws every member's: one that fell back would draw again)."""
+        if all(r.draft.call.rng_before == r.draft.call.rng_after for r in self.runners):
+            return None
+        return MemberModes([(r, r.module.__dict__["_tgraph"]) for r in self.runners[1:]])
 
     def drop_graphs(self) -> None:
         super().drop_graphs()

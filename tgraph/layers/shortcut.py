@@ -20,6 +20,10 @@ the key (grad mode, autocast, ``training`` flags, which parameters require grad)
 directly. Only tensors, plain values and flat tuples of them are taken by identity: a list or a
 dict could have been changed in place since the head's call. Versions are then checked by
 :func:`~tgraph.layers.replay.take`, as on the long way.
+
+A stack whose replay draws random numbers (dropout) checks those fields of its later members
+already at the head (:class:`MemberModes`): a member that falls back after the replay would
+draw its masks again, from a generator the replay has moved past them.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from typing import Any
 
 import torch
 
+from tgraph.baked import _epoch as _module_epoch
 from tgraph.layers.captured import StackCursor
-from tgraph.signature import _VALUE_SET, CallKey, autocast_key
+from tgraph.signature import _VALUE_SET, CallKey, autocast_key, difference
 
 _grad_enabled = torch._C.is_grad_enabled
 HEAD = -1  # a top-level argument that is the head's own object at the same position
@@ -129,4 +134,60 @@ def follow(state: Any, r: Any, args: tuple, kwargs: dict, training: tuple) -> li
     return [prev[k] if p else head[k] for p, k in r.cap.sources[j]]
 
 
+class MemberModes:
+    """At the head of a merged stack whose replay draws random numbers: whether each later
+    member's call key still has its ``training`` flags and the ``requires_grad`` of its
+    parameters. A member that would not take its part runs eagerly after the replay, drawing
+    its random numbers a second time, where eager draws them once: the head must not replay.
+
+    Args:
+        members: per later member, its runner and its module's
+            ``tgraph.layers.manager._ModuleState`` (where its key reads its parameters).
+    """
+
+    __slots__ = ("members", "tables", "keys", "frozen", "submodules", "training")
+
+    def __init__(self, members: list[tuple[Any, Any]]) -> None:
+        self.members = members
+        self.tables = tuple(t for _, ms in members for t in ms.param_tables)
+        self.keys = tuple(k for _, ms in members for k in ms.param_keys)
+        self.frozen = tuple(b for r, _ in members for b in r.key.frozen)
+        self.submodules = tuple(m for _, ms in members for m in ms.submodules)
+        self.training = tuple(b for r, _ in members for b in r.key.training)
+
+    def changed(self, stack: StackCursor) -> str | None:
+        """Why a later member would not take its part (None: each would). ``requires_grad``
+        moves no epoch: read at every call; ``training`` only when a module was written to
+        since it was last found as keyed (``train()``/``eval()`` move the module epoch)."""
+        try:
+            frozen = tuple(map(_requires_grad, map(getitem, self.tables, self.keys)))
+        except (KeyError, AttributeError):  # a parameter removed: the member's key names it
+            frozen = None
+        if frozen != self.frozen:
+            return self._why()
+        epoch = _module_epoch[0]
+        if epoch != stack.modes_at:
+            if tuple(map(_training, self.submodules)) != self.training:
+                return self._why()
+            stack.modes_at = epoch
+        return None
+
+    def _why(self) -> str:
+        for r, ms in self.members:
+            training = tuple(map(_training, ms.submodules))
+            try:
+                frozen = tuple(map(_requires_grad, map(getitem, ms.param_tables, ms.param_keys)))
+            except (KeyError, AttributeError):
+                frozen = ()
+            now = r.key._replace(training=training, frozen=frozen)
+            if now != r.key:
+                return (
+                    f"{ms.name or type(r.module).__name__}, a later module of its merged stack, "
+                    f"would run eagerly ({difference(r.key, now, ms.names)}) after the stack's "
+                    "replay drew its random numbers"
+                )
+        return "a later module of its merged stack would run eagerly"
+
+
 _requires_grad = operator.attrgetter("requires_grad")
+_training = operator.attrgetter("training")
