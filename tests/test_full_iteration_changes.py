@@ -276,3 +276,130 @@ def test_batch_views_written_in_place_are_refused(backend, device, when):
     else:  # the graph stays for batches of separate tensors
         step(batches[n + 1])
         assert step.num_graphs == 1
+
+
+def _own_mode_run(backend, device, graphed, n=8):
+    """fn calls model.train() itself; before every step the loop calls model.eval() and runs a
+    validation forward; after it, a forward that reads the mode the step left (dropout)."""
+    model = make_model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    inner = make_fn(model, opt)
+
+    def fn(batch):
+        model.train()
+        return inner(batch)
+
+    step = tgraph.FullIterationGraph(fn, warmup_steps=WARMUP, backend=backend) if graphed else fn
+    torch.manual_seed(123)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(123)
+    losses, flags, after = [], [], []
+    for x, y in make_batches(device, n):
+        model.eval()
+        with torch.no_grad():
+            model(x)  # validation
+        losses.append(step((x, y)).detach().clone())
+        flags.append([m.training for m in model.modules()])
+        with torch.no_grad():
+            after.append(model(x))  # dropout drawn as the mode the step left says
+    params = [p.detach().clone() for p in model.parameters()]
+    return flags, (torch.stack(losses), torch.stack(after), params)
+
+
+def test_step_that_sets_its_own_mode_leaves_the_flags_as_eager(backend, device, replays):
+    """The graph captured after eval() ran fn's model.train(); its replays run no Python, so
+    they set the flags fn left (the model trains on in train mode, as eager)."""
+    want = _own_mode_run(backend, device, False)
+    got = _own_mode_run(backend, device, True)
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], **tol(backend))
+    assert replays[0] == 5 + (backend == "cuda")  # steps 3-7 (+ 2 on CUDA)
+
+
+def test_planted_own_mode_not_set_after_replay_is_caught(backend, device, monkeypatch):
+    monkeypatch.setattr(StepMode, "apply", lambda self: None)
+    with pytest.raises(AssertionError):
+        test_step_that_sets_its_own_mode_leaves_the_flags_as_eager(backend, device, [0])
+
+
+def _unfreeze_at_capture(i: int, model: nn.Module) -> None:
+    if i == 0:
+        model[0].weight.requires_grad_(False)
+    if i == WARMUP:
+        model[0].weight.requires_grad_(True)  # progressive unfreezing, at the capture call
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
+def test_layer_unfrozen_at_the_capture_matches_eager(backend, device, replays, opt_kind):
+    """A layer unfrozen at the call that would capture: that call warms up once more in the
+    new mode (the weight gets its .grad and optimizer state eagerly), the next captures; the
+    weight's gradient then counts as cleared by fn's zero_grad, nothing to refuse."""
+    opt = adamw if opt_kind == "adamw" else None
+    want = run(backend, device, False, _unfreeze_at_capture, opt=opt, n=8)
+    got = run(backend, device, True, _unfreeze_at_capture, opt=opt, n=8)
+    torch.testing.assert_close(got[0], want[0], **tol(backend))
+    torch.testing.assert_close(got[1], want[1], **tol(backend))
+    assert replays[0] == 4 + (backend == "cuda")  # steps 4-7 (+ 3 on CUDA)
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
+def test_planted_capture_in_a_mode_not_warmed_up_is_caught(backend, device, monkeypatch, opt_kind):
+    """Captured right at the unfreezing: SGD's graph was refused (the unfrozen .grad None at
+    the capture), AdamW's created the weight's state inside the graph, anew at every replay."""
+    monkeypatch.setattr(full_iteration, "_mode_moved", lambda entry: False)
+    with pytest.raises((ValueError, AssertionError)):
+        test_layer_unfrozen_at_the_capture_matches_eager(backend, device, [0], opt_kind)
+
+
+def _chunked_run(backend, device, graphed, n=6):
+    """fn takes microbatches made by x.chunk(2) (disjoint views of one batch tensor) and
+    centres each in place; the caller's x after each step is kept."""
+    model = make_model(device, p=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def fn(mbs):
+        opt.zero_grad(set_to_none=True)
+        total = 0
+        for x, y in mbs:
+            x.sub_(x.mean(0, keepdim=True))
+            loss = ((model(x) - y) ** 2).mean() / len(mbs)
+            loss.backward()
+            total = total + loss.detach()
+        opt.step()
+        return total
+
+    step = tgraph.FullIterationGraph(fn, warmup_steps=WARMUP, backend=backend) if graphed else fn
+    g = torch.Generator().manual_seed(1)
+    losses, xs = [], []
+    for _ in range(n):
+        x, y = torch.randn(8, 8, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
+        losses.append(step(list(zip(x.chunk(2), y.chunk(2)))).detach().clone())
+        xs.append(x.clone())
+    return torch.stack(losses), torch.stack(xs), [p.detach().clone() for p in model.parameters()]
+
+
+def test_chunked_microbatches_written_in_place_match_eager(backend, device, replays):
+    """Disjoint views of one storage are not refused: each write reaches only its own rows,
+    in the graph's static copies as eagerly, and is copied back to the caller's x."""
+    want = _chunked_run(backend, device, False)
+    got = _chunked_run(backend, device, True)
+    torch.testing.assert_close(got, want, **tol(backend))
+    assert replays[0] == 3 + (backend == "cuda")  # steps 3-5 (+ 2 on CUDA)
+
+
+def test_planted_storage_wide_refusal_is_caught(backend, device, monkeypatch):
+    monkeypatch.setattr(full_iteration, "_overlap", lambda a, b: True)
+    with pytest.raises(ValueError, match="shares memory"):
+        test_chunked_microbatches_written_in_place_match_eager(backend, device, [0])
+
+
+def test_overlap_of_batch_views():
+    """Byte ranges: chunks and disjoint slices are apart; views sharing an element, or strided
+    views whose ranges interleave (conservative), overlap."""
+    x = torch.zeros(4, 6)
+    a, b = x.chunk(2)
+    assert not full_iteration._overlap(a, b)
+    assert not full_iteration._overlap(x[:, :3], x[3:, 3:])
+    assert full_iteration._overlap(x, x.view(-1)[20:22])
+    assert full_iteration._overlap(x[1:3], x[2])
+    assert full_iteration._overlap(x[:, ::2], x[:, 1::2])

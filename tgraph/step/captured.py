@@ -80,6 +80,21 @@ class StepMode:
         """Whether every module's ``training`` is as at capture (one C-level pass)."""
         return tuple(map(_TRAINING, self.modules)) == self.training
 
+    def differs_from(self, other: StepMode) -> bool:
+        """Whether any flag differs from ``other``'s (of the same modules and parameters)."""
+        return self.training != other.training or self.requires_grad != other.requires_grad
+
+    def apply(self) -> None:
+        """Set the flags that differ from this mode to it, as a step that set them itself
+        (``model.train()`` inside ``fn``) leaves them; a training flag through
+        ``nn.Module.__setattr__`` (it moves the module epoch, as ``train()`` does)."""
+        for m, was in zip(self.modules, self.training):
+            if m.training != was:
+                m.training = was
+        for p, was in zip(self.params, self.requires_grad):
+            if p.requires_grad != was:
+                p.requires_grad_(was)
+
     def difference(self) -> str:
         """The first flag that differs from the capture's, as a message names it."""
         for m, was in zip(self.modules, self.training):
@@ -118,6 +133,7 @@ class CapturedStep:
     grad_buffers: GradBuffers | None = None  # the gradient buffers it reads
     baked: Baked | None = None  # what the step's modules baked in
     mode: StepMode | None = None  # the modules' training and parameters' requires_grad flags
+    end_mode: StepMode | None = None  # the flags fn left, where fn changed them: set after replays
     mutated_inputs: tuple[int, ...] = ()  # static inputs the step writes: copied back
 
     def change(self) -> str | None:

@@ -32,7 +32,9 @@ Later calls copy the live batch into the static buffers and replay. A batch of a
 gets its own warmups and graph (at most ``max_graphs``), never a replay of the wrong shapes.
 So does another *mode* (:class:`tgraph.step.captured.StepMode`): ``model.eval()`` or a parameter
 frozen (``requires_grad_(False)``) after capture warms up and captures again in that mode, and
-switching back replays the first graph, as per-layer graphs key on the same flags. The modules'
+switching back replays the first graph, as per-layer graphs key on the same flags. A step that
+sets flags itself (``model.train()`` inside ``fn``) has its replays set them as ``fn`` leaves
+them (they run no Python). The modules'
 training flags are read only when a module of the step was written since (the module epoch of
 :mod:`tgraph.baked`, moved by ``eval()`` and ``train()``); the parameters' ``requires_grad``,
 which no epoch sees, at every call (one pass).
@@ -43,7 +45,9 @@ Ownership and aliasing:
   replay. A list of microbatches gets one static buffer per microbatch. A batch tensor ``fn``
   writes in place (seen at capture: its version moved) is copied back into the caller's tensor
   after each replay, as the eager step leaves it. The static buffers are separate tensors, so a
-  written batch tensor that shares memory with another (one a view of the other) is refused.
+  written batch tensor whose memory overlaps another's (one a view of the other) is refused;
+  disjoint views of one tensor (``x.chunk(2)``) are served. A write that moves no version
+  counter (through ``x.data`` or ``x.set_``) is not seen, as for per-layer graphs.
 * Returned outputs are fresh, detached clones of the graph's static outputs: safe to keep (a
   list of losses holds each step's value). The clone costs one small copy per output tensor.
 * ``param.grad`` after a replay on CUDA is the gradient tensor the graph writes. With the
@@ -129,6 +133,7 @@ class _Entry:
     phase: Phase = Phase.WARMUP
     eager_calls: int = 0
     cap: CapturedStep | None = None  # exactly in Phase.CAPTURED
+    warm_mode: StepMode | None = None  # the mode of its last eager call (capture in it only)
     training_at: int = -1  # the module epoch when the modules' training flags were last found
     # as captured (tgraph.baked: eval() and train() write them through nn.Module.__setattr__)
 
@@ -143,8 +148,8 @@ class FullIterationGraph:
         warmup_steps: eager calls per batch signature before capture (>= 1; >= 11 with DDP).
         backend: ``"auto"``, ``"cuda"`` or ``"emulated"`` (resolved from the batch's device;
             ``TGRAPH_BACKEND`` overrides ``"auto"``).
-        max_graphs: most graphs to capture (one per batch signature and mode); a call that
-            needs yet another raises.
+        max_graphs: most graphs to capture (one per batch signature and mode), each counted
+            from its first warmup call; a call that needs yet another raises.
         skip_nonfinite: skip the optimizer steps inside ``fn`` on the device, without a host
             sync, when ``fn``'s loss (its first tensor output) or the gradients at the
             optimizer's ``step()`` are not finite: parameters and optimizer state stay untouched
@@ -244,7 +249,11 @@ class FullIterationGraph:
             entry = None
         if entry is None:
             entry = self._new_entry(key, tensors)
-        if entry.phase is not Phase.WARMUP or entry.eager_calls < self.warmup_steps:
+        if (
+            entry.phase is not Phase.WARMUP
+            or entry.eager_calls < self.warmup_steps
+            or _mode_moved(entry)
+        ):
             return self._eager(entry, batch)
         return self._capture(entry, batch, tensors)
 
@@ -266,9 +275,11 @@ class FullIterationGraph:
     def _entry_in_mode(self, key: tuple, tensors: list[torch.Tensor]) -> _Entry:
         """The entry of batch signature ``key`` for the mode of now, moved first: one captured
         in it, else the one not captured (warming up, or eager after a failed capture), else a
-        new one that warms up and captures in this mode. A captured one goes first: a step that
-        sets its own mode (``model.train()`` inside ``fn``) after an ``eval()`` outside runs
-        eagerly once, and its next call replays the graph of the mode it set."""
+        new one that warms up and captures in this mode (counted toward ``max_graphs`` from
+        now: at the limit, the call raises). A step that sets its own mode (``model.train()``
+        inside ``fn``) after an ``eval()`` outside thus gets a graph for the eval key too (its
+        kernels are those of the mode ``fn`` sets, and its replays set that mode again:
+        ``CapturedStep.end_mode``); a call without the ``eval()`` replays the first graph."""
         entries = self._entries[key]
         found = next((e for e in entries if e.phase is Phase.CAPTURED and _in_mode(e)), None)
         found = found or next((e for e in entries if e.phase is not Phase.CAPTURED), None)
@@ -295,7 +306,7 @@ class FullIterationGraph:
                 fix = "Pad batches to a fixed shape"
             raise RuntimeError(
                 f"FullIterationGraph already holds {held} graph(s) "
-                f"(max_graphs={self.max_graphs}) and {why}. {fix}, or raise max_graphs (each "
+                f"(captured or warming up; max_graphs={self.max_graphs}) and {why}. {fix}, or raise max_graphs (each "
                 "batch signature and mode costs its own warmups and graph memory)."
             )
         entry = _Entry(key, GraphFactory.for_device(self.backend, tensors[0].device))
@@ -314,7 +325,9 @@ class FullIterationGraph:
         # The last warmup call before the capture runs unwatched: the capture runs without the
         # watch's global hook, and a torch.compile'd fn must compile for that state in the
         # warmup, not recompile inside the capture (dynamo guards on global module hooks).
-        last = 0 < entry.eager_calls == self.warmup_steps - 1 and entry.phase is Phase.WARMUP
+        last = 0 < entry.eager_calls >= self.warmup_steps - 1 and entry.phase is Phase.WARMUP
+        if entry.phase is Phase.WARMUP:
+            entry.warm_mode = StepMode.now(tuple(self._modules.values()), tuple(self._params()))
         with contextlib.nullcontext() if last else self._watch(), entry.factory.side_stream():
             out = self.fn(batch)
         entry.eager_calls += 1
@@ -345,6 +358,8 @@ class FullIterationGraph:
         versions = [s._version for s in static]
         try:
             out = step.capture(lambda: self.fn(static_batch), modules=modules)
+            # the flags fn left (model.train() inside it): replays, which run no Python, set them
+            end_mode = StepMode.now(modules, tuple(params))
             _refuse_non_tensors(out)
             # the batch tensors fn writes in place (x.mul_(0.5)): copied back after each replay
             mutated = tuple(i for i, s in enumerate(static) if s._version != versions[i])
@@ -364,6 +379,7 @@ class FullIterationGraph:
             # writes move the module epoch from now on)
             baked=Baked.of([(type(m).__name__, m) for m in modules], []),
             mode=mode,
+            end_mode=end_mode if end_mode.differs_from(mode) else None,
             mutated_inputs=mutated,
         )
         logger.info(
@@ -397,6 +413,8 @@ class FullIterationGraph:
             if not first:
                 sync_grads_in(cap.grad_modes)
         cap.graph.replay()
+        if cap.end_mode is not None:  # fn set the modules' mode itself: as its eager call leaves it
+            cap.end_mode.apply()
         _copy_back(cap, tensors)
         for p, grad, _ in cap.grad_modes:  # the gradients the graph wrote are the params' .grad
             p.grad = grad
@@ -468,10 +486,21 @@ def _in_mode(entry: _Entry) -> bool:
     return True
 
 
+def _mode_moved(entry: _Entry) -> bool:
+    """Whether a warming entry is called in another mode than its last eager call (a layer
+    unfrozen, ``eval()``): it warms up once more in this mode before the capture, so that what
+    the step creates in the new mode (an unfrozen parameter's optimizer state, its ``.grad``)
+    exists before the capture instead of being created inside the graph at every replay."""
+    mode = entry.warm_mode
+    return mode is not None and StepMode.now(mode.modules, mode.params).differs_from(mode)
+
+
 def _refuse_shared_writes(tensors: list[torch.Tensor], written: tuple[int, ...]) -> None:
     """Refuse a batch where a tensor the step writes in place shares memory with another batch
     tensor (one a view of the other): the graph's static copies of the batch are separate
     tensors, so inside the graph the write would not reach the other one as it does eagerly.
+    Views of disjoint parts of one storage (``x.chunk(2)``) are served: only byte ranges that
+    intersect are refused (a range spans a strided view's gaps: conservative there).
 
     Raises:
         ValueError: naming both tensors and the fix.
@@ -481,13 +510,25 @@ def _refuse_shared_writes(tensors: list[torch.Tensor], written: tuple[int, ...])
     storages = [t.untyped_storage().data_ptr() if t.numel() else None for t in tensors]
     for i in written:
         for j, s in enumerate(storages):
-            if j != i and s is not None and s == storages[i]:
+            if j != i and s is not None and s == storages[i] and _overlap(tensors[i], tensors[j]):
                 raise ValueError(
                     f"FullIterationGraph: the step writes batch tensor {i} in place, and it "
                     f"shares memory with batch tensor {j} (a view of one another); the graph "
                     "keeps a separate static copy of each, so the write would not reach the "
                     "other as it does eagerly. Pass separate tensors (clone one of them)."
                 )
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of ``a`` and ``b`` (non-empty, of one storage) intersect."""
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < b1 and b0 < a1
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a non-empty tensor can address: [first, last + 1)."""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
 
 
 def _copy_back(cap: CapturedStep, tensors: list[torch.Tensor]) -> None:
