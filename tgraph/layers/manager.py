@@ -46,7 +46,7 @@ from tgraph.layers import verify
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.grads import GradHandOff
 from tgraph.layers.record import NoteBackward, Record, Turns
-from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive
+from tgraph.layers.replay import BUSY, REBIND, Flight, hold_while_alive, left_after_draw
 from tgraph.layers.replay import call as replay_call
 from tgraph.layers.runner import Runner, module_call, named
 from tgraph.layers.segment import Segment
@@ -294,6 +294,11 @@ class _Manager:
             "To graph this case, include it in the recorded iteration and call tgraph.reset() "
             "then tgraph.create_graphs() again."
         )
+        if self.captured:  # a later member of a replayed stack that draws (a call take() never
+            # saw, its key being another): that step's random numbers differ from eager's
+            left = left_after_draw(r for rs in state.runners.values() for r in rs)
+            if left is not None:
+                reason = f"{reason}; {left}"
         head = f"no captured graph of {name} matches this call: {reason}."
         if state.strict:  # nothing ran: the call raises instead of running eagerly
             raise GraphFallbackError(f"{head} strict=True refuses to run it eagerly. {fix}")

@@ -70,6 +70,15 @@ DRAWN_BETWEEN = (
     "(record such draws, then tgraph.reset() and tgraph.create_graphs(), to graph its modules "
     "apart)"
 )
+LEFT_AFTER_DRAW = (
+    "its replay had drawn the random numbers of every module of the stack at once, and a "
+    "later module was not called right after the previous one with that module's unmodified "
+    "output (a hook or code between the modules changing the stream, a module skipped or "
+    "called with other arguments, or the stack left midway): that module ran eagerly and drew "
+    "its numbers again, or drew none where the replay had, so that step's random numbers "
+    "differ from eager's; it runs eagerly from now on (to graph such steps, record them, then "
+    "tgraph.reset() and tgraph.create_graphs(), or pass merge=False to tgraph.enable)"
+)
 DIFFERENT_SHARED_INPUT = (
     "an input captured as another graphed module's output buffer arrived as a different tensor"
 )
@@ -164,7 +173,7 @@ def call(cap: Captured | None, state: ReplayState, j: int, tensors: list[torch.T
             "it alone)"
         )
     if state.stack.pending is not None:  # the last replay's stack was left midway: its
-        state.stack.release()  # later members' outputs, never handed out, keep nothing alive
+        leave(cap, state)  # later members' outputs, never handed out, keep nothing alive
     if state.inflight.token is not None:
         return BUSY
     why = refusal(cap, state, tensors)
@@ -199,7 +208,7 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
     unmodified."""
     stack = state.stack
     pending = stack.pending
-    if pending is None or j != stack.next:
+    if pending is None or j != stack.next:  # (a member skipped: left at its fallback)
         return None
     prev, base, versions = pending[j - 1], cap.slices[j - 1].start, stack.versions
     head, head_versions = stack.head_inputs, stack.head_versions
@@ -209,7 +218,7 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
                 continue
         elif t is head[k] and t._version == head_versions[k]:
             continue
-        stack.release()  # the stack was left: its outputs go
+        leave(cap, state)  # the stack was left: its outputs go
         return None
     if cap.rng_read is not None and cap.rng_read() != stack.rng_at:
         stack.release()
@@ -219,6 +228,36 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
     if j + 1 == len(pending):
         stack.release()
     return pending[j]
+
+
+def leave(cap: Captured, state: ReplayState) -> None:
+    """The replayed stack is left before its last member took its part: its outputs go. A
+    stack that draws random numbers drew every member's at its replay, where eager draws
+    them at each call: a member falling back draws its own again, one never called drew none,
+    and no position of the generators is known to be eager's from here. That step's numbers
+    differ from eager's, which cannot be undone after the fact: the member's fallback says so
+    (strict raises) and the stack runs eagerly from now on (:data:`LEFT_AFTER_DRAW`, as
+    :data:`DRAWN_BETWEEN`). Called off the hot path only (a member that takes its part never
+    gets here)."""
+    stack = state.stack
+    if stack.pending is not None and cap.rng_read is not None:
+        stack.fell_back = state.wrong = LEFT_AFTER_DRAW
+    stack.release()
+
+
+def left_after_draw(runners) -> str | None:
+    """Before a module runs eagerly for a reason of its own call (say its key differs from
+    every runner's, so :func:`take` never saw the call): when one of ``runners`` is a later
+    member of a replayed stack that draws random numbers and still awaits its members, the
+    stack is left (:func:`leave`) and this says why the step's numbers differ; None
+    otherwise."""
+    for r in runners:
+        cap = r.cap
+        if r.seg_index and cap is not None and cap.rng_read is not None:
+            if r.state.stack.pending is not None:
+                leave(cap, r.state)
+                return f"the merged stack {cap.name} it belongs to runs eagerly: {r.state.wrong}"
+    return None
 
 
 def refusal(cap: Captured, state: ReplayState, tensors: list[torch.Tensor]):

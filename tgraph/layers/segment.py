@@ -24,7 +24,12 @@ random numbers draws every member's at once: its head replays only if every late
 ``training`` flags and frozen parameters still match its key
 (:class:`tgraph.layers.shortcut.MemberModes`; a member falling back would draw its numbers
 again), and each later member's call checks that nothing drew since the replay (LayerDrop
-switched on after capture: that step warns, the stack runs eagerly from then on). Every module's outputs are outputs of the node, so a
+switched on after capture: that step warns, the stack runs eagerly from then on). A later
+member that falls back anyway after the replay (a hook or code between the members changing
+the stream, a member skipped or called with other arguments), or a stack left midway, drew
+that step's numbers in another order than eager too: the same warning (strict raises) and the
+same eager stack from then on (:func:`tgraph.layers.replay.leave`). Every module's outputs
+are outputs of the node, so a
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
 added in the backward graph.
 
