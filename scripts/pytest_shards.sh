@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # `pytest -m cuda` in N processes side by side on the one GPU: the test files are dealt
 # round-robin, largest first; each shard writes DIR/shardI.log. Extra
-# arguments go to every pytest. Exit code: the worst shard's. One process needs more than 330 s
+# arguments go to every pytest; FILES (space-separated test files) limits the run to them. Exit code: the worst shard's. One process needs more than 330 s
 # for the whole suite on the H200 machine; three fit in about half that.
 #   bash scripts/pytest_shards.sh DIR N [pytest args...]
 dir=$1 n=$2
 shift 2
 mkdir -p "$dir"
-files=$(ls -S tests/test_*.py | grep -v -e test_train_recipe.py)
+# shellcheck disable=SC2086
+files=$(ls -S ${FILES:-tests/test_*.py} | grep -v -e test_train_recipe.py)
 pids=()
 for ((i = 0; i < n; i++)); do
   mine=$(echo "$files" | awk -v n="$n" -v i="$i" 'NR % n == i')
