@@ -187,6 +187,46 @@ def test_damaged_tensor_bytes_are_detected(tmp_path):
         checkpoint.load_into(tiny_gpt(), tmp_path)
 
 
+def _retype(path, name: str, dtype: torch.dtype) -> None:
+    """Rewrite ``path`` with tensor ``name``'s bytes read as ``dtype`` of the same size (a
+    safetensors header edited from F32 to I32: the same bytes, another meaning)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iter
+    tensors[name] = tensors[name].view(dtype)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_a_tensor_whose_dtype_was_edited_is_refused(tmp_path):
+    """The digest covers dtype and shape: the same bytes read as int32 do not load (before,
+    load_state_dict cast them to float, weights of about 1e9, and training went on)."""
+    checkpoint.save(tiny_gpt(), tmp_path)
+    _retype(tmp_path / "model.safetensors", "h.0.mlp.c_fc.weight", torch.int32)
+    with pytest.raises(CheckpointError, match=r"corrupt: the data of 1 tensor\(s\) \(h\.0\.mlp"):
+        checkpoint.load(tmp_path)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        checkpoint.load_into(tiny_gpt(), tmp_path)
+
+
+def test_an_older_checkpoints_byte_digests_still_verify(tmp_path):
+    """A checkpoint saved when digests covered the bytes alone loads, its bytes verified; an
+    integer tensor where the model has a float one is refused all the same."""
+    model = tiny_gpt()
+    checkpoint.save(model, tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    state = {k: v for k, v in model.state_dict().items()}
+    data["sha256"] = {k: checkpoint._bytes_sha256(state[k]) for k in data["sha256"]}
+    path.write_text(json.dumps(data))
+    assert_same_weights(model, checkpoint.load(tmp_path))
+    _retype(tmp_path / "model.safetensors", "h.0.mlp.c_fc.weight", torch.int32)
+    with pytest.raises(CheckpointError, match=r"dtype mismatch \['h\.0\.mlp\.c_fc\.weight"):
+        checkpoint.load_into(tiny_gpt(), tmp_path)
+
+
 @pytest.mark.parametrize("entry", ["removed", "null"])
 def test_checkpoint_without_checksums_still_loads(tmp_path, entry):
     """Checkpoints written before checksums existed load unverified, unless checksums are

@@ -179,6 +179,21 @@ def test_adam_betas_out_of_range_are_one_line_before_anything_is_written(
     assert f"{name}=" in one_line_error(capsys) and not out.exists()
 
 
+@pytest.mark.parametrize(
+    "flag", ["--grad-clip=nan", "--grad-clip=inf", "--weight-decay=nan", "--weight-decay=-1"]
+)
+def test_clip_and_decay_out_of_range_are_one_line_before_anything_is_written(
+    recipe, flag, tmp_path, capsys
+):
+    """Before: NaN passed the `< 0` checks; clipping went silently off (--graph layer+opt
+    raised a 34-line traceback from the optimizer graph), a NaN decay stopped at step 2
+    advising a lower --lr."""
+    out = tmp_path / "run"
+    assert main(recipe, f"--out={out}", flag) == 2
+    name = flag[2:].split("=")[0].replace("-", "_")
+    assert f"{name}=" in one_line_error(capsys) and not out.exists()
+
+
 def test_help_words_every_graph_mode(recipe, capsys):
     """Before: train_hf's --help said none, layer or full, and left layer+opt out."""
     with pytest.raises(SystemExit):

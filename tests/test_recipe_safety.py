@@ -484,3 +484,34 @@ def test_quickstart_help_stops_after_the_help(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0 and "usage: train_gpt.py" in proc.stdout, proc.stderr[-2000:]
     assert "sample" not in proc.stdout and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("digests", ["current", "bytes only (an older save)"])
+def test_an_hf_weight_whose_dtype_was_edited_is_refused(tmp_path, digests):
+    """train_hf's checkpoints: a safetensors header edited from F32 to I32 (the same bytes)
+    is refused, by the digest (dtype and shape covered) or, for an older manifest whose
+    digests cover bytes alone, by the dtype check (before, the weight loaded cast to ~1e9)."""
+    from gpt_training import spec
+    from gpt_training.checkpointing import CheckpointError
+    from safetensors.torch import save_file
+
+    from tgraph.toy import checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    spec.write_manifest(tmp_path, {})
+    if digests != "current":
+        path = tmp_path / spec.MANIFEST_NAME
+        body = json.loads(path.read_text())
+        body["sha256"]["model.safetensors"] = {
+            k: checkpoint._bytes_sha256(v) for k, v in state.items()
+        }
+        path.write_text(json.dumps(body))
+    spec.load_verified_into(torch.nn.Linear(4, 4), tmp_path)  # intact: loads
+    save_file(
+        {**state, "weight": state["weight"].view(torch.int32)}, str(tmp_path / "model.safetensors")
+    )
+    match = "corrupt" if digests == "current" else r"dtype mismatches \['weight'\]"
+    with pytest.raises(CheckpointError, match=match):
+        spec.load_verified_into(torch.nn.Linear(4, 4), tmp_path)

@@ -145,10 +145,9 @@ class OptimizerConfig(ConfigGroup):
             raise self._invalid("lr", "use a positive learning rate (e.g. 2e-3)")
         if not 0.0 < self.min_lr <= self.lr:
             raise self._invalid("min_lr", f"use 0 < min_lr <= lr={self.lr}")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise self._invalid(
-                "grad_clip" if self.grad_clip < 0 else "weight_decay", "use 0 or more"
-            )
+        for name in ("grad_clip", "weight_decay"):  # NaN fails every comparison: ask for >= 0
+            if not (getattr(self, name) >= 0.0 and math.isfinite(getattr(self, name))):
+                raise self._invalid(name, "use a finite 0 or more")
         for name in ("beta1", "beta2"):  # AdamW's own range, checked before anything runs
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise self._invalid(name, f"use 0 <= {name} < 1 (AdamW's range)")

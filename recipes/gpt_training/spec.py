@@ -256,11 +256,17 @@ def load_verified_into(model: torch.nn.Module, directory: Path) -> None:
     state = load_verified(directory)
     own = model.state_dict()
     shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
+    # load_state_dict would cast integers into a float weight silently (an edited header)
+    shapes += [
+        k
+        for k in own.keys() & state.keys()
+        if own[k].is_floating_point() != state[k].is_floating_point()
+    ]
     unexpected = sorted(state.keys() - own.keys())
     if shapes or unexpected:
         raise CheckpointError(
             f"checkpoint {directory} does not match the model of this run: unexpected keys "
-            f"{unexpected}, shape mismatches {sorted(shapes)}"
+            f"{unexpected}, shape or dtype mismatches {sorted(set(shapes))}"
         )
     model.load_state_dict(state, strict=False)
     loaded = {own[k].data_ptr() for k in state}

@@ -57,9 +57,21 @@ class CheckpointError(ValueError):
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
-    """Hex sha256 of a CPU tensor's bytes (row-major; dtype and shape are not included)."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+    """Hex sha256 of a tensor's dtype, shape and bytes (row-major): a header edited to another
+    dtype of the same size (F32 read as I32, the same bytes) no longer matches."""
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(_bytes(t))
+    return h.hexdigest()
+
+
+def _bytes_sha256(t: torch.Tensor) -> str:
+    """Hex sha256 of a tensor's bytes alone: the digest checkpoints saved before
+    :func:`tensor_sha256` covered dtype and shape recorded (still verified, bytes only)."""
+    return hashlib.sha256(_bytes(t)).hexdigest()
+
+
+def _bytes(t: torch.Tensor):
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 # -- atomic writes ----------------------------------------------------------------------------
@@ -353,7 +365,13 @@ def check_digests(
     """Raise :class:`CheckpointError` naming the tensors of ``state`` (read from ``path``)
     whose sha256 is not the one ``recorded`` in ``manifest`` at save time, or that either
     side lacks."""
-    bad = sorted(k for k, t in state.items() if recorded.get(k) != tensor_sha256(t))
+    # a digest of the bytes alone is an older save's (no digest of dtype, shape and bytes
+    # equals one of bytes alone, so a newer save's record keeps its dtype checked)
+    bad = sorted(
+        k
+        for k, t in state.items()
+        if recorded.get(k) != tensor_sha256(t) and recorded.get(k) != _bytes_sha256(t)
+    )
     bad += sorted(recorded.keys() - state.keys())
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
@@ -395,10 +413,18 @@ def _load_checked(target: nn.Module, state: dict, directory: str | os.PathLike) 
         for k in sorted(own.keys() & state.keys())
         if state[k].shape != own[k].shape
     ]
-    if missing or unexpected or shapes:
+    # load_state_dict would cast an integer tensor into a float parameter, silently (a header
+    # edited from F32 to I32 in a checkpoint whose digests cover bytes only)
+    kinds = [
+        f"{k}: checkpoint {state[k].dtype} vs model {own[k].dtype}"
+        for k in sorted(own.keys() & state.keys())
+        if state[k].is_floating_point() != own[k].is_floating_point()
+    ]
+    if missing or unexpected or shapes or kinds:
         parts = [f"missing keys {missing}"] * bool(missing)
         parts += [f"unexpected keys {unexpected}"] * bool(unexpected)
         parts += [f"shape mismatch {shapes}"] * bool(shapes)
+        parts += [f"dtype mismatch {kinds}"] * bool(kinds)
         raise CheckpointError(
             f"checkpoint {str(directory)!r} does not match {type(target).__name__}: "
             f"{'; '.join(parts)}. Build the model from the checkpoint's config.json "
