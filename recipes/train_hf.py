@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch.nn.functional as F
 from gpt_training import cli
+from gpt_training.checkpointing import RunDirectoryError
 from gpt_training.config import (
     GRAPH_MODES,
     NONFINITE_MODES,
@@ -215,6 +216,20 @@ def build_config(cfg: HFTrainConfig):
     return AutoConfig.for_model(model_type, **kw)
 
 
+# config.json fields that record a save, not the model: compared by neither side of a resume
+# (the recipe's per-run settings, attention and experts implementations, are "_" fields)
+CONFIG_RECORDS = frozenset(
+    {"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache"}
+)
+
+
+def config_differences(now: dict, saved: dict) -> list[str]:
+    """The keys of two transformers config dicts (``to_dict()``) whose values differ, sorted,
+    except :data:`CONFIG_RECORDS` and private ("_") keys."""
+    keys = (set(now) | set(saved)) - CONFIG_RECORDS
+    return sorted(k for k in keys if not k.startswith("_") and now.get(k) != saved.get(k))
+
+
 class HFSpec(ModelSpec):
     """A transformers causal LM; its checkpoint part is ``save_pretrained``'s plus a manifest."""
 
@@ -283,6 +298,26 @@ class HFSpec(ModelSpec):
 
     def load_weights(self, model, directory):
         load_verified_into(unwrap(model), Path(directory))
+
+    def check_resume(self, cfg, directory):
+        """The model config this run builds (``build_config``: ``--config``'s file as it reads
+        now) against the checkpoint's ``config.json``: a file edited since the checkpoint was
+        written builds another model whose shapes may still fit the weights."""
+        from transformers import AutoConfig
+
+        saved = AutoConfig.from_pretrained(directory).to_dict()
+        now = build_config(cfg).to_dict()
+        differ = config_differences(now, saved)
+        if differ:
+            source = f"--config {cfg.config}" if cfg.config else f"--arch {cfg.arch}"
+            shown = "; ".join(
+                f"{k}={saved.get(k)!r} in the checkpoint but {now.get(k)!r} now" for k in differ[:4]
+            ) + (f"; and {len(differ) - 4} more" if len(differ) > 4 else "")
+            raise RunDirectoryError(
+                f"checkpoint {directory} holds another model than {source} builds now ({shown}). "
+                "Restore the config the run started with (the checkpoint's config.json), or "
+                "start a fresh run with another --out"
+            )
 
     def resolved(self, cfg, model):
         return {"transformers_config": json.loads(unwrap(model).config.to_json_string())}

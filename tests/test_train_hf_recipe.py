@@ -203,3 +203,31 @@ def test_a_missing_config_file_is_not_looked_up_on_the_hub(tmp_path, capsys, mon
     assert f"config={name!r} is invalid: no such file" in err
     assert not (tmp_path / "run").exists()
     assert not th._names_a_local_path("Qwen/Qwen2-0.5B")  # a Hub id stays one
+
+
+def test_a_config_file_edited_since_the_checkpoint_is_refused(
+    run, backend, device, capsys, tmp_path
+):
+    """Before: the resume rebuilt the model from the file as it reads now (its shapes still fit
+    the weights) and trained on with another activation, exit 0. Now one line (exit 2) names the
+    differing keys, and the run's files stay as they were."""
+    config = tmp_path / "llama.json"
+    th.build_config(th.HFTrainConfig(arch="llama", n_layer=2, n_embd=32, n_head=2)).to_json_file(
+        config
+    )
+    flags = ("--config", str(config), "--graph", "none")
+    run("edited", *flags, "--steps", "2")
+    run("unedited", *flags, "--steps", "2")
+    run("unedited", *flags, "--steps", "4", "--resume", "latest")  # an unedited file resumes
+    before = {p: p.read_bytes() for p in (tmp_path / "edited").rglob("*") if p.is_file()}
+    edited = json.loads(config.read_text())
+    edited["hidden_act"] = "relu"  # same shapes: the step-2 weights would load
+    config.write_text(json.dumps(edited))
+    capsys.readouterr()
+    argv = [*TINY, *flags, "--steps", "4", "--resume", "latest", "--out", str(tmp_path / "edited"),
+            "--device", device.type, "--backend", backend]  # fmt: skip
+    err = _one_line_exit_2(capsys, argv)
+    assert "hidden_act='silu' in the checkpoint but 'relu' now" in err, err
+    assert "Restore the config" in err and "another --out" in err, err
+    after = {p: p.read_bytes() for p in (tmp_path / "edited").rglob("*") if p.is_file()}
+    assert after == before  # nothing written: no step-4 checkpoint, metrics and config as they were

@@ -93,6 +93,11 @@ class ModelSpec:
         """Verify the weights against the manifest and copy them into ``model`` (strictly)."""
         raise NotImplementedError
 
+    def check_resume(self, cfg, directory: Path) -> None:
+        """Refuse (``RunDirectoryError``) to resume checkpoint ``directory`` where ``cfg`` builds
+        another model than the one it holds, in a way the trainer's config comparison cannot see
+        (a config file edited since); called before anything is written (default: nothing)."""
+
     def resolved(self, cfg, model: torch.nn.Module) -> dict:
         """What the model resolved to, for the run's ``config.json``."""
         return {}

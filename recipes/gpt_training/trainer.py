@@ -242,6 +242,8 @@ def _resume(
     run's ``--steps``, the checkpoint's state and its directory (None, None on a fresh start)."""
     resume_dir = resolve_resume(cfg)
     state = read_checkpoint(resume_dir, cfg, env.world_size, spec) if resume_dir else None
+    if resume_dir:
+        spec.check_resume(cfg, resume_dir)
     claim_run_directory(cfg, resume_dir, env)
     prepare_run_directory(Path(cfg.out))  # every rank: each raises the same error, none waits
     cfg = cfg.with_steps(state["config"].get("steps") if state else None)
