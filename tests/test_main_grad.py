@@ -172,8 +172,51 @@ def test_fusion_refuses_a_replaced_main_grad(backend, device):
     del ddp
 
 
+@pytest.mark.parametrize("planted", [False, True], ids=["fixed", "planted"])
+def test_main_grad_re_created_every_step_keeps_the_fused_wgrad(
+    backend, device, replays, monkeypatch, planted
+):
+    """megatron-style buffers re-created between steps (``p.main_grad = zeros``), no fusion:
+    the fused-wgrad kernel inside the backward graph adds into the main_grad it was captured
+    with, so before, that weight's gradient went to the old buffer and was lost while its flag
+    said added (main_grad 0 where eager has 2.1), silently. The captured buffer is loaded with
+    the live one before the replay and the sum copied back after. Planted (no copy), the
+    fused weights' main_grad differs."""
+    if planted:
+        monkeypatch.setattr(MainGradFlags, "moved", lambda self: [])
+    torch.manual_seed(0)
+    model = Net().to(device)
+    eager = copy.deepcopy(model)
+    ddp, ddp_eager = MegatronLikeDDP(model), MegatronLikeDDP(eager)
+    tgraph.enable(model, backend=backend, strict=True)
+    xs = torch.randn(4, 3, 5, 16, device=device)
+
+    def step(m, d, x):
+        for p in d.params:  # re-created, not zeroed
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            p.grad_added_to_main_grad = False
+        m(x).backward()
+        return state(d)
+
+    step(model, ddp, xs[0])
+    tgraph.create_graphs()
+    for i in (1, 2, 3):
+        before = replays[0]
+        got, want = step(model, ddp, xs[i]), step(eager, ddp_eager, xs[i])
+        assert replays[0] - before == 2  # the merged blocks' forward and backward graphs
+        for p in (b.fused.weight for b in model.blocks):
+            assert p.grad_added_to_main_grad
+        pairs = enumerate(zip(got, want))
+        mismatch = [
+            k
+            for k, ((g, gf, _), (w, wf, _)) in pairs
+            if gf != wf or not torch.allclose(g, w, rtol=RTOL, atol=ATOL)
+        ]
+        assert bool(mismatch) == planted, mismatch
+
+
 def test_planted_bug_flag_not_redone_is_caught(backend, device, monkeypatch):
-    monkeypatch.setattr(MainGradFlags, "after_replay", lambda self: None)
+    monkeypatch.setattr(MainGradFlags, "after_replay", lambda self, moved=(): None)
     with pytest.raises(AssertionError, match="grad_added_to_main_grad"):
         check_main_grad_convention(backend, device)
 

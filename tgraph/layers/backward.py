@@ -65,8 +65,8 @@ def replay_backward(cap: Captured, state: ReplayState) -> None:
         state.inflight.rng_at_forward = None
 
 
-def after_backward(cap: Captured, state: ReplayState) -> None:
-    cap.flags.after_replay()
+def after_backward(cap: Captured, state: ReplayState, moved: list = ()) -> None:
+    cap.flags.after_replay(moved)
     if cap.debug:  # stale reads show up as NaN instead of plausible numbers
         for buf, shared in zip(cap.static_inputs, cap.shared_inputs):
             if not shared:

@@ -40,6 +40,10 @@ class MainGradFlags:
         pairs: ``(leaf, param)``: the leaf the graph differentiates (an alias of ``param``
             whose attributes the captured code sees and sets) and the parameter whose flag
             eager execution would have set.
+
+    A fused-wgrad kernel in the backward graph adds into the ``main_grad`` the capture saw; a
+    ``main_grad`` re-created since is loaded into it before the replay and given the sum after
+    (:meth:`moved`), where before that weight's gradient went to the old buffer, silently.
     """
 
     def __init__(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -48,6 +52,9 @@ class MainGradFlags:
         ]
         self._before: list[bool] = []
         self.fused: list[torch.Tensor] = []
+        self._targets: list[
+            torch.Tensor
+        ] = []  # the main_grad each fused parameter's graph adds into
 
     def before_capture(self) -> None:
         self._before = [getattr(leaf, FLAG) for leaf, _ in self._pairs]
@@ -55,11 +62,36 @@ class MainGradFlags:
             setattr(leaf, FLAG, False)
 
     def after_capture(self) -> None:
-        self.fused = [p for leaf, p in self._pairs if getattr(leaf, FLAG)]
+        done = [(leaf, p) for leaf, p in self._pairs if getattr(leaf, FLAG)]
+        self.fused = [p for _, p in done]
+        # the captured kernels add into these very tensors at every replay (held: the memory
+        # must outlive the graph)
+        self._targets = [leaf.main_grad for leaf, _ in done]
         for (leaf, _), flag in zip(self._pairs, self._before):
             setattr(leaf, FLAG, flag)
 
-    def after_replay(self) -> None:
+    def moved(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Before a backward replay: ``(target, live)`` for each fused parameter whose
+        ``main_grad`` was replaced since the capture (megatron re-creating its gradient
+        buffers), each target loaded with the live values, so that the replay's addition lands
+        on them; :meth:`after_replay` copies the sums back. Empty on the steady path."""
+        pairs = [
+            (t, p.main_grad) for p, t in zip(self.fused, self._targets) if p.main_grad is not t
+        ]
+        for t, live in pairs:
+            if live.shape != t.shape or live.dtype != t.dtype:
+                raise RuntimeError(
+                    f"a parameter's main_grad was replaced after capture by one of shape "
+                    f"{tuple(live.shape)} and dtype {live.dtype} (captured: {tuple(t.shape)}, "
+                    f"{t.dtype}); the backward graph's fused weight-gradient kernel adds into the "
+                    "captured buffer. Call tgraph.reset() after changing gradient buffers."
+                )
+            t.copy_(live)
+        return pairs
+
+    def after_replay(self, moved: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+        for t, live in moved:  # the replay added into the captured buffer: the live one's sum
+            live.copy_(t)
         for p in self.fused:
             setattr(p, FLAG, True)
 

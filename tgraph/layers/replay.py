@@ -521,8 +521,9 @@ class GraphedCall(torch.autograd.Function):
             return (None,) * len(ctx.needs_input_grad)
         cap.ledger.before_backward(id(flight), state, cap.name, cap.bwd_index)
         copy_grad_outputs(cap, state, grads)
+        moved = cap.flags.moved() if cap.flags.fused else ()  # main_grad re-created since
         replay_backward(cap, state)  # the RNG offset a recompute needs
-        after_backward(cap, state)
+        after_backward(cap, state, moved)
         if flight.fp8_first:  # the backward amax reduction the first FP8 module runs in eager
             cap.fp8.after_backward()
         flight.land()
