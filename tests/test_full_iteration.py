@@ -22,15 +22,6 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 WARMUP = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """Tiny models: one intra-op thread is faster, and robust on a loaded 2-core CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_schedule(kind: str | None, opt: torch.optim.Optimizer):
     if kind == "step":
         return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

@@ -43,15 +43,6 @@ def test_two_process_gloo_ddp_matches_eager(tmp_path):
     torch.testing.assert_close(ranks[0]["graph_params"], ranks[1]["graph_params"], rtol=0, atol=0)
 
 
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """Tiny models: one intra-op thread is faster, and robust on a loaded 2-core CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _batches(device, n):
     g = torch.Generator().manual_seed(3)
     return [

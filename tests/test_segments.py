@@ -126,6 +126,19 @@ class DropoutBlock(tgraph.GraphableModule):
         return x + torch.nn.functional.dropout(torch.tanh(self.fc(x)), 0.5, self.training)
 
 
+def _layerdrop_step(bs, h: torch.Tensor, seed: int, draw: bool) -> torch.Tensor:
+    """One training step through ``bs``, with LayerDrop's draw before each block where
+    ``draw`` (its branch never skips here); the loss."""
+    torch.manual_seed(seed)
+    for b in bs:
+        if draw:
+            torch.rand((), device=h.device)
+        h = b(h)
+    loss = h.square().mean()
+    loss.backward()
+    return loss.detach()
+
+
 @pytest.mark.parametrize("draw", [False, True], ids=["nothing-between", "draw-between"])
 def test_random_draw_between_blocks_keeps_eagers_masks(backend, device, draw, replays):
     """LayerDrop draws a number before every layer (``torch.rand([])``; transformers' OPT up to
@@ -138,15 +151,7 @@ def test_random_draw_between_blocks_keeps_eagers_masks(backend, device, draw, re
     xs = [x for x, _ in mlp_batches(device, 4, batch=4)]
 
     def step(bs, x, seed):
-        torch.manual_seed(seed)
-        h = x.repeat(1, 2)  # (4, 16)
-        for b in bs:
-            if draw:
-                torch.rand((), device=device)  # LayerDrop's draw (its branch never skips here)
-            h = b(h)
-        loss = h.square().mean()
-        loss.backward()
-        return loss.detach()
+        return _layerdrop_step(bs, x.repeat(1, 2), seed, draw)  # (4, 16)
 
     tgraph.enable(blocks, backend=backend, strict=True)
     step(blocks, xs[0], 0)
@@ -229,17 +234,7 @@ def test_random_draw_between_blocks_after_capture_is_seen(backend, device, stric
     eager = twin(blocks)
     xs = [x.repeat(1, 2) for x, _ in mlp_batches(device, 4, batch=4)]  # (4, 16)
 
-    def step(bs, x, seed, draw):
-        torch.manual_seed(seed)
-        h = x
-        for b in bs:
-            if draw:
-                torch.rand((), device=device)  # LayerDrop's draw (its branch never skips here)
-            h = b(h)
-        loss = h.square().mean()
-        loss.backward()
-        return loss.detach()
-
+    step = _layerdrop_step
     tgraph.enable(blocks, backend=backend, strict=strict)
     step(blocks, xs[0], 0, draw=False)
     blocks.zero_grad(set_to_none=True)

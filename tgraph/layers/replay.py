@@ -221,8 +221,7 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
         leave(cap, state)  # the stack was left: its outputs go
         return None
     if cap.rng_read is not None and cap.rng_read() != stack.rng_at:
-        stack.release()
-        stack.fell_back = state.wrong = DRAWN_BETWEEN
+        leave(cap, state, DRAWN_BETWEEN)
         return None
     stack.next = j + 1
     if j + 1 == len(pending):
@@ -230,18 +229,18 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
     return pending[j]
 
 
-def leave(cap: Captured, state: ReplayState) -> None:
+def leave(cap: Captured, state: ReplayState, why: str = LEFT_AFTER_DRAW) -> None:
     """The replayed stack is left before its last member took its part: its outputs go. A
     stack that draws random numbers drew every member's at its replay, where eager draws
     them at each call: a member falling back draws its own again, one never called drew none,
     and no position of the generators is known to be eager's from here. That step's numbers
     differ from eager's, which cannot be undone after the fact: the member's fallback says so
-    (strict raises) and the stack runs eagerly from now on (:data:`LEFT_AFTER_DRAW`, as
-    :data:`DRAWN_BETWEEN`). Called off the hot path only (a member that takes its part never
-    gets here)."""
+    (strict raises) and the stack runs eagerly from now on (``why``: :data:`LEFT_AFTER_DRAW`,
+    or :data:`DRAWN_BETWEEN` where the generators moved between its calls). Called off the hot
+    path only (a member that takes its part never gets here)."""
     stack = state.stack
     if stack.pending is not None and cap.rng_read is not None:
-        stack.fell_back = state.wrong = LEFT_AFTER_DRAW
+        stack.fell_back = state.wrong = why
     stack.release()
 
 
