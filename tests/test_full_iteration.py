@@ -438,9 +438,7 @@ def test_accumulated_gradients_restart_from_zero_after_set_to_none(backend, devi
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         if graphed and backend == "cuda":  # the path under test: the graph adds into .grad
-            assert {mode for e in step._entries.values() for *_, mode in e.cap.grad_modes} == {
-                "add"
-            }
+            assert {mode for e in step._all_entries() for *_, mode in e.cap.grad_modes} == {"add"}
         finals.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*finals):
         torch.testing.assert_close(b, a, **TOL)

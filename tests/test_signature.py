@@ -4,6 +4,7 @@ with a message naming the difference; arguments a graph cannot stand for are ref
 from __future__ import annotations
 
 import copy
+import json
 import re
 import warnings
 
@@ -186,3 +187,104 @@ def test_mutable_object_argument_names_the_cause(backend, device):
         block(x, cache=Cache()).sum().backward()
     with pytest.raises(RuntimeError, match="nothing recorded"):
         tgraph.create_graphs()  # no misleading host-sync hint: nothing was graphable
+
+
+def test_the_priority_order_torch_sets_at_its_first_attention_is_the_usual_one(
+    replays, monkeypatch
+):
+    """torch sets the SDPA priority order itself, once, at the first attention on a CUDA device
+    (cuDNN first on H100/H200 under torch 2.11). A model recorded before any attention had run
+    keyed its first layer under the old order and every later call under the new one, so that
+    layer never replayed (HF Llama on an H100: every step eager). Modeled on the CPU: the
+    process's first attention, and ``signature._pick_sdpa`` (torch's kernel choice), set the order
+    as torch's CUDA code does; strict replays every call, bitwise against eager. The real thing
+    is :func:`test_a_fresh_cuda_process_replays_its_first_layer`."""
+    from torch.nn import functional as F
+
+    from tgraph import signature
+    from tgraph.toy.gpt import GPT, GPTConfig
+
+    first = torch._C._get_sdp_priority_order()
+    for name in ("_settled", "_USUAL_FLAGS", "_USUAL_SDPA"):
+        monkeypatch.setattr(signature, name, getattr(signature, name))
+    signature._settled = [False]
+    pending = [True]
+
+    def torch_sets_its_order():  # sdp_utils.cpp's priority_order(), on a device preferring cuDNN
+        if pending[0]:
+            pending[0] = False
+            torch._C._set_sdp_priority_order([3, 1, 2, 0, 4])
+
+    attention = F.scaled_dot_product_attention
+
+    def first_attention_sets_it(*args, **kwargs):
+        torch_sets_its_order()
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", first_attention_sets_it)
+    monkeypatch.setattr(signature, "_pick_sdpa", torch_sets_its_order)
+    monkeypatch.setattr(signature, "_cuda_ready", lambda: True)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+        ref = copy.deepcopy(model)
+        tgraph.enable(model, backend="emulated", strict=True)
+        x, y = torch.randint(0, 256, (2, 4, 16), generator=torch.Generator().manual_seed(1))
+
+        def step(m):
+            _, loss = m(x, y)
+            loss.backward()
+            grads = [p.grad for p in m.parameters()]
+            m.zero_grad(set_to_none=True)
+            return [loss.detach(), *grads]
+
+        for i in range(3):
+            torch.testing.assert_close(step(model), step(ref), rtol=0, atol=0)
+            if i == 0:
+                tgraph.create_graphs()
+        assert not pending[0] and replays[0] and tgraph.eager_calls() == 0
+    finally:
+        torch._C._set_sdp_priority_order(first)
+
+
+_FRESH_PROCESS = """
+import copy, json, torch, tgraph
+from tgraph.toy.gpt import GPT, GPTConfig
+torch.manual_seed(0)
+model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=16)).cuda()
+ref = copy.deepcopy(model)
+tgraph.enable(model, backend="cuda", strict=True)
+x, y = torch.randint(0, 256, (2, 4, 16), device="cuda")
+before = torch._C._get_sdp_priority_order()
+losses = []
+for i in range(4):
+    for m in (model, ref):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = m(x, y)
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    if i == 0:
+        tgraph.create_graphs()
+print(json.dumps([before, torch._C._get_sdp_priority_order(), tgraph.eager_calls(), losses]))
+"""
+
+
+@pytest.mark.cuda
+def test_a_fresh_cuda_process_replays_its_first_layer():
+    """The real case of the test above: a process whose first attention is the recorded
+    iteration's (a fresh interpreter); strict, so a layer that did not replay raises. Losses of
+    replays equal eager's within bf16 rounding (same kernels, cuBLAS may pick others under
+    capture). Prints the order torch started with and the one it settled on (they differ on an
+    H100/H200 with torch 2.11)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after, eager, losses = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"SDPA priority order: {before} at the start, {after} after the first attention")
+    assert eager == 0
+    torch.testing.assert_close(losses[0::2], losses[1::2], rtol=1e-2, atol=1e-2)

@@ -207,6 +207,42 @@ _sdp_priority = torch._C._get_sdp_priority_order
 _sdp_math_reduced = torch._C._get_math_sdp_allow_fp16_bf16_reduction
 _USUAL_FLAGS = _sdpa_flags()  # a call under it keys no SDPASelection (the common case: short keys)
 _USUAL_SDPA = _selection(_USUAL_FLAGS)
+_settled = [False]  # settle_sdpa() has had torch pick its priority order
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing()
+
+
+def _pick_sdpa() -> None:
+    """Ask torch which kernel it would pick for a tiny CUDA attention (no kernel runs)."""
+    q = torch.zeros(1, 1, 1, 8, device="cuda", dtype=torch.float16)
+    with contextlib.suppress(RuntimeError):  # every backend off: torch picks none, sets nothing
+        torch._fused_sdp_choice(q, q, q)
+
+
+def settle_sdpa() -> None:
+    """Have torch settle the SDPA priority order it uses in this process, before a recorded
+    call reads it into a key; the order it settles on becomes the usual one (no
+    SDPASelection keyed for it). torch sets that order itself, once, at the first SDPA on a CUDA
+    device (``priority_order()`` in ATen's ``sdp_utils.cpp``: cuDNN first on sm90/sm100 with
+    cuDNN > 9.15, torch 2.11), so without this the first layer of a model recorded before any
+    attention had run keyed the old order, every later call the new one: that layer (and the
+    merged stack after it) never replayed. Asking torch which kernel it would pick
+    (``_fused_sdp_choice``, no kernel launched) runs that one-time step now. A no-op once done,
+    before CUDA is initialised and during a capture."""
+    global _USUAL_FLAGS, _USUAL_SDPA
+    if _settled[0] or not _cuda_ready():
+        return
+    _settled[0] = True
+    before = _sdp_priority()
+    _pick_sdpa()
+    after = _sdp_priority()
+    if after != before and _USUAL_FLAGS[6] == before:
+        _USUAL_FLAGS = (*_USUAL_FLAGS[:6], after, _USUAL_FLAGS[7])
+        _USUAL_SDPA = _selection(_USUAL_FLAGS)
+
+
 _SDPA_SETTERS = (
     torch._C._set_sdp_use_flash,
     torch._C._set_sdp_use_mem_efficient,

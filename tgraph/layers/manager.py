@@ -53,7 +53,7 @@ from tgraph.layers.segment import Segment
 from tgraph.layers.shortcut import follow, remember_head, shape_of
 from tgraph.memory import CaptureReport, MemoryReport
 from tgraph.python_state import tensor_holder
-from tgraph.signature import MutableArgument, call_key, difference, split
+from tgraph.signature import MutableArgument, call_key, difference, settle_sdpa, split
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,8 @@ class _Manager:
             out = self._continue_stack(state, args, kwargs, training)
             if out is not None:
                 return out
+        else:  # recording: the SDPA order torch settles on at its first CUDA attention, now
+            settle_sdpa()
         try:
             try:  # requires_grad of the parameters the module holds now
                 params = map(operator.getitem, state.param_tables, state.param_keys)
