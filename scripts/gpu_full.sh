@@ -4,7 +4,7 @@
 # graphed call with and without the module epoch (HF Llama, 12 merged layers). Carry .te/pkg,
 # .te/prune, .whl. BENCH=1 adds the HF Llama cells and the toy against the floor (bench_train.py,
 # as gpu_check.sh's perf check). Output: $OUT (summaries; every log and JSON in logs.tgz).
-# About 4 minutes, 8 with BENCH=1 (HF_MODES: the HF cells' modes). PROFILES: the host-time scripts to run (default both);
+# About 4 minutes, 8 with BENCH=1 (HF_MODES: the HF cells' modes; CELLS: the cells, ';'-separated). PROFILES: the host-time scripts to run (default both);
 # TREE: the commit to name in env.txt (the device's .git may be stale).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 { date -u; git log -1 --format='the device copy of .git: %h (often stale)' 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -30,7 +30,8 @@ for s in ${PROFILES:-profile_host profile_host_no_epoch}; do
 done
 if [ "${BENCH:-0}" = 1 ]; then
   modes=${HF_MODES:-eager,graphed_callables,tgraph_layer,tgraph_layer_norm_eager,tgraph_layer_direct,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_direct,tgraph_full}
-  for cell in "tiny,tiny_b1 fp32 toy 130" "llama_b1,llama_b8 fp32 hf_fp32 105" "llama_d1024 bf16 hf_d1024 85"; do
+  IFS=';' read -ra cells <<< "${CELLS:-tiny,tiny_b1 fp32 toy 130;llama_b1,llama_b8 fp32 hf_fp32 105;llama_d1024 bf16 hf_d1024 85}"
+  for cell in "${cells[@]}"; do
     set -- $cell; t0=$SECONDS
     m=$modes; [ "$3" = toy ] && m=eager,floor,graphed_callables,tgraph_layer,tgraph_layer_head,tgraph_layer_opt_noskip,tgraph_layer_opt_noskip_head,tgraph_model,tgraph_model_opt_noskip,tgraph_full
     steps=10; [ "$3" = toy ] && steps=50
