@@ -545,3 +545,83 @@ def test_python_step_count_in_a_param_group_is_refused_at_capture(backend, devic
     match = r"GroupStepSGD param_group 0: 'step' \(a Python int\) was written inside the captured"
     with pytest.raises(CaptureError, match=match):
         run(entry, backend, device, lambda ps: GroupStepSGD(ps, lr=LR))
+
+
+# -- GradScaler: the host numbers of scaler.update() ---------------------------------------------
+
+SCALER_CHANGES = {
+    "set_growth_factor": ("growth_factor", lambda s: s.set_growth_factor(4.0)),
+    "set_backoff_factor": ("backoff_factor", lambda s: s.set_backoff_factor(0.25)),
+    "set_growth_interval": ("growth_interval", lambda s: s.set_growth_interval(1)),
+    "load_state_dict": (
+        "growth_factor",
+        lambda s: s.load_state_dict({**s.state_dict(), "growth_factor": 8.0, "scale": 2.0**4}),
+    ),
+}
+
+
+class ScaledTrainer:
+    """A trainer that keeps its GradScaler as an attribute; its bound ``step`` is the
+    training step (the scaler is neither a closure variable nor a global of it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.model = make_model(device)
+        self.opt = CAPTURE_SAFE["AdamW_fused"](self.model.parameters())
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+
+    def step(self, batch):
+        x, y = batch
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(self.model(x), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        return loss
+
+
+def _train_scaled(backend, device, change, graphed: bool) -> tuple[ScaledTrainer, list[float]]:
+    """10 steps; ``change(scaler)`` before step 5 (after the capture at step 2); step 7's
+    gradients are not finite (skipped, the scale backs off). Returns the trainer and the scale
+    after every step."""
+    trainer = ScaledTrainer(device)
+    step = tgraph.FullIterationGraph(trainer.step, 2, backend) if graphed else trainer.step
+    scales = []
+    for i, (x, y) in enumerate(make_batches(device, 10)):
+        if i == 5:
+            change(trainer.scaler)
+        if i == 7:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        step((x, y))
+        scales.append(trainer.scaler.get_scale())
+    return trainer, scales
+
+
+@pytest.mark.parametrize("change", list(SCALER_CHANGES))
+def test_grad_scaler_settings_changed_after_capture_are_captured_again(
+    backend, device, change, replays
+):
+    """scaler.update() passes its growth factor, backoff factor and growth interval to the
+    device kernel as host numbers, which the graph keeps. Changed after the capture (a setter,
+    or load_state_dict), the next call warns naming it, runs eagerly and the step is captured
+    again with the new numbers: the scale (which decides which fp16 steps are skipped), the
+    parameters and the state are eager's bit for bit."""
+    name, fn = SCALER_CHANGES[change]
+    with pytest.warns(tgraph.GraphFallbackWarning, match=rf"GradScaler\.{name} changed from"):
+        trainer, scales = _train_scaled(backend, device, fn, graphed=True)
+    ref, ref_scales = _train_scaled(backend, device, fn, graphed=False)
+    assert scales == ref_scales
+    assert_same(trainer.model, trainer.opt, ref.model, ref.opt)
+    # replays: steps 3, 4, then 5 and 6 eager, 7 captured, 8 and 9 replayed (+ the captures on CUDA)
+    assert replays[0] == 4 + 2 * (backend == "cuda")
+
+
+def test_planted_grad_scaler_not_found_is_caught(backend, device, monkeypatch):
+    """The scaler found on the stack of its step is what makes a replay check its numbers:
+    without it, the graph keeps growing the scale by the captured factor."""
+    from tgraph.step import watch
+
+    monkeypatch.setattr(watch, "driving_scaler", lambda frames=6: None)
+    _, scales = _train_scaled(backend, device, SCALER_CHANGES["set_growth_factor"][1], True)
+    _, ref_scales = _train_scaled(backend, device, SCALER_CHANGES["set_growth_factor"][1], False)
+    assert scales != ref_scales

@@ -28,7 +28,9 @@ tensor of an optimizer's state or attributes, or of a module that ran in the ste
 inside a CUDA capture, and a Python number in an optimizer's state or attributes (a custom
 optimizer's ``state['step'] += 1``) written inside a capture on either backend; a graph keeps
 both at their capture-time value. A Python number the step only reads (a custom optimizer's
-``self.lr``) is :class:`BakedNumbers`': a change after capture captures the step again.
+``self.lr``), or a setting of another object it reads on the host (a ``GradScaler``'s growth
+factor, an :class:`tgraph.OptimizerGraph`'s clipping norm) is :class:`BakedNumbers`': a change
+after capture captures the step again.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numbers
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -228,26 +231,64 @@ class HostWrites:
         )
 
 
+class HostSettings(NamedTuple):
+    """Attributes of an object besides the optimizers whose values a captured step reads on the
+    host, so that the graph keeps them (:class:`BakedNumbers` compares them before each
+    replay): an :class:`tgraph.OptimizerGraph`'s clipping, a ``GradScaler``'s growth and
+    backoff (:func:`grad_scaler_settings`)."""
+
+    owner: object
+    names: tuple[str, ...]  # attribute names (a leading underscore is dropped in messages)
+    how: str  # how the step reads them: "a number the captured clipping reads"
+
+
+def grad_scaler_settings(scaler: torch.amp.GradScaler) -> HostSettings:
+    """The numbers ``scaler.update()`` passes to ``torch._amp_update_scale_`` as host arguments
+    (growth factor, backoff factor, growth interval): ``set_growth_factor`` and the other
+    setters, or ``load_state_dict``, change them after a capture that baked them."""
+    return HostSettings(
+        scaler,
+        ("_growth_factor", "_backoff_factor", "_growth_interval"),
+        "a host number scaler.update() passes to torch._amp_update_scale_",
+    )
+
+
 class BakedNumbers:
-    """The Python numbers among the optimizers' own attributes at capture (a custom optimizer's
-    ``self.lr``, which its step reads on the host): a graph keeps their capture-time value, so
-    a change after capture (a schedule assigning ``opt.lr``) is named by :meth:`change` before
-    the next replay, and the entry captures the step again. (Learning rates in param_groups
-    are :class:`tgraph.step.hyperparams.HyperParams`'.)"""
+    """The Python numbers a captured step read on the host, which the graph keeps at their
+    capture-time value: the optimizers' own numeric attributes (a custom optimizer's
+    ``self.lr``) and the ``settings`` of other objects (:class:`HostSettings`). A change after
+    capture (a schedule assigning ``opt.lr``, ``scaler.set_growth_factor(4.0)``) is named by
+    :meth:`change` before the next replay, and the entry captures the step again. (Learning
+    rates in param_groups are :class:`tgraph.step.hyperparams.HyperParams`'.)"""
 
     __slots__ = ("_held",)
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self._held = [(o, k, v) for o in optimizers for k, v in vars(o).items() if _is_number(v)]
+    def __init__(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        settings: Sequence[HostSettings] = (),
+    ) -> None:
+        self._held = [
+            (vars(o), k, v, f"{type(o).__name__}.{k}", "a Python number its step reads")
+            for o in optimizers
+            for k, v in vars(o).items()
+            if _is_number(v)
+        ]
+        for s in settings:
+            attributes, owner = vars(s.owner), type(s.owner).__name__
+            self._held += [
+                (attributes, k, attributes.get(k), f"{owner}.{k.lstrip('_')}", s.how)
+                for k in s.names
+            ]
 
     def change(self) -> str | None:
         """What changed since the capture, or None."""
-        for o, k, v in self._held:
-            now = vars(o).get(k)
+        for attributes, k, v, name, how in self._held:
+            now = attributes.get(k)
             if now is not v and now != v:
                 return (
-                    f"{type(o).__name__}.{k} changed from {v!r} to {now!r} after capture (a "
-                    "Python number its step reads, which the graph keeps)"
+                    f"{name} changed from {v!r} to {now!r} after capture ({how}, which the "
+                    "graph keeps)"
                 )
         return None
 
@@ -258,8 +299,10 @@ def _is_number(v: object) -> bool:
 
 __all__ = [
     "BakedNumbers",
+    "HostSettings",
     "HostWrites",
     "check_graphable_optimizer",
     "fused_groups_capturable",
+    "grad_scaler_settings",
     "host_state",
 ]
