@@ -2,15 +2,15 @@
 
 A CUDA graph replays device kernels and nothing else. An optimizer that keeps part of its state
 on the host advances it once, while the step is captured, and never again: torch's Adagrad,
-Adadelta, RMSprop, Adamax, NAdam, RAdam, ASGD, Rprop, and Adam/AdamW without ``fused`` or
-``capturable``, keep ``state['step']`` in a CPU tensor ("Deliberately host `step` on CPU if both
-capturable and fused are off", torch/optim/adam.py); a replayed Adagrad would keep stepping with
-the count of the capture (2 where eager has 3). Such optimizers are refused before the capture
-(:func:`check_graphable_optimizer`), decided by what the optimizer is, not by the device: the
-emulated backend, whose tensors are all CPU tensors, refuses exactly what CUDA refuses. (A
-custom optimizer without a ``capturable`` flag that creates its step count on the CPU is known
-by its device only: refused beside CUDA parameters; on the CPU that count is device memory,
-which the emulated graph replays.)
+Adadelta, RMSprop, Adamax, NAdam, RAdam, ASGD, Rprop, Adafactor, and Adam/AdamW without
+``fused`` or ``capturable``, keep ``state['step']`` in a CPU tensor ("Deliberately host `step`
+on CPU if both capturable and fused are off", torch/optim/adam.py); a replayed Adagrad would
+keep stepping with the count of the capture (2 where eager has 3). Such optimizers are refused
+before the capture (:func:`check_graphable_optimizer`), decided by what the optimizer is, not by
+the device: the emulated backend, whose tensors are all CPU tensors, refuses exactly what CUDA
+refuses. (A custom optimizer without a ``capturable`` flag that creates its step count on the CPU
+is known by its device only: refused beside CUDA parameters; on the CPU that count is device
+memory, which the emulated graph replays.)
 
 What torch captures safely is accepted:
 
@@ -21,7 +21,13 @@ What torch captures safely is accepted:
   of a capture only (:func:`fused_groups_capturable`);
 * ``capturable=True`` (CUDA);
 * an optimizer without host state (SGD, fused or not: its momentum buffers live beside the
-  parameters).
+  parameters), with a float ``lr``: torch's optimizers that are neither fused nor capturable
+  pass a tensor ``lr`` to their kernels as a Python scalar (``.item()`` at every step), and such
+  a group is refused too, naming ``fused=True`` or a float ``lr``.
+
+A group that lost the ``fused`` or ``capturable`` flag its optimizer was constructed with is
+refused saying so: torch's ``load_state_dict`` replaces the flags with those of the optimizer
+that saved the state dict (an eager foreach Adam's checkpoint loaded into a fused Adam).
 
 After a capture, :class:`HostWrites` refuses what the checks before it could not know: a CPU
 tensor of an optimizer's state or attributes, or of a module that ran in the step, written
@@ -46,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from tgraph.guards import CaptureError
+from tgraph.step.hyperparams import holds_tensor_lr
 
 # torch's fused implementations, and the devices each runs on (None: every device torch's fused
 # kernels support). torch refuses fused Adagrad on CUDA (_device_dtype_check_for_fused(...,
@@ -57,6 +64,12 @@ _FUSED_DEVICES: dict[str, set[str] | None] = {
     "Adagrad": {"cpu"},
 }
 _ALTERNATIVE = "an optimizer torch captures, e.g. torch.optim.AdamW(..., fused=True)"
+# torch's optimizers without a ``capturable`` option that keep their step count in a CPU tensor
+# all the same: Adagrad (``fused`` only) and Adafactor (neither; its step reads the count with
+# ``.item()``, torch/optim/_adafactor.py)
+_HOST_STEPPING = tuple(
+    c for c in (torch.optim.Adagrad, getattr(torch.optim, "Adafactor", None)) if c is not None
+)
 
 
 def host_state(opt: torch.optim.Optimizer, group: dict) -> str | None:
@@ -65,8 +78,9 @@ def host_state(opt: torch.optim.Optimizer, group: dict) -> str | None:
     Decided from what the optimizer is: a CPU state tensor beside parameters on another device
     (any optimizer); else, in a group with neither ``fused`` nor ``capturable`` set, torch's
     convention for optimizers that have a ``capturable`` option (and Adagrad, which has
-    ``fused`` only): their 0-dim state tensors (``step``; NAdam's ``mu_product``, ASGD's ``eta``
-    and ``mu``) are CPU tensors, whatever the parameters' device.
+    ``fused`` only, and Adafactor, which has neither): their 0-dim state tensors (``step``;
+    NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) are CPU tensors, whatever the
+    parameters' device.
     """
     for p in group["params"]:
         for k, v in opt.state.get(p, {}).items():
@@ -76,7 +90,7 @@ def host_state(opt: torch.optim.Optimizer, group: dict) -> str | None:
                 )
     if group.get("fused") or group.get("capturable"):
         return None
-    if "capturable" not in group and not isinstance(opt, torch.optim.Adagrad):
+    if "capturable" not in group and not isinstance(opt, _HOST_STEPPING):
         return None
     keys = sorted(
         {
@@ -126,13 +140,63 @@ def check_graphable_optimizer(
             raise ValueError(
                 f"{name} param_group {i} holds parameters on {sorted(map(str, devices))}{elsewhere}"
             )
+        flags = ", ".join(f"{k}={bool(g[k])}" for k in ("capturable", "fused") if k in g)
+        flags = f" ({flags})" if flags else ""
         what = host_state(opt, g)
         if what is not None:
-            flags = ", ".join(f"{k}={bool(g[k])}" for k in ("capturable", "fused") if k in g)
             raise ValueError(
-                f"{name} param_group {i}{f' ({flags})' if flags else ''} {what}: a graph would "
-                f"advance it once, at capture, and never again. {_fix(opt, g, device)}"
+                f"{name} param_group {i}{flags} {what}: a graph would advance it once, at "
+                f"capture, and never again. {_lost_flags(opt, g) or _fix(opt, g, device)}"
             )
+        if _reads_lr_on_host(opt, g):
+            raise ValueError(
+                f"{name} param_group {i}{flags} holds a tensor lr, which {name} reads on the "
+                "host at every step (.item()) unless it is fused or capturable: a graph cannot "
+                f"contain that read. {_lr_fix(opt, g, device)}"
+            )
+
+
+def _lost_flags(opt: torch.optim.Optimizer, group: dict) -> str | None:
+    """Where the optimizer was constructed ``fused`` or ``capturable`` and ``group`` is no
+    longer: the fix, for torch's ``load_state_dict``, which replaces each param_group's flags
+    with those of the optimizer that saved the state dict (an eager foreach Adam's checkpoint
+    loaded into a fused one); else None."""
+    lost = [k for k in ("fused", "capturable") if opt.defaults.get(k) and not group.get(k)]
+    if not lost:
+        return None
+    flag = lost[0]
+    return (
+        f"{type(opt).__name__} was constructed with {flag}=True, but a loaded state dict "
+        "(optimizer.load_state_dict) replaced the group's flags with those of the optimizer "
+        f"that saved it: set them in the state dict before loading (for g in "
+        f"sd['param_groups']: g[{flag!r}] = True, then optimizer.load_state_dict(sd): it puts "
+        f"the step count on the device), or load a checkpoint of a {flag} optimizer."
+    )
+
+
+def _reads_lr_on_host(opt: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether one of torch's optimizers reads this param_group's tensor ``lr`` on the host:
+    every one of them without ``fused`` or ``capturable`` passes it as a Python scalar
+    (``param.add_(grad, alpha=-lr)``: a host sync on a tensor). A custom optimizer may read a
+    tensor ``lr`` on the device: not refused here (a host read fails at capture)."""
+    return (
+        isinstance(group.get("lr"), torch.Tensor)
+        and not holds_tensor_lr(group)
+        and type(opt).__module__.startswith("torch.optim")
+    )
+
+
+def _lr_fix(opt: torch.optim.Optimizer, group: dict, device: torch.device) -> str:
+    name = type(opt).__name__
+    floats = "give it a float lr (baked into the graph: keep it constant after capture)"
+    if "fused" in group and name in _FUSED_DEVICES:
+        devices = _FUSED_DEVICES[name]
+        if devices is None or device.type in devices:
+            return (
+                f"Construct it with torch.optim.{name}(..., fused=True) (tgraph keeps its "
+                f"learning rate in a device tensor that schedulers update), or {floats}."
+            )
+    return f"Use {_ALTERNATIVE} for a scheduled learning rate, or {floats}."
 
 
 @contextlib.contextmanager
