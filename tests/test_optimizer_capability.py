@@ -88,9 +88,15 @@ HOST_STEPPING = {
     "NAdam": lambda ps: torch.optim.NAdam(ps, lr=LR),
     "ASGD": lambda ps: torch.optim.ASGD(ps, lr=LR),
 }
+if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5: no capturable option, and its step reads
+    HOST_STEPPING["Adafactor"] = lambda ps: torch.optim.Adafactor(
+        ps, lr=LR
+    )  # the count on the host
 
 
 def expected_fix(name: str, device: torch.device) -> str:
+    if name == "Adafactor":
+        return f"torch has no capturable Adafactor on {device.type}"
     if name in ("Adam", "AdamW"):
         return "fused=True" + (r"\) or .*capturable=True" if device.type == "cuda" else "")
     if name == "Adagrad":
@@ -107,8 +113,18 @@ def test_host_stepping_optimizer_is_refused_by_name(backend, device, kind, entry
     apart from its device, and is told by what the optimizer is): the message names the
     optimizer, its CPU step count and the fix; the refused call takes no step."""
     name = kind.split("_")[0]
+    # before any step ("its step count ... state['step'] ... CPU tensor") or after warmup
+    # steps made the state ("state['step'] on the CPU (a CPU tensor beside parameters ...)")
+    host = r"keeps (its step count|state\['step'\]) on the CPU \(.*CPU tensors?.*\)"
+    match = rf"^{name} param_group 0 .*{host}: .*{expected_fix(name, device)}"
+    assert_refused(entry, backend, device, HOST_STEPPING[kind], match)
+
+
+def assert_refused(entry: str, backend: str, device: torch.device, make_opt, match: str) -> None:
+    """Train through ``entry`` until a call raises ``ValueError`` matching ``match``: one line,
+    and that call took no step."""
     model = make_model(device)
-    opt = HOST_STEPPING[kind](model.parameters())
+    opt = make_opt(model.parameters())
 
     def train_step(batch):
         x, y = batch
@@ -120,10 +136,6 @@ def test_host_stepping_optimizer_is_refused_by_name(backend, device, kind, entry
         graph = tgraph.OptimizerGraph(opt, skip_nonfinite=False, backend=backend)
     else:
         graph = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
-    # before any step ("its step count ... state['step'] ... CPU tensor") or after warmup
-    # steps made the state ("state['step'] on the CPU (a CPU tensor beside parameters ...)")
-    host = r"keeps (its step count|state\['step'\]) on the CPU \(.*CPU tensors?.*\)"
-    match = rf"^{name} param_group 0 .*{host}: .*{expected_fix(name, device)}"
     batches = iter(make_batches(device))
     with pytest.raises(ValueError, match=match) as refused:
         for x, y in batches:
@@ -545,3 +557,205 @@ def test_python_step_count_in_a_param_group_is_refused_at_capture(backend, devic
     match = r"GroupStepSGD param_group 0: 'step' \(a Python int\) was written inside the captured"
     with pytest.raises(CaptureError, match=match):
         run(entry, backend, device, lambda ps: GroupStepSGD(ps, lr=LR))
+
+
+# -- refused: a tensor learning rate read on the host ------------------------------------------
+
+TENSOR_LR_SGD = {
+    "foreach": dict(foreach=True),
+    "for_loop": dict(foreach=False),
+    "momentum": dict(momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+@pytest.mark.parametrize("kind", list(TENSOR_LR_SGD))
+def test_tensor_lr_of_a_plain_sgd_is_refused_by_name(backend, device, kind, entry):
+    """torch's SGD without fused=True passes its lr to the kernels as a Python scalar: a tensor
+    lr is read with .item() at every step, which no graph can contain. Refused before the
+    capture in one line naming the tensor lr and the fix, not as a host sync inside the
+    capture; the refused call takes no step."""
+
+    def make(ps):
+        return torch.optim.SGD(ps, lr=torch.tensor(LR, device=device), **TENSOR_LR_SGD[kind])
+
+    match = r"^SGD param_group 0 \(fused=False\) holds a tensor lr, .*\(\.item\(\)\).*fused=True"
+    assert_refused(entry, backend, device, make, match)
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_tensor_lr_of_a_fused_sgd_replays_bitwise_as_eager(backend, device, entry, replays):
+    """The fix the refusal names: fused=True reads the tensor lr on the device; the schedule
+    reaches the graph and training is eager's bit for bit, with replays."""
+
+    def make(ps):
+        return torch.optim.SGD(ps, lr=torch.tensor(LR, device=device), momentum=0.9, fused=True)
+
+    model, opt, _ = run(entry, backend, device, make, schedule=True)
+    ref_model, ref_opt, _ = run("eager", backend, device, make, schedule=True)
+    assert_same(model, opt, ref_model, ref_opt)
+    eager = 1 if entry == "optimizer_graph" else 2  # warmup steps
+    assert replays[0] == STEPS - eager - (0 if backend == "cuda" else 1)
+
+
+# -- a checkpoint that changes the optimizer's flags -------------------------------------------
+
+
+def _foreach_adam_checkpoint(device: torch.device) -> tuple[dict, dict]:
+    """The model and optimizer state dicts of an eager foreach Adam after 3 steps."""
+    model = make_model(device)
+    opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=True)
+    for x, y in make_batches(device, 3):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.state_dict(), opt.state_dict()
+
+
+def _resume_from(entry, backend, device, flags: dict, replays):
+    """A fused Adam trained through ``entry``; before step 3 (after the capture) the foreach
+    checkpoint is loaded, its param_groups' flags updated with ``flags`` first. Returns the
+    model, the optimizer and the replays after the load."""
+    model_sd, opt_sd = _foreach_adam_checkpoint(device)
+    for g in opt_sd["param_groups"]:
+        g.update(flags)
+    model = make_model(device)
+    opt = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
+
+    def train_step(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    graph = None
+    if entry == "optimizer_graph":
+        graph = tgraph.OptimizerGraph(opt, backend=backend)
+    elif entry == "full_iteration":
+        graph = tgraph.FullIterationGraph(train_step, warmup_steps=2, backend=backend)
+    at_load = 0
+    for i, (x, y) in enumerate(make_batches(device)):
+        if i == 3:
+            if entry == "optimizer_graph":
+                assert graph.captured
+            elif entry == "full_iteration":
+                assert graph.num_graphs == 1
+            model.load_state_dict(model_sd)
+            opt.load_state_dict(opt_sd)
+            at_load = replays[0]
+        if entry == "optimizer_graph":
+            F.mse_loss(model(x), y).backward()
+            graph.step()
+        elif entry == "full_iteration":
+            with pytest.warns(tgraph.GraphFallbackWarning) if i == 3 else contextlib.nullcontext():
+                graph((x, y))
+        else:
+            train_step((x, y))
+    return model, opt, replays[0] - at_load
+
+
+@pytest.mark.parametrize("entry", ["optimizer_graph", "full_iteration"])
+def test_checkpoint_of_a_foreach_adam_loaded_into_a_fused_one_is_refused_naming_the_flags(
+    backend, device, entry, replays
+):
+    """torch's load_state_dict replaces each param_group's flags with those of the optimizer
+    that saved it: a foreach Adam's checkpoint makes the fused Adam a host-stepping one after
+    capture. Refused in one line that says so and how to load it, not "construct it with
+    fused=True", which the user did. The fix it names (the flag set in the state dict before
+    loading) trains as eager, bit for bit, and replays after the load."""
+    match = (
+        r"^Adam param_group 0 .*keeps .* on the CPU .*Adam was constructed with fused=True, but "
+        r"a loaded state dict \(optimizer\.load_state_dict\) replaced the group's flags .*"
+        r"g\['fused'\] = True"
+    )
+    with pytest.raises(ValueError, match=match) as refused:
+        _resume_from(entry, backend, device, {}, replays)
+    assert "\n" not in str(refused.value)
+
+    fixed = {"fused": True}
+    model, opt, after_load = _resume_from(entry, backend, device, fixed, replays)
+    ref_model, ref_opt, _ = _resume_from("eager", backend, device, fixed, replays)
+    assert_same(model, opt, ref_model, ref_opt)
+    # steps 3.. warm up, capture and replay again (the capture is a replay on CUDA)
+    warmup = 1 if entry == "optimizer_graph" else 2
+    assert after_load == STEPS - 3 - warmup - (0 if backend == "cuda" else 1)
+
+
+# -- GradScaler: the host numbers of scaler.update() ---------------------------------------------
+
+SCALER_CHANGES = {
+    "set_growth_factor": ("growth_factor", lambda s: s.set_growth_factor(4.0)),
+    "set_backoff_factor": ("backoff_factor", lambda s: s.set_backoff_factor(0.25)),
+    "set_growth_interval": ("growth_interval", lambda s: s.set_growth_interval(1)),
+    "load_state_dict": (
+        "growth_factor",
+        lambda s: s.load_state_dict({**s.state_dict(), "growth_factor": 8.0, "scale": 2.0**4}),
+    ),
+}
+
+
+class ScaledTrainer:
+    """A trainer that keeps its GradScaler as an attribute; its bound ``step`` is the
+    training step (the scaler is neither a closure variable nor a global of it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.model = make_model(device)
+        self.opt = CAPTURE_SAFE["AdamW_fused"](self.model.parameters())
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+
+    def step(self, batch):
+        x, y = batch
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(self.model(x), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        return loss
+
+
+def _train_scaled(backend, device, change, graphed: bool) -> tuple[ScaledTrainer, list[float]]:
+    """10 steps; ``change(scaler)`` before step 5 (after the capture at step 2); step 7's
+    gradients are not finite (skipped, the scale backs off). Returns the trainer and the scale
+    after every step."""
+    trainer = ScaledTrainer(device)
+    step = tgraph.FullIterationGraph(trainer.step, 2, backend) if graphed else trainer.step
+    scales = []
+    for i, (x, y) in enumerate(make_batches(device, 10)):
+        if i == 5:
+            change(trainer.scaler)
+        if i == 7:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        step((x, y))
+        scales.append(trainer.scaler.get_scale())
+    return trainer, scales
+
+
+@pytest.mark.parametrize("change", list(SCALER_CHANGES))
+def test_grad_scaler_settings_changed_after_capture_are_captured_again(
+    backend, device, change, replays
+):
+    """scaler.update() passes its growth factor, backoff factor and growth interval to the
+    device kernel as host numbers, which the graph keeps. Changed after the capture (a setter,
+    or load_state_dict), the next call warns naming it, runs eagerly and the step is captured
+    again with the new numbers: the scale (which decides which fp16 steps are skipped), the
+    parameters and the state are eager's bit for bit."""
+    name, fn = SCALER_CHANGES[change]
+    with pytest.warns(tgraph.GraphFallbackWarning, match=rf"GradScaler\.{name} changed from"):
+        trainer, scales = _train_scaled(backend, device, fn, graphed=True)
+    ref, ref_scales = _train_scaled(backend, device, fn, graphed=False)
+    assert scales == ref_scales
+    assert_same(trainer.model, trainer.opt, ref.model, ref.opt)
+    # replays: steps 3, 4, then 5 and 6 eager, 7 captured, 8 and 9 replayed (+ the captures on CUDA)
+    assert replays[0] == 4 + 2 * (backend == "cuda")
+
+
+def test_planted_grad_scaler_not_found_is_caught(backend, device, monkeypatch):
+    """The scaler found on the stack of its step is what makes a replay check its numbers:
+    without it, the graph keeps growing the scale by the captured factor."""
+    from tgraph.step import watch
+
+    monkeypatch.setattr(watch, "driving_scaler", lambda frames=6: None)
+    _, scales = _train_scaled(backend, device, SCALER_CHANGES["set_growth_factor"][1], True)
+    _, ref_scales = _train_scaled(backend, device, SCALER_CHANGES["set_growth_factor"][1], False)
+    assert scales != ref_scales

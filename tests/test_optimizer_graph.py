@@ -271,6 +271,61 @@ def test_baked_hyperparameter_changed_after_capture_is_captured_again(
     assert replays[0] == 4 + 2 * (backend == "cuda")
 
 
+def _train_with_clipping_change(backend, device, key, value, *, graphed: bool):
+    """Train STEPS steps clipped to 0.05 (below the gradient norms: active at every step),
+    setting the OptimizerGraph's ``key`` (and the eager clipping's) to ``value`` before step 5,
+    after the capture at step 1."""
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+    clip = {"clip_grad_norm": 0.05, "norm_type": 2.0}
+    graph = tgraph.OptimizerGraph(opt, **clip, backend=backend) if graphed else None
+    for i, (x, y) in enumerate(make_batches(device)):
+        if i == 5:
+            clip[key] = value
+            if graph is not None:
+                assert graph.captured
+                setattr(graph, key, value)
+        model(x, y)[1].backward()
+        if graph is not None:
+            graph.step()
+            continue
+        if clip["clip_grad_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), *clip.values())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+CLIPPING_CHANGES = [("clip_grad_norm", 1e-3), ("norm_type", float("inf")), ("clip_grad_norm", None)]
+
+
+@pytest.mark.parametrize("key, value", CLIPPING_CHANGES)
+def test_clipping_changed_after_capture_is_captured_again(
+    backend, device, key, value, replays, caplog
+):
+    """clip_grad_norm and norm_type are host numbers of the captured clipping: set after the
+    capture (None included: no clipping), the change is named, the step is captured again with
+    it after warmup, and training is eager's, bit for bit."""
+    with caplog.at_level("WARNING", logger="tgraph.step.optimizer_graph"):
+        model, opt = _train_with_clipping_change(backend, device, key, value, graphed=True)
+    assert f"OptimizerGraph.{key} changed from" in caplog.text
+    ref_model, ref_opt = _train_with_clipping_change(backend, device, key, value, graphed=False)
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    # replays: steps 2-4, then step 5 eager, 6 captured, 7 replayed (+ the captures on CUDA)
+    assert replays[0] == 4 + 2 * (backend == "cuda")
+
+
+def test_planted_clipping_not_checked_is_caught(backend, device, monkeypatch):
+    """Without the clipping among what a replay checks, the graph keeps clipping to 0.05."""
+    from tgraph.step import optimizer_graph
+
+    monkeypatch.setattr(optimizer_graph, "_CLIPPING", ())
+    model, opt = _train_with_clipping_change(backend, device, "clip_grad_norm", 1e-3, graphed=True)
+    ref = _train_with_clipping_change(backend, device, "clip_grad_norm", 1e-3, graphed=False)
+    with pytest.raises(AssertionError, match="parameter 0 differs from eager"):
+        assert_same_training_state(model, opt, *ref)
+
+
 def test_weight_decay_schedule_is_eagers_bit_for_bit(backend, device):
     """A weight decay changed at every step: never a replay of a stale value."""
 

@@ -53,6 +53,7 @@ from tgraph.snapshot import Snapshot
 from tgraph.step.captured import CapturedStep
 from tgraph.step.host_state import (
     BakedNumbers,
+    HostSettings,
     HostWrites,
     check_graphable_optimizer,
     fused_groups_capturable,
@@ -187,18 +188,19 @@ class StepCapture:
         self.pool_bytes = f.memory_allocated() - before
         return out
 
-    def result(self, **parts: Any) -> CapturedStep:
+    def result(self, *, settings: Sequence[HostSettings] = (), **parts: Any) -> CapturedStep:
         """After a successful :meth:`capture`: the step's capture result, the frozen
         :class:`tgraph.step.captured.CapturedStep` a replay reads, with the graph, its
         hyper-parameters, what the optimizers baked in (their layout and Python numbers, taken
-        now) and the capture's cost; ``parts`` are
+        now, with the entry's ``settings``: other objects' numbers the step read on the host)
+        and the capture's cost; ``parts`` are
         the entry's own fields (static batch, outputs, gradients, ``baked``)."""
         return CapturedStep(
             graph=self.graph,
             factory=self.factory,
             hparams=tuple(self.hparams),
             layout=BakedLayout(self.optimizers),
-            numbers=BakedNumbers(self.optimizers),
+            numbers=BakedNumbers(self.optimizers, settings),
             seconds=self.seconds,
             pool_bytes=self.pool_bytes,
             steps=self.steps,

@@ -121,7 +121,7 @@ class CapturedStep:
     factory: GraphFactory  # the backend and device it was captured on (side stream, sync)
     hparams: tuple[HyperParams, ...]  # refreshed before every replay (their lr tensors)
     layout: BakedLayout  # the optimizers' groups and state tensors at capture
-    numbers: BakedNumbers  # the optimizers' Python-number attributes at capture
+    numbers: BakedNumbers  # the Python numbers it read on the host (optimizers', a GradScaler's)
     seconds: float  # wall time of the capture
     pool_bytes: int  # device memory the capture allocated (0 on the emulated backend)
     steps: OptimizerSteps | None = None  # its optimizer steps: their post-hooks, after replays
@@ -138,7 +138,8 @@ class CapturedStep:
 
     def change(self) -> str | None:
         """Why the graph no longer fits what it baked in (the optimizers' layout or numbers,
-        their param_groups' numbers and step pre-hooks, the modules' attributes and hooks), or None: replay."""
+        the host numbers of the entry and a GradScaler, the param_groups' numbers and step
+        pre-hooks, the modules' attributes and hooks), or None: replay."""
         why = self.layout.change() or self.numbers.change()
         for hp in self.hparams:
             why = why or hp.change()

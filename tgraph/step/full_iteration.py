@@ -68,7 +68,10 @@ Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` 
   A float ``lr`` that changes after capture (a plain SGD's) raises a ``ValueError`` naming the
   fix. The other numbers of a param_group (weight decay, betas, momentum) are host numbers of
   torch's fused and capturable kernels: a change (a weight-decay schedule) makes the next call
-  warn once, run eagerly and capture the step again after warmup, with the new value.
+  warn once, run eagerly and capture the step again after warmup, with the new value. So does a
+  change of a ``torch.amp.GradScaler``'s growth factor, backoff factor or growth interval (its
+  setters, ``load_state_dict``), which ``scaler.update()`` passes to the device as host numbers:
+  the scaler whose ``step`` runs inside ``fn`` is noted during the warmup calls.
 * Accepted by what they are (tgraph/step/host_state.py): ``fused=True`` (Adam, AdamW, SGD;
   Adagrad on the CPU), ``capturable=True`` (CUDA), or no state on the host (plain SGD). An
   optimizer that keeps its step count on the host (Adagrad, Adadelta, RMSprop, Adam/AdamW
@@ -115,6 +118,7 @@ from tgraph.signature import call_key, first_difference, split
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.captured import CapturedStep, Phase, StepMode
+from tgraph.step.host_state import grad_scaler_settings
 from tgraph.step.hyperparams import HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
 from tgraph.step.step_grads import grad_modes, grads_weakly, sync_grads_in
@@ -191,6 +195,7 @@ class FullIterationGraph:
         # per batch signature, its entries: one per mode captured, the one last used first
         self._entries: dict[tuple, list[_Entry]] = {}
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._scalers: dict[int, torch.amp.GradScaler] = {}  # GradScalers stepping them
         self._modules: dict[int, nn.Module] = {}
         self._hparams: list[HyperParams] = []  # one per batch of optimizers seen at a capture
         self._recaptured: set[str] = set()  # changes after capture already warned about
@@ -371,6 +376,8 @@ class FullIterationGraph:
         outputs, template = split(out)
         entry.phase = Phase.CAPTURED
         entry.cap = cap = step.result(
+            # a GradScaler's growth and backoff: host numbers of the update the graph baked
+            settings=[grad_scaler_settings(s) for s in self._scalers.values()],
             static_inputs=tuple(static),
             outputs=tuple(outputs),
             template=template,

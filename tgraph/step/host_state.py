@@ -2,15 +2,15 @@
 
 A CUDA graph replays device kernels and nothing else. An optimizer that keeps part of its state
 on the host advances it once, while the step is captured, and never again: torch's Adagrad,
-Adadelta, RMSprop, Adamax, NAdam, RAdam, ASGD, Rprop, and Adam/AdamW without ``fused`` or
-``capturable``, keep ``state['step']`` in a CPU tensor ("Deliberately host `step` on CPU if both
-capturable and fused are off", torch/optim/adam.py); a replayed Adagrad would keep stepping with
-the count of the capture (2 where eager has 3). Such optimizers are refused before the capture
-(:func:`check_graphable_optimizer`), decided by what the optimizer is, not by the device: the
-emulated backend, whose tensors are all CPU tensors, refuses exactly what CUDA refuses. (A
-custom optimizer without a ``capturable`` flag that creates its step count on the CPU is known
-by its device only: refused beside CUDA parameters; on the CPU that count is device memory,
-which the emulated graph replays.)
+Adadelta, RMSprop, Adamax, NAdam, RAdam, ASGD, Rprop, Adafactor, and Adam/AdamW without
+``fused`` or ``capturable``, keep ``state['step']`` in a CPU tensor ("Deliberately host `step`
+on CPU if both capturable and fused are off", torch/optim/adam.py); a replayed Adagrad would
+keep stepping with the count of the capture (2 where eager has 3). Such optimizers are refused
+before the capture (:func:`check_graphable_optimizer`), decided by what the optimizer is, not by
+the device: the emulated backend, whose tensors are all CPU tensors, refuses exactly what CUDA
+refuses. (A custom optimizer without a ``capturable`` flag that creates its step count on the CPU
+is known by its device only: refused beside CUDA parameters; on the CPU that count is device
+memory, which the emulated graph replays.)
 
 What torch captures safely is accepted:
 
@@ -21,14 +21,22 @@ What torch captures safely is accepted:
   of a capture only (:func:`fused_groups_capturable`);
 * ``capturable=True`` (CUDA);
 * an optimizer without host state (SGD, fused or not: its momentum buffers live beside the
-  parameters).
+  parameters), with a float ``lr``: torch's optimizers that are neither fused nor capturable
+  pass a tensor ``lr`` to their kernels as a Python scalar (``.item()`` at every step), and such
+  a group is refused too, naming ``fused=True`` or a float ``lr``.
+
+A group that lost the ``fused`` or ``capturable`` flag its optimizer was constructed with is
+refused saying so: torch's ``load_state_dict`` replaces the flags with those of the optimizer
+that saved the state dict (an eager foreach Adam's checkpoint loaded into a fused Adam).
 
 After a capture, :class:`HostWrites` refuses what the checks before it could not know: a CPU
 tensor of an optimizer's state or attributes, or of a module that ran in the step, written
 inside a CUDA capture, and a Python number in an optimizer's state or attributes (a custom
 optimizer's ``state['step'] += 1``) written inside a capture on either backend; a graph keeps
 both at their capture-time value. A Python number the step only reads (a custom optimizer's
-``self.lr``) is :class:`BakedNumbers`': a change after capture captures the step again.
+``self.lr``), or a setting of another object it reads on the host (a ``GradScaler``'s growth
+factor, an :class:`tgraph.OptimizerGraph`'s clipping norm) is :class:`BakedNumbers`': a change
+after capture captures the step again.
 """
 
 from __future__ import annotations
@@ -38,11 +46,13 @@ import numbers
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 from tgraph.guards import CaptureError
+from tgraph.step.hyperparams import holds_tensor_lr
 
 # torch's fused implementations, and the devices each runs on (None: every device torch's fused
 # kernels support). torch refuses fused Adagrad on CUDA (_device_dtype_check_for_fused(...,
@@ -54,6 +64,12 @@ _FUSED_DEVICES: dict[str, set[str] | None] = {
     "Adagrad": {"cpu"},
 }
 _ALTERNATIVE = "an optimizer torch captures, e.g. torch.optim.AdamW(..., fused=True)"
+# torch's optimizers without a ``capturable`` option that keep their step count in a CPU tensor
+# all the same: Adagrad (``fused`` only) and Adafactor (neither; its step reads the count with
+# ``.item()``, torch/optim/_adafactor.py)
+_HOST_STEPPING = tuple(
+    c for c in (torch.optim.Adagrad, getattr(torch.optim, "Adafactor", None)) if c is not None
+)
 
 
 def host_state(opt: torch.optim.Optimizer, group: dict) -> str | None:
@@ -62,8 +78,9 @@ def host_state(opt: torch.optim.Optimizer, group: dict) -> str | None:
     Decided from what the optimizer is: a CPU state tensor beside parameters on another device
     (any optimizer); else, in a group with neither ``fused`` nor ``capturable`` set, torch's
     convention for optimizers that have a ``capturable`` option (and Adagrad, which has
-    ``fused`` only): their 0-dim state tensors (``step``; NAdam's ``mu_product``, ASGD's ``eta``
-    and ``mu``) are CPU tensors, whatever the parameters' device.
+    ``fused`` only, and Adafactor, which has neither): their 0-dim state tensors (``step``;
+    NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) are CPU tensors, whatever the
+    parameters' device.
     """
     for p in group["params"]:
         for k, v in opt.state.get(p, {}).items():
@@ -73,7 +90,7 @@ def host_state(opt: torch.optim.Optimizer, group: dict) -> str | None:
                 )
     if group.get("fused") or group.get("capturable"):
         return None
-    if "capturable" not in group and not isinstance(opt, torch.optim.Adagrad):
+    if "capturable" not in group and not isinstance(opt, _HOST_STEPPING):
         return None
     keys = sorted(
         {
@@ -123,13 +140,63 @@ def check_graphable_optimizer(
             raise ValueError(
                 f"{name} param_group {i} holds parameters on {sorted(map(str, devices))}{elsewhere}"
             )
+        flags = ", ".join(f"{k}={bool(g[k])}" for k in ("capturable", "fused") if k in g)
+        flags = f" ({flags})" if flags else ""
         what = host_state(opt, g)
         if what is not None:
-            flags = ", ".join(f"{k}={bool(g[k])}" for k in ("capturable", "fused") if k in g)
             raise ValueError(
-                f"{name} param_group {i}{f' ({flags})' if flags else ''} {what}: a graph would "
-                f"advance it once, at capture, and never again. {_fix(opt, g, device)}"
+                f"{name} param_group {i}{flags} {what}: a graph would advance it once, at "
+                f"capture, and never again. {_lost_flags(opt, g) or _fix(opt, g, device)}"
             )
+        if _reads_lr_on_host(opt, g):
+            raise ValueError(
+                f"{name} param_group {i}{flags} holds a tensor lr, which {name} reads on the "
+                "host at every step (.item()) unless it is fused or capturable: a graph cannot "
+                f"contain that read. {_lr_fix(opt, g, device)}"
+            )
+
+
+def _lost_flags(opt: torch.optim.Optimizer, group: dict) -> str | None:
+    """Where the optimizer was constructed ``fused`` or ``capturable`` and ``group`` is no
+    longer: the fix, for torch's ``load_state_dict``, which replaces each param_group's flags
+    with those of the optimizer that saved the state dict (an eager foreach Adam's checkpoint
+    loaded into a fused one); else None."""
+    lost = [k for k in ("fused", "capturable") if opt.defaults.get(k) and not group.get(k)]
+    if not lost:
+        return None
+    flag = lost[0]
+    return (
+        f"{type(opt).__name__} was constructed with {flag}=True, but a loaded state dict "
+        "(optimizer.load_state_dict) replaced the group's flags with those of the optimizer "
+        f"that saved it: set them in the state dict before loading (for g in "
+        f"sd['param_groups']: g[{flag!r}] = True, then optimizer.load_state_dict(sd): it puts "
+        f"the step count on the device), or load a checkpoint of a {flag} optimizer."
+    )
+
+
+def _reads_lr_on_host(opt: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether one of torch's optimizers reads this param_group's tensor ``lr`` on the host:
+    every one of them without ``fused`` or ``capturable`` passes it as a Python scalar
+    (``param.add_(grad, alpha=-lr)``: a host sync on a tensor). A custom optimizer may read a
+    tensor ``lr`` on the device: not refused here (a host read fails at capture)."""
+    return (
+        isinstance(group.get("lr"), torch.Tensor)
+        and not holds_tensor_lr(group)
+        and type(opt).__module__.startswith("torch.optim")
+    )
+
+
+def _lr_fix(opt: torch.optim.Optimizer, group: dict, device: torch.device) -> str:
+    name = type(opt).__name__
+    floats = "give it a float lr (baked into the graph: keep it constant after capture)"
+    if "fused" in group and name in _FUSED_DEVICES:
+        devices = _FUSED_DEVICES[name]
+        if devices is None or device.type in devices:
+            return (
+                f"Construct it with torch.optim.{name}(..., fused=True) (tgraph keeps its "
+                f"learning rate in a device tensor that schedulers update), or {floats}."
+            )
+    return f"Use {_ALTERNATIVE} for a scheduled learning rate, or {floats}."
 
 
 @contextlib.contextmanager
@@ -228,26 +295,64 @@ class HostWrites:
         )
 
 
+class HostSettings(NamedTuple):
+    """Attributes of an object besides the optimizers whose values a captured step reads on the
+    host, so that the graph keeps them (:class:`BakedNumbers` compares them before each
+    replay): an :class:`tgraph.OptimizerGraph`'s clipping, a ``GradScaler``'s growth and
+    backoff (:func:`grad_scaler_settings`)."""
+
+    owner: object
+    names: tuple[str, ...]  # attribute names (a leading underscore is dropped in messages)
+    how: str  # how the step reads them: "a number the captured clipping reads"
+
+
+def grad_scaler_settings(scaler: torch.amp.GradScaler) -> HostSettings:
+    """The numbers ``scaler.update()`` passes to ``torch._amp_update_scale_`` as host arguments
+    (growth factor, backoff factor, growth interval): ``set_growth_factor`` and the other
+    setters, or ``load_state_dict``, change them after a capture that baked them."""
+    return HostSettings(
+        scaler,
+        ("_growth_factor", "_backoff_factor", "_growth_interval"),
+        "a host number scaler.update() passes to torch._amp_update_scale_",
+    )
+
+
 class BakedNumbers:
-    """The Python numbers among the optimizers' own attributes at capture (a custom optimizer's
-    ``self.lr``, which its step reads on the host): a graph keeps their capture-time value, so
-    a change after capture (a schedule assigning ``opt.lr``) is named by :meth:`change` before
-    the next replay, and the entry captures the step again. (Learning rates in param_groups
-    are :class:`tgraph.step.hyperparams.HyperParams`'.)"""
+    """The Python numbers a captured step read on the host, which the graph keeps at their
+    capture-time value: the optimizers' own numeric attributes (a custom optimizer's
+    ``self.lr``) and the ``settings`` of other objects (:class:`HostSettings`). A change after
+    capture (a schedule assigning ``opt.lr``, ``scaler.set_growth_factor(4.0)``) is named by
+    :meth:`change` before the next replay, and the entry captures the step again. (Learning
+    rates in param_groups are :class:`tgraph.step.hyperparams.HyperParams`'.)"""
 
     __slots__ = ("_held",)
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self._held = [(o, k, v) for o in optimizers for k, v in vars(o).items() if _is_number(v)]
+    def __init__(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        settings: Sequence[HostSettings] = (),
+    ) -> None:
+        self._held = [
+            (vars(o), k, v, f"{type(o).__name__}.{k}", "a Python number its step reads")
+            for o in optimizers
+            for k, v in vars(o).items()
+            if _is_number(v)
+        ]
+        for s in settings:
+            attributes, owner = vars(s.owner), type(s.owner).__name__
+            self._held += [
+                (attributes, k, attributes.get(k), f"{owner}.{k.lstrip('_')}", s.how)
+                for k in s.names
+            ]
 
     def change(self) -> str | None:
         """What changed since the capture, or None."""
-        for o, k, v in self._held:
-            now = vars(o).get(k)
+        for attributes, k, v, name, how in self._held:
+            now = attributes.get(k)
             if now is not v and now != v:
                 return (
-                    f"{type(o).__name__}.{k} changed from {v!r} to {now!r} after capture (a "
-                    "Python number its step reads, which the graph keeps)"
+                    f"{name} changed from {v!r} to {now!r} after capture ({how}, which the "
+                    "graph keeps)"
                 )
         return None
 
@@ -258,8 +363,10 @@ def _is_number(v: object) -> bool:
 
 __all__ = [
     "BakedNumbers",
+    "HostSettings",
     "HostWrites",
     "check_graphable_optimizer",
     "fused_groups_capturable",
+    "grad_scaler_settings",
     "host_state",
 ]

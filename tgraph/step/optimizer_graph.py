@@ -63,6 +63,7 @@ from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
 from tgraph.step.captured import CapturedStep, Phase
 from tgraph.step.grad_buffers import GradBuffers
+from tgraph.step.host_state import HostSettings
 from tgraph.step.nonfinite import SkipNonfinite, finite, state_layout, total_norm
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ logger = logging.getLogger(__name__)
 
 
 _ELSEWHERE = ", but the graph runs on {device}: one OptimizerGraph per device"
+_CLIPPING = ("clip_grad_norm", "norm_type")
 
 
 class OptimizerGraph:
@@ -86,7 +88,9 @@ class OptimizerGraph:
             (:class:`tgraph.step.hyperparams.HyperParams`).
         clip_grad_norm: clip the gradients to this total norm first, exactly as
             ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type)`` (on the device).
-        norm_type: the norm of clipping and of the finiteness check.
+            The attribute may be set later (None: no clipping); the graph bakes it, so a change
+            after capture captures the step again after warmup (logged).
+        norm_type: the norm of clipping and of the finiteness check (the same after capture).
         skip_nonfinite: skip the step (parameters and state untouched, Adam's step count
             included) when the gradient norm, or the loss passed to :meth:`step`, is not finite.
             Default False, as :class:`tgraph.FullIterationGraph`: the graph then steps exactly
@@ -348,6 +352,9 @@ class OptimizerGraph:
             return self._eager_instead(step)
         self._phase = Phase.CAPTURED
         self._cap = step.result(
+            # the clipping the graph baked (clip_grad_norm_ reads both on the host): a change
+            # after capture, None included, captures the step again
+            settings=[HostSettings(self, _CLIPPING, "a number the captured clipping reads")],
             params=tuple(self.params()),
             static_inputs=() if self._static_loss is None else (self._static_loss,),
             grad_buffers=buffers,

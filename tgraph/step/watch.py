@@ -2,14 +2,17 @@
 
 :class:`Watch` puts two global hooks around an eager call of ``fn``: an optimizer step
 pre-hook notes every ``torch.optim.Optimizer`` that steps (their learning rates reach the graph,
-their state is snapshotted and checked), and a module forward pre-hook notes every module that
-runs (what the graph bakes in: :class:`tgraph.baked.Baked`). On the way it refuses what cannot
+their state is snapshotted and checked) and the ``torch.amp.GradScaler`` that steps it, if one
+does (:func:`driving_scaler`: the numbers its ``update()`` passes to the device are checked
+before each replay), and a module forward pre-hook notes every module that runs (what the graph
+bakes in: :class:`tgraph.baked.Baked`). On the way it refuses what cannot
 be captured: per-layer graphs enabled inside ``fn`` (:func:`check_not_nested`) and DDP with
 fewer eager iterations than PyTorch requires before a capture (:data:`DDP_MIN_WARMUP`).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -26,10 +29,11 @@ DDP_MIN_WARMUP = 11
 
 
 class Owner(Protocol):
-    """What the watch fills: the entry's noted optimizers and modules, by id."""
+    """What the watch fills: the entry's noted optimizers, scalers and modules, by id."""
 
     warmup_steps: int
     _optimizers: dict[int, torch.optim.Optimizer]
+    _scalers: dict[int, torch.amp.GradScaler]
     _modules: dict[int, nn.Module]
 
 
@@ -49,6 +53,24 @@ def check_not_nested(modules: Iterable[nn.Module], recurse: bool = True) -> None
                     "tgraph.disable(model) before using FullIterationGraph, or keep the "
                     "per-layer graphs and call the step without FullIterationGraph."
                 )
+
+
+def driving_scaler(frames: int = 6) -> torch.amp.GradScaler | None:
+    """Inside an optimizer step pre-hook: the ``GradScaler`` whose ``step(optimizer)`` runs this
+    optimizer step, or None. torch offers no hook on a scaler, and a training step may hold it
+    anywhere (a closure, a global, a trainer's attribute); its ``step`` is on the stack a few
+    frames up (the pre-hook, ``Optimizer.step``'s hook wrapper, ``GradScaler._maybe_opt_step``,
+    ``GradScaler.step``), its ``self`` the scaler."""
+    frame = sys._getframe(1)
+    for _ in range(frames):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if "self" in frame.f_code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.amp.GradScaler):
+                return owner
+    return None
 
 
 _EXTRA_FIRE = r"Using `torch.compile\(module\)` when there are global hooks on modules"
@@ -80,6 +102,9 @@ class Watch:
 
     def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._owner._optimizers.setdefault(id(opt), opt)
+        scaler = None if torch.compiler.is_compiling() else driving_scaler()
+        if scaler is not None:
+            self._owner._scalers.setdefault(id(scaler), scaler)
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         # A global hook runs inside a torch.compile'd module's forward too, where dynamo traces
@@ -106,4 +131,4 @@ class Watch:
         owner._modules[id(module)] = module
 
 
-__all__ = ["DDP_MIN_WARMUP", "Watch", "check_not_nested"]
+__all__ = ["DDP_MIN_WARMUP", "Watch", "check_not_nested", "driving_scaler"]
