@@ -126,6 +126,45 @@ def test_mixed_greedy_and_sampled_rows(backend, device):
     assert mixed[1] != all_greedy[1] or mixed[3] != all_greedy[3]
 
 
+def test_a_temperature_too_small_for_float32_gives_the_greedy_token():
+    """Logits / T overflowing float32 (T = 1e-45 rounds to the smallest subnormal): no
+    distribution is left (softmax gives NaN), and its T -> 0 limit is the argmax, so the row
+    returns greedy's id, whether the largest logit overflows to +inf or all of them to -inf,
+    with any top-k / top-p. The other rows of the batch draw as they do alone."""
+    V = 16
+    sampler = Sampler(V, "cpu")
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3)) * 4
+    logits[1] -= 100.0  # all negative: every logit / T overflows to -inf
+    tiny = rows(4, temperature=1e-45, top_k=V, top_p=0.5)
+    counters = torch.arange(4)
+    assert sampler(logits, tiny, counters).tolist() == logits.argmax(-1).tolist()
+    mixed = rows(4, top_k=V, top_p=0.9)
+    mixed.temperature[2] = 1e-45
+    drawn = sampler(logits, mixed, counters)
+    assert drawn[2] == logits[2].argmax()
+    normal = sampler(logits, rows(4, top_k=V, top_p=0.9), counters)
+    assert drawn[[0, 1, 3]].tolist() == normal[[0, 1, 3]].tolist()
+
+
+def test_a_tiny_temperature_decodes_the_greedy_tokens(backend, device, replays):
+    """generate() with temperature 1e-45 next to sampled requests, on the graphs and eagerly:
+    the tiny-temperature requests get the greedy tokens, the others their own draws."""
+    model = tiny_gpt(device)
+    ps = prompts(4)
+    kw = dict(max_batch_size=4, max_seq_len=64)
+    graphed = DecodeEngine(model, backend=backend, progress=False, **kw)
+    eager = DecodeEngine(model, use_graphs=False, **kw)
+    sampling = dict(top_k=[None, 40, 3, None], top_p=[1.0, 0.95, 0.5, 0.9], seed=5)
+    before = replays[0]
+    got = graphed.generate(ps, 12, temperature=[1e-45, 0.9, 1e-45, 0.9], **sampling)
+    assert replays[0] - before >= 12 and graphed.stats.eager_steps == 0
+    assert got == eager.generate(ps, 12, temperature=[1e-45, 0.9, 1e-45, 0.9], **sampling)
+    greedy = eager.generate(ps, 12)
+    drawn = eager.generate(ps, 12, temperature=[0.0, 0.9, 0.0, 0.9], **sampling)
+    assert [got[0], got[2]] == [greedy[0], greedy[2]]
+    assert [got[1], got[3]] == [drawn[1], drawn[3]]
+
+
 def test_row_keyed_noise_is_caught(backend, device, monkeypatch):
     """Planted bug: the noise keyed by the row (as a batch-wide generator would be) instead of
     the request's seed. A request then draws differently in another slot or batch."""

@@ -44,15 +44,30 @@ def sync_in_place(model, device) -> None:
     model.load_state_dict(new_weights(device))
 
 
+def captures(engine) -> list[int]:
+    """Counts the engine's re-captures (generate() calls recapture() itself)."""
+    count = [0]
+    recapture = engine.recapture
+
+    def counted() -> None:
+        count[0] += 1
+        recapture()
+
+    engine.recapture = counted
+    return count
+
+
 @pytest.mark.parametrize("sync", [sync_assign, sync_repoint, sync_in_place])
 def test_weight_sync_reaches_the_decode_graphs(backend, device, sync, replays):
     model = tiny_gpt(device)
     graphed, eager = engines(model, backend, **SHAPE)
+    recaptured = captures(graphed)
     ps = prompts(3)
     old = assert_graphed_equal_eager(graphed, eager, replays, ps)
     sync(model, device)
     got = assert_graphed_equal_eager(graphed, eager, replays, ps)
     assert got != old  # the new weights decode other tokens (the test can see stale ones)
+    assert recaptured[0] == 0  # followed by a copy: the old memory is the engine's alone
     # a second sync, in place into the tensors the model holds now, is followed too
     with torch.no_grad():
         for p in model.parameters():
@@ -115,6 +130,74 @@ def test_decode_call_that_cannot_follow_names_the_fix(backend, device, replays):
     assert_graphed_equal_eager(graphed, eager, replays, prompts(3))
 
 
+def ema_swap(model, ema: list[torch.Tensor]) -> None:
+    for p, e in zip(model.parameters(), ema, strict=True):
+        p.data, e.data = e.data, p.data
+
+
+def test_an_ema_swap_leaves_every_tensor_as_the_user_left_it(backend, device, replays):
+    """Sampling under EMA weights (``p.data, e.data = e.data, p.data``) hands the memory the
+    graphs read to the EMA tensors: a copy of the EMA weights into it would overwrite the
+    trained weights they now hold. generate() captures again instead: the EMA weights' tokens
+    under the swap, the trained ones after swapping back, every tensor bitwise unchanged."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    recaptured = captures(graphed)
+    ps = prompts(3)
+    trained = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    ema = [p.detach().clone() for p in tiny_gpt(device, seed=5).parameters()]
+    kept_trained = [p.detach().clone() for p in model.parameters()]
+    kept_ema = [e.clone() for e in ema]
+    ema_swap(model, ema)
+    assert assert_graphed_equal_eager(graphed, eager, replays, ps) != trained
+    assert all(map(torch.equal, ema, kept_trained))  # the trained weights, now in ema
+    ema_swap(model, ema)
+    assert assert_graphed_equal_eager(graphed, eager, replays, ps) == trained
+    assert all(map(torch.equal, model.parameters(), kept_trained))
+    assert all(map(torch.equal, ema, kept_ema))
+    assert recaptured[0] == 2  # each swap; never a copy into memory the other set holds
+
+
+@pytest.mark.parametrize("taken", ["before", "after"])
+def test_a_state_dict_kept_across_an_assign_sync_is_not_overwritten(
+    backend, device, taken, replays
+):
+    """``sd_a = model.state_dict()`` (aliases of the memory the graphs read, taken before or
+    after the engine was built), then ``load_state_dict(sd_b, assign=True)``: the graphs serve
+    B without writing it into sd_a's tensors, and loading sd_a back serves A's tokens."""
+    model = tiny_gpt(device)
+    sd_a = model.state_dict() if taken == "before" else None
+    graphed, eager = engines(model, backend, **SHAPE)
+    sd_a = model.state_dict() if sd_a is None else sd_a
+    kept_a = {k: v.clone() for k, v in sd_a.items()}
+    ps = prompts(3)
+    tokens_a = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    model.load_state_dict(new_weights(device), assign=True)
+    assert assert_graphed_equal_eager(graphed, eager, replays, ps) != tokens_a
+    assert all(torch.equal(sd_a[k], kept_a[k]) for k in sd_a)
+    model.load_state_dict(sd_a, assign=True)
+    assert assert_graphed_equal_eager(graphed, eager, replays, ps) == tokens_a
+    assert all(torch.equal(sd_a[k], kept_a[k]) for k in sd_a)
+
+
+def test_one_of_two_tied_weights_replaced_leaves_the_other_intact(backend, device, replays):
+    """lm_head.weight tied to wte.weight at capture, then lm_head alone replaced (untied):
+    its captured memory is still wte's, so the new head is not copied into it; generate()
+    captures again and wte keeps its values."""
+    model = tiny_gpt(device)
+    model.lm_head.weight = model.wte.weight
+    graphed, eager = engines(model, backend, **SHAPE)
+    ps = prompts(3)
+    tied = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    kept_wte = model.wte.weight.detach().clone()
+    sd = model.state_dict()
+    sd["lm_head.weight"] = new_weights(device)["lm_head.weight"]
+    model.load_state_dict(sd, assign=True)
+    assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()
+    assert assert_graphed_equal_eager(graphed, eager, replays, ps) != tied
+    assert torch.equal(model.wte.weight, kept_wte)
+
+
 def test_hand_written_loop_steps_on_the_new_weights(backend, device, replays):
     """load() once, then step() after step(): a sync between two steps reaches the next one
     (each engine serves its own copy of the model, synced at the same point)."""
@@ -137,19 +220,6 @@ def test_hand_written_loop_steps_on_the_new_weights(backend, device, replays):
 
 
 # -- the modules' code and Python state: a submodule swapped, a hook, an attribute ----------
-
-
-def captures(engine) -> list[int]:
-    """Counts the engine's re-captures (generate() calls recapture() itself)."""
-    count = [0]
-    recapture = engine.recapture
-
-    def counted() -> None:
-        count[0] += 1
-        recapture()
-
-    engine.recapture = counted
-    return count
 
 
 def replace_head(model, device) -> None:

@@ -24,7 +24,8 @@ rows and bucket as the one before it.
 
 Weights (:mod:`tgraph.decode.weights`): the graphs read the memory each parameter and buffer
 had at capture. A sync that replaces them (``load_state_dict(sd, assign=True)``) is followed by a
-copy into that memory before each call, or by :meth:`DecodeEngine.recapture`; never old tokens.
+copy into that memory before each call (only while no other tensor uses it: an EMA swap hands it
+to the EMA tensors), or by :meth:`DecodeEngine.recapture`; never old tokens.
 So is a change to what the forwards run: a submodule replaced (``model.lm_head = ...``), a hook
 added or removed, an attribute they read (``LayerNorm.eps``) changed: generate() captures again.
 
@@ -77,7 +78,7 @@ from tgraph.decode.requests import Prompt, Request, make_requests
 from tgraph.decode.sampling import Sampler
 from tgraph.decode.stats import DecodeStats
 from tgraph.decode.steps import TokenReadback, decode_program, prefill_program
-from tgraph.decode.weights import BakedWeights, served_modules
+from tgraph.decode.weights import BakedWeights, memory_uses, served_modules
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +202,14 @@ class DecodeEngine:
     def _capture(self) -> None:
         """Capture every bucket (largest first, one pool) and note the weights they read."""
         allocated = self.factory.memory_allocated()
+        uses = memory_uses(self._modules)  # the user's; those the capture adds are the engine's
         with self._serving():
             self.decode_graphs.capture()
             self.prefill_graphs.capture()
         # a serving() context sets the mode the model runs in; without one, the model's own
-        self.weights = BakedWeights(self._modules, modes=self._serving is contextlib.nullcontext)
+        self.weights = BakedWeights(
+            self._modules, uses, modes=self._serving is contextlib.nullcontext
+        )
         self.buffers.reset()  # warmups moved the padding rows' tokens; start clean
         st = self.stats
         st.capture_seconds = (

@@ -132,7 +132,8 @@ class Sampler:
 
         Args:
             logits: (B, V).
-            rows: each row's settings (temperature 0 rows return exactly :func:`greedy`'s id).
+            rows: each row's settings (temperature 0 rows return exactly :func:`greedy`'s id,
+                as do rows whose temperature is too small for ``logits / T`` to be finite).
             counters: (B,) int64, the position each row samples at (its stream counter).
 
         Returns:
@@ -141,10 +142,17 @@ class Sampler:
         sampled = rows.temperature > 0
         scaled = logits.float() / torch.where(sampled, rows.temperature, 1.0)[:, None]  # (B, V)
         ranked = scaled.sort(dim=-1, descending=True).values  # (B, V)
+        # A temperature so small that the largest logit / T overflows (+-inf: 1e-45 in float32)
+        # leaves no distribution to draw from (softmax gives NaN). Its limit is the greedy
+        # token: the gap to the next logit, at least one ulp of the largest, over T is then
+        # above 1e31, so exp(-gap / T) is 0. Those rows take greedy's id.
+        sampled = sampled & ranked[:, 0].isfinite()  # (B,)
         kth = ranked.gather(1, rows.top_k[:, None] - 1)  # (B, 1) k-th largest: ties kept
         probs = torch.softmax(ranked.masked_fill(ranked < kth, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
-        n_p = (before < rows.top_p[:, None]).sum(dim=-1, keepdim=True)  # >= 1: rank 0 has 0
+        # >= 1 (rank 0 has no mass before it); 0 in a NaN row (above, its draw is discarded):
+        # clamped so that the gather stays in range
+        n_p = (before < rows.top_p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)
         pth = ranked.gather(1, n_p - 1)  # smallest logit of the nucleus
         pth = pth.masked_fill(rows.top_p[:, None] >= 1.0, float("-inf"))  # top_p 1: no cut
         cut = torch.maximum(kth, pth)

@@ -10,9 +10,15 @@ on CUDA read memory the old tensors no longer own). In-place updates (``copy_``,
 and, before each call, compares the modules' current tensors with it: one C-level pass over the
 modules' parameter and buffer tables (object ids), one over the addresses. A tensor that moved
 is followed by a copy into the captured memory before each call, when it has the captured
-shape, dtype and device and owns memory of its own; anything else (a new shape or dtype, an
-added parameter, tied weights untied, weights swapped among themselves) asks for a re-capture
-(:meth:`tgraph.decode.DecodeEngine.recapture`), never for a replay of the old weights.
+shape, dtype and device, owns memory of its own, and the captured memory is the engine's alone.
+Anything else asks for a re-capture (:meth:`tgraph.decode.DecodeEngine.recapture`), never for a
+replay of the old weights: a new shape or dtype, an added parameter, tied weights untied,
+weights swapped among themselves, and captured memory still in use elsewhere, which a copy
+would overwrite: an EMA swap (``p.data, e.data = e.data, p.data`` hands it to the EMA tensor),
+a ``state_dict()`` kept across ``load_state_dict(sd, assign=True)``, the old parameter still
+held (the per-layer graphs' rule, :func:`tgraph.layers.follow.follow_moved`). The engine's own
+uses of each memory are those its capture added (:func:`memory_uses` before it), so an alias the
+user took before the engine was built counts as someone else's.
 
 The graphs also baked in the module tree, the hooks that ran and the Python attributes the
 forwards read (``LayerNorm.eps``). :class:`BakedWeights` keeps the per-layer graphs' inventory of
@@ -35,11 +41,25 @@ from torch.utils.hooks import RemovableHandle
 
 from tgraph.baked import Baked, watch_module_writes
 from tgraph.baked import _epoch as _module_epoch
+from tgraph.pool import storage_uses
 
 logger = logging.getLogger(__name__)
 
 _data_ptr = torch.Tensor.data_ptr
 _training = attrgetter("training")
+
+
+def memory_uses(modules: list[nn.Module]) -> dict[int, int]:
+    """How many tensors use the memory of each parameter and buffer of ``modules``, by storage
+    (``UntypedStorage._cdata``). Taken before a capture, it tells :class:`BakedWeights` which
+    uses the capture added (the engine's own) from those that were there before (the user's)."""
+    return {
+        t.untyped_storage()._cdata: storage_uses(t) - 1  # less the storage's Python object
+        for root in modules
+        for m in root.modules()
+        for t in chain(m._parameters.values(), m._buffers.values())
+        if t is not None
+    }
 
 
 def served_modules(*objects: object) -> list[nn.Module]:
@@ -57,11 +77,14 @@ class BakedWeights:
 
     Args:
         modules: the served modules (every submodule's tables are watched).
+        uses_before: :func:`memory_uses` of ``modules`` before the graphs were captured.
         modes: also ask for a re-capture when a module's train/eval mode changed (when the
             engine does not set the mode itself: a decoder without ``serving()``).
     """
 
-    def __init__(self, modules: list[nn.Module], modes: bool = False) -> None:
+    def __init__(
+        self, modules: list[nn.Module], uses_before: dict[int, int], modes: bool = False
+    ) -> None:
         named = {
             id(m): (f"{i}.{name}" if len(modules) > 1 else name, m)
             for i, root in enumerate(modules)
@@ -86,6 +109,8 @@ class BakedWeights:
         self._module_epoch = _module_epoch[0]  # ... and at this module epoch
         # the train/eval mode the graphs ran in (Baked leaves it to the per-layer call key)
         self._training = tuple(map(_training, self.baked.mods)) if modes else None
+        # last: every alias the engine keeps (the inventory's too) is made by now
+        self._own_uses = _own_uses(self.held, uses_before)
 
     def _table_keys(self) -> tuple:
         return tuple(map(tuple, self._tables))
@@ -152,6 +177,9 @@ class BakedWeights:
 
     def _follow(self, live: tuple) -> str | None:
         """Decide again how each tensor reaches the graphs (only when something moved)."""
+        # the tensors of the last check: those that moved no longer keep their old memory's
+        # uses (counted below); the next check decides again, as nothing matches ()
+        self._tensors = ()
         if self._table_keys() != self._keys:
             return "a parameter or buffer of the model was added or removed after capture"
         held_storages = {
@@ -178,6 +206,12 @@ class BakedWeights:
                 return f"{name} now lives in memory the graphs read for another tensor or layout"
             if into.setdefault(self._held_ptrs[i], _data_ptr(t)) != _data_ptr(t):
                 return f"{name} was tied to another tensor at capture and is not any more"
+            if storage_uses(h) > self._own_uses[i]:
+                return (
+                    f"{name} lives in other memory than at capture, and the memory the graphs "
+                    "read is in use elsewhere, so a copy into it would overwrite another "
+                    "tensor (an EMA swap, a state_dict() or an old parameter still held)"
+                )
             moved.append(i)
         if moved:
             logger.info(
@@ -191,8 +225,19 @@ class BakedWeights:
         return None
 
 
+def _own_uses(held: tuple, uses_before: dict[int, int]) -> tuple:
+    """Per captured tensor: :func:`tgraph.pool.storage_uses` of its memory while only the
+    engine uses it (the aliases in ``held``, the inventory's, the emulated graphs' tapes): its
+    uses now less the tensors that used it before the capture (the module's own, the user's).
+    Memory made during the capture (a buffer a warmup registered) had only the module's."""
+    return tuple(
+        None if h is None else storage_uses(h) - uses_before.get(h.untyped_storage()._cdata, 1)
+        for h in held
+    )
+
+
 def _what(t: torch.Tensor | None) -> str:
     return "None" if t is None else f"{tuple(t.shape)} {t.dtype} {t.device}"
 
 
-__all__ = ["BakedWeights", "served_modules"]
+__all__ = ["BakedWeights", "memory_uses", "served_modules"]
