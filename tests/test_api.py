@@ -231,10 +231,9 @@ def test_reset_drops_whole_step_graphs_too_and_reset_layer_graphs_does_not(backe
     for _ in range(2):
         p.grad = torch.ones(2, device=device)
         graph.step()
-    assert graph.captured and isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert graph.captured
     tgraph.reset()
     assert step.num_graphs == 0 and not graph.captured
-    assert isinstance(opt.param_groups[0]["lr"], float)  # restored, as graph.reset() does
     for _ in range(2):  # warms up and captures again
         p.grad = torch.ones(2, device=device)
         graph.step()

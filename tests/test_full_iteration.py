@@ -87,7 +87,7 @@ def test_planted_frozen_lr_is_caught(backend, device, opt_kind, monkeypatch):
 
 
 def _assign_float_lr(opt, i):
-    """A scheduler of older PyTorch: replaces the lr (a tensor after capture) with a float."""
+    """A schedule assigning a new float to ``lr`` after every call."""
     for g in opt.param_groups:
         g["lr"] = (
             0.5 * 0.7 ** (i + 1) if isinstance(opt, torch.optim.SGD) else 3e-3 * 0.7 ** (i + 1)
@@ -97,10 +97,9 @@ def _assign_float_lr(opt, i):
 @pytest.mark.parametrize("opt_kind", ["sgd_fused", "adamw"])
 def test_lr_replaced_by_a_float_is_copied_into_the_graph(backend, device, opt_kind, monkeypatch):
     assert_same(run_pair(backend, device, opt_kind, after_step=_assign_float_lr))
-    monkeypatch.setattr(hyperparams.HyperParams, "_refresh_tensor_lrs", lambda self: None)
-    with pytest.raises(
-        AssertionError, match="Tensor-likes are not close"
-    ):  # planted: the float never reaches it
+    # planted: the float never reaches the tensor the graph reads
+    monkeypatch.setattr(hyperparams.HyperParams, "refresh", hyperparams.HyperParams._check_baked)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         assert_same(run_pair(backend, device, opt_kind, after_step=_assign_float_lr))
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import tgraph
-from tgraph.step import full_iteration
+from tgraph.step import full_iteration, hyperparams
 from tgraph.step.captured import StepMode
 
 WARMUP = 2
@@ -189,6 +189,68 @@ def test_frozen_parameter_after_capture_matches_eager(backend, device, replays):
     assert got[2].num_graphs == 2
     # first graph: steps 3, 4 and 10-12; frozen graph: 8, 9 (+ the captures 2, 7 on CUDA)
     assert replays[0] == 7 + 2 * (backend == "cuda")
+
+
+def _own_lr_tensor(device: torch.device):
+    """Before step 5 (after the capture) the group gets the caller's own lr tensor; before
+    step 9 the caller updates it in place."""
+    own = torch.tensor(LR * 2, device=device)
+
+    def change(i: int, opt: torch.optim.Optimizer) -> None:
+        if i == 5:
+            opt.param_groups[0]["lr"] = own
+        if i == 9:
+            own.fill_(LR * 4)
+
+    return change
+
+
+_HYPERPARAMETER_CHANGES = {
+    # the change, what the warning names, and the naive version that misses it: the caller's
+    # tensor taken for a new float (copied once, its in-place update never reaches the graph)
+    "lr_tensor": (
+        _own_lr_tensor,
+        "'lr' was a float at capture and is a Tensor now",
+        ("_is_float", lambda value: True),
+    ),
+}
+
+
+def _run_changing(backend, device, graphed, change):
+    """``run`` with AdamW, calling ``change(i, opt)`` before step ``i``."""
+    made = []
+
+    def make_opt(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+        made.append(adamw(model, device))
+        return made[-1]
+
+    return run(backend, device, graphed, lambda i, model: change(i, made[-1]), opt=make_opt)
+
+
+@pytest.mark.parametrize("kind", list(_HYPERPARAMETER_CHANGES))
+def test_hyperparameter_changed_in_place_after_capture_matches_eager(
+    backend, device, kind, replays
+):
+    """The caller's own lr tensor assigned after capture (then updated in place): named, the
+    step is captured again (reading the caller's tensor in place), and training is eager's."""
+    make_change, named, _ = _HYPERPARAMETER_CHANGES[kind]
+    want = _run_changing(backend, device, False, make_change(device))
+    with pytest.warns(tgraph.GraphFallbackWarning, match=named):
+        got = _run_changing(backend, device, True, make_change(device))
+    torch.testing.assert_close(got[0], want[0], **tol(backend))
+    torch.testing.assert_close(got[1], want[1], **tol(backend))
+    # steps 3, 4 replay; 5, 6 eager, 7 captured, 8-12 replayed (+ the captures 2, 7 on CUDA)
+    assert replays[0] == 7 + 2 * (backend == "cuda")
+
+
+@pytest.mark.parametrize("kind", list(_HYPERPARAMETER_CHANGES))
+def test_planted_hyperparameter_change_missed_is_caught(backend, device, kind, monkeypatch):
+    make_change, _, (name, naive) = _HYPERPARAMETER_CHANGES[kind]
+    monkeypatch.setattr(hyperparams, name, naive)
+    want = _run_changing(backend, device, False, make_change(device))
+    got = _run_changing(backend, device, True, make_change(device))
+    with pytest.raises(AssertionError, match="Tensor-likes are not"):
+        torch.testing.assert_close(got[1], want[1], **tol(backend))
 
 
 def test_step_writing_its_batch_in_place_reaches_the_caller(backend, device, replays):

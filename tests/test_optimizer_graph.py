@@ -10,6 +10,8 @@ tests/test_full_iteration.py), far below what a frozen learning rate moves.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -96,11 +98,13 @@ def test_a_skipped_step_restores_what_a_step_writes_not_the_hyperparameters(back
     """The snapshot of a skipped step holds ``group["step"]`` (written by the step) but not the
     learning-rate tensor (written by a schedule, between steps): restoring it inside a captured
     step is a write the lr guard refuses (every capturable optimizer failed so on the H200)."""
-    _, opt, _ = train_graphed(backend, device, bad={5}, kind="grad_nan", opt_kind="group_step")
-    held = {id(t) for t in nonfinite.optimizer_tensors(opt)}
-    group = opt.param_groups[0]
-    assert isinstance(group["lr"], torch.Tensor) and id(group["lr"]) not in held
-    assert id(group["step"]) in held
+    _, opt, graph = train_graphed(backend, device, bad={5}, kind="grad_nan", opt_kind="group_step")
+    (hp,) = graph._cap.hparams
+    with hp.lent():  # the param_groups as the captured step sees them
+        held = {id(t) for t in nonfinite.optimizer_tensors(opt)}
+        group = opt.param_groups[0]
+        assert isinstance(group["lr"], torch.Tensor) and id(group["lr"]) not in held
+        assert id(group["step"]) in held
 
 
 class EMAOptimizerGraph(tgraph.OptimizerGraph):
@@ -230,13 +234,14 @@ def _assign_float_lr(opt) -> None:
 @pytest.mark.parametrize("opt_kind", ["adamw", "sgd"])
 def test_float_lr_assigned_after_capture_reaches_the_optimizer_graph(backend, device, opt_kind):
     """A float learning rate assigned after capture is copied into the graph's lr tensor at
-    the next replay (HyperParams.refresh): the same numbers as eager, bit for bit."""
+    the next replay (HyperParams.refresh): the same numbers as eager, bit for bit; the
+    param_groups keep the floats."""
     model, opt = _train_with_change(backend, device, _assign_float_lr, graphed=True,
                                     opt_kind=opt_kind)  # fmt: skip
     ref_model, ref_opt = _train_with_change(backend, device, _assign_float_lr, graphed=False,
                                             opt_kind=opt_kind)  # fmt: skip
     assert_same_training_state(model, opt, ref_model, ref_opt)
-    assert all(isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
+    assert all(g["lr"] == LR / 4 and isinstance(g["lr"], float) for g in opt.param_groups)
 
 
 def test_planted_replay_without_refresh_is_caught(backend, device, monkeypatch):
@@ -324,6 +329,100 @@ def test_planted_clipping_not_checked_is_caught(backend, device, monkeypatch):
     ref = _train_with_clipping_change(backend, device, "clip_grad_norm", 1e-3, graphed=False)
     with pytest.raises(AssertionError, match="parameter 0 differs from eager"):
         assert_same_training_state(model, opt, *ref)
+
+
+def _train_calling(backend, device, before_step, *, graphed: bool, steps: int = STEPS):
+    """Train ``steps`` steps (AdamW), calling ``before_step(i, opt, sched)`` before step ``i``
+    (an ``ExponentialLR(0.9)`` steps after each); the graph captures at step 1."""
+    model = make_model(device)
+    opt = make_optimizer(model, device)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    graph = tgraph.OptimizerGraph(opt, backend=backend) if graphed else None
+    for i, (x, y) in enumerate(make_batches(device, n=steps)):
+        before_step(i, opt, sched)
+        model(x, y)[1].backward()
+        if graph is not None:
+            graph.step()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _own_lr_tensor(device):
+    """Before step 3 (after the capture) the group gets the caller's own lr tensor; before
+    step 6 the caller updates it in place. Powers of two: exact in float32."""
+    own = torch.tensor(LR * 2, device=device)
+
+    def before_step(i, opt, sched) -> None:
+        if i == 3:
+            opt.param_groups[0]["lr"] = own
+        if i == 6:
+            own.fill_(LR * 4)
+
+    return before_step
+
+
+def test_lr_tensor_assigned_after_capture_is_read_in_place(backend, device, replays, caplog):
+    """A float learning rate at capture, then the caller's own tensor: the step is captured
+    again and reads that tensor in place, so its later in-place update reaches the graph (the
+    group keeps the caller's tensor). Bit for bit with eager."""
+    with caplog.at_level("WARNING", logger="tgraph.step.optimizer_graph"):
+        model, opt = _train_calling(backend, device, _own_lr_tensor(device), graphed=True, steps=10)
+    assert "'lr' was a float at capture and is a Tensor now" in caplog.text
+    ref_model, ref_opt = _train_calling(backend, device, _own_lr_tensor(device), graphed=False,
+                                        steps=10)  # fmt: skip
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    assert opt.param_groups[0]["lr"].item() == LR * 4
+    # step 2 replays; 3 eager, 4 captured, 5-9 replayed (+ one replay per CUDA capture)
+    assert replays[0] == 6 + 2 * (backend == "cuda")
+
+
+def test_planted_lr_tensor_copied_once_is_caught(backend, device, monkeypatch):
+    """The naive version: the caller's tensor is taken for a new float, copied into the graph's
+    tensor once and never again (the in-place update never reaches the graph)."""
+    monkeypatch.setattr(hyperparams, "_is_float", lambda value: True)
+    model, opt = _train_calling(backend, device, _own_lr_tensor(device), graphed=True, steps=10)
+    ref_model, ref_opt = _train_calling(backend, device, _own_lr_tensor(device), graphed=False,
+                                        steps=10)  # fmt: skip
+    with pytest.raises(AssertionError, match="parameter 0 differs from eager"):
+        assert_same_training_state(model, opt, ref_model, ref_opt)
+
+
+def _schedule(i, opt, sched) -> None:
+    if i > 0:
+        sched.step()  # after step i - 1: gamma 0.9, not exact in float32
+
+
+def test_chainable_schedule_computes_in_doubles_as_eager(backend, device, replays):
+    """ExponentialLR computes the next learning rate from ``group['lr']``: the group keeps the
+    Python float, so the schedule runs in doubles as in eager code (a float32 tensor there
+    would round at every step and drift). The graph reads the float rounded to float32, so
+    the parameters are eager's to ``TOL``."""
+    model, opt = _train_calling(backend, device, _schedule, graphed=True)
+    ref_model, ref_opt = _train_calling(backend, device, _schedule, graphed=False)
+    lr, ref_lr = opt.param_groups[0]["lr"], ref_opt.param_groups[0]["lr"]
+    assert type(lr) is float and lr == ref_lr
+    assert_same_training_state(model, opt, ref_model, ref_opt, exact=False)
+    assert replays[0] == STEPS - 2 + (backend == "cuda")
+
+
+def test_planted_lr_tensor_left_in_the_group_is_caught(backend, device, monkeypatch):
+    """The naive version: the graph's float32 tensor stays in the param_group after capture,
+    and the schedule multiplies it in float32."""
+
+    @contextlib.contextmanager
+    def kept(self):
+        for h in self._held:
+            h.fill(h.group["lr"])
+            h.group["lr"] = h.tensor
+        self._lent = [(h, h.tensor) for h in self._held]
+        yield
+
+    monkeypatch.setattr(hyperparams.HyperParams, "lent", kept)
+    _, opt = _train_calling(backend, device, _schedule, graphed=True)
+    _, ref_opt = _train_calling(backend, device, _schedule, graphed=False)
+    assert float(opt.param_groups[0]["lr"]) != ref_opt.param_groups[0]["lr"]
 
 
 def test_weight_decay_schedule_is_eagers_bit_for_bit(backend, device):

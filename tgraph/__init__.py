@@ -66,8 +66,8 @@ __version__ = "0.1.0"
 def reset() -> None:
     """Drop every graph tgraph holds: the per-layer graphs and the record
     (:func:`reset_layer_graphs`), and the graphs of every :class:`tgraph.FullIterationGraph`
-    and :class:`tgraph.OptimizerGraph` alive (their ``reset()``: learning rates become floats
-    again, the next calls warm up and capture anew). Enabled modules run eagerly and record
+    and :class:`tgraph.OptimizerGraph` alive (their ``reset()``: the next calls warm up and
+    capture anew). Enabled modules run eagerly and record
     again."""
     reset_layer_graphs()
     _step_capture.reset_all()

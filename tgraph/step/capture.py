@@ -6,18 +6,19 @@ in the same order, whichever entry asks:
 
 1. refuse optimizers a graph cannot step: parameters elsewhere, state on the host
    (:func:`tgraph.step.host_state.check_graphable_optimizer`);
-2. move the learning rates of optimizers not covered yet into device tensors, and put back
-   the tensors of those covered where a float replaced them since
+2. note how the learning rates of optimizers not covered yet reach the graph: a float through
+   a device tensor of tgraph's own, a tensor in place
    (:class:`tgraph.step.hyperparams.HyperParams`);
 3. snapshot what the capture may change (:class:`tgraph.snapshot.Snapshot`: values too when the
    backend executes the captured function, references only on CUDA);
 4. capture on the backend's side stream (fused param_groups say ``capturable=True`` meanwhile,
-   :func:`tgraph.step.host_state.fused_groups_capturable`), refusing a learning-rate tensor
-   written or replaced inside the step (a scheduler stepping inside it, ``group['lr'] = x``),
-   host state it wrote (:class:`tgraph.step.host_state.HostWrites`) and optimizer step
-   pre-hooks, with the step post-hooks detached and the optimizer steps noted, to run the
-   hooks after each replay (:mod:`tgraph.step.step_hooks`);
-5. on failure, undo 3 and 2 and raise a :class:`tgraph.CaptureError` that names the likely cause
+   :func:`tgraph.step.host_state.fused_groups_capturable`, and hold the learning-rate tensors
+   in place of their floats, :meth:`tgraph.step.hyperparams.HyperParams.lent`), refusing a
+   learning-rate tensor written or replaced inside the step (a scheduler stepping inside it,
+   ``group['lr'] = x``), host state it wrote (:class:`tgraph.step.host_state.HostWrites`) and
+   optimizer step pre-hooks, with the step post-hooks detached and the optimizer steps noted,
+   to run the hooks after each replay (:mod:`tgraph.step.step_hooks`);
+5. on failure, undo 3 and drop 2 and raise a :class:`tgraph.CaptureError` that names the likely cause
    (a ``ValueError``, a misconfiguration the message already explains, passes unchanged).
 
 :class:`StepCapture` holds one such capture. Usage::
@@ -103,8 +104,6 @@ class StepCapture:
         self.what = what
         self.optimizers = list(optimizers)
         check_optimizers(self.optimizers, factory.device, elsewhere)
-        for hp in held:  # a float assigned since the last capture must not be baked into this one
-            hp.reinstate()
         new = [o for o in self.optimizers if not all(_covered(g, held) for g in o.param_groups)]
         self.fresh: HyperParams | None = HyperParams(new) if new else None
         if self.fresh is not None:
@@ -167,6 +166,14 @@ class StepCapture:
         raises ``ValueError``; post-hooks are detached meanwhile (:mod:`tgraph.step.step_hooks`).
         """
         refuse_pre_hooks(self.optimizers, self.what)
+        with contextlib.ExitStack() as lent:
+            for hp in self.hparams:  # the param_groups hold the learning-rate tensors meanwhile
+                lent.enter_context(hp.lent())
+            return self._capture(fn, refuse_lr_writes, modules)
+
+    def _capture(
+        self, fn: Callable[[], Any], refuse_lr_writes: bool, modules: Iterable[torch.nn.Module]
+    ) -> Any:
         f = self.factory
         f.synchronize()
         before, start = f.memory_allocated(), time.perf_counter()
@@ -208,13 +215,11 @@ class StepCapture:
         )
 
     def undo(self) -> None:
-        """Put back what :meth:`save` saved and undo the hyper-parameters this capture
+        """Put back what :meth:`save` saved and drop the hyper-parameters this capture
         prepared (the graph itself is the caller's to reset)."""
         self.factory.synchronize()
         if self.snapshot is not None:
             self.snapshot.restore()
-        if self.fresh is not None:
-            self.fresh.restore()
         self.hparams = [hp for hp in self.hparams if hp is not self.fresh]
 
     def fail(self, exc: BaseException) -> NoReturn:
@@ -244,7 +249,7 @@ def register(owner: Any) -> None:
 
 def reset_all() -> None:
     """``reset()`` every whole-step entry alive: :class:`tgraph.FullIterationGraph` and
-    :class:`tgraph.OptimizerGraph` (their graphs dropped, learning rates floats again)."""
+    :class:`tgraph.OptimizerGraph` (their graphs dropped)."""
     for owner in list(_owners):
         owner.reset()
 

@@ -60,11 +60,12 @@ Ownership and aliasing:
 Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` runs inside
 ``fn`` during the warmup calls):
 
-* A graph bakes every Python number it reads. Before capture, each param_group's float ``lr`` is
-  moved into a 0-dim float32 device tensor when the optimizer can read a tensor learning rate
-  without a host sync: ``fused=True`` (SGD, Adam, AdamW) or ``capturable=True`` (Adam, AdamW).
-  PyTorch's LR schedulers update such a tensor in place (``fill_``); a scheduler or user that
-  assigns a new float instead is caught at the next call and the value copied into the tensor.
+* A graph bakes every Python number it reads. Where the optimizer can read a tensor learning
+  rate without a host sync (``fused=True``: SGD, Adam, AdamW; ``capturable=True``: Adam, AdamW),
+  the graph reads each param_group's float ``lr`` from a 0-dim float32 device tensor of its own,
+  filled before each call where the float changed; the param_group keeps the float (schedulers
+  compute in doubles, as eagerly). An ``lr`` that is a tensor at capture is read in place:
+  update it in place; another tensor in its place captures the step again.
   A float ``lr`` that changes after capture (a plain SGD's) raises a ``ValueError`` naming the
   fix. The other numbers of a param_group (weight decay, betas, momentum) are host numbers of
   torch's fused and capturable kernels: a change (a weight-decay schedule) makes the next call
@@ -263,13 +264,11 @@ class FullIterationGraph:
         return self._capture(entry, batch, tensors)
 
     def reset(self) -> None:
-        """Drop every graph; learning rates become Python floats again; calls warm up anew."""
+        """Drop every graph; calls warm up anew."""
         for e in self._all_entries():
             if e.cap is not None:
                 e.cap.graph.reset()
         self._entries.clear()
-        for hp in self._hparams:
-            hp.restore()
         self._hparams = []
 
     # -- the three kinds of call ------------------------------------------------------------

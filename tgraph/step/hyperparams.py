@@ -1,17 +1,26 @@
 """The optimizer hyper-parameters a captured step reads, and how they reach the graph.
 
-A graph bakes every Python number it reads into its kernels. So learning rates move into device
-tensors that schedulers keep updating (:meth:`HyperParams.prepare`, :meth:`HyperParams.refresh`),
-and a learning rate that cannot (a float another optimizer reads on the host) is refused at the
-next step with a message naming the fix. The other numbers of a param_group (weight decay, betas,
-momentum) have no tensor form in torch's kernels: a change is named by
-:meth:`HyperParams.change` before the next replay and the step is captured again with it. Never
-frozen silently. Used by :class:`tgraph.FullIterationGraph`
-and :class:`tgraph.OptimizerGraph`.
+A graph bakes every Python number it reads into its kernels, so a learning rate reaches it
+through a device tensor. A param_group keeps the value its owner gave it: a Python float stays a
+float (schedulers compute the next one in doubles, checkpoints hold it), and the graph reads a
+0-dim float32 tensor of tgraph's own instead, which the param_group holds only while the step is
+captured (:meth:`HyperParams.lent`) and which is filled with the float before a replay whenever
+the float changed (:meth:`HyperParams.refresh`). A learning rate that is a tensor at capture
+is read by the graph in place, so its in-place updates (``fill_``, a scheduler) reach it with no
+copy. A float learning rate the graph cannot read from a tensor (another optimizer reads it on
+the host) is refused at the next step with a message naming the fix. Everything else is named by
+:meth:`HyperParams.change` before the next replay, and the step is captured again: an ``lr``
+tensor replaced by another object (or a float by a tensor), and a change of the other values of
+a param_group (weight decay, betas, momentum: host numbers of torch's kernels). Never frozen
+silently. Used by
+:class:`tgraph.FullIterationGraph` and :class:`tgraph.OptimizerGraph`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import numbers
+from collections.abc import Iterator
 from itertools import chain
 from operator import is_
 from typing import Any
@@ -24,6 +33,24 @@ def holds_tensor_lr(group: dict) -> bool:
     return bool(group.get("fused") or group.get("capturable"))
 
 
+class _HeldLr:
+    """A param_group's float learning rate and the device tensor the graph reads it from."""
+
+    __slots__ = ("group", "tensor", "value")
+
+    def __init__(self, group: dict) -> None:
+        self.group = group
+        # float32: the fused kernels read a tensor lr as float (FusedAdamKernel.cu)
+        self.tensor = torch.zeros((), dtype=torch.float32, device=group["params"][0].device)
+        self.value: Any = None  # the number the tensor holds (None: not filled yet)
+
+    def fill(self, lr: Any) -> None:
+        """Bring the float ``lr`` into the tensor, unless the tensor holds it already."""
+        if lr != self.value:
+            self.tensor.fill_(lr)
+            self.value = lr
+
+
 class HyperParams:
     """The optimizer hyper-parameters a captured step reads, and how they reach the graph."""
 
@@ -31,10 +58,11 @@ class HyperParams:
         self._groups = [
             (type(o).__name__, i, g) for o in optimizers for i, g in enumerate(o.param_groups)
         ]
-        self._converted: list[tuple[dict, torch.Tensor, float]] = []
-        self._tensor_lrs: list[tuple[dict, torch.Tensor]] = []
+        self._held: list[_HeldLr] = []  # float lrs, read by the graph from tensors of our own
+        self._in_place: list[tuple[dict, torch.Tensor]] = []  # tensor lrs, read as they are
         self._baked_lrs: list[tuple[str, int, dict, str, Any]] = []
         self._baked: list[tuple[str, int, dict, str, Any]] = []
+        self._lent: list[tuple[_HeldLr, Any]] = []  # during lent(): the floats lent out
 
     @property
     def groups(self) -> list[dict]:
@@ -47,59 +75,90 @@ class HyperParams:
         return any(g is group for _, _, g in self._groups)
 
     def lr_tensors(self) -> list[torch.Tensor]:
-        """The learning rates held in device tensors now (after :meth:`prepare`: every group
-        whose optimizer reads a tensor ``lr``)."""
-        return [g["lr"] for _, _, g in self._groups if isinstance(g.get("lr"), torch.Tensor)]
+        """The tensors the captured graph reads its learning rates from (after
+        :meth:`prepare`): tgraph's own, for float learning rates, and the param_groups' own
+        tensors."""
+        return [h.tensor for h in self._held] + [t for _, t in self._in_place]
 
     def prepare(self) -> None:
-        """Move float learning rates into device tensors; remember the values a graph bakes."""
+        """Before the first capture: note how each learning rate reaches the graph (a float in
+        a tensor of tgraph's own, where the optimizer reads a tensor ``lr``; a tensor in place)
+        and copy the values the graph bakes."""
         for _, _, g in self._groups:
             lr = g.get("lr")  # a custom optimizer may have none
-            if not isinstance(lr, torch.Tensor) and holds_tensor_lr(g):
-                # float32: the fused kernels read the tensor lr as float (FusedAdamKernel.cu).
-                t = torch.tensor(float(lr), dtype=torch.float32, device=g["params"][0].device)
-                self._converted.append((g, t, lr))
-                g["lr"] = t
-        self._tensor_lrs = [
-            (g, g["lr"]) for _, _, g in self._groups if isinstance(g.get("lr"), torch.Tensor)
-        ]
+            if isinstance(lr, torch.Tensor):
+                self._in_place.append((g, lr))
+            elif _is_float(lr) and holds_tensor_lr(g):
+                self._held.append(_HeldLr(g))
+        read = {id(h.group) for h in self._held} | {id(g) for g, _ in self._in_place}
         baked = [
             (name, i, g, k, v)
             for name, i, g in self._groups
             for k, v in g.items()
             if k not in ("params", "initial_lr") and not isinstance(v, torch.Tensor)
         ]
-        self._baked_lrs = [b for b in baked if b[3] == "lr"]
+        self._baked_lrs = [b for b in baked if b[3] == "lr" and id(b[2]) not in read]
         self._baked = [b for b in baked if b[3] != "lr"]
 
+    @contextlib.contextmanager
+    def lent(self) -> Iterator[None]:
+        """While a step is captured: each float learning rate is replaced in its param_group by
+        the tensor the graph reads (filled with it), so that the captured kernels read the
+        tensor; afterwards the float is back, also when the capture raises. (A group whose
+        ``lr`` is no longer a float keeps it: :meth:`change` names that after the capture.)"""
+        self._lent = [(h, h.group["lr"]) for h in self._held if _is_float(h.group["lr"])]
+        for h, lr in self._lent:
+            h.fill(lr)
+            h.group["lr"] = h.tensor
+        try:
+            yield
+        finally:
+            for h, lr in self._lent:
+                if h.group["lr"] is h.tensor:  # else the step assigned it: replaced() says so
+                    h.group["lr"] = lr
+            self._lent = []
+
     def refresh(self) -> None:
-        """Before a replay: bring replaced learning rates into their tensors; refuse a change of
-        a float learning rate the graph baked in."""
-        self._refresh_tensor_lrs()
+        """Before a replay (after :meth:`change` found none): bring a changed float learning
+        rate into the tensor the graph reads; refuse a change of a float learning rate the
+        graph baked in."""
+        for h in self._held:
+            h.fill(h.group["lr"])
         self._check_baked()
 
-    def reinstate(self) -> None:
-        """Before another capture reads these hyper-parameters: bring replaced learning rates
-        into their tensors and put the tensors back in their param_groups, so that the new graph
-        reads the tensors too instead of baking the float a scheduler or the user assigned."""
-        self._refresh_tensor_lrs()
-
     def replaced(self) -> str | None:
-        """After a capture: the param_group whose learning-rate tensor the captured step itself
-        replaced (``group['lr'] = 0.01`` inside it: the graph baked that value, and a later
-        value would be copied into a tensor the graph does not read), or None."""
-        held = {id(g): t for g, t in self._tensor_lrs}
-        for name, i, g in self._groups:
-            if id(g) in held and g.get("lr") is not held[id(g)]:
+        """After a capture, within :meth:`lent`: the param_group whose learning-rate tensor the
+        captured step itself replaced (``group['lr'] = 0.01`` inside it: the graph baked that
+        value), or None."""
+        for g, t in [(h.group, h.tensor) for h, _ in self._lent] + self._in_place:
+            if g.get("lr") is not t:
+                name, i = self._where(g)
                 return f"{name} param_group {i}"
         return None
 
     def change(self) -> str | None:
-        """Why a captured step no longer fits: a Python number of a param_group other than a
-        float ``lr`` (``weight_decay``, ``betas``, ``momentum``, ...) changed since the capture.
-        The fused and capturable kernels take these as host numbers, so no device tensor can
-        carry them: the entry captures the step again after warmup, with the new value. None:
-        unchanged."""
+        """Why a captured step no longer fits, or None: a param_group's learning-rate tensor
+        replaced (or its float replaced by a tensor: the graph reads the tensor it had), or a
+        Python value of a param_group other than a float ``lr`` (``weight_decay``, ``betas``,
+        ``momentum``, ...) changed since the capture. The fused and capturable
+        kernels take these as host numbers, so no device tensor can carry them: the entry
+        captures the step again after warmup, with the new value."""
+        for h in self._held:
+            lr = h.group.get("lr")
+            if not _is_float(lr):
+                name, i = self._where(h.group)
+                return (
+                    f"{name} param_group {i}: 'lr' was a float at capture and is a "
+                    f"{type(lr).__name__} now"
+                )
+        for g, t in self._in_place:
+            if g.get("lr") is not t:
+                name, i = self._where(g)
+                return (
+                    f"{name} param_group {i}: its 'lr' tensor was replaced after capture (the "
+                    "graph reads the one it had; update that one in place, lr.fill_(value), to "
+                    "keep the step replaying)"
+                )
         for name, i, g, k, v in self._baked:
             if g.get(k, v) != v:
                 return (
@@ -109,30 +168,26 @@ class HyperParams:
                 )
         return None
 
-    def _refresh_tensor_lrs(self) -> None:
-        for g, t in self._tensor_lrs:
-            live = g["lr"]
-            if live is not t:  # a scheduler (older PyTorch) or the user assigned a new value
-                with torch.no_grad():
-                    t.copy_(live) if isinstance(live, torch.Tensor) else t.fill_(float(live))
-                g["lr"] = t
+    def _where(self, group: dict) -> tuple[str, int]:
+        return next((name, i) for name, i, g in self._groups if g is group)
 
     def _check_baked(self) -> None:
         for name, i, g, k, v in self._baked_lrs:
-            if g.get(k, v) != v:
+            now = g.get(k, v)
+            if now is not v and (isinstance(now, torch.Tensor) or now != v):
                 raise ValueError(
-                    f"{name} param_group {i}: {k!r} changed from {v!r} to {g[k]!r} after capture, "
+                    f"{name} param_group {i}: {k!r} changed from {v!r} to {now!r} after capture, "
                     f"but the captured graph baked {v!r} into its kernels. To fix: build {name} "
                     "with fused=True (or capturable=True for Adam/AdamW) so tgraph holds the "
                     "learning rate in a device tensor."
                 )
 
-    def restore(self) -> None:
-        """Undo :meth:`prepare`: float learning rates again (current values)."""
-        for g, t, _ in self._converted:
-            if g["lr"] is t:
-                g["lr"] = float(t)
-        self._converted.clear()
+
+def _is_float(value: Any) -> bool:
+    """A Python number (``float`` first: an ABC check costs a few hundred nanoseconds)."""
+    return type(value) is float or (
+        isinstance(value, numbers.Real) and not isinstance(value, torch.Tensor)
+    )
 
 
 def baked_layout(optimizers: list[torch.optim.Optimizer]) -> tuple:

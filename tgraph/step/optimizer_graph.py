@@ -83,8 +83,8 @@ class OptimizerGraph:
         optimizer: a torch optimizer without state on the host: ``fused=True`` (Adam, AdamW,
             SGD; Adagrad on the CPU), ``capturable=True`` (CUDA) or none (plain SGD); one that
             keeps its step count on the host is refused, naming the fix
-            (:mod:`tgraph.step.host_state`). Its float learning rates move into device tensors
-            at capture (fused or capturable), so LR schedulers keep working
+            (:mod:`tgraph.step.host_state`). Its float learning rates reach the graph through
+            device tensors (fused or capturable), so LR schedulers keep working
             (:class:`tgraph.step.hyperparams.HyperParams`).
         clip_grad_norm: clip the gradients to this total norm first, exactly as
             ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type)`` (on the device).
@@ -485,12 +485,9 @@ class OptimizerGraph:
         )
 
     def reset(self) -> None:
-        """Drop the graph; learning rates become floats again; the next steps warm up anew."""
-        cap = self._cap
-        if cap is not None:
-            cap.graph.reset()
-            for hp in cap.hparams:
-                hp.restore()
+        """Drop the graph; the next steps warm up anew."""
+        if self._cap is not None:
+            self._cap.graph.reset()
         self._reset_state()
 
 
