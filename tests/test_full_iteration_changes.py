@@ -205,14 +205,28 @@ def _own_lr_tensor(device: torch.device):
     return change
 
 
+def _betas_list(device: torch.device):
+    """A list for ``betas`` (as a config file gives it), changed in place before step 5."""
+
+    def change(i: int, opt: torch.optim.Optimizer) -> None:
+        if i == 0:
+            opt.param_groups[0]["betas"] = [0.9, 0.999]
+        if i == 5:
+            opt.param_groups[0]["betas"][0] = 0.5
+
+    return change
+
+
 _HYPERPARAMETER_CHANGES = {
     # the change, what the warning names, and the naive version that misses it: the caller's
-    # tensor taken for a new float (copied once, its in-place update never reaches the graph)
+    # tensor taken for a new float (copied once, its in-place update never reaches the graph);
+    # the list kept by reference (compared with itself)
     "lr_tensor": (
         _own_lr_tensor,
         "'lr' was a float at capture and is a Tensor now",
         ("_is_float", lambda value: True),
     ),
+    "betas_list": (_betas_list, "'betas' changed after capture", ("_copied", lambda value: value)),
 }
 
 
@@ -231,8 +245,9 @@ def _run_changing(backend, device, graphed, change):
 def test_hyperparameter_changed_in_place_after_capture_matches_eager(
     backend, device, kind, replays
 ):
-    """The caller's own lr tensor assigned after capture (then updated in place): named, the
-    step is captured again (reading the caller's tensor in place), and training is eager's."""
+    """The caller's own lr tensor assigned after capture (then updated in place), and a betas
+    list changed in place: each is named, the step is captured again (reading the caller's
+    tensor in place; with the new betas), and training is eager's."""
     make_change, named, _ = _HYPERPARAMETER_CHANGES[kind]
     want = _run_changing(backend, device, False, make_change(device))
     with pytest.warns(tgraph.GraphFallbackWarning, match=named):

@@ -425,6 +425,34 @@ def test_planted_lr_tensor_left_in_the_group_is_caught(backend, device, monkeypa
     assert float(opt.param_groups[0]["lr"]) != ref_opt.param_groups[0]["lr"]
 
 
+def _betas_list(i, opt, sched) -> None:
+    if i == 0:
+        opt.param_groups[0]["betas"] = [0.9, 0.999]  # a list, as a config file gives it
+    if i == 4:
+        opt.param_groups[0]["betas"][0] = 0.5  # changed in place, after the capture
+
+
+def test_betas_list_changed_in_place_is_captured_again(backend, device, replays, caplog):
+    """A hyper-parameter held in a list and changed in place is a change: compared with the
+    copy taken at capture, named, captured again. Bit for bit with eager."""
+    with caplog.at_level("WARNING", logger="tgraph.step.optimizer_graph"):
+        model, opt = _train_calling(backend, device, _betas_list, graphed=True)
+    assert "'betas' changed after capture" in caplog.text
+    ref_model, ref_opt = _train_calling(backend, device, _betas_list, graphed=False)
+    assert_same_training_state(model, opt, ref_model, ref_opt)
+    # step 2-3 replays; 4 eager, 5 captured, 6-7 replayed (+ one replay per CUDA capture)
+    assert replays[0] == 4 + 2 * (backend == "cuda")
+
+
+def test_planted_betas_list_held_by_reference_is_caught(backend, device, monkeypatch):
+    """The naive version: the capture keeps a reference to the list, compared with itself."""
+    monkeypatch.setattr(hyperparams, "_copied", lambda value: value)
+    model, opt = _train_calling(backend, device, _betas_list, graphed=True)
+    ref_model, ref_opt = _train_calling(backend, device, _betas_list, graphed=False)
+    with pytest.raises(AssertionError, match="parameter 0 differs from eager"):
+        assert_same_training_state(model, opt, ref_model, ref_opt)
+
+
 def test_weight_decay_schedule_is_eagers_bit_for_bit(backend, device):
     """A weight decay changed at every step: never a replay of a stale value."""
 

@@ -11,8 +11,8 @@ copy. A float learning rate the graph cannot read from a tensor (another optimiz
 the host) is refused at the next step with a message naming the fix. Everything else is named by
 :meth:`HyperParams.change` before the next replay, and the step is captured again: an ``lr``
 tensor replaced by another object (or a float by a tensor), and a change of the other values of
-a param_group (weight decay, betas, momentum: host numbers of torch's kernels). Never frozen
-silently. Used by
+a param_group (weight decay, betas, momentum: host numbers of torch's kernels, compared with a
+copy taken at capture, so a list changed in place is seen too). Never frozen silently. Used by
 :class:`tgraph.FullIterationGraph` and :class:`tgraph.OptimizerGraph`.
 """
 
@@ -31,6 +31,17 @@ import torch
 def holds_tensor_lr(group: dict) -> bool:
     """Whether this param_group's optimizer reads a tensor ``lr`` without a host sync."""
     return bool(group.get("fused") or group.get("capturable"))
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with its lists, tuples and dicts copied (recursively): a later in-place change
+    of the param_group's value (``group['betas'][0] = 0.5`` on a list) does not reach the copy.
+    Other objects are kept as they are (compared by their own ``==``)."""
+    if type(value) in (list, tuple):
+        return type(value)(map(_copied, value))
+    if type(value) is dict:
+        return {k: _copied(v) for k, v in value.items()}
+    return value
 
 
 class _HeldLr:
@@ -92,7 +103,7 @@ class HyperParams:
                 self._held.append(_HeldLr(g))
         read = {id(h.group) for h in self._held} | {id(g) for g, _ in self._in_place}
         baked = [
-            (name, i, g, k, v)
+            (name, i, g, k, _copied(v))
             for name, i, g in self._groups
             for k, v in g.items()
             if k not in ("params", "initial_lr") and not isinstance(v, torch.Tensor)
@@ -140,7 +151,7 @@ class HyperParams:
         """Why a captured step no longer fits, or None: a param_group's learning-rate tensor
         replaced (or its float replaced by a tensor: the graph reads the tensor it had), or a
         Python value of a param_group other than a float ``lr`` (``weight_decay``, ``betas``,
-        ``momentum``, ...) changed since the capture. The fused and capturable
+        ``momentum``, ...) changed since the capture, in place or not. The fused and capturable
         kernels take these as host numbers, so no device tensor can carry them: the entry
         captures the step again after warmup, with the new value."""
         for h in self._held:
