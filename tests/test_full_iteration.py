@@ -324,7 +324,7 @@ def test_host_sync_raises_and_leaves_clean_state(backend, device, sync, capsys):
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(tgraph.CaptureError, match=r"\.item\(\)|printing a tensor"):
         step(batches[WARMUP])
-    # Clean: no stream left capturing, no training step taken, learning rates floats again.
+    # Clean: no stream left capturing, no training step taken, learning rates still floats.
     if device.type == "cuda":
         assert not torch.cuda.is_current_stream_capturing()
     torch.testing.assert_close([p.detach() for p in model.parameters()], before, rtol=0, atol=0)
