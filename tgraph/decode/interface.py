@@ -36,6 +36,10 @@ Rules for both methods (they are captured as CUDA graphs): no host syncs (``.ite
 printing, boolean-mask indexing), no shapes that depend on tensor values, no new CPU tensors, no
 writes outside the slots they are given, and every row independent of the other rows (padding
 rows must not change live rows' logits, padding positions must not change the prompt's).
+Read the model's submodules and the Python numbers they use from the model at each call (the toy
+GPT's adapter reads ``self.model.h``), not from references kept at construction: after a
+submodule is replaced the engine captures again (:mod:`tgraph.decode.weights`), and kept
+references would capture the old one.
 
 A model type that cannot carry the methods itself gets an adapter registered with
 :func:`as_decode_model` (``@as_decode_model.register(MyModel)``), as ``tgraph.toy.gpt_decode`` does
