@@ -322,6 +322,68 @@ def test_a_model_the_engine_can_no_longer_serve_names_the_fix(backend, device):
         eng.generate(prompts(), 2)
 
 
+def lora_model(device):
+    """A PEFT LoRA model around the GQA Llama, with two adapters (``default`` active) whose
+    ``lora_B`` are not zero, so each changes the tokens."""
+    peft = pytest.importorskip("peft", reason="needs peft (pip install 'tgraph[dev]')")
+    targets = ["q_proj", "v_proj"]
+    model = peft.get_peft_model(
+        make("llama-gqa", device), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
+    model.add_adapter("b", peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 1.0)
+    return model.eval()
+
+
+def lora_layers(model):
+    return [m for m in model.modules() if hasattr(m, "set_scale") and hasattr(m, "lora_A")]
+
+
+def set_scale(model) -> None:
+    for m in lora_layers(model):
+        m.set_scale("default", 5.0)
+
+
+def scale_in_place(model) -> None:
+    for m in lora_layers(model):
+        m.scaling["default"] = 0.5  # the dict PEFT's forward reads, written in place
+
+
+def test_peft_adapter_changes_after_capture_are_captured_again(backend, device, replays):
+    """The model inside a PEFT model is served with its LoRA layers; PEFT then changes their
+    state in place, where no module setter sees it (a rescale, a merge that writes the delta
+    into the base weights, a switch to another adapter): each generate captures again and its
+    tokens are generate's of the model as it is now, replayed. A stale graph would give the
+    old scale's tokens, or after a merge add the delta twice."""
+    peft_model = lora_model(device)
+    model = peft_model.base_model.model
+    ps = prompts()
+    eng = engine(model, backend)
+    recaptured = recaptures(eng)
+    seen = [eng.generate(ps, NEW_TOKENS)]
+    assert seen[0] == reference(model, ps)
+    steps = [
+        ("set_scale", lambda: set_scale(peft_model)),
+        ("scaling written in place", lambda: scale_in_place(peft_model)),
+        ("merge_adapter", peft_model.merge_adapter),
+        ("unmerge_adapter", peft_model.unmerge_adapter),
+        ("set_adapter", lambda: peft_model.set_adapter("b")),
+    ]
+    for i, (what, change) in enumerate(steps, 1):
+        change()
+        want = reference(model, ps)
+        before = replays[0]
+        assert eng.generate(ps, NEW_TOKENS) == want, what
+        assert replays[0] - before >= NEW_TOKENS and eng.stats.eager_steps == 0, what
+        assert recaptured[0] == i, what
+        seen.append(want)
+    assert len({str(t) for t in seen}) >= 4  # the changes decode other tokens
+
+
 @pytest.mark.parametrize("family", ["mistral-window", "qwen2-window"])
 def test_ignoring_the_sliding_window_is_caught(family, monkeypatch):
     """Planted bug: every layer attends to its whole past. The windows must matter here."""
