@@ -384,6 +384,16 @@ def test_peft_adapter_changes_after_capture_are_captured_again(backend, device, 
     assert len({str(t) for t in seen}) >= 4  # the changes decode other tokens
 
 
+def test_a_peft_model_is_refused_naming_the_model_it_wraps():
+    peft_model = lora_model(torch.device("cpu"))
+    with pytest.raises(
+        TypeError,
+        match=r"the PEFT wrapper PeftModel itself: pass the model it wraps, "
+        r"DecodeEngine\(peft_model\.base_model\.model, \.\.\.\).*merge_and_unload",
+    ):
+        DecodeEngine(peft_model, max_batch_size=1, max_seq_len=16, progress=False)
+
+
 @pytest.mark.parametrize("family", ["mistral-window", "qwen2-window"])
 def test_ignoring_the_sliding_window_is_caught(family, monkeypatch):
     """Planted bug: every layer attends to its whole past. The windows must matter here."""
