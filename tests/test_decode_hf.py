@@ -8,6 +8,7 @@ of each prompt alone, with transformers' own dynamic cache and masks.
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -215,6 +216,182 @@ def test_graphs_equal_eager_when_sampling(backend, device):
     kw = dict(temperature=0.9, top_k=20, top_p=0.9, seed=5)
     graphed = engine(model, backend).generate(ps, NEW_TOKENS, **kw)
     assert graphed == engine(model, backend, use_graphs=False).generate(ps, NEW_TOKENS, **kw)
+
+
+def recaptures(eng: DecodeEngine) -> list[int]:
+    """Counts the engine's re-captures (generate() calls recapture() itself)."""
+    count = [0]
+    recapture = eng.recapture
+
+    def counted() -> None:
+        count[0] += 1
+        recapture()
+
+    eng.recapture = counted
+    return count
+
+
+def layers_of(model) -> torch.nn.ModuleList:
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+def replace_head(model) -> None:
+    torch.manual_seed(3)
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, VOCAB, bias=False).to(model.device)
+
+
+def replace_layer(model) -> None:
+    new = copy.deepcopy(layers_of(model)[1])
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(-2.0)
+    layers_of(model)[1] = new
+
+
+def replace_final_norm(model) -> None:
+    new = copy.deepcopy(model.model.norm)
+    with torch.no_grad():
+        new.weight.mul_(-3.0)
+    model.model.norm = new
+
+
+def replace_embedding(model) -> None:
+    torch.manual_seed(3)
+    model.set_input_embeddings(torch.nn.Embedding(VOCAB, model.config.hidden_size).to(model.device))
+
+
+def attention_scaling(model) -> None:
+    for layer in layers_of(model):
+        attn = layer.attn if hasattr(layer, "attn") else layer.self_attn
+        attn.scaling = 2.0  # a Python float SDPA took as its scale
+
+
+@pytest.mark.parametrize(
+    "family, change",
+    [("llama-gqa", change) for change in (replace_head, replace_layer, replace_final_norm,
+                                          replace_embedding, attention_scaling)]
+    + [("gpt2", replace_layer), ("gpt2", attention_scaling)],
+    ids=lambda v: v if isinstance(v, str) else v.__name__,
+)  # fmt: skip
+def test_a_part_replaced_after_capture_is_served(family, change, backend, device, replays):
+    """A submodule the adapter runs replaced after capture (the head, a decoder layer, the
+    final norm, the embedding), or the attention scale it passes to SDPA changed: the next
+    generate captures again over the model's current parts and its tokens are generate's of
+    the changed model, replayed; an eager engine built before the change serves it too."""
+    model = make(family, device)
+    ps = prompts()
+    eng = engine(model, backend)
+    eager = engine(model, backend, use_graphs=False)
+    recaptured = recaptures(eng)
+    old = eng.generate(ps, NEW_TOKENS)
+    change(model)
+    want = reference(model, ps)
+    assert want != old  # the change decodes other tokens: the old parts' would show
+    before = replays[0]
+    assert eng.generate(ps, NEW_TOKENS) == want
+    assert replays[0] - before >= NEW_TOKENS and eng.stats.eager_steps == 0
+    assert recaptured[0] == 1
+    assert eng.generate(ps, NEW_TOKENS) == want and recaptured[0] == 1  # the new graphs replay
+    assert eager.generate(ps, NEW_TOKENS) == want
+
+
+def test_a_model_the_engine_can_no_longer_serve_names_the_fix(backend, device):
+    """After capture: a vocabulary resized (the buffers and the sampler are sized for the old
+    one) or a decoder layer whose own forward the adapter would bypass swapped in: generate()
+    raises the adapter's error, naming the change and the fix, before any capture."""
+    model = make("llama-gqa", device)
+    eng = engine(model, backend)
+    eng.generate(prompts(), 2)
+    model.resize_token_embeddings(VOCAB + 16)
+    with pytest.raises(
+        RuntimeError,  # the adapter's own error, not a capture failure wrapping it
+        match=r"^the served LlamaForCausalLM's vocab_size changed from 128 to 144 .*build a new "
+        "DecodeEngine",
+    ):
+        eng.generate(prompts(), 2)
+    model = make("llama-gqa", device)
+    eng = engine(model, backend)
+    eng.generate(prompts(), 2)
+    layer = copy.deepcopy(model.model.layers[1])
+    base = type(layer)
+    layer.__class__ = type(
+        "TiltedLayer", (base,), {"forward": lambda self, *a, **k: base.forward(self, *a, **k) + 1.0}
+    )
+    model.model.layers[1] = layer
+    with pytest.raises(TypeError, match=r"model\.layers\.1 runs TiltedLayer\.forward"):
+        eng.generate(prompts(), 2)
+
+
+def lora_model(device):
+    """A PEFT LoRA model around the GQA Llama, with two adapters (``default`` active) whose
+    ``lora_B`` are not zero, so each changes the tokens."""
+    peft = pytest.importorskip("peft", reason="needs peft (pip install 'tgraph[dev]')")
+    targets = ["q_proj", "v_proj"]
+    model = peft.get_peft_model(
+        make("llama-gqa", device), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
+    model.add_adapter("b", peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 1.0)
+    return model.eval()
+
+
+def lora_layers(model):
+    return [m for m in model.modules() if hasattr(m, "set_scale") and hasattr(m, "lora_A")]
+
+
+def set_scale(model) -> None:
+    for m in lora_layers(model):
+        m.set_scale("default", 5.0)
+
+
+def scale_in_place(model) -> None:
+    for m in lora_layers(model):
+        m.scaling["default"] = 0.5  # the dict PEFT's forward reads, written in place
+
+
+def test_peft_adapter_changes_after_capture_are_captured_again(backend, device, replays):
+    """The model inside a PEFT model is served with its LoRA layers; PEFT then changes their
+    state in place, where no module setter sees it (a rescale, a merge that writes the delta
+    into the base weights, a switch to another adapter): each generate captures again and its
+    tokens are generate's of the model as it is now, replayed. A stale graph would give the
+    old scale's tokens, or after a merge add the delta twice."""
+    peft_model = lora_model(device)
+    model = peft_model.base_model.model
+    ps = prompts()
+    eng = engine(model, backend)
+    recaptured = recaptures(eng)
+    seen = [eng.generate(ps, NEW_TOKENS)]
+    assert seen[0] == reference(model, ps)
+    steps = [
+        ("set_scale", lambda: set_scale(peft_model)),
+        ("scaling written in place", lambda: scale_in_place(peft_model)),
+        ("merge_adapter", peft_model.merge_adapter),
+        ("unmerge_adapter", peft_model.unmerge_adapter),
+        ("set_adapter", lambda: peft_model.set_adapter("b")),
+    ]
+    for i, (what, change) in enumerate(steps, 1):
+        change()
+        want = reference(model, ps)
+        before = replays[0]
+        assert eng.generate(ps, NEW_TOKENS) == want, what
+        assert replays[0] - before >= NEW_TOKENS and eng.stats.eager_steps == 0, what
+        assert recaptured[0] == i, what
+        seen.append(want)
+    assert len({str(t) for t in seen}) >= 4  # the changes decode other tokens
+
+
+def test_a_peft_model_is_refused_naming_the_model_it_wraps():
+    peft_model = lora_model(torch.device("cpu"))
+    with pytest.raises(
+        TypeError,
+        match=r"the PEFT wrapper PeftModel itself: pass the model it wraps, "
+        r"DecodeEngine\(peft_model\.base_model\.model, \.\.\.\).*merge_and_unload",
+    ):
+        DecodeEngine(peft_model, max_batch_size=1, max_seq_len=16, progress=False)
 
 
 @pytest.mark.parametrize("family", ["mistral-window", "qwen2-window"])

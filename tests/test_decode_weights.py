@@ -320,3 +320,50 @@ def test_a_mode_switch_of_a_decoder_without_serving_is_captured_again(backend, d
     model.train()
     assert_graphed_equal_eager(graphed, eager, replays, ps)
     assert recaptured[0] == 1
+
+
+class StandInLoRA(nn.Module):
+    """A PEFT LoRA ``Linear`` as tgraph reads one (:mod:`tgraph.peft_state`), without peft:
+    its forward adds the active adapter's delta times its ``scaling`` entry, unless disabled
+    or merged; PEFT's ``set_scale`` writes that dict in place."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, 4, bias=False)
+        self.lora_B = nn.Linear(4, base.out_features, bias=False)
+        self.scaling = {"default": 1.0}
+        self._active_adapter = "default"
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+
+    disable_adapters = property(lambda self: self._disable_adapters)
+    merged = property(lambda self: bool(self.merged_adapters))
+    active_adapters = property(lambda self: [self._active_adapter])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        if self._disable_adapters or self.merged_adapters:
+            return out
+        return out + self.lora_B(self.lora_A(x)) * self.scaling[self._active_adapter]
+
+
+def test_adapter_scaling_written_in_place_is_captured_again(backend, device, replays):
+    """A LoRA-style head whose forward reads a dict entry that is changed in place (no module
+    setter runs, so no module epoch moves): generate() captures again and its tokens equal the
+    eager engine's with the new scale, not the captured scale's."""
+    model = tiny_gpt(device)
+    torch.manual_seed(6)
+    model.lm_head = StandInLoRA(model.lm_head).to(device)
+    with torch.no_grad():
+        model.lm_head.lora_B.weight.normal_(0.0, 0.3)
+    graphed, eager = engines(model, backend, **SHAPE)
+    recaptured = captures(graphed)
+    ps = prompts(3)
+    old = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    model.lm_head.scaling["default"] = 6.0
+    scaled = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    assert scaled != old and recaptured[0] == 1
+    model.lm_head.merged_adapters.append("default")  # merge_adapter's list, in place
+    assert assert_graphed_equal_eager(graphed, eager, replays, ps) != scaled
+    assert recaptured[0] == 2

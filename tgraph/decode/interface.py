@@ -36,6 +36,10 @@ Rules for both methods (they are captured as CUDA graphs): no host syncs (``.ite
 printing, boolean-mask indexing), no shapes that depend on tensor values, no new CPU tensors, no
 writes outside the slots they are given, and every row independent of the other rows (padding
 rows must not change live rows' logits, padding positions must not change the prompt's).
+Read the model's submodules and the Python numbers they use from the model at each call (the toy
+GPT's adapter reads ``self.model.h``), not from references kept at construction: after a
+submodule is replaced the engine captures again (:mod:`tgraph.decode.weights`), and kept
+references would capture the old one.
 
 A model type that cannot carry the methods itself gets an adapter registered with
 :func:`as_decode_model` (``@as_decode_model.register(MyModel)``), as ``tgraph.toy.gpt_decode`` does
@@ -130,6 +134,14 @@ def as_decode_model(model: object) -> DecodeModel:
             importlib.import_module(LAZY_ADAPTERS[package])  # registers its adapters
             del LAZY_ADAPTERS[package]  # once: a second miss is a real miss
             return as_decode_model(model)
+    if _is_peft_model(model):
+        raise TypeError(
+            f"DecodeEngine cannot serve the PEFT wrapper {type(model).__name__} itself: pass the "
+            "model it wraps, DecodeEngine(peft_model.base_model.model, ...), whose adapter "
+            "layers are served as they are (a later merge_adapter(), set_scale or set_adapter "
+            "is captured again), or merge the adapters into it first: "
+            "DecodeEngine(peft_model.merge_and_unload(), ...)"
+        )
     missing = [
         name
         for name in DecodeModel.__annotations__.keys() | {"prefill", "decode_step"}
@@ -140,4 +152,13 @@ def as_decode_model(model: object) -> DecodeModel:
         "decode interface and no adapter is registered for its type; implement prefill and "
         "decode_step as described in tgraph.decode.interface, or register an adapter with "
         "@tgraph.decode.as_decode_model.register"
+    )
+
+
+def _is_peft_model(model: object) -> bool:
+    """peft's ``PeftModel`` (duck-typed: no import of peft), which wraps the served model at
+    ``base_model.model``."""
+    cls = type(model)
+    return cls.__module__.partition(".")[0] == "peft" and hasattr(
+        getattr(model, "base_model", None), "model"
     )

@@ -27,6 +27,9 @@ them (:class:`tgraph.baked.Baked`) and asks for a re-capture when a submodule wa
 check is gated as :func:`tgraph.layers.replay.check`'s: the hook tables are read only when
 torch's hook counter moved (or a hook was present at capture), the attributes and the tree only
 when the module epoch moved (a write through ``nn.Module``'s setters to a served module).
+PEFT adapter state (disabled, merged, the active adapters and their scales:
+:mod:`tgraph.peft_state`), which PEFT writes in place where no epoch sees it, is compared at
+every check: ``merge_adapter()``, ``set_scale``, ``set_adapter`` capture again.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from torch.utils.hooks import RemovableHandle
 
 from tgraph.baked import Baked, watch_module_writes
 from tgraph.baked import _epoch as _module_epoch
+from tgraph.peft_state import adapter_state, is_adapter_layer
+from tgraph.peft_state import describe as describe_adapter
 from tgraph.pool import storage_uses
 
 logger = logging.getLogger(__name__)
@@ -107,6 +112,13 @@ class BakedWeights:
         self.baked = Baked.of([(name, m) for name, m in named.values()], [])
         self._hook_epoch = self.baked.hook_epoch  # scanned as unchanged at this hook epoch
         self._module_epoch = _module_epoch[0]  # ... and at this module epoch
+        # PEFT adapter state: written in place (a scaling dict, the merged list), which no
+        # epoch sees, so compared at every check (tgraph.peft_state)
+        adapters = [(n, m) for n, m in zip(self.baked.dict_names, self.baked.mods)
+                    if is_adapter_layer(m)]  # fmt: skip
+        self._adapter_names = tuple(n for n, _ in adapters)
+        self._adapters = tuple(m for _, m in adapters)
+        self._adapter_states = tuple(map(adapter_state, self._adapters))
         # the train/eval mode the graphs ran in (Baked leaves it to the per-layer call key)
         self._training = tuple(map(_training, self.baked.mods)) if modes else None
         # last: every alias the engine keeps (the inventory's too) is made by now
@@ -145,6 +157,8 @@ class BakedWeights:
         """Why the module tree, a hook or an attribute differs from the capture's (None: none
         does); the full comparison only off the steady path (as tgraph.layers.replay.check)."""
         b = self.baked
+        if self._adapters and tuple(map(adapter_state, self._adapters)) != self._adapter_states:
+            return self._changed_adapters()
         epoch = RemovableHandle.next_id  # moves whenever a hook is registered anywhere
         if epoch != self._hook_epoch or b.any_hooks:
             why = b.changed_hooks(scan=True)
@@ -162,6 +176,18 @@ class BakedWeights:
                 return why
             self._module_epoch = module_epoch
         return None
+
+    def _changed_adapters(self) -> str:
+        name, was, now = next(
+            (n, was, now)
+            for n, m, was in zip(self._adapter_names, self._adapters, self._adapter_states)
+            if (now := adapter_state(m)) != was
+        )
+        return (
+            f"the PEFT adapters of {name} changed from {describe_adapter(was)} to "
+            f"{describe_adapter(now)} after capture (the graphs baked in the disabled/merged "
+            "state, the active adapters and their scales)"
+        )
 
     def _changed_mode(self) -> str | None:
         b = self.baked

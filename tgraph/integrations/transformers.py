@@ -97,6 +97,8 @@ import tgraph
 from tgraph.errors import GraphFallbackWarning
 from tgraph.layers.capture import inside_graphed_region
 from tgraph.layers.manager import GraphableModule
+from tgraph.peft_state import adapter_state, is_adapter_layer
+from tgraph.peft_state import describe as describe_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +218,7 @@ def graph_layers(model: nn.Module, *, whole: bool = False, **enable_options) -> 
     for layer in layers:
         if not isinstance(layer, GraphableModule):
             layer.__class__ = _graphable(type(layer), base)
-        layer._tgraph_hf_adapters = tuple(m for m in layer.modules() if _is_adapter_layer(m))
+        layer._tgraph_hf_adapters = tuple(m for m in layer.modules() if is_adapter_layer(m))
     for norm in _final_norms(model, layers):
         cls = type(norm)
         norm.__class__ = GraphableModule.of(cls, graphed_alone=False, _tgraph_hf_base=cls)
@@ -342,44 +344,12 @@ def _refuse_ungraphable_experts(model: nn.Module) -> None:
                 )
 
 
-def _is_adapter_layer(m: nn.Module) -> bool:
-    """A PEFT tuner layer (duck-typed: no import of peft; the attributes :func:`_adapter_state`
-    reads)."""
-    cls = type(m)
-    return all(
-        isinstance(getattr(cls, a, None), property)
-        for a in ("disable_adapters", "merged", "active_adapters")
-    ) and all(hasattr(m, a) for a in ("_active_adapter", "_disable_adapters", "merged_adapters"))
-
-
-def _adapter_state(a: nn.Module) -> tuple:
-    """One PEFT tuner layer's state: (disabled, merged, active adapters, their scales).
-
-    Reads the attributes behind PEFT's properties (``BaseTunerLayer``): this runs at every call
-    of every decoder layer, and the properties cost microseconds each.
-    """
-    active, scaling = a._active_adapter, a.__dict__.get("scaling") or {}
-    if isinstance(active, str):  # the common case, without a generator
-        active, scales = (active,), (scaling.get(active, 1),)
-    else:
-        active = tuple(active)
-        scales = tuple(scaling.get(n, 1) for n in active)
-    return (a._disable_adapters, bool(a.merged_adapters), active, scales)
-
-
 @functools.lru_cache(maxsize=256)
 def _describe_state(checkpointing: bool, adapters: frozenset) -> str:
     """The layer-state string tgraph compares (and names in a fallback warning)."""
     text = "gradient checkpointing " + ("on" if checkpointing else "off")
     if adapters:
-        seen = sorted(
-            "disabled"
-            if disabled
-            else ",".join(f"{n}*{s}" for n, s in zip(active, scales))
-            + (" merged" if merged else "")
-            for disabled, merged, active, scales in adapters
-        )
-        text += "; adapters " + " | ".join(seen)
+        text += "; adapters " + " | ".join(sorted(map(describe_adapter, adapters)))
     return text
 
 
@@ -393,7 +363,7 @@ def _layer_state(layer: nn.Module) -> str:
     checkpointing = bool(getattr(layer, "gradient_checkpointing", False))
     if not adapters:
         return _PLAIN_STATES[checkpointing]
-    return _describe_state(checkpointing, frozenset(map(_adapter_state, adapters)))
+    return _describe_state(checkpointing, frozenset(map(adapter_state, adapters)))
 
 
 def _refuse_reentrant(layer: nn.Module) -> None:

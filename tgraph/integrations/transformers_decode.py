@@ -48,6 +48,11 @@ Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
 a supported one whose ``forward`` (of the model, its base model, a layer, an attention or a
 norm replaced above) is not transformers' own: the adapter never calls those methods.
 
+The parts are read from the model at the first call after any write to one of its modules
+(:meth:`TransformersDecoder.parts`), not kept from construction: a head, layer, norm or
+embedding replaced after capture, or an attention's ``scaling`` changed, is what the engine's
+re-capture (its check finds the change before the next call) and its eager runs serve.
+
 Registration is lazy (:data:`tgraph.decode.interface.LAZY_ADAPTERS`): importing tgraph does not
 import transformers; the first model whose class lives in ``transformers`` that reaches
 :func:`~tgraph.decode.as_decode_model` imports this module, which registers its adapters.
@@ -55,12 +60,17 @@ import transformers; the first model whose class lives in ``transformers`` that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tgraph.baked import _count_writes_to, watch_module_writes
+from tgraph.baked import _epoch as _module_epoch
 from tgraph.decode.buffers import PrefillInputs, StepInputs
 from tgraph.decode.interface import ServedInEval, as_decode_model
 from tgraph.decode.kv_cache import KVCache
@@ -78,6 +88,32 @@ SUPPORTED = (*ROTARY_FAMILIES, "GPT2LMHeadModel")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
+class Shape(NamedTuple):
+    """What the engine's KV cache and buffers are sized for, read from the model."""
+
+    n_layer: int  # decoder layers (one KV cache entry each)
+    n_head: int  # KV heads per layer
+    groups: int  # query heads per KV head
+    head_dim: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The model's modules and the Python numbers the decode methods read, as the model held
+    them at the last write to one of its modules (:meth:`TransformersDecoder.parts`)."""
+
+    shape: Shape
+    embed: nn.Module
+    positions: nn.Module | None  # GPT-2's learned positions
+    rotary: nn.Module | None  # the rotary families' rotary_emb
+    layers: tuple[nn.Module, ...]
+    final_norm: nn.Module
+    lm_head: nn.Module
+    scales: tuple[float, ...]  # each layer's attention scale
+    windows: tuple[int | None, ...]  # each layer's sliding window (None: full attention)
+
+
 class TransformersDecoder:
     """A transformers causal LM behind the decode interface (see the module docstring).
 
@@ -85,7 +121,11 @@ class TransformersDecoder:
         model: one of :data:`SUPPORTED`; in eval mode while the engine captures or generates
             (:attr:`serving`), in its own train/eval mode after. Its weights are used in place
             (reallocated ones, by a sync or ``model.to(dtype)``, are followed by the engine's
-            weight check; to move the model to another device, build a new engine).
+            weight check; to move the model to another device, build a new engine). Its parts
+            are read anew after a write to one of its modules (:meth:`parts`): a submodule
+            replaced (``model.lm_head = ...``, a decoder layer, the final norm, the embedding)
+            or an attribute changed (``self_attn.scaling``) is served by the next eager call and
+            by the graphs the engine captures again, which its check before each call does.
         tokenizer: optional transformers tokenizer for text prompts (``encode``/``decode``).
             Without one, a model of at least 256 tokens gets a byte-level tokenizer (UTF-8
             bytes are token ids, as tgraph's toy corpus uses); a smaller one takes ids only.
@@ -105,86 +145,89 @@ class TransformersDecoder:
                 "adapter with @tgraph.decode.as_decode_model.register"
             )
         self.model = model
-        # serving(): eval mode while the engine captures or generates, its own mode after
-        self.serving = ServedInEval(model)
+        self._eval = ServedInEval(model)  # eval mode while served, its own mode after
         self.architecture = family
+        self.gpt2 = family == "GPT2LMHeadModel"
         cfg = model.config
-        self.vocab_size = cfg.vocab_size
+        self.max_positions = cfg.n_positions if self.gpt2 else cfg.max_position_embeddings
         self.device = model.get_input_embeddings().weight.device
-        if family == "GPT2LMHeadModel":
-            self._init_gpt2(model)
-        else:
-            self._init_rotary(model)
-        self.n_layer = len(self.layers)
+        self.shape = self._read().shape
+        self._parts: Parts | None = None  # read at this module epoch
+        self._epoch = -1
+        watch_module_writes()  # idempotent: the module epoch parts() reads
+        self.n_layer, self.n_head, self.groups, self.head_dim, self.vocab_size = self.shape
         self.n_query_heads = self.n_head * self.groups
-        _refuse_own_forward(model, self._bypassed(model))
         self._set_tokenizer(tokenizer)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Entered by the engine around capture and every call: the model in eval mode
+        (:class:`~tgraph.decode.interface.ServedInEval`) and its parts checked, so a part
+        replaced by one the adapter cannot serve raises here, before a capture starts (where
+        the error would read as a capture failure)."""
+        with self._eval():
+            self.parts()
+            yield
 
     @property
     def dtype(self) -> torch.dtype:
         """The model's dtype now (its embedding's): the KV cache and the masks follow a
         ``model.to(dtype)`` at the engine's re-capture."""
-        return self.embed.weight.dtype
+        return self.model.get_input_embeddings().weight.dtype
 
-    # -- set-up per family ------------------------------------------------------------------
+    # -- the model's parts ------------------------------------------------------------------
 
-    def _init_rotary(self, model: nn.Module) -> None:
-        """Llama, Mistral, Qwen2, Qwen3: RMSNorm, rotary positions, grouped KV heads."""
-        cfg, base = model.config, model.model
-        self.rotary = base.rotary_emb
-        rope_type = getattr(self.rotary, "rope_type", "default")
-        if rope_type in LENGTH_DEPENDENT_ROPE:
-            raise TypeError(
-                f"{type(model).__name__} uses rope_type {rope_type!r}, whose frequencies depend on "
-                "the longest sequence of the batch at each step (chosen on the host): rows would "
-                "not be independent and graphs would freeze one choice. Serve it with a static "
-                "scaling (default, linear, llama3, yarn) or without graphs in transformers"
+    def parts(self) -> Parts:
+        """The model's parts now (:class:`Parts`), checked as at construction.
+
+        Read at the first call (:meth:`serving`, a prefill, a decode step) after a write to
+        any of the model's modules through ``nn.Module``'s setters (the module epoch of
+        :mod:`tgraph.baked`, which the engine's check reads too), else the last read's: a read
+        costs about 0.3 ms for a 32-layer model, which an eager step would otherwise pay every
+        time. A write that bypasses the setters (``m.__dict__[k] = v``) is not seen, as the
+        engine's check does not see it (README, "What a graph keeps").
+
+        Raises:
+            TypeError: as the constructor (a replaced part runs a ``forward`` of its own).
+            RuntimeError: the model's shape changed since the engine sized its KV cache and
+                buffers (``resize_token_embeddings``, a layer added): build a new engine.
+        """
+        if self._epoch == _module_epoch[0]:
+            return self._parts
+        parts = self._read()
+        if parts.shape != self.shape:
+            field, was, now = next(
+                (f, a, b) for f, a, b in zip(Shape._fields, self.shape, parts.shape) if a != b
             )
-        self.embed = base.embed_tokens
-        self.final_norm = base.norm
-        self.lm_head = model.lm_head
-        self.layers = list(base.layers[: cfg.num_hidden_layers])
-        attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.n_head = cfg.num_key_value_heads
-        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.scales = [layer.self_attn.scaling for layer in self.layers]
-        self.windows = [_window(layer.self_attn, cfg) for layer in self.layers]
-        self.max_positions = cfg.max_position_embeddings
-
-    def _init_gpt2(self, model: nn.Module) -> None:
-        """GPT-2: LayerNorm, learned positions, fused Conv1D q/k/v, one KV head per head."""
-        cfg, base = model.config, model.transformer
-        if getattr(cfg, "add_cross_attention", False):
-            raise TypeError(
-                "GPT2LMHeadModel with add_cross_attention=True attends to an encoder; "
-                "DecodeEngine serves decoder-only models"
+            raise RuntimeError(
+                f"the served {type(self.model).__name__}'s {field} changed from {was} to {now} "
+                "after the DecodeEngine was built (its KV cache and buffers are sized for "
+                f"{was}); build a new DecodeEngine for the changed model"
             )
-        self.rotary = None
-        self.embed, self.positions = base.wte, base.wpe
-        self.final_norm = base.ln_f
-        self.lm_head = model.lm_head
-        self.layers = list(base.h)
-        self.n_head = cfg.n_head
-        self.groups = 1
-        self.head_dim = cfg.n_embd // cfg.n_head
-        self.scales = [_gpt2_scale(block.attn, i) for i, block in enumerate(self.layers)]
-        self.windows = [None] * len(self.layers)
-        self.max_positions = cfg.n_positions
+        _count_writes_to(tuple(self.model.modules()))  # a module swapped in is watched too
+        self._parts, self._epoch = parts, _module_epoch[0]
+        return parts
 
-    def _bypassed(self, model: nn.Module) -> list[nn.Module]:
+    def _read(self) -> Parts:
+        model = self.model
+        parts = _gpt2_parts(model) if self.gpt2 else _rotary_parts(model)
+        _refuse_own_forward(model, self._bypassed(parts))
+        return parts
+
+    def _bypassed(self, parts: Parts) -> list[nn.Module]:
         """The modules whose ``forward`` the adapter never runs (it runs their parts instead):
         the model, its base model, each layer and its attention, the norms :func:`rms_norm`
         replaces."""
-        gpt2 = self.rotary is None
-        out = [model, model.transformer if gpt2 else model.model, *self.layers]
-        out += [layer.attn if gpt2 else layer.self_attn for layer in self.layers]
-        if not gpt2:
-            norms = [self.final_norm]
-            for layer in self.layers:
+        model, layers = self.model, parts.layers
+        out = [model, model.transformer if self.gpt2 else model.model, *layers]
+        out += [layer.attn if self.gpt2 else layer.self_attn for layer in layers]
+        if not self.gpt2:
+            norms = [parts.final_norm]
+            for layer in layers:
                 norms += [layer.input_layernorm, layer.post_attention_layernorm]
-                norms += [getattr(layer.self_attn, n, None) for n in ("q_norm", "k_norm")]
-            out += [n for n in norms if n is not None and rms_norm(n) is not n]
+                q_and_k = layer.self_attn._modules  # Qwen3's q_norm and k_norm, if any
+                norms += [q_and_k.get("q_norm"), q_and_k.get("k_norm")]
+            out += [n for n in norms if n is not None and _fused(n)]
         return out
 
     def _set_tokenizer(self, tokenizer) -> None:
@@ -200,7 +243,7 @@ class TransformersDecoder:
     # -- one layer's parts ------------------------------------------------------------------
 
     def _norms(self, layer: nn.Module) -> tuple[Norm, Norm]:
-        if self.rotary is None:
+        if self.gpt2:
             return layer.ln_1, layer.ln_2
         return rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm)
 
@@ -210,7 +253,7 @@ class TransformersDecoder:
         """Queries (B, H, T, hd), keys and values (B, n_kv, T, hd) of normed input (B, T, C)."""
         B, T, _ = h.shape
         hd = self.head_dim
-        if self.rotary is None:  # GPT-2: one Conv1D for q, k and v
+        if self.gpt2:  # one Conv1D for q, k and v
             attn = layer.attn
             q, k, v = attn.c_attn(h).split(attn.split_size, dim=2)  # (B, T, C) each
             return tuple(t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
@@ -226,18 +269,18 @@ class TransformersDecoder:
 
     def _out(self, layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
         """Output projection of attention output (B, T, H * hd)."""
-        return (layer.attn.c_proj if self.rotary is None else layer.self_attn.o_proj)(y)
+        return (layer.attn.c_proj if self.gpt2 else layer.self_attn.o_proj)(y)
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
+    def _embed(self, parts: Parts, tokens: torch.Tensor, positions: torch.Tensor):
         """Embeddings (B, T, C) and rotary (cos, sin) of tokens and positions (B, T)."""
-        x = self.embed(tokens)
-        if self.rotary is None:
-            return x + self.positions(positions), None
-        return x, rotation(*self.rotary(x, positions), self.n_query_heads + self.n_head)
+        x = parts.embed(tokens)
+        if self.gpt2:
+            return x + parts.positions(positions), None
+        return x, rotation(*parts.rotary(x, positions), self.n_query_heads + self.n_head)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        norm = self.final_norm if self.rotary is None else rms_norm(self.final_norm)
-        return self.lm_head(norm(x))
+    def _logits(self, parts: Parts, x: torch.Tensor) -> torch.Tensor:
+        norm = parts.final_norm if self.gpt2 else rms_norm(parts.final_norm)
+        return parts.lm_head(norm(x))
 
     # -- the decode interface ---------------------------------------------------------------
 
@@ -245,32 +288,34 @@ class TransformersDecoder:
     def prefill(self, inputs: PrefillInputs, cache: KVCache) -> torch.Tensor:
         """Run the padded prompt, store its keys/values in its slot; return the logits of its
         last real position (1, V). Graph-safe: the causal mask keeps the padding out."""
+        p = self.parts()
         T = inputs.tokens.shape[0]
         positions = cache.key_positions[:T]  # (T,)
-        x, rope = self._embed(inputs.tokens[None], positions[None])  # (1, T, C)
-        masks = prompt_masks(positions, self.windows, self.dtype)
-        for i, layer in enumerate(self.layers):
+        x, rope = self._embed(p, inputs.tokens[None], positions[None])  # (1, T, C)
+        masks = prompt_masks(positions, p.windows, self.dtype)
+        for i, layer in enumerate(p.layers):
             norm_attn, norm_mlp = self._norms(layer)
             q, k, v = self._qkv(layer, norm_attn(x), rope)  # (1, H | n_kv, T, hd)
             cache.write_prefill(i, inputs.slot, k[0], v[0])
             if self.groups > 1:  # transformers' repeat_kv: query head h reads KV head h // g
                 k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
-            window = self.windows[i]
+            window = p.windows[i]
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=masks[window], is_causal=window is None, scale=self.scales[i]
+                q, k, v, attn_mask=masks[window], is_causal=window is None, scale=p.scales[i]
             )  # (1, H, T, hd)
             x = x + self._out(layer, y.transpose(1, 2).reshape(1, T, -1))
             x = x + layer.mlp(norm_mlp(x))
         last = x[0].index_select(0, inputs.length - 1)  # (1, C): the prompt's last position
-        return self._logits(last)  # (1, V)
+        return self._logits(p, last)  # (1, V)
 
     @torch.no_grad()
     def decode_step(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """One token per row against the cache; returns logits (B, V). Graph-safe."""
+        p = self.parts()
         B, H, g, hd = inputs.rows, self.n_query_heads, self.groups, self.head_dim
-        x, rope = self._embed(inputs.tokens[:, None], inputs.positions[:, None])  # (B, 1, C)
-        masks = step_masks(cache.key_positions, inputs.lengths, self.windows, self.dtype)
-        for i, layer in enumerate(self.layers):
+        x, rope = self._embed(p, inputs.tokens[:, None], inputs.positions[:, None])  # (B, 1, C)
+        masks = step_masks(cache.key_positions, inputs.lengths, p.windows, self.dtype)
+        for i, layer in enumerate(p.layers):
             norm_attn, norm_mlp = self._norms(layer)
             q, k, v = self._qkv(layer, norm_attn(x), rope)  # (B, H | n_kv, 1, hd)
             cache.write_step(i, inputs.slots, inputs.positions, k[:, :, 0], v[:, :, 0])
@@ -278,11 +323,11 @@ class TransformersDecoder:
             # One query per row: a group's g query heads become g query rows of its KV head.
             q = q.reshape(B, self.n_head, g, hd)  # (B, n_kv, g, hd)
             y = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=masks[self.windows[i]], scale=self.scales[i]
+                q, keys, values, attn_mask=masks[p.windows[i]], scale=p.scales[i]
             )  # (B, n_kv, g, hd)
             x = x + self._out(layer, y.reshape(B, 1, H * hd))
             x = x + layer.mlp(norm_mlp(x))
-        return self._logits(x[:, 0])  # (B, V)
+        return self._logits(p, x[:, 0])  # (B, V)
 
 
 # -- masks -------------------------------------------------------------------------------------
@@ -334,10 +379,15 @@ RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 def rms_norm(norm: nn.Module) -> Norm:
     """``norm`` as ``F.rms_norm`` with its weight and eps when it is one of :data:`RMS_NORMS`
     (``weight * x / sqrt(mean(x^2) + eps)``, fused on CUDA); any other module as itself."""
-    cls = type(norm).__dict__.get("_tgraph_hf_base", type(norm))  # graph_layers' final norm
-    if cls.__name__ not in RMS_NORMS or not hasattr(F, "rms_norm"):
+    if not _fused(norm):
         return norm
     return lambda x: F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _fused(norm: nn.Module) -> bool:
+    """Whether :func:`rms_norm` runs ``norm`` as ``F.rms_norm`` (not through its forward)."""
+    cls = type(norm).__dict__.get("_tgraph_hf_base", type(norm))  # graph_layers' final norm
+    return cls.__name__ in RMS_NORMS and hasattr(F, "rms_norm")
 
 
 def rotation(cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,7 +428,6 @@ def _refuse_own_forward(model: nn.Module, bypassed: list[nn.Module]) -> None:
     Raises:
         TypeError: naming the module, the method and the fix.
     """
-    names = {id(m): n or "the model" for n, m in model.named_modules()}
     for m in bypassed:
         if "forward" in m.__dict__:
             what = f"a forward set on the {type(m).__name__} instance"
@@ -392,6 +441,7 @@ def _refuse_own_forward(model: nn.Module, bypassed: list[nn.Module]) -> None:
             if owner.__module__.startswith("transformers.") and source.startswith("transformers."):
                 continue
             what = f"{owner.__qualname__}.forward (from {source})"
+        names = {id(m): n or "the model" for n, m in model.named_modules()}
         raise TypeError(
             f"DecodeEngine cannot serve {type(model).__name__}: {names[id(m)]} runs {what}, "
             "not transformers' own forward, which the decode adapter never calls (it runs the "
@@ -402,13 +452,68 @@ def _refuse_own_forward(model: nn.Module, bypassed: list[nn.Module]) -> None:
         )
 
 
+def _rotary_parts(model: nn.Module) -> Parts:
+    """Llama, Mistral, Qwen2, Qwen3: RMSNorm, rotary positions, grouped KV heads."""
+    cfg, base = model.config, model.model
+    rotary = base.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise TypeError(
+            f"{type(model).__name__} uses rope_type {rope_type!r}, whose frequencies depend on "
+            "the longest sequence of the batch at each step (chosen on the host): rows would "
+            "not be independent and graphs would freeze one choice. Serve it with a static "
+            "scaling (default, linear, llama3, yarn) or without graphs in transformers"
+        )
+    layers = tuple(base.layers)[: cfg.num_hidden_layers]
+    shape = Shape(
+        n_layer=len(layers),
+        n_head=cfg.num_key_value_heads,
+        groups=cfg.num_attention_heads // cfg.num_key_value_heads,
+        head_dim=layers[0].self_attn.head_dim,
+        vocab_size=cfg.vocab_size,
+    )
+    return Parts(
+        shape=shape,
+        embed=base.embed_tokens,
+        positions=None,
+        rotary=rotary,
+        layers=layers,
+        final_norm=base.norm,
+        lm_head=model.lm_head,
+        scales=tuple(layer.self_attn.scaling for layer in layers),
+        windows=tuple(_window(layer.self_attn, cfg) for layer in layers),
+    )
+
+
+def _gpt2_parts(model: nn.Module) -> Parts:
+    """GPT-2: LayerNorm, learned positions, fused Conv1D q/k/v, one KV head per head."""
+    cfg, base = model.config, model.transformer
+    if getattr(cfg, "add_cross_attention", False):
+        raise TypeError(
+            "GPT2LMHeadModel with add_cross_attention=True attends to an encoder; "
+            "DecodeEngine serves decoder-only models"
+        )
+    layers = tuple(base.h)
+    return Parts(
+        shape=Shape(len(layers), cfg.n_head, 1, cfg.n_embd // cfg.n_head, cfg.vocab_size),
+        embed=base.wte,
+        positions=base.wpe,
+        rotary=None,
+        layers=layers,
+        final_norm=base.ln_f,
+        lm_head=model.lm_head,
+        scales=tuple(_gpt2_scale(block.attn, i) for i, block in enumerate(layers)),
+        windows=(None,) * len(layers),
+    )
+
+
 def _window(attn: nn.Module, config) -> int | None:
     """The sliding window of one attention layer, or None for full attention.
 
     Qwen2/Qwen3 set ``attn.sliding_window`` per layer from ``layer_types``; Mistral reads
     ``config.sliding_window`` for every layer (transformers' Mistral mask does the same).
     """
-    if hasattr(attn, "sliding_window"):
+    if "sliding_window" in vars(attn):  # (not hasattr: a miss raises, per layer per read)
         return attn.sliding_window
     if config.model_type == "mistral":
         return getattr(config, "sliding_window", None)
