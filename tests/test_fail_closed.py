@@ -285,6 +285,94 @@ def test_ema_evaluation_between_steps_sees_the_ema_weights(backend, device, how)
     assert_never_silent(eval_msgs, r"param|weight|storage|functional_call")
 
 
+# -- a state_dict() kept across load_state_dict(assign=True) ----------------------------------
+
+
+def _kept_state_dict_run(model, data, backend=None, replays=None, *, taken: str):
+    """Train; ``taken``: when a ``state_dict()`` (aliases of the parameters) is taken and kept
+    (never, before ``enable``, before or after ``create_graphs``). Before step 2, load new
+    parameters with ``assign=True``; before step 4, drop the kept state dict.
+
+    Returns the losses, the kept tensors' values before the load and after step 3, and per
+    step: the fallback warnings, the eager calls and the replays it made.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    kept = model.state_dict() if taken == "before_enable" else None
+    if backend is not None:
+        tgraph.enable(model, backend=backend)
+    losses, msgs, calls, replayed, values = [], [], [], [], []
+
+    def step(x, y):  # the loss is not kept: its autograd graph would hold the old parameters
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            values.append({k: v.clone() for k, v in (kept or {}).items()})
+            new = {k: v.detach().mul(0.5) for k, v in model.state_dict().items()}
+            model.load_state_dict(new, assign=True)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        if i == 4:
+            values.append({k: v.clone() for k, v in (kept or {}).items()})
+            kept = None
+        before, replays_before = eager_calls(), replays[0] if replays else 0
+        with fallbacks() as m:
+            losses.append(step(x, y))
+        msgs.append(m)
+        calls.append(eager_calls() - before)
+        replayed.append((replays[0] if replays else 0) - replays_before)
+        if i == 0 and taken == "before_create_graphs":
+            kept = model.state_dict()
+        if backend is not None and i == 0:
+            tgraph.create_graphs()
+        if i == 0 and taken == "after_create_graphs":
+            kept = model.state_dict()
+    return torch.stack(losses), values, msgs, calls, replayed
+
+
+@pytest.mark.parametrize(
+    "taken", ["never", "before_enable", "before_create_graphs", "after_create_graphs"]
+)
+def test_a_state_dict_kept_across_an_assign_load_is_not_overwritten(
+    backend, device, replays, taken
+):
+    """``sd = model.state_dict()`` kept, then ``load_state_dict(new, assign=True)``: the memory
+    the graph reads is now the kept tensors', which a copy of the new parameters into it would
+    overwrite, also when it was taken before the capture (not tgraph's use of that memory).
+    While it is kept, the calls run
+    eagerly, saying so, and it keeps its values bitwise; once dropped, the graphs replay on the
+    new parameters. Nothing kept: the load is followed by a copy at once, no fallback."""
+    model, ref = make_pair(device)
+    data = batches(device, STEPS + 2)
+    want, want_values, _, _, _ = _kept_state_dict_run(ref, data, taken=taken)
+    got, values, msgs, calls, replayed = _kept_state_dict_run(
+        model, data, backend, replays, taken=taken
+    )
+    before, after = values  # the kept tensors: bitwise as the load left them, and as eager's
+    assert before.keys() == after.keys() == want_values[1].keys()
+    for k in before:
+        assert torch.equal(after[k], before[k]), f"{k} of the kept state_dict was overwritten"
+        assert torch.equal(after[k], want_values[1][k]), k
+    n = len(model.blocks)
+    if taken == "never":
+        assert msgs == [[]] * len(data), msgs
+        assert calls[1:] == [0] * (len(data) - 1), calls
+    else:
+        assert msgs[2] and all("in use elsewhere" in m for m in msgs[2]), msgs[2]
+        assert "blocks.0.fc1.weight" in msgs[2][0]
+        assert calls[1:] == [0, n, n] + [0] * (len(data) - 4), calls
+        assert replayed[2:4] == [0, 0], replayed
+    assert all(r > 0 for r in replayed[4:]), replayed  # dropped: the graphs replay again
+    assert all(r > 0 for r in replayed[1:2]), replayed
+    if device.type == "cpu":  # the same fp32 kernels on the same values: bitwise
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, **TOL)
+    assert_same_params(model, ref)
+
+
 # -- Python state read by the forward, changed after capture ----------------------------------
 
 

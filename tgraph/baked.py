@@ -27,7 +27,9 @@ import operator
 import sys
 import types
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import getitem
 
 import torch
@@ -35,6 +37,7 @@ import torch.nn as nn
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
+from tgraph.pool import storage_uses
 from tgraph.python_state import forward_globals, plain, unread
 
 _data_ptr = torch.Tensor.data_ptr
@@ -449,6 +452,58 @@ def where(live: tuple[torch.Tensor, ...]) -> tuple:
 def _same_layout(a: tuple, b: tuple, sizes: torch.Size) -> bool:
     """Strides ``a`` and ``b`` address the same elements for ``sizes``."""
     return 0 in sizes or all(x == y for x, y, n in zip(a, b, sizes) if n > 1)
+
+
+# ------------------------------------------------------------- who uses the captured memory
+# A parameter re-pointed after capture (p.data = ..., load_state_dict(assign=True)) is followed by
+# a copy into the memory the graphs read, which is safe only while no tensor but tgraph's own uses
+# that memory: an EMA swap hands it to the EMA tensor, a state_dict() kept from before shares it.
+# Counted by storage: tgraph's own uses are those its capture added (memory_uses before it, the
+# same count after), so an alias the user took before the capture counts as someone else's.
+
+
+def memory_uses(modules: Iterable[nn.Module]) -> dict[int, int]:
+    """How many tensors use the memory of each parameter and buffer of ``modules`` (and their
+    submodules), by storage (``UntypedStorage._cdata``). Taken before a capture, it tells
+    :func:`own_uses` which uses the capture added (tgraph's) from those that were there before
+    (the modules' own and the user's).
+
+    Args:
+        modules: the modules whose graphs are about to be captured.
+
+    Returns:
+        Per storage, its uses now (the modules' tensors, aliases held anywhere).
+    """
+    return {
+        t.untyped_storage()._cdata: storage_uses(t) - 1  # less the storage's Python object
+        for root in modules
+        for m in root.modules()
+        for t in chain(m._parameters.values(), m._buffers.values())
+        if t is not None
+    }
+
+
+def own_uses(
+    held: Iterable[torch.Tensor | None], uses_before: dict[int, int]
+) -> tuple[int | None, ...]:
+    """Per captured tensor in ``held``: the uses of its memory while only tgraph uses it, the
+    threshold above which a copy into it would overwrite someone else's tensor.
+
+    Taken once every alias tgraph keeps exists (``held`` itself, the inventory's, the
+    emulated graphs' tapes) and no draft of the capture holds one any more: the uses now less
+    those that were there before the capture (the module's own tensor, the user's aliases).
+    Memory made during the capture (a buffer a warmup registered) had only the module's. A
+    check then compares ``storage_uses`` of the held tensor with it: the moved tensor's use
+    is gone and the check's own storage object takes its place.
+
+    Args:
+        held: aliases of the captured memory (None: nothing captured there).
+        uses_before: :func:`memory_uses` of the modules before the capture.
+    """
+    return tuple(
+        None if h is None else storage_uses(h) - uses_before.get(h.untyped_storage()._cdata, 1)
+        for h in held
+    )
 
 
 def describe_hooks(modules: list[tuple[str, nn.Module]], roots: list[nn.Module]) -> list[str]:

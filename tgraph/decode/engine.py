@@ -62,6 +62,7 @@ from collections.abc import Sequence
 import torch
 
 from tgraph.backend import GraphFactory, resolve_backend
+from tgraph.baked import memory_uses
 from tgraph.decode.batch import (
     PaddedBatch,
     check_buckets,
@@ -78,7 +79,7 @@ from tgraph.decode.requests import Prompt, Request, make_requests
 from tgraph.decode.sampling import Sampler
 from tgraph.decode.stats import DecodeStats
 from tgraph.decode.steps import TokenReadback, decode_program, prefill_program
-from tgraph.decode.weights import BakedWeights, memory_uses, served_modules
+from tgraph.decode.weights import BakedWeights, served_modules
 
 logger = logging.getLogger(__name__)
 

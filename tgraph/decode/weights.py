@@ -17,8 +17,9 @@ weights swapped among themselves, and captured memory still in use elsewhere, wh
 would overwrite: an EMA swap (``p.data, e.data = e.data, p.data`` hands it to the EMA tensor),
 a ``state_dict()`` kept across ``load_state_dict(sd, assign=True)``, the old parameter still
 held (the per-layer graphs' rule, :func:`tgraph.layers.follow.follow_moved`). The engine's own
-uses of each memory are those its capture added (:func:`memory_uses` before it), so an alias the
-user took before the engine was built counts as someone else's.
+uses of each memory are those its capture added (:func:`tgraph.baked.memory_uses` before it,
+:func:`tgraph.baked.own_uses` after), so an alias the user took before the engine was built
+counts as someone else's.
 
 The graphs also baked in the module tree, the hooks that ran and the Python attributes the
 forwards read (``LayerNorm.eps``). :class:`BakedWeights` keeps the per-layer graphs' inventory of
@@ -42,7 +43,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from tgraph.baked import Baked, watch_module_writes
+from tgraph.baked import Baked, own_uses, watch_module_writes
 from tgraph.baked import _epoch as _module_epoch
 from tgraph.peft_state import adapter_state, is_adapter_layer
 from tgraph.peft_state import describe as describe_adapter
@@ -52,19 +53,6 @@ logger = logging.getLogger(__name__)
 
 _data_ptr = torch.Tensor.data_ptr
 _training = attrgetter("training")
-
-
-def memory_uses(modules: list[nn.Module]) -> dict[int, int]:
-    """How many tensors use the memory of each parameter and buffer of ``modules``, by storage
-    (``UntypedStorage._cdata``). Taken before a capture, it tells :class:`BakedWeights` which
-    uses the capture added (the engine's own) from those that were there before (the user's)."""
-    return {
-        t.untyped_storage()._cdata: storage_uses(t) - 1  # less the storage's Python object
-        for root in modules
-        for m in root.modules()
-        for t in chain(m._parameters.values(), m._buffers.values())
-        if t is not None
-    }
 
 
 def served_modules(*objects: object) -> list[nn.Module]:
@@ -82,7 +70,7 @@ class BakedWeights:
 
     Args:
         modules: the served modules (every submodule's tables are watched).
-        uses_before: :func:`memory_uses` of ``modules`` before the graphs were captured.
+        uses_before: :func:`tgraph.baked.memory_uses` of ``modules`` before the capture.
         modes: also ask for a re-capture when a module's train/eval mode changed (when the
             engine does not set the mode itself: a decoder without ``serving()``).
     """
@@ -122,7 +110,7 @@ class BakedWeights:
         # the train/eval mode the graphs ran in (Baked leaves it to the per-layer call key)
         self._training = tuple(map(_training, self.baked.mods)) if modes else None
         # last: every alias the engine keeps (the inventory's too) is made by now
-        self._own_uses = _own_uses(self.held, uses_before)
+        self._own_uses = own_uses(self.held, uses_before)
 
     def _table_keys(self) -> tuple:
         return tuple(map(tuple, self._tables))
@@ -251,19 +239,8 @@ class BakedWeights:
         return None
 
 
-def _own_uses(held: tuple, uses_before: dict[int, int]) -> tuple:
-    """Per captured tensor: :func:`tgraph.pool.storage_uses` of its memory while only the
-    engine uses it (the aliases in ``held``, the inventory's, the emulated graphs' tapes): its
-    uses now less the tensors that used it before the capture (the module's own, the user's).
-    Memory made during the capture (a buffer a warmup registered) had only the module's."""
-    return tuple(
-        None if h is None else storage_uses(h) - uses_before.get(h.untyped_storage()._cdata, 1)
-        for h in held
-    )
-
-
 def _what(t: torch.Tensor | None) -> str:
     return "None" if t is None else f"{tuple(t.shape)} {t.dtype} {t.device}"
 
 
-__all__ = ["BakedWeights", "memory_uses", "served_modules"]
+__all__ = ["BakedWeights", "served_modules"]

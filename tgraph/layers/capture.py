@@ -46,7 +46,7 @@ import torch
 
 from tgraph import rng
 from tgraph.backend import GraphFactory
-from tgraph.baked import Baked
+from tgraph.baked import Baked, own_uses
 from tgraph.emulated import emulated_capture
 from tgraph.fp8 import FP8Region, FP8Replay
 from tgraph.guards import RefuseHostSync
@@ -61,7 +61,7 @@ from tgraph.layers.grads import (
     reached_leaves,
 )
 from tgraph.memory import UnitMemory, tensor_bytes
-from tgraph.pool import NEVER, storage_uses
+from tgraph.pool import NEVER
 
 _depth = 0  # > 0 while a graphed module's own forward runs (recorded, warmed up or captured)
 
@@ -397,7 +397,7 @@ class GraphedUnit:
             unused=self.draft.unused,
             baked=baked,
             slot=tuple(where.get(id(p)) for p in self.draft.params),  # None: a foreign leaf
-            others_use=(),  # counted once no draft holds an alias (count_uses)
+            own_uses=(),  # counted once no draft holds an alias (count_uses)
             memory=self.draft.memory,
             fp8=self._fp8_replay(),
             stored=stored if any(stored) else (),
@@ -423,13 +423,14 @@ class GraphedUnit:
         for r in self.members:
             r.cap, r.state, r.draft = cap, st, None
 
-    def count_uses(self) -> None:
+    def count_uses(self, uses_before: dict[int, int]) -> None:
         """Once every unit of the pool is baked, so that no draft holds a parameter's alias any
         more: per baked tensor, how many uses of its memory are tgraph's own (a re-pointed
-        parameter's old memory may be written only while nothing else uses it)."""
+        parameter's old memory may be written only while nothing else uses it): those the
+        capture added to ``uses_before`` (:func:`tgraph.baked.memory_uses` before it), so that
+        an alias the user took earlier (a ``state_dict()``) counts as someone else's."""
         cap = self.cap
-        uses = tuple(storage_uses(t) - 1 for t in cap.baked.held)
-        self.cap = dataclasses.replace(cap, others_use=uses)
+        self.cap = dataclasses.replace(cap, own_uses=own_uses(cap.baked.held, uses_before))
         for r in self.members:
             r.cap = self.cap
 

@@ -87,7 +87,7 @@ class Captured:
     # ---- what the graphs baked in (tgraph.baked), and what the checks need beside it
     baked: Baked | None
     slot: tuple[int | None, ...]  # per parameter of the backward: its baked index
-    others_use: tuple[int, ...]  # per baked tensor: uses of its memory by tgraph alone
+    own_uses: tuple[int, ...]  # per baked tensor: uses of its memory by tgraph alone
     memory: UnitMemory  # its buffers' bytes by kind
     fp8: FP8Replay | None = None  # captured in a te.autocast region: TE's Python it redoes
     mutated_inputs: tuple[int, ...] = ()  # static inputs the forward writes: copied back

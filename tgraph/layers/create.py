@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from tgraph import fp8, memory
 from tgraph.backend import GraphFactory, resolve_backend
-from tgraph.baked import describe_hooks
+from tgraph.baked import describe_hooks, memory_uses
 from tgraph.errors import GraphFallbackWarning
 from tgraph.guards import CaptureError, explain_capture_failure
 from tgraph.layers import verify
@@ -55,6 +55,8 @@ def create_graphs() -> CaptureReport:
     m = _manager
     runners = _recorded_runners(m)
     start = time.perf_counter()
+    # before the capture takes aliases: the uses of the parameters' memory that are not tgraph's
+    uses_before = memory_uses(m.modules)
     factory_of = _factories(runners)
     factories = list(dict.fromkeys(factory_of.values()))
     params = {id(p): p for root in m.roots for p in root.parameters()}
@@ -95,7 +97,7 @@ def create_graphs() -> CaptureReport:
         f.synchronize()
     m.segments = [seg for seg in m.segments if seg.head.segment is seg and seg.head in runners]
     units = list(dict.fromkeys(r.segment or r for r in runners if r not in eager))
-    _bake(units)
+    _bake(units, uses_before)
     m.captured, m.units = True, units
     for mod in m.modules:
         st = mod._tgraph
@@ -299,9 +301,11 @@ def _by_parts(runners: list[Runner], eager: dict[Runner, str]) -> None:
             eager[o] = f"{eager[o]}; the graphed modules inside it keep their own graphs"
 
 
-def _bake(units: list) -> None:
+def _bake(units: list, uses_before: dict[int, int]) -> None:
     """Each unit's frozen capture result, once every graph of the pool exists; each learns which
-    tensors on its static buffers are tgraph's own (the others are held by the caller)."""
+    tensors on its static buffers are tgraph's own (the others are held by the caller), and
+    which uses of its parameters' memory (``uses_before``: :func:`tgraph.baked.memory_uses`
+    before the capture)."""
     internal: dict[int, list[torch.Tensor]] = {}
     for u in units:
         ins = (x for r in u.members for x in r.draft.static_inputs)
@@ -310,7 +314,7 @@ def _bake(units: list) -> None:
     for u in units:
         u.bake(internal)
     for u in units:
-        u.count_uses()
+        u.count_uses(uses_before)
 
 
 def _undeclared_hooks(runners: list[Runner]) -> dict[Runner, str]:

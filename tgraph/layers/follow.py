@@ -32,11 +32,12 @@ def follow_moved(cap: Captured, state: ReplayState, live: tuple[torch.Tensor, ..
         if why is not None:
             return why
         for i in moved:
-            if storage_uses(b.held[i]) > cap.others_use[i]:
+            if storage_uses(b.held[i]) > cap.own_uses[i]:
                 return (
                     f"{b.names[i]} lives in other memory than at capture (p.data = ...), "
-                    "and the memory the graph reads is in use elsewhere (swapped into another "
-                    "tensor, e.g. for an EMA evaluation)"
+                    "and the memory the graph reads is in use elsewhere, so a copy into it "
+                    "would overwrite another tensor (an EMA swap, a state_dict() kept from "
+                    "before the load, or the old parameter still held)"
                 )
         why = b.incompatible(live)
         if why is not None:
