@@ -416,3 +416,43 @@ def test_a_checkpoint_saved_mid_training_keeps_the_whole_model_replaying(
     model.config.dtype = "bfloat16"
     with pytest.raises(tgraph.GraphFallbackError, match="config changed: dtype='bfloat16'"):
         model(input_ids=xs[0], labels=xs[0])
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["per_layer", "whole"])
+def test_an_output_hidden_states_call_leaves_training_graphed(backend, device, whole, replays):
+    """transformers installs its output-recording forward hooks on the attention modules (and
+    sets a flag on the model) at the first ``output_hidden_states``/``output_attentions`` call,
+    for good; they do nothing unless a call records. One such evaluation between training
+    steps made every later step eager (the hook tables and the model's attributes had changed).
+    Now those hooks and that flag count as captured: the steps after it replay, bit for bit
+    with the eager twin (bitwise on the CPU; the files' tolerance on CUDA)."""
+    model = tiny_model("llama", device)
+    eager = copy.deepcopy(model)
+    tg_hf.graph_layers(model, whole=whole, backend=backend)
+    xs, x_eval = token_batches(device, 5), token_batches(device, 1, seed=7)[0]
+    tol = {"rtol": 0, "atol": 0} if device.type == "cpu" else {"rtol": RTOL, "atol": ATOL}
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (model, eager)]
+    per_step = []
+    for i, x in enumerate(xs):
+        before = replays[0]
+        losses = []
+        for m, opt in zip((model, eager), opts):
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        torch.testing.assert_close(*losses, **tol)
+        per_step.append(replays[0] - before)
+        if i == 0:
+            tgraph.create_graphs()
+        if i == 1:
+            for m in (model, eager):
+                m.eval()
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", tgraph.GraphFallbackWarning)
+                    m(input_ids=x_eval, output_hidden_states=True)
+                m.train()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, **tol)
+    assert per_step[0] == 0 and per_step[1] > 0 and per_step[2:] == [per_step[1]] * 3, per_step

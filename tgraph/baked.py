@@ -98,6 +98,10 @@ class Baked:
     is_buffer: tuple[bool, ...]
     hooks: tuple[tuple[str, dict], ...]
     hook_counts: tuple[int, ...]
+    live_counts: tuple[int, ...] = ()  # ... without transformers' inert output hooks (_inert)
+    # the torch hook counter and table sizes last found to differ from the capture's only by
+    # inert hooks (transformers installs them at the first output_attentions call, for good)
+    inert_seen: list = field(default_factory=lambda: [-1, (), ()])  # ... and dict sizes
     # Flat copies of the above for the per-call checks: one C-level pass each (map over
     # parallel tuples), not a Python loop over modules.
     objects: tuple[_Slots, ...] = ()  # other public attributes, by identity
@@ -198,6 +202,7 @@ class Baked:
             is_buffer=tuple(is_buffer),
             hooks=tuple(hooks),
             hook_counts=tuple(len(h) for _, h in hooks),
+            live_counts=tuple(_live(h) for _, h in hooks),
             objects=tuple(objects),
             object_tables=tuple(o.table for o in objects for _ in o.keys),
             object_keys=tuple(k for o in objects for k in o.keys),
@@ -230,12 +235,17 @@ class Baked:
         """Why the hooks differ from the inventory's (None: they do not). Without ``scan``, the
         tables are read only if a hook was registered anywhere since it was taken, or one was
         present (it may have been removed)."""
-        if not scan and RemovableHandle.next_id == self.hook_epoch and not self.any_hooks:
+        epoch = RemovableHandle.next_id
+        if not scan and not self.any_hooks and epoch in (self.hook_epoch, self.inert_seen[0]):
             return None  # no hook registered anywhere since, none to remove: unchanged
-        if tuple(len(h) for _, h in self.hooks) == self.hook_counts:
+        counts = tuple(len(h) for _, h in self.hooks)
+        if counts == self.hook_counts or counts == self.inert_seen[1]:
             return None
-        for (where, table), n in zip(self.hooks, self.hook_counts):
-            if len(table) != n:
+        if tuple(_live(h) for _, h in self.hooks) == self.live_counts:
+            self.inert_seen[:2] = epoch, counts  # only inert hooks came or went: as captured
+            return None
+        for (where, table), n in zip(self.hooks, self.live_counts):
+            if _live(table) != n:
                 fns = ", ".join(getattr(f, "__name__", repr(f)) for f in table.values())
                 return (
                     f"the hooks of {where} changed after capture (now: {fns or 'none'}); a graph "
@@ -281,16 +291,20 @@ class Baked:
         return None
 
     def changed_attrs(self) -> str | None:
-        if tuple(map(len, self.dicts)) != self.dict_sizes:
+        sizes = tuple(map(len, self.dicts))
+        if sizes != self.dict_sizes and sizes != self.inert_seen[2]:
             for name, d, n, keys in zip(
                 self.dict_names, self.dicts, self.dict_sizes, self.dict_keys
             ):
                 if len(d) != n:
-                    added, gone = sorted(set(d) - keys), sorted(keys - set(d))
+                    added, gone = sorted(set(d) - keys - _BOOKKEEPING), sorted(keys - set(d))
+                    if not added and not gone:
+                        continue
                     what = (
                         f"{name}.{added[0]} was set" if added else f"{name}.{gone[0]} was deleted"
                     )
                     return f"{what} after capture; the graph reads what the forward saw at capture"
+            self.inert_seen[2] = sizes  # only bookkeeping flags came: as captured
         try:
             if tuple(map(getitem, self.attr_tables, self.attr_keys)) == self.attr_values and (
                 tuple(map(id, map(getitem, self.object_tables, self.object_keys)))
@@ -569,6 +583,16 @@ def call_with_own_hooks(m: nn.Module, call, args: tuple, kwargs: dict):
 
 
 # ----------------------------------------------------- transformers' output-recording hooks
+
+
+# Attributes transformers sets on a model for its own bookkeeping, read by no forward's numbers:
+# once its output-recording hooks are installed (the first output_attentions call), for good
+_BOOKKEEPING = frozenset({"_output_capturing_hooks_installed"})
+
+
+def _live(table: dict) -> int:
+    """How many hooks of ``table`` do something (not :func:`_inert`)."""
+    return sum(not _inert(fn) for fn in table.values())
 
 
 def _inert(fn: object) -> bool:
