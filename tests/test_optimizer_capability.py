@@ -759,3 +759,48 @@ def test_planted_grad_scaler_not_found_is_caught(backend, device, monkeypatch):
     _, scales = _train_scaled(backend, device, SCALER_CHANGES["set_growth_factor"][1], True)
     _, ref_scales = _train_scaled(backend, device, SCALER_CHANGES["set_growth_factor"][1], False)
     assert scales != ref_scales
+
+
+def _train_with_a_new_scaler(backend, device, graphed: bool):
+    """As :func:`_train_scaled`, but before step 5 the trainer gets a new GradScaler (another
+    initial scale and growth interval), which the step reaches through ``self.scaler``."""
+    trainer = ScaledTrainer(device)
+    step = tgraph.FullIterationGraph(trainer.step, 2, backend) if graphed else trainer.step
+    scales = []
+    for i, batch in enumerate(make_batches(device, 10)):
+        if i == 5:
+            trainer.scaler = torch.amp.GradScaler(device.type, init_scale=2.0**4, growth_interval=1)
+        step(batch)
+        scales.append(trainer.scaler.get_scale())
+    return trainer, scales
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["counted", "planted_uncounted"])
+def test_a_grad_scaler_made_after_capture_is_captured_again(
+    backend, device, planted, replays, monkeypatch
+):
+    """A new GradScaler that the step reaches after the capture (``self.scaler = GradScaler()``)
+    was never used: the graph kept scaling and updating the captured scaler's tensors (the new
+    one's scale stayed 16 where eager's grew to 512). A scaler made after capture is a change:
+    the next call warns, runs eagerly and captures again, and the scales, parameters and state
+    are eager's bit for bit. Planted (constructions not counted): the scales differ."""
+    if planted:
+        init = torch.amp.GradScaler.__init__
+        init = getattr(init, "__wrapped__", init)
+
+        def uncounted(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+
+        uncounted._tgraph_counts = True
+        monkeypatch.setattr(torch.amp.GradScaler, "__init__", uncounted)
+        _, scales = _train_with_a_new_scaler(backend, device, graphed=True)
+        _, ref_scales = _train_with_a_new_scaler(backend, device, graphed=False)
+        assert scales != ref_scales
+        return
+    with pytest.warns(tgraph.GraphFallbackWarning, match="GradScaler was created after capture"):
+        trainer, scales = _train_with_a_new_scaler(backend, device, graphed=True)
+    ref, ref_scales = _train_with_a_new_scaler(backend, device, graphed=False)
+    assert scales == ref_scales
+    assert_same(trainer.model, trainer.opt, ref.model, ref.opt)
+    # replays: steps 3, 4, then 5 and 6 eager, 7 captured, 8 and 9 replayed (+ the captures on CUDA)
+    assert replays[0] == 4 + 2 * (backend == "cuda")

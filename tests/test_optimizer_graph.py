@@ -872,3 +872,19 @@ def test_per_layer_gradients_are_read_in_place(backend, device, microbatches, sw
     finally:
         tgraph.reset()
         tgraph.disable(model)
+
+
+def test_param_groups_replaced_by_load_state_dict_are_named_as_such():
+    """optimizer.load_state_dict replaces the param_groups' dicts, not their parameters: the
+    recapture's warning said "the parameters of a ... param group changed"; it names the
+    replaced groups, and a real change of parameters keeps its own message."""
+    from tgraph.step.hyperparams import baked_layout, layout_change
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    before = baked_layout([opt])
+    opt.load_state_dict(opt.state_dict())
+    assert "param groups were replaced" in layout_change(before, [opt])
+    before = baked_layout([opt])
+    opt.param_groups[0]["params"] = opt.param_groups[0]["params"][:1]
+    assert "parameters of a AdamW param group changed" in layout_change(before, [opt])

@@ -195,11 +195,14 @@ class StepCapture:
         self.pool_bytes = f.memory_allocated() - before
         return out
 
-    def result(self, *, settings: Sequence[HostSettings] = (), **parts: Any) -> CapturedStep:
+    def result(
+        self, *, settings: Sequence[HostSettings] = (), new_scalers: bool = False, **parts: Any
+    ) -> CapturedStep:
         """After a successful :meth:`capture`: the step's capture result, the frozen
         :class:`tgraph.step.captured.CapturedStep` a replay reads, with the graph, its
         hyper-parameters, what the optimizers baked in (their layout and Python numbers, taken
-        now, with the entry's ``settings``: other objects' numbers the step read on the host)
+        now, with the entry's ``settings``: other objects' numbers the step read on the host;
+        ``new_scalers``: a GradScaler made after capture counts as a change)
         and the capture's cost; ``parts`` are
         the entry's own fields (static batch, outputs, gradients, ``baked``)."""
         return CapturedStep(
@@ -207,7 +210,7 @@ class StepCapture:
             factory=self.factory,
             hparams=tuple(self.hparams),
             layout=BakedLayout(self.optimizers),
-            numbers=BakedNumbers(self.optimizers, settings),
+            numbers=BakedNumbers(self.optimizers, settings, new_scalers),
             seconds=self.seconds,
             pool_bytes=self.pool_bytes,
             steps=self.steps,

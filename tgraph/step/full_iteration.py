@@ -377,6 +377,7 @@ class FullIterationGraph:
         entry.cap = cap = step.result(
             # a GradScaler's growth and backoff: host numbers of the update the graph baked
             settings=[grad_scaler_settings(s) for s in self._scalers.values()],
+            new_scalers=True,  # and a scaler made after capture, which fn may reach instead
             static_inputs=tuple(static),
             outputs=tuple(outputs),
             template=template,

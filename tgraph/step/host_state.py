@@ -42,6 +42,7 @@ after capture captures the step again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -325,13 +326,18 @@ class BakedNumbers:
     :meth:`change` before the next replay, and the entry captures the step again. (Learning
     rates in param_groups are :class:`tgraph.step.hyperparams.HyperParams`'.)"""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "_scalers_at")
 
     def __init__(
         self,
         optimizers: Sequence[torch.optim.Optimizer],
         settings: Sequence[HostSettings] = (),
+        new_scalers: bool = False,
     ) -> None:
+        # new_scalers: a GradScaler made after capture is a change too (a whole step that
+        # reaches its scaler through a container, st["scaler"] = GradScaler(...), would replay
+        # the captured scaler's scale and growth tracker, never touching the new one's)
+        self._scalers_at = scalers_made() if new_scalers else None
         self._held = [
             (vars(o), k, v, f"{type(o).__name__}.{k}", "a Python number its step reads")
             for o in optimizers
@@ -347,6 +353,11 @@ class BakedNumbers:
 
     def change(self) -> str | None:
         """What changed since the capture, or None."""
+        if self._scalers_at is not None and _scalers_made[0] != self._scalers_at:
+            return (
+                "a torch.amp.GradScaler was created after capture; the step may now use it, "
+                "where the graph updates the captured scaler's scale"
+            )
         for attributes, k, v, name, how in self._held:
             now = attributes.get(k)
             if now is not v and now != v:
@@ -355,6 +366,26 @@ class BakedNumbers:
                     "graph keeps)"
                 )
         return None
+
+
+_scalers_made = [0]  # torch.amp.GradScaler constructions since scalers_made() first ran
+
+
+def scalers_made() -> int:
+    """How many ``torch.amp.GradScaler`` (and subclasses: ``torch.cuda.amp``'s) were made since
+    the first call; the first call starts counting (wraps the class's ``__init__``, once)."""
+    cls = torch.amp.GradScaler
+    init = cls.__init__
+    if not getattr(init, "_tgraph_counts", False):
+
+        @functools.wraps(init)
+        def counted(self, *args, **kwargs):
+            _scalers_made[0] += 1
+            init(self, *args, **kwargs)
+
+        counted._tgraph_counts = True
+        cls.__init__ = counted
+    return _scalers_made[0]
 
 
 def _is_number(v: object) -> bool:

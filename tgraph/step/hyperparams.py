@@ -245,8 +245,13 @@ def layout_change(before: tuple, optimizers: list[torch.optim.Optimizer]) -> str
         name = type(opt).__name__
         if len(groups) != len(groups0):
             return f"{name} has {len(groups)} param groups, captured with {len(groups0)} (add_param_group)"
-        if groups != groups0:
+        if [p for _, p in groups] != [p for _, p in groups0]:
             return f"the parameters of a {name} param group changed after capture"
+        if groups != groups0:
+            return (
+                f"{name}'s param groups were replaced after capture (optimizer.load_state_dict "
+                "or a new param_groups list)"
+            )
         if states != states0:
             return f"{name}'s state tensors were replaced after capture (optimizer.load_state_dict)"
     return "the optimizers changed after capture"
