@@ -9,6 +9,8 @@ kernels). Every planted bug below moves losses or parameters by 1e-3 or more.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -472,3 +474,164 @@ def test_overlap_of_batch_views():
     assert full_iteration._overlap(x, x.view(-1)[20:22])
     assert full_iteration._overlap(x[1:3], x[2])
     assert full_iteration._overlap(x[:, ::2], x[:, 1::2])
+
+
+# -- objects the step reaches, replaced after capture (tgraph.step.reach) ------------------------
+
+
+class Trainer:
+    """A training step reaching its model, optimizer and loss through ``self``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.model = make_model(device, p=0.0)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
+        self.loss_fn = nn.MSELoss()
+        self.calls = 0  # a counter bumped outside the step: no recapture
+
+    def step(self, batch):
+        x, y = batch
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+
+def _replace(what: str, device: torch.device, model: nn.Module) -> dict:
+    """The new objects for ``what``: a loss module, an optimizer over the same parameters (its
+    state fresh), or a new model and its optimizer."""
+    if what == "loss":
+        return {"loss_fn": nn.L1Loss()}
+    if what == "opt":
+        return {"opt": adamw(model, device)}
+    torch.manual_seed(7)
+    new = make_model(device, p=0.0)
+    return {"model": new, "opt": torch.optim.SGD(new.parameters(), lr=4 * LR)}
+
+
+def _reach_run(backend, device, graphed, what, via, n=12, at=6):
+    """Losses, the final model's parameters and the warnings of ``n`` steps of a step reaching
+    its objects ``via`` a trainer's attributes, a closed-over dict or closure variables, with
+    ``what`` replaced before step ``at``."""
+    tr = Trainer(device)
+    if via == "attribute":
+        fn = tr.step
+        objects = vars(tr)
+    elif via == "dict":
+        st = {"model": tr.model, "opt": tr.opt, "loss_fn": tr.loss_fn}
+
+        def fn(batch):
+            st["opt"].zero_grad(set_to_none=True)
+            loss = st["loss_fn"](st["model"](batch[0]), batch[1])
+            loss.backward()
+            st["opt"].step()
+            return loss
+
+        objects = st
+    else:  # closure variables, rebound through nonlocal
+        model, opt, loss_fn = tr.model, tr.opt, tr.loss_fn
+
+        def fn(batch):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(batch[0]), batch[1])
+            loss.backward()
+            opt.step()
+            return loss
+
+        def rebind(new):
+            nonlocal model, opt, loss_fn
+            model, opt = new.get("model", model), new.get("opt", opt)
+            loss_fn = new.get("loss_fn", loss_fn)
+            return {"model": model}
+
+        objects = None
+    step = tgraph.FullIterationGraph(fn, warmup_steps=WARMUP, backend=backend) if graphed else fn
+    losses, current = [], tr.model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, b in enumerate(make_batches(device, n)):
+            if i == at:
+                new = _replace(what, device, current)
+                if objects is None:
+                    rebind(new)
+                else:
+                    objects.update(new)
+                current = new.get("model", current)
+            losses.append(step(b).detach().clone())
+    params = [p.detach().clone() for p in current.parameters()]
+    return torch.stack(losses), params, [str(w.message) for w in caught]
+
+
+_REPLACED = {"loss": "loss_fn", "opt": "opt", "model": "model"}
+
+
+@pytest.mark.parametrize("via", ["attribute", "dict", "closure"])
+@pytest.mark.parametrize("what", ["loss", "opt", "model"])
+def test_object_replaced_after_capture_matches_eager(backend, device, replays, what, via):
+    """A loss module, an optimizer (a new one over the same parameters) or the model and its
+    optimizer replaced after capture: the next call warns naming it, runs eagerly and the step
+    is captured again; every step as eager's. Replays: steps 3-5, then 9-11 after the new
+    capture at 8 (+1 each on CUDA: its capture's step is a replay)."""
+    want_losses, want_params, _ = _reach_run(backend, device, False, what, via)
+    losses, params, caught = _reach_run(backend, device, True, what, via)
+    torch.testing.assert_close(losses, want_losses, **tol(backend))
+    torch.testing.assert_close(params, want_params, **tol(backend))
+    assert [m for m in caught if "was replaced after capture" in m] == [caught[0]]
+    assert _REPLACED[what] in caught[0] and len(caught) == 1, caught
+    assert replays[0] == 6 + 2 * (backend == "cuda")
+
+
+@pytest.mark.parametrize("what", ["loss", "opt", "model"])
+def test_planted_replaced_object_missed_is_caught(backend, device, what, monkeypatch):
+    """Planted: the replaced object not seen, the graph replays the captured one's kernels."""
+    from tgraph.step.reach import Reach
+
+    monkeypatch.setattr(Reach, "change", lambda self: None)
+    want_losses, _, _ = _reach_run(backend, device, False, what, "attribute")
+    losses, _, caught = _reach_run(backend, device, True, what, "attribute")
+    assert not caught
+    assert not torch.allclose(losses, want_losses, rtol=1e-3, atol=1e-3)
+
+
+def test_counter_bumped_outside_the_step_keeps_replaying(backend, device, replays):
+    """Plain values on the trainer (a step counter, a float) and tensors assigned between steps
+    are not objects the step reaches: no warning, every step after the capture replays."""
+    tr = Trainer(device)
+    tr.history = []
+    step = tgraph.FullIterationGraph(tr.step, warmup_steps=WARMUP, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b in make_batches(device, 10):
+            loss = step(b)
+            tr.calls += 1
+            tr.last_loss = loss
+            tr.seconds = 0.1 * tr.calls
+            tr.batch = b  # a tuple of tensors, replaced every step
+            tr.history.append(tr.calls)
+    assert replays[0] == 7 + (backend == "cuda")
+
+
+def test_reach_names_where_and_costs_little():
+    """Where the objects were found, in the message; the check before a replay is two C-level
+    passes (a few microseconds for a trainer's dozen entries)."""
+    import timeit
+
+    from tgraph.step.reach import Reach
+
+    tr = Trainer(torch.device("cpu"))
+    st = {"opt": tr.opt}
+    reach = Reach(tr.step)
+    assert reach.change() is None
+    per_call = min(timeit.repeat(reach.change, number=1000, repeat=5)) / 1000
+    assert per_call < 50e-6, per_call
+    tr.loss_fn = nn.L1Loss()
+    assert reach.change().startswith("Trainer.loss_fn was replaced after capture (now a L1Loss")
+    del tr.loss_fn
+    assert reach.change().startswith("Trainer.loss_fn was removed after capture")
+
+    def fn(batch):
+        return st["opt"]
+
+    reach = Reach(fn)
+    st["opt"] = adamw(tr.model, torch.device("cpu"))
+    assert reach.change().startswith("st['opt'] was replaced after capture (now a AdamW")

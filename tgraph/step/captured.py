@@ -31,6 +31,7 @@ from tgraph.signature import Template
 from tgraph.step.grad_buffers import GradBuffers
 from tgraph.step.host_state import BakedNumbers
 from tgraph.step.hyperparams import BakedLayout, HyperParams
+from tgraph.step.reach import Reach
 from tgraph.step.step_hooks import OptimizerSteps
 
 
@@ -135,11 +136,13 @@ class CapturedStep:
     mode: StepMode | None = None  # the modules' training and parameters' requires_grad flags
     end_mode: StepMode | None = None  # the flags fn left, where fn changed them: set after replays
     mutated_inputs: tuple[int, ...] = ()  # static inputs the step writes: copied back
+    reach: Reach | None = None  # the objects fn reached at capture (a replaced one: recapture)
 
     def change(self) -> str | None:
         """Why the graph no longer fits what it baked in (the optimizers' layout or numbers,
         the host numbers of the entry and a GradScaler, the param_groups' numbers and step
-        pre-hooks, the modules' attributes and hooks), or None: replay."""
+        pre-hooks, the modules' attributes and hooks, an object the step reaches replaced), or
+        None: replay."""
         why = self.layout.change() or self.numbers.change()
         for hp in self.hparams:
             why = why or hp.change()
@@ -147,6 +150,8 @@ class CapturedStep:
             why = self.steps.change()
         if why is None and self.baked is not None:
             why = self.baked.changed()
+        if why is None and self.reach is not None:
+            why = self.reach.change()
         return why
 
 

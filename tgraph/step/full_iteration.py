@@ -56,6 +56,11 @@ Ownership and aliasing:
   is left over; a graph captured with ``.grad`` present accumulates exactly as eager code.
 * An LR scheduler must step, and ``group['lr']`` be assigned, outside ``fn``; either inside it
   is refused at capture.
+* The objects ``fn`` reaches (a trainer's model, optimizer and loss module, closure variables,
+  module globals, dict entries: :mod:`tgraph.step.reach`) are noted at capture; one replaced
+  after it (``self.opt = Adam(...)``) makes the next call warn, run eagerly and capture the step
+  again after warmup. Plain Python values ``fn`` reads there (numbers, strings) are baked in and
+  not compared.
 
 Optimizers (found automatically: every ``torch.optim.Optimizer`` whose ``step`` runs inside
 ``fn`` during the warmup calls):
@@ -122,6 +127,7 @@ from tgraph.step.captured import CapturedStep, Phase, StepMode
 from tgraph.step.host_state import grad_scaler_settings
 from tgraph.step.hyperparams import HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
+from tgraph.step.reach import Reach
 from tgraph.step.step_grads import grad_modes, grads_weakly, sync_grads_in
 from tgraph.step.watch import DDP_MIN_WARMUP, Watch, check_not_nested
 
@@ -190,6 +196,7 @@ class FullIterationGraph:
         check_backend_name(backend)
         self._skip = SkipNonfiniteStep(fn) if skip_nonfinite else None
         self.fn = self._skip or fn
+        self._step_fn = fn  # where the objects the step reaches are found (tgraph.step.reach)
         self.warmup_steps = warmup_steps
         self.backend = backend
         self.max_graphs = max_graphs
@@ -388,6 +395,8 @@ class FullIterationGraph:
             mode=mode,
             end_mode=end_mode if end_mode.differs_from(mode) else None,
             mutated_inputs=mutated,
+            # the objects fn reaches, as fn left them: one replaced later is a change
+            reach=Reach(self._step_fn),
         )
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",

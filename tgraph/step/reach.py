@@ -1,0 +1,211 @@
+"""The objects a whole training step reaches, and whether one was replaced after capture.
+
+A captured step replays the kernels of the objects ``fn`` reached at capture: a loss module, an
+optimizer, a model, a scheduler held in a trainer's attribute, a closure cell, a module global
+or a dict entry. One replaced after capture (``trainer.loss_fn = nn.L1Loss()``,
+``st["opt"] = Adam(...)``) would be ignored by every replay, silently. :class:`Reach` notes
+those objects right after the capture and names the first one replaced before each replay
+(:meth:`tgraph.step.captured.CapturedStep.change`); the step then runs eagerly and is captured
+again after warmup.
+
+Where it looks (from ``fn``): a bound method's ``__self__.__dict__`` (of a module: its
+submodules), a ``functools.partial``'s function, arguments and keywords, the closure cells of
+``fn`` and the module globals its code names; and one level deeper, the entries of the dicts
+and lists and the ``__dict__`` of the plain objects found there. Compared by identity: every
+object that is not a tensor (tensors are the graph's static buffers, checked elsewhere) nor a
+plain value (numbers, strings, None: a value ``fn`` reads is baked in, and a counter the
+trainer bumps every step must not recapture every step; README, "Not seen"). Containers of
+tensors and plain values only (``self.batch = (x, y)``) are not compared either.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from operator import attrgetter, getitem
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tgraph.python_state import plain
+
+_CELL = attrgetter("cell_contents")
+# a module's own tables besides its submodules: tensors (checked elsewhere) and hooks
+# (tgraph.baked compares those, with its own policy for inert ones)
+_MODULE_INTERNALS = frozenset(k for k in vars(nn.Module()) if k != "_modules")
+
+
+def _tracked(v: object) -> bool:
+    """Whether ``v`` is compared by identity: an object that is neither a tensor nor plain,
+    nor a container holding only those."""
+    if isinstance(v, torch.Tensor) or plain(v):
+        return False
+    if isinstance(v, dict):
+        return any(map(_tracked, v.values()))
+    if isinstance(v, list | tuple):
+        return any(map(_tracked, v))
+    return True
+
+
+def _plain_object(v: object) -> bool:
+    """An instance of a user class whose ``__dict__`` is looked into (a trainer, a config)."""
+    return (
+        hasattr(v, "__dict__")
+        and not isinstance(v, type | types.ModuleType | types.FunctionType | types.MethodType)
+        and not isinstance(v, nn.Module | torch.optim.Optimizer)
+        and not callable(v)
+    )
+
+
+class Reach:
+    """The objects ``fn`` reaches (module docstring), noted now; :meth:`change` names the
+    first one replaced since. Held flat: ``tables[i][keys[i]]`` was ``objects[i]`` (a C-level
+    pass of ``getitem`` and ``id`` per replay), and closure ``cells[j]`` held ``cell_objects[j]``.
+    The objects are held, so their ids are not reused."""
+
+    __slots__ = (
+        "_cell_ids",
+        "_cell_names",
+        "_cells",
+        "_held",
+        "_ids",
+        "_keys",
+        "_names",
+        "_tables",
+    )
+
+    def __init__(self, fn: Any) -> None:
+        self._tables: list[Any] = []
+        self._keys: list[Any] = []
+        self._names: list[str] = []
+        self._cells: list[types.CellType] = []
+        self._cell_names: list[str] = []
+        self._root(fn, getattr(fn, "__qualname__", type(fn).__name__), set())
+        self._ids = tuple(map(id, map(getitem, self._tables, self._keys)))
+        self._cell_ids = tuple(map(id, map(_CELL, self._cells)))
+        # the objects themselves, so that an id seen now is never another object's later
+        self._held = (tuple(map(getitem, self._tables, self._keys)), tuple(map(_CELL, self._cells)))
+
+    # -- what fn reaches ------------------------------------------------------------------------
+
+    def _root(self, fn: Any, where: str, seen: set[int]) -> None:
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        if isinstance(fn, functools.partial):
+            self._root(fn.func, where, seen)
+            for i, a in enumerate(fn.args):
+                self._value(a, f"{where} argument {i}", deeper=True)
+            self._table(fn.keywords, f"{where} keyword", deeper=True)
+            return
+        if isinstance(fn, types.MethodType):
+            self._object(fn.__self__, f"{type(fn.__self__).__name__}", deeper=True)
+            fn = fn.__func__
+        wrapped = getattr(fn, "__wrapped__", None)  # functools.wraps, torch.compile
+        if wrapped is not None:
+            self._root(wrapped, where, seen)
+        code = getattr(fn, "__code__", None)
+        if code is None:  # a callable object: its attributes
+            if not isinstance(fn, types.BuiltinFunctionType):
+                self._object(fn, type(fn).__name__, deeper=True)
+            return
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell (a name assigned later in the outer function)
+                continue
+            if _tracked(v):
+                self._cells.append(cell)
+                self._cell_names.append(f"closure variable {name!r} of {where}")
+            self._value(v, name, deeper=True, note=False)
+        g = fn.__globals__
+        names = [k for k in dict.fromkeys(code.co_names) if k in g]
+        self._table(g, "global", deeper=True, keys=names, attrs=True)
+
+    def _object(self, obj: Any, where: str, deeper: bool) -> None:
+        table = getattr(obj, "__dict__", None)
+        if not isinstance(table, dict):
+            return
+        if isinstance(obj, nn.Module):
+            keys = [k for k in table if k not in _MODULE_INTERNALS]
+            self._table(table, where, deeper, keys, attrs=True)
+        else:
+            self._table(table, where, deeper, attrs=True)
+
+    def _table(
+        self, table: Any, where: str, deeper: bool, keys: Any = None, attrs: bool = False
+    ) -> None:
+        """``table``'s entries (of ``keys``): a list's, a dict's, or attributes (``attrs``)."""
+        if isinstance(table, list):
+            keys = range(len(table))
+        elif keys is None:
+            keys = list(table)
+        for k in keys:
+            name = f"{where}.{k}" if attrs else f"{where}[{k!r}]"
+            self._value(table[k], name, deeper, table=table, key=k)
+
+    def _value(
+        self,
+        v: Any,
+        where: str,
+        deeper: bool,
+        table: Any = None,
+        key: Any = None,
+        note: bool = True,
+    ) -> None:
+        if not _tracked(v):
+            return
+        if note and table is not None:
+            self._tables.append(table)
+            self._keys.append(key)
+            self._names.append(where)
+        if not deeper:
+            return
+        if isinstance(v, dict | list):
+            self._table(v, where, deeper=False)
+        elif isinstance(v, nn.Module):
+            self._table(v._modules, where, deeper=False, attrs=True)
+        elif _plain_object(v):
+            self._object(v, where, deeper=False)
+
+    # -- before each replay ---------------------------------------------------------------------
+
+    def change(self) -> str | None:
+        """The first object replaced since capture, in words, or None (two C-level passes)."""
+        try:
+            if (
+                tuple(map(id, map(getitem, self._tables, self._keys))) == self._ids
+                and tuple(map(id, map(_CELL, self._cells))) == self._cell_ids
+            ):
+                return None
+        except (KeyError, IndexError, ValueError):
+            pass
+        return self._difference()
+
+    def _difference(self) -> str:
+        for table, key, was, name in zip(self._tables, self._keys, self._ids, self._names):
+            try:
+                now = table[key]
+            except (KeyError, IndexError):
+                return f"{name} was removed after capture (the graph replays the captured one)"
+            if id(now) != was:
+                return _replaced(name, now)
+        for cell, was, name in zip(self._cells, self._cell_ids, self._cell_names):
+            try:
+                now = cell.cell_contents
+            except ValueError:
+                return f"{name} was deleted after capture (the graph replays the captured one)"
+            if id(now) != was:
+                return _replaced(name, now)
+        return "an object the step reaches was replaced after capture"
+
+
+def _replaced(name: str, now: object) -> str:
+    return (
+        f"{name} was replaced after capture (now a {type(now).__name__}; the graph replays "
+        "the kernels of the captured one)"
+    )
+
+
+__all__ = ["Reach"]
