@@ -635,3 +635,17 @@ def test_reach_names_where_and_costs_little():
     reach = Reach(fn)
     st["opt"] = adamw(tr.model, torch.device("cpu"))
     assert reach.change().startswith("st['opt'] was replaced after capture (now a AdamW")
+
+
+def test_replaced_optimizer_is_dropped_from_the_step(backend, device, replays):
+    """After a replaced optimizer's recapture the step holds only the new one: the old one is no
+    longer checked, snapshotted at captures or kept alive."""
+    tr = Trainer(device)
+    step = tgraph.FullIterationGraph(tr.step, warmup_steps=WARMUP, backend=backend)
+    with pytest.warns(tgraph.GraphFallbackWarning, match="Trainer.opt was replaced"):
+        for i, b in enumerate(make_batches(device, 10)):
+            if i == 5:
+                tr.opt = adamw(tr.model, device)
+            step(b)
+    assert step.optimizers == [tr.opt]
+    assert replays[0] == 4 + 2 * (backend == "cuda")  # steps 3, 4, then 8, 9 (captured at 7)

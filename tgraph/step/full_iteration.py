@@ -258,6 +258,12 @@ class FullIterationGraph:
                     GraphFallbackWarning,
                     stacklevel=2,
                 )
+            if entry.cap.reach is not None and entry.cap.reach.change() is not None:
+                # a replaced model or optimizer: the warmup notes what the step uses now, and
+                # the replaced ones are no longer checked, snapshotted or kept alive
+                self._optimizers.clear()
+                self._scalers.clear()
+                self._modules.clear()
             self.reset()
             entry = None
         if entry is None:
