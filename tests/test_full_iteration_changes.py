@@ -9,11 +9,16 @@ kernels). Every planted bug below moves losses or parameters by 1e-3 or more.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import functools
+import logging
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import tgraph
 from tgraph.step import full_iteration, hyperparams
@@ -608,7 +613,76 @@ def test_counter_bumped_outside_the_step_keeps_replaying(backend, device, replay
             tr.seconds = 0.1 * tr.calls
             tr.batch = b  # a tuple of tensors, replaced every step
             tr.history.append(tr.calls)
+            # records of plain values, loggers, times and iterators made anew every step are
+            # compared by class: a probe saw them recapture at every step, never replaying
+            tr.state = _TrainState(step=tr.calls, loss=loss.item())
+            tr.logger = logging.getLogger(f"tgraph.test.{tr.calls}")
+            tr.when = datetime.datetime.now()
+            tr.it = iter(range(3))
     assert replays[0] == 7 + (backend == "cuda")
+
+
+@dataclasses.dataclass
+class _TrainState:
+    step: int
+    loss: float
+
+
+class _LossHelper:
+    """A callable helper holding the loss module (a trainer's ``self.loss_fn``)."""
+
+    def __init__(self, crit: nn.Module) -> None:
+        self.crit = crit
+
+    def __call__(self, out, y):
+        return self.crit(out, y)
+
+
+@pytest.mark.parametrize("where", ["helper", "module_attribute"])
+def test_an_object_replaced_one_level_inside_is_seen(backend, device, replays, where):
+    """The loss module replaced inside a callable helper the trainer holds
+    (``tr.loss_fn.crit = ...``), or a loss function (a partial) held by the model and replaced
+    (``tr.model.crit = partial(...)``): the graph replayed the captured loss, silently (a probe:
+    params 8e-3 and 1e-2 off). One level inside the objects the step reaches is compared:
+    warned, captured again, as eager."""
+
+    def run(graphed):
+        tr = Trainer(device)
+        if where == "helper":
+            tr.loss_fn = _LossHelper(nn.MSELoss())
+        else:
+            tr.model.crit = functools.partial(F.mse_loss)
+            tr.loss_fn = lambda out, y: tr.model.crit(out, y)
+        step = tgraph.FullIterationGraph(tr.step, warmup_steps=WARMUP, backend=backend)
+        losses = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, b in enumerate(make_batches(device, 12)):
+                if i == 6 and where == "helper":
+                    tr.loss_fn.crit = nn.L1Loss()
+                elif i == 6:
+                    tr.model.crit = functools.partial(F.l1_loss)
+                losses.append((step if graphed else tr.step)(b).detach().clone())
+        return torch.stack(losses), [str(w.message) for w in caught]
+
+    want, _ = run(False)
+    got, caught = run(True)
+    torch.testing.assert_close(got, want, **tol(backend))
+    assert len(caught) == 1 and "was replaced after capture" in caught[0], caught
+    assert replays[0] == 6 + 2 * (backend == "cuda")
+
+
+def test_a_record_replaced_by_another_class_is_named():
+    """Entries compared by class (a record of plain values) still name a change of class."""
+    from tgraph.step.reach import Reach
+
+    tr = Trainer(torch.device("cpu"))
+    tr.state = _TrainState(step=0, loss=0.0)
+    reach = Reach(tr.step)
+    tr.state = _TrainState(step=1, loss=1.0)
+    assert reach.change() is None
+    tr.state = object()
+    assert reach.change().startswith("Trainer.state is now a object, a _TrainState at capture")
 
 
 def test_reach_names_where_and_costs_little():

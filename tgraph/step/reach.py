@@ -20,8 +20,11 @@ tensors and plain values only (``self.batch = (x, y)``) are not compared either.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import logging
 import types
+from collections.abc import Iterator
 from operator import attrgetter, getitem
 from typing import Any
 
@@ -36,9 +39,13 @@ _CELL = attrgetter("cell_contents")
 _MODULE_INTERNALS = frozenset(k for k in vars(nn.Module()) if k != "_modules")
 
 
+# Objects no kernel of a step reads, which a trainer replaces at will: compared by class only
+_INERT = (logging.Logger, datetime.date, datetime.time, datetime.timedelta)
+
+
 def _tracked(v: object) -> bool:
-    """Whether ``v`` is compared by identity: an object that is neither a tensor nor plain,
-    nor a container holding only those."""
+    """Whether ``v`` is compared: an object that is neither a tensor nor plain, nor a container
+    holding only those."""
     if isinstance(v, torch.Tensor) or plain(v):
         return False
     if isinstance(v, dict):
@@ -48,13 +55,24 @@ def _tracked(v: object) -> bool:
     return True
 
 
+def _by_class(v: object) -> bool:
+    """Whether ``v`` is compared by its class, not its identity: a record of plain values only
+    (a dataclass a trainer makes anew every step: ``self.state = TrainState(step=i)``; its values,
+    like any plain value ``fn`` reads, are baked), a logger, a date or time, an iterator (a data
+    iterator made anew every epoch). Identity for everything else: a replaced one of those
+    would recapture at every step and never replay."""
+    if isinstance(v, _INERT) or (isinstance(v, Iterator) and not isinstance(v, torch.Generator)):
+        return True
+    return _plain_object(v) and not callable(v) and not any(map(_tracked, vars(v).values()))
+
+
 def _plain_object(v: object) -> bool:
-    """An instance of a user class whose ``__dict__`` is looked into (a trainer, a config)."""
+    """An instance of a user class whose ``__dict__`` is looked into (a trainer, a config, a
+    callable helper holding the loss module)."""
     return (
         hasattr(v, "__dict__")
         and not isinstance(v, type | types.ModuleType | types.FunctionType | types.MethodType)
-        and not isinstance(v, nn.Module | torch.optim.Optimizer)
-        and not callable(v)
+        and not isinstance(v, functools.partial | nn.Module | torch.optim.Optimizer)
     )
 
 
@@ -68,6 +86,10 @@ class Reach:
         "_cell_ids",
         "_cell_names",
         "_cells",
+        "_class_keys",
+        "_class_names",
+        "_class_tables",
+        "_classes",
         "_held",
         "_ids",
         "_keys",
@@ -81,8 +103,12 @@ class Reach:
         self._names: list[str] = []
         self._cells: list[types.CellType] = []
         self._cell_names: list[str] = []
+        self._class_tables: list[Any] = []  # entries compared by class (_by_class)
+        self._class_keys: list[Any] = []
+        self._class_names: list[str] = []
         self._root(fn, getattr(fn, "__qualname__", type(fn).__name__), set())
         self._ids = tuple(map(id, map(getitem, self._tables, self._keys)))
+        self._classes = tuple(map(type, map(getitem, self._class_tables, self._class_keys)))
         self._cell_ids = tuple(map(id, map(_CELL, self._cells)))
         # the objects themselves, so that an id seen now is never another object's later
         self._held = (tuple(map(getitem, self._tables, self._keys)), tuple(map(_CELL, self._cells)))
@@ -156,6 +182,12 @@ class Reach:
     ) -> None:
         if not _tracked(v):
             return
+        if _by_class(v):
+            if note and table is not None:
+                self._class_tables.append(table)
+                self._class_keys.append(key)
+                self._class_names.append(where)
+            return
         if note and table is not None:
             self._tables.append(table)
             self._keys.append(key)
@@ -164,8 +196,8 @@ class Reach:
             return
         if isinstance(v, dict | list):
             self._table(v, where, deeper=False)
-        elif isinstance(v, nn.Module):
-            self._table(v._modules, where, deeper=False, attrs=True)
+        elif isinstance(v, nn.Module):  # its submodules and the objects it holds (a partial)
+            self._object(v, where, deeper=False)
         elif _plain_object(v):
             self._object(v, where, deeper=False)
 
@@ -177,6 +209,8 @@ class Reach:
             if (
                 tuple(map(id, map(getitem, self._tables, self._keys))) == self._ids
                 and tuple(map(id, map(_CELL, self._cells))) == self._cell_ids
+                and tuple(map(type, map(getitem, self._class_tables, self._class_keys)))
+                == self._classes
             ):
                 return None
         except (KeyError, IndexError, ValueError):
@@ -198,6 +232,15 @@ class Reach:
                 return f"{name} was deleted after capture (the graph replays the captured one)"
             if id(now) != was:
                 return _replaced(name, now)
+        for table, key, was, name in zip(
+            self._class_tables, self._class_keys, self._classes, self._class_names
+        ):
+            now = table.get(key) if isinstance(table, dict) else None
+            if type(now) is not was:
+                return (
+                    f"{name} is now a {type(now).__name__}, a {was.__name__} at capture (the "
+                    "graph replays what the captured one's code did)"
+                )
         return "an object the step reaches was replaced after capture"
 
 
