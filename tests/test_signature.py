@@ -210,7 +210,7 @@ def test_the_priority_order_torch_sets_at_its_first_attention_is_the_usual_one(
     signature._settled = [False]
     pending = [True]
 
-    def torch_sets_its_order():  # sdp_utils.cpp's priority_order(), on a device preferring cuDNN
+    def torch_sets_its_order(device=None):  # sdp_utils.cpp's priority_order(), preferring cuDNN
         if pending[0]:
             pending[0] = False
             torch._C._set_sdp_priority_order([3, 1, 2, 0, 4])

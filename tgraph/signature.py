@@ -214,14 +214,15 @@ def _cuda_ready() -> bool:
     return torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing()
 
 
-def _pick_sdpa() -> None:
-    """Ask torch which kernel it would pick for a tiny CUDA attention (no kernel runs)."""
-    q = torch.zeros(1, 1, 1, 8, device="cuda", dtype=torch.float16)
+def _pick_sdpa(device: torch.device | None = None) -> None:
+    """Ask torch which kernel it would pick for a tiny attention on ``device`` (default: the
+    current CUDA device; no kernel runs)."""
+    q = torch.zeros(1, 1, 1, 8, device=device or "cuda", dtype=torch.float16)
     with contextlib.suppress(RuntimeError):  # every backend off: torch picks none, sets nothing
         torch._fused_sdp_choice(q, q, q)
 
 
-def settle_sdpa() -> None:
+def settle_sdpa(module: torch.nn.Module | None = None) -> None:
     """Have torch settle the SDPA priority order it uses in this process, before a recorded
     call reads it into a key; the order it settles on becomes the usual one (no
     SDPASelection keyed for it). torch sets that order itself, once, at the first SDPA on a CUDA
@@ -229,14 +230,19 @@ def settle_sdpa() -> None:
     cuDNN > 9.15, torch 2.11), so without this the first layer of a model recorded before any
     attention had run keyed the old order, every later call the new one: that layer (and the
     merged stack after it) never replayed. Asking torch which kernel it would pick
-    (``_fused_sdp_choice``, no kernel launched) runs that one-time step now. A no-op once done,
-    before CUDA is initialised and during a capture."""
+    (``_fused_sdp_choice``, no kernel launched) runs that one-time step now, on the device of
+    ``module``'s first parameter where it is a CUDA one (torch decides by the current device's
+    properties; no context is made on another GPU). A no-op once done, before CUDA is
+    initialised and during a capture."""
     global _USUAL_FLAGS, _USUAL_SDPA
     if _settled[0] or not _cuda_ready():
         return
     _settled[0] = True
+    p = next(module.parameters(), None) if module is not None else None
+    device = p.device if p is not None and p.is_cuda else None
     before = _sdp_priority()
-    _pick_sdpa()
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        _pick_sdpa(device)
     after = _sdp_priority()
     if after != before and _USUAL_FLAGS[6] == before:
         _USUAL_FLAGS = (*_USUAL_FLAGS[:6], after, _USUAL_FLAGS[7])

@@ -135,7 +135,7 @@ class _Manager:
             if out is not None:
                 return out
         else:  # recording: the SDPA order torch settles on at its first CUDA attention, now
-            settle_sdpa()
+            settle_sdpa(module)
         try:
             try:  # requires_grad of the parameters the module holds now
                 params = map(operator.getitem, state.param_tables, state.param_keys)
