@@ -35,3 +35,16 @@ def engines(model, backend: str, **kw) -> tuple[DecodeEngine, DecodeEngine]:
     graphed = DecodeEngine(model, use_graphs=True, backend=backend, progress=False, **kw)
     eager = DecodeEngine(model, use_graphs=False, **kw)
     return graphed, eager
+
+
+def recaptures(engine: DecodeEngine) -> list[int]:
+    """Counts the engine's re-captures (generate() calls recapture() itself)."""
+    count = [0]
+    recapture = engine.recapture
+
+    def counted() -> None:
+        count[0] += 1
+        recapture()
+
+    engine.recapture = counted
+    return count

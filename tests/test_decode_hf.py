@@ -17,6 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from decode_models import recaptures  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
@@ -216,19 +217,6 @@ def test_graphs_equal_eager_when_sampling(backend, device):
     kw = dict(temperature=0.9, top_k=20, top_p=0.9, seed=5)
     graphed = engine(model, backend).generate(ps, NEW_TOKENS, **kw)
     assert graphed == engine(model, backend, use_graphs=False).generate(ps, NEW_TOKENS, **kw)
-
-
-def recaptures(eng: DecodeEngine) -> list[int]:
-    """Counts the engine's re-captures (generate() calls recapture() itself)."""
-    count = [0]
-    recapture = eng.recapture
-
-    def counted() -> None:
-        count[0] += 1
-        recapture()
-
-    eng.recapture = counted
-    return count
 
 
 def layers_of(model) -> torch.nn.ModuleList:

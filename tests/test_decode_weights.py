@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from decode_models import engines, prompts, tiny_gpt
+from decode_models import engines, prompts, recaptures, tiny_gpt
 
 from tgraph.decode import DecodeEngine, as_decode_model
 from tgraph.decode.requests import Request, make_requests
@@ -44,24 +44,11 @@ def sync_in_place(model, device) -> None:
     model.load_state_dict(new_weights(device))
 
 
-def captures(engine) -> list[int]:
-    """Counts the engine's re-captures (generate() calls recapture() itself)."""
-    count = [0]
-    recapture = engine.recapture
-
-    def counted() -> None:
-        count[0] += 1
-        recapture()
-
-    engine.recapture = counted
-    return count
-
-
 @pytest.mark.parametrize("sync", [sync_assign, sync_repoint, sync_in_place])
 def test_weight_sync_reaches_the_decode_graphs(backend, device, sync, replays):
     model = tiny_gpt(device)
     graphed, eager = engines(model, backend, **SHAPE)
-    recaptured = captures(graphed)
+    recaptured = recaptures(graphed)
     ps = prompts(3)
     old = assert_graphed_equal_eager(graphed, eager, replays, ps)
     sync(model, device)
@@ -142,7 +129,7 @@ def test_an_ema_swap_leaves_every_tensor_as_the_user_left_it(backend, device, re
     under the swap, the trained ones after swapping back, every tensor bitwise unchanged."""
     model = tiny_gpt(device)
     graphed, eager = engines(model, backend, **SHAPE)
-    recaptured = captures(graphed)
+    recaptured = recaptures(graphed)
     ps = prompts(3)
     trained = assert_graphed_equal_eager(graphed, eager, replays, ps)
     ema = [p.detach().clone() for p in tiny_gpt(device, seed=5).parameters()]
@@ -247,7 +234,7 @@ def test_a_module_change_after_capture_is_captured_again(backend, device, change
     the next call replays the new graphs without capturing again."""
     model = tiny_gpt(device)
     graphed, eager = engines(model, backend, **SHAPE)
-    recaptured = captures(graphed)
+    recaptured = recaptures(graphed)
     ps = prompts(3)
     old = assert_graphed_equal_eager(graphed, eager, replays, ps)
     change(model, device)
@@ -263,7 +250,7 @@ def test_a_hook_removed_after_capture_is_captured_again(backend, device, replays
     model = tiny_gpt(device)
     handle = model.lm_head.register_forward_hook(lambda module, args, out: -out)
     graphed, eager = engines(model, backend, **SHAPE)
-    recaptured = captures(graphed)
+    recaptured = recaptures(graphed)
     ps = prompts(3)
     hooked = assert_graphed_equal_eager(graphed, eager, replays, ps)
     handle.remove()
@@ -277,7 +264,7 @@ def test_module_writes_that_change_nothing_keep_the_graphs(backend, device, repl
     captured state and the graphs replay without a re-capture."""
     model = tiny_gpt(device)
     graphed, eager = engines(model, backend, **SHAPE)
-    recaptured = captures(graphed)
+    recaptured = recaptures(graphed)
     ps = prompts(3)
     assert_graphed_equal_eager(graphed, eager, replays, ps)
     model.train()
@@ -314,7 +301,7 @@ def test_a_mode_switch_of_a_decoder_without_serving_is_captured_again(backend, d
     decoder = as_decode_model(model)
     decoder.serving = None  # the engine enters nothing: the model's own mode
     graphed, eager = engines(decoder, backend, **SHAPE)
-    recaptured = captures(graphed)
+    recaptured = recaptures(graphed)
     ps = prompts(3)
     assert_graphed_equal_eager(graphed, eager, replays, ps)
     model.train()
@@ -358,7 +345,7 @@ def test_adapter_scaling_written_in_place_is_captured_again(backend, device, rep
     with torch.no_grad():
         model.lm_head.lora_B.weight.normal_(0.0, 0.3)
     graphed, eager = engines(model, backend, **SHAPE)
-    recaptured = captures(graphed)
+    recaptured = recaptures(graphed)
     ps = prompts(3)
     old = assert_graphed_equal_eager(graphed, eager, replays, ps)
     model.lm_head.scaling["default"] = 6.0

@@ -99,9 +99,11 @@ class Baked:
     hooks: tuple[tuple[str, dict], ...]
     hook_counts: tuple[int, ...]
     live_counts: tuple[int, ...] = ()  # ... without transformers' inert output hooks (_inert)
-    # the torch hook counter and table sizes last found to differ from the capture's only by
-    # inert hooks (transformers installs them at the first output_attentions call, for good)
-    inert_seen: list = field(default_factory=lambda: [-1, (), ()])  # ... and dict sizes
+    # Found as captured although they differ (transformers installs its inert hooks and a
+    # bookkeeping flag at the first output_attentions call, for good): [torch's hook counter,
+    # the hook tables' sizes] and [the modules' __dict__ sizes], where last seen so
+    inert_hooks: list = field(default_factory=lambda: [-1, ()])
+    inert_sizes: list = field(default_factory=lambda: [()])
     # Flat copies of the above for the per-call checks: one C-level pass each (map over
     # parallel tuples), not a Python loop over modules.
     objects: tuple[_Slots, ...] = ()  # other public attributes, by identity
@@ -236,13 +238,13 @@ class Baked:
         tables are read only if a hook was registered anywhere since it was taken, or one was
         present (it may have been removed)."""
         epoch = RemovableHandle.next_id
-        if not scan and not self.any_hooks and epoch in (self.hook_epoch, self.inert_seen[0]):
+        if not scan and not self.any_hooks and epoch in (self.hook_epoch, self.inert_hooks[0]):
             return None  # no hook registered anywhere since, none to remove: unchanged
         counts = tuple(len(h) for _, h in self.hooks)
-        if counts == self.hook_counts or counts == self.inert_seen[1]:
+        if counts == self.hook_counts or counts == self.inert_hooks[1]:
             return None
         if tuple(_live(h) for _, h in self.hooks) == self.live_counts:
-            self.inert_seen[:2] = epoch, counts  # only inert hooks came or went: as captured
+            self.inert_hooks[:] = epoch, counts  # only inert hooks came or went: as captured
             return None
         for (where, table), n in zip(self.hooks, self.live_counts):
             if _live(table) != n:
@@ -292,7 +294,7 @@ class Baked:
 
     def changed_attrs(self) -> str | None:
         sizes = tuple(map(len, self.dicts))
-        if sizes != self.dict_sizes and sizes != self.inert_seen[2]:
+        if sizes != self.dict_sizes and sizes != self.inert_sizes[0]:
             for name, d, n, keys in zip(
                 self.dict_names, self.dicts, self.dict_sizes, self.dict_keys
             ):
@@ -304,7 +306,7 @@ class Baked:
                         f"{name}.{added[0]} was set" if added else f"{name}.{gone[0]} was deleted"
                     )
                     return f"{what} after capture; the graph reads what the forward saw at capture"
-            self.inert_seen[2] = sizes  # only bookkeeping flags came: as captured
+            self.inert_sizes[0] = sizes  # only bookkeeping flags came: as captured
         try:
             if tuple(map(getitem, self.attr_tables, self.attr_keys)) == self.attr_values and (
                 tuple(map(id, map(getitem, self.object_tables, self.object_keys)))

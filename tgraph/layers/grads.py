@@ -52,9 +52,8 @@ class MainGradFlags:
         ]
         self._before: list[bool] = []
         self.fused: list[torch.Tensor] = []
-        self._targets: list[
-            torch.Tensor
-        ] = []  # the main_grad each fused parameter's graph adds into
+        # the main_grad each fused parameter's graph adds into
+        self._targets: list[torch.Tensor] = []
 
     def before_capture(self) -> None:
         self._before = [getattr(leaf, FLAG) for leaf, _ in self._pairs]
