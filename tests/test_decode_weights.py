@@ -245,6 +245,29 @@ def test_a_module_change_after_capture_is_captured_again(backend, device, change
     assert recaptured[0] == 1  # the new graphs replay
 
 
+@pytest.mark.parametrize("last", ["long_prompt", "at_max_seq_len"])
+@pytest.mark.parametrize("how", ["recapture", "replace_head"])
+def test_a_recapture_after_any_request_serves_the_next(backend, device, last, how, replays):
+    """The warmups and captures run every bucket on the static buffers, so what the last
+    generate() left there must not reach them: a 20-token prompt (its length above the 16-token
+    prefill bucket's) or rows ended at max_seq_len (live: each warmup moved them past it).
+    recapture() and the re-capture of generate() after a change serve the next requests."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    recaptured = recaptures(graphed)
+    if last == "long_prompt":
+        ps, new = prompts(1, lengths=(20,)), 4
+    else:  # both end at max_seq_len = 64
+        ps, new = prompts(2, lengths=(10, 3)), [54, 61]
+    assert graphed.generate(ps, new) == eager.generate(ps, new)
+    if how == "recapture":
+        graphed.recapture()
+    else:
+        replace_head(model, device)
+    assert_graphed_equal_eager(graphed, eager, replays, prompts(3))
+    assert recaptured[0] == 1
+
+
 def test_a_hook_removed_after_capture_is_captured_again(backend, device, replays):
     """A hook present at capture is baked in; removing it captures again (the old tokens)."""
     model = tiny_gpt(device)

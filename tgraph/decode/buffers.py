@@ -208,9 +208,10 @@ class PrefillBuffers:
         self.max_tokens = max_tokens
         self.vocab_size = vocab_size
         self.tokens = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.ints = torch.tensor([0, 1, 0, vocab_size], dtype=torch.int64, device=device)
-        self.floats = torch.tensor([0.0, 1.0], dtype=torch.float32, device=device)
+        self.ints = torch.zeros(4, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(2, dtype=torch.float32, device=device)
         self.token = torch.zeros(1, dtype=torch.int64, device=device)
+        self.reset()
 
     def inputs(self, width: int) -> PrefillInputs:
         """Views for a prompt padded to ``width`` tokens."""
@@ -218,6 +219,13 @@ class PrefillBuffers:
 
     def sampling(self) -> SamplingRows:
         return SamplingRows(self.floats[0:1], self.ints[3:4], self.floats[1:2], self.ints[2:3])
+
+    def reset(self) -> None:
+        """A one-token prompt (token 0) in slot 0, greedy: what every prefill program can run
+        (before warmup and capture; the last prompt's length may exceed a smaller bucket)."""
+        self.tokens.zero_()
+        staged_copy(self.ints, torch.tensor([0, 1, 0, self.vocab_size], dtype=torch.int64))
+        staged_copy(self.floats, torch.tensor([0.0, 1.0], dtype=torch.float32))
 
     def copy_from(self, tokens: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
         """Refresh from host tensors made by :func:`pack_prompt` (only ``len(tokens)`` tokens;

@@ -204,6 +204,11 @@ class DecodeEngine:
         """Capture every bucket (largest first, one pool) and note the weights they read."""
         allocated = self.factory.memory_allocated()
         uses = memory_uses(self._modules)  # the user's; those the capture adds are the engine's
+        # The warmups and captures run every bucket on whatever the buffers hold: after a
+        # generate() that is its last requests (a prompt longer than a smaller bucket, rows
+        # live near max_seq_len that each warmup would move past it). Start from padding.
+        self.buffers.reset()
+        self.prompt_buffers.reset()
         with self._serving():
             self.decode_graphs.capture()
             self.prefill_graphs.capture()
