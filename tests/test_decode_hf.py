@@ -160,6 +160,11 @@ def test_a_training_model_is_served_in_eval_mode_and_left_training(backend, devi
     model.eval()
     eng.generate(prompts(), 2)
     assert not any(m.training for m in model.modules())  # an eval model stays in eval mode
+    for m in model.modules():  # training without dropout: the dropout modules stay in eval
+        m.train(not isinstance(m, torch.nn.Dropout))
+    flags = [m.training for m in model.modules()]
+    assert eng.generate(prompts(), NEW_TOKENS) == want
+    assert [m.training for m in model.modules()] == flags
 
 
 @pytest.mark.parametrize("assign", [True, False], ids=["assign", "in_place"])

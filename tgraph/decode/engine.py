@@ -92,7 +92,8 @@ class DecodeEngine:
     Args:
         model: any object implementing :class:`tgraph.decode.interface.DecodeModel`, or one
             with a registered adapter (the toy :class:`tgraph.toy.gpt.GPT`: in eval mode while
-            the engine captures or generates, back in its own train/eval mode after).
+            the engine captures or generates, each module back in its own train/eval mode
+            after).
         max_batch_size: requests decoded together at most (KV slots); more are queued.
         max_seq_len: KV capacity per request (prompt + new tokens); at most the model's
             ``max_positions`` (the GPT's ``block_size``).

@@ -70,9 +70,10 @@ from tgraph.decode.kv_cache import KVCache
 
 class ServedInEval:
     """An adapter's ``serving()``: ``model`` in eval mode while the engine captures or generates,
-    its own train/eval mode restored after, so sampling between training steps leaves it
-    training. Nested calls (every decode step inside ``generate``) leave the mode to the
-    outermost and cost nothing.
+    every submodule's own train/eval flag restored after, so sampling between training steps
+    leaves it training as it was (a model in ``train()`` whose dropout modules were set to
+    ``eval()`` gets them back in eval mode). Nested calls (every decode step inside
+    ``generate``) leave the mode to the outermost and cost nothing.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -84,14 +85,16 @@ class ServedInEval:
         if self._active:
             yield
             return
-        was_training = self.model.training
+        flags = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         self._active = True
         try:
             yield
         finally:
             self._active = False
-            self.model.train(was_training)
+            self.model.train(flags[0][1])  # the root's train() as before (overrides run), then
+            for module, training in flags:  # each module's own flag, which it set to the root's
+                module.training = training
 
 
 @runtime_checkable

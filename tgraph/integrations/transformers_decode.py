@@ -119,7 +119,7 @@ class TransformersDecoder:
 
     Args:
         model: one of :data:`SUPPORTED`; in eval mode while the engine captures or generates
-            (:attr:`serving`), in its own train/eval mode after. Its weights are used in place
+            (:attr:`serving`), each module in its own train/eval mode after. Its weights are used in place
             (reallocated ones, by a sync or ``model.to(dtype)``, are followed by the engine's
             weight check; to move the model to another device, build a new engine). Its parts
             are read anew after a write to one of its modules (:meth:`parts`): a submodule
