@@ -427,24 +427,6 @@ def test_sampling_during_training_leaves_the_model_training(backend, device):
     assert all(m.training for m in model.modules())
 
 
-def test_every_module_gets_its_own_mode_back(backend, device):
-    """A model in train() whose dropout modules the user set to eval() (training without
-    dropout): after the engine's capture and after generate(), each module has its own flag
-    again, not the root's."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG, dropout=0.1)).to(device).train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.eval()
-    flags = [m.training for m in model.modules()]
-    assert True in flags and False in flags
-    graphed, eager = engines(model, backend, max_batch_size=2, max_seq_len=64)
-    assert [m.training for m in model.modules()] == flags  # after capture
-    ps = prompts(2)
-    assert graphed.generate(ps, 6) == eager.generate(ps, 6)
-    assert [m.training for m in model.modules()] == flags  # after generate
-
-
 @pytest.mark.parametrize("scenario", ["50_steps", "join_and_leave"])
 def test_lookahead_gives_the_tokens_of_step_by_step_decoding(backend, device, scenario):
     """Steps launched before the host reads the previous tokens (device-side token hand-off)

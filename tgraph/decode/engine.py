@@ -159,10 +159,13 @@ class DecodeEngine:
         )
         self.device = torch.device(d.device)
         self.cache = self._new_cache()
-        self.buffers = DecodeBuffers(max_batch_size, d.vocab_size, self.device)
-        self.prompt_buffers = PrefillBuffers(max_seq_len, d.vocab_size, self.device)
-        self.sampler = Sampler(d.vocab_size, self.device)
-        self.readback = TokenReadback(max_batch_size, self.device)
+        # Normal tensors even when the engine is built under torch.inference_mode(): a
+        # generate() outside it writes them in place, which inference tensors refuse.
+        with torch.inference_mode(False):
+            self.buffers = DecodeBuffers(max_batch_size, d.vocab_size, self.device)
+            self.prompt_buffers = PrefillBuffers(max_seq_len, d.vocab_size, self.device)
+            self.sampler = Sampler(d.vocab_size, self.device)
+            self.readback = TokenReadback(max_batch_size, self.device)
         resolved = resolve_backend(backend, self.device) if use_graphs else None
         # One factory: the decode and prefill graphs share one memory pool (tgraph.pool).
         self.factory = GraphFactory(resolved, self.device) if use_graphs else None
@@ -191,15 +194,16 @@ class DecodeEngine:
     def _new_cache(self) -> KVCache:
         """A KV cache for the model as it is now (its dtype: the decoder's ``dtype``)."""
         d = self.decoder
-        return KVCache(
-            n_layer=d.n_layer,
-            max_batch_size=self.max_batch_size,
-            n_head=d.n_head,
-            max_seq_len=self.max_seq_len,
-            head_dim=d.head_dim,
-            dtype=d.dtype,
-            device=self.device,
-        )
+        with torch.inference_mode(False):  # normal tensors (see __init__)
+            return KVCache(
+                n_layer=d.n_layer,
+                max_batch_size=self.max_batch_size,
+                n_head=d.n_head,
+                max_seq_len=self.max_seq_len,
+                head_dim=d.head_dim,
+                dtype=d.dtype,
+                device=self.device,
+            )
 
     def _capture(self) -> None:
         """Capture every bucket (largest first, one pool) and note the weights they read."""
@@ -210,7 +214,9 @@ class DecodeEngine:
         # live near max_seq_len that each warmup would move past it). Start from padding.
         self.buffers.reset()
         self.prompt_buffers.reset()
-        with self._serving():
+        # outside inference mode: what the warmups make (a model's lazy state, the graphs'
+        # static outputs) is written in place by later calls, inside or outside it
+        with self._serving(), torch.inference_mode(False):
             self.decode_graphs.capture()
             self.prefill_graphs.capture()
         # a serving() context sets the mode the model runs in; without one, the model's own
@@ -370,6 +376,9 @@ class DecodeEngine:
             One completion per prompt, in prompt order, without the prompt: a list of token ids
             for a token-id prompt, a string for a string prompt. A completion is shorter than
             ``max_new_tokens`` only when it ends with an ``eos_token_id``.
+
+        The model runs in its own dtype: an enclosing ``torch.autocast`` is switched off inside
+        (:mod:`tgraph.decode.steps`).
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt length plus

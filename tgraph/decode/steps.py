@@ -14,7 +14,10 @@ Greedy batches run the greedy variant: the sampling kernels (a sort, a cumulativ
 counter-based noise, about 40 small kernels) cost nothing when no row samples. In the sampling
 variant a greedy row still gets exactly :func:`~tgraph.decode.sampling.greedy`'s id.
 
-Both run tgraph's graphable modules as plain modules (a decoder may call a block that per-layer
+Both run with autocast off on the model's device: the engine serves the model in its own dtype
+(its KV cache's), so a ``generate`` under ``torch.autocast`` decodes the tokens it decodes
+outside, graphed or eager (to serve in bfloat16, ``model.to(torch.bfloat16)``). Both run
+tgraph's graphable modules as plain modules (a decoder may call a block that per-layer
 graphs are enabled on: the program is its own graph, and its calls are no training call to
 record or replay). Both write their results into buffers outside the graph pool and return the logits only for
 inspection; the logits are overwritten by the next replay of any graph of the pool.
@@ -43,9 +46,11 @@ def decode_program(
     inputs = buffers.set_batch(rows)
     params = buffers.sampling(rows)
     live = buffers.live(rows)
+    device_type = cache.k.device.type
 
     def step() -> torch.Tensor:
-        with torch.no_grad(), graphed_region():  # graphable modules it calls: plain modules
+        # graphable modules it calls: plain modules; the model's own dtype (module docstring)
+        with torch.no_grad(), graphed_region(), torch.autocast(device_type, enabled=False):
             logits = decoder.decode_step(inputs, cache)
             if sampling:  # counter: the position this row samples at
                 tokens = sampler(logits, params, inputs.positions)
@@ -68,9 +73,10 @@ def prefill_program(
     """The prefill of a prompt padded to ``width`` tokens, returning logits (1, V)."""
     inputs = buffers.inputs(width)
     params = buffers.sampling()
+    device_type = cache.k.device.type
 
     def run() -> torch.Tensor:
-        with torch.no_grad(), graphed_region():
+        with torch.no_grad(), graphed_region(), torch.autocast(device_type, enabled=False):
             logits = decoder.prefill(inputs, cache)
             if sampling:  # counter: the prompt's last position, where its first token is drawn
                 token = sampler(logits, params, inputs.length - 1)
