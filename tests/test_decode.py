@@ -253,6 +253,35 @@ def test_sampling_seeded_reproducible(backend, device):
     assert graphed.generate(ps, 15, temperature=1.0, top_k=1, seed=5) == graphed.generate(ps, 15)
 
 
+def test_numpy_and_tensor_scalars_are_the_numbers_they_hold(backend, device):
+    """Integral numpy scalars and 0-d tensors where ints are expected (token ids, limits, top_k,
+    seeds, EOS ids), real ones where floats are: the tokens of the Python numbers."""
+    np = pytest.importorskip("numpy")
+    graphed, eager = engines(tiny_gpt(device), backend, max_batch_size=4, max_seq_len=64)
+    ps = prompts(3)
+    eos = graphed.generate(ps, 12)[0][3]  # request 0 ends after 4 tokens: EOS is read
+    kw = dict(temperature=[0.0, 0.8, 1.5], top_k=20, top_p=0.9, seed=123, eos_token_id=eos)
+    want = eager.generate(ps, 12, **kw)
+    assert len(want[0]) == 4 and want == graphed.generate(ps, 12, **kw)
+    unseen = next(t for t in range(256) if all(t not in o for o in want))  # a second EOS id
+    scalars = [
+        dict(temperature=[0, np.float32(0.8), torch.tensor(1.5)], top_k=np.int64(20),
+             top_p=np.float64(0.9), seed=torch.tensor(123), eos_token_id=torch.tensor(eos)),
+        dict(temperature=[np.int64(0), torch.tensor(0.8), np.float16(1.5)],
+             top_k=torch.tensor(20), top_p=torch.tensor(0.9), seed=[np.int64(123), 124, 125],
+             eos_token_id=torch.tensor([eos, unseen])),
+    ]  # fmt: skip
+    limits = [
+        np.int64(12),
+        torch.tensor(12),
+        [np.int32(12), torch.tensor(12, dtype=torch.int32), 12],
+    ]
+    ids = [[np.int64(t) for t in ps[0]], torch.tensor(ps[1]), ps[2]]
+    for settings in scalars:
+        for limit in limits:
+            assert graphed.generate(ids, limit, **settings) == want
+
+
 def test_text_prompts_return_text(backend, device):
     graphed = DecodeEngine(
         tiny_gpt(device), max_batch_size=2, max_seq_len=64, backend=backend, progress=False
@@ -275,6 +304,13 @@ BAD = {
     "limits length": (lambda: [[1], [2]], [3], "max_new_tokens has 1 entries for 2 prompts"),
     "negative limit": (lambda: [[1]], -1, "max_new_tokens must be an int >= 0"),
     "float token": (lambda: [[1.5]], 5, "token ids must be ints"),
+    "bool token": (lambda: [[True, 2]], 5, "token ids must be ints"),
+    "float tensor prompt": (
+        lambda: [[1, 2], torch.tensor([1.7, 2.2])],
+        5,
+        r"request 1: a tensor prompt holds token ids, an integer dtype, got torch.float32",
+    ),
+    "float tensor limit": (lambda: [[1]], torch.tensor(4.0), "max_new_tokens must be an int"),
 }
 
 
@@ -300,6 +336,12 @@ def test_bad_arguments(device):
         engine.generate([[1]], 5, temperature=1.0, top_k=0)
     with pytest.raises(ValueError, match="eos_token_id 300"):
         engine.generate([[1]], 5, eos_token_id=300)
+    with pytest.raises(ValueError, match="eos_token_id must be an int token id"):
+        engine.generate([[1]], 5, eos_token_id=1.0)
+    with pytest.raises(ValueError, match="eos_token_id must be an int token id, .* got True"):
+        engine.generate([[1]], 5, eos_token_id=[2, True])
+    with pytest.raises(ValueError, match="seed must be an int, got 1.5"):
+        engine.generate([[1]], 5, temperature=1.0, seed=1.5)
     with pytest.raises(ValueError, match=r"max_seq_len must be in \[1, 64\]"):
         DecodeEngine(model, max_batch_size=2, max_seq_len=65, use_graphs=False)
     with pytest.raises(ValueError, match="max_batch_size must be >= 1"):

@@ -68,3 +68,27 @@ def test_every_module_gets_its_own_mode_back(backend, device):
     ps = prompts(2)
     assert graphed.generate(ps, 6) == eager.generate(ps, 6)
     assert [m.training for m in model.modules()] == flags  # after generate
+
+
+def rng_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def test_greedy_generate_leaves_torch_rng_untouched(backend, device):
+    """Only a sampling request reads a seed: a greedy generate() without one leaves torch's
+    generators as it found them (a training loop that evaluates greedily between steps keeps
+    its dropout masks); a sampling one draws its seeds there, repeatable with manual_seed."""
+    graphed, eager = engines(tiny_gpt(device), backend, **SHAPE)
+    for engine in (graphed, eager):
+        torch.manual_seed(0)
+        before = rng_states(device)
+        engine.generate(PROMPTS, 4)
+        assert all(map(torch.equal, rng_states(device), before))
+    torch.manual_seed(0)
+    sampled = graphed.generate(PROMPTS, 4, temperature=[0.0, 1.0, 0.0])
+    assert not torch.equal(torch.get_rng_state(), before[0])
+    torch.manual_seed(0)
+    assert eager.generate(PROMPTS, 4, temperature=[0.0, 1.0, 0.0]) == sampled

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tgraph.decode.buffers import pack_prompt, pack_step_rows
-from tgraph.decode.requests import Request
+from tgraph.decode.requests import Request, as_int
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -50,10 +50,11 @@ def check_buckets(sizes: Sequence[int], largest: int, name: str) -> list[int]:
     Raises:
         ValueError: a size that is not an int in range; the message names ``name``.
     """
-    for b in sizes:
-        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= largest:
+    ints = [as_int(b) for b in sizes]
+    for b, i in zip(sizes, ints):
+        if i is None or not 1 <= i <= largest:
             raise ValueError(f"{name} entry {b!r} must be an int in [1, {largest}]")
-    return sorted(set(sizes))
+    return sorted(set(ints))
 
 
 def bucket_for(buckets: Sequence[int], n: int) -> int | None:

@@ -75,7 +75,7 @@ from tgraph.decode.buffers import DecodeBuffers, PrefillBuffers
 from tgraph.decode.graph_runner import BucketGraphs
 from tgraph.decode.interface import as_decode_model
 from tgraph.decode.kv_cache import KVCache
-from tgraph.decode.requests import Prompt, Request, make_requests
+from tgraph.decode.requests import Prompt, Request, as_int, eos_ids, make_requests
 from tgraph.decode.sampling import Sampler
 from tgraph.decode.stats import DecodeStats
 from tgraph.decode.steps import TokenReadback, decode_program, prefill_program
@@ -133,10 +133,14 @@ class DecodeEngine:
         # The model's mode while the engine runs it (eval for the toy GPT), restored after.
         self._serving = getattr(d, "serving", None) or contextlib.nullcontext
         self.lookahead = lookahead
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
+        if as_int(max_batch_size) is None:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        max_batch_size = as_int(max_batch_size)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if as_int(max_seq_len) is None:
+            raise ValueError(f"max_seq_len must be an int, got {max_seq_len!r}")
+        max_seq_len = as_int(max_seq_len)
         if not 1 <= max_seq_len <= d.max_positions:
             raise ValueError(
                 f"max_seq_len must be in [1, {d.max_positions}] (the model's positions), got "
@@ -369,8 +373,13 @@ class DecodeEngine:
             eos_token_id: a request ends after generating this token, or any of these tokens
                 (a list, as a Hugging Face ``generation_config`` may name); it is included.
             seed: an int seeds request ``i``'s own stream with ``seed + i``; a list seeds each
-                request; None draws seeds from torch's default generator. A request with the
+                request; None draws seeds from torch's default generator when some request
+                samples (a greedy call leaves that generator untouched). A request with the
                 same prompt, settings and seed gets the same tokens whatever else runs.
+
+            Where an int is expected (token ids, ``max_new_tokens``, ``top_k``, ``eos_token_id``,
+            ``seed``), a numpy integer or a 0-d integer tensor is that int; where a float is
+            (``temperature``, ``top_p``), any real scalar. A tensor prompt of floats is refused.
 
         Returns:
             One completion per prompt, in prompt order, without the prompt: a list of token ids
@@ -399,12 +408,7 @@ class DecodeEngine:
             top_p=top_p,
             seed=seed,
         )
-        eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
-        for token in sorted(eos):
-            if not 0 <= token < d.vocab_size:
-                raise ValueError(
-                    f"eos_token_id {token} is outside the vocabulary [0, {d.vocab_size})"
-                )
+        eos = eos_ids(eos_token_id, d.vocab_size)
         self._check_weights(between_requests=True)
         self._generating = True
         try:
