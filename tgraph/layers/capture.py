@@ -158,7 +158,9 @@ class GraphedUnit:
     #: why the unit runs eagerly although it was recorded (its capture failed), set by
     #: :func:`tgraph.create_graphs`; None for a captured unit
     left_eager: str | None = None
-    refused: str | None = None  # why the recorded call cannot be graphed (manager._record_call)
+    #: why the recorded call cannot be graphed (set while recording: manager._record_call,
+    #: record.NoteBackward)
+    refused: str | None = None
     #: the runner whose recorded call recorded this one (a module inside a unit that
     #: ``GraphableModule.graphs_parts`` lets fall back to its parts), or None
     within: Any = None

@@ -36,8 +36,9 @@ def create_graphs() -> CaptureReport:
     graph, in recorded order, then bake each unit's capture result.
 
     A unit that cannot be graphed (its capture fails: a host sync such as ``.item()``, a CPU
-    tensor copied to the GPU, a data-dependent shape; or hooks on its submodules that
-    ``enable(capturable_hooks=True)`` did not declare) stays eager: the report's
+    tensor copied to the GPU, a data-dependent shape; hooks on its submodules that
+    ``enable(capturable_hooks=True)`` did not declare; or the recorded iteration backed
+    through one of its forwards twice, ``retain_graph=True``) stays eager: the report's
     ``eager_modules`` names it with the reason and a :class:`tgraph.GraphFallbackWarning`
     says so once; every other unit is graphed. A merged stack with such a member is split,
     so that its other members are graphed one by one.
@@ -344,7 +345,8 @@ def _undeclared_hooks(runners: list[Runner]) -> dict[Runner, str]:
 
 def _refused(runners: list[Runner], eager: dict[Runner, str]) -> dict[Runner, str]:
     """Runners whose recorded call showed they cannot be graphed (a forward returning tensors
-    inside an object a replay cannot refill): the reason each stays eager; under
+    inside an object a replay cannot refill, a forward backed through twice): the reason each
+    stays eager; under
     ``strict=True``, the error instead."""
     found = {r: r.refused for r in runners if r.refused is not None and r not in eager}
     for r, why in found.items():
