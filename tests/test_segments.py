@@ -9,7 +9,7 @@ import torch
 from layer_models import ATOL, RTOL, MLPNet, mlp_batches, tiny_gpt, twin
 
 import tgraph
-from tgraph.layers import capture, direct_grads
+from tgraph.layers import capture, direct_grads, manager
 from tgraph.layers import replay as bridge
 
 
@@ -502,6 +502,14 @@ def _tied_weight(m, x, y):  # every block holds the same MLP weight
     return _head_loss(m, h, y)
 
 
+def _aux_per_block(m, x, y):  # an auxiliary loss on every block's output, as it comes
+    h, loss = x, 0.0
+    for w, b in zip([0.2, 0.3, 1.0], m.h):
+        h = b(h)
+        loss = loss + w * _head_loss(m, h, y)
+    return loss
+
+
 def _tie(m):
     for b in m.h[1:]:
         b.mlp.c_fc.weight = m.h[0].mlp.c_fc.weight
@@ -511,6 +519,7 @@ def _tie(m):
 SUMS = {
     "block_thrice": (_block_thrice, False, 1, 2),
     "tied_weight": (_tied_weight, True, 1, 2),
+    "aux_per_block": (_aux_per_block, False, 0, 6),  # not merged: 3 blocks, 2 graphs each
 }
 
 
@@ -553,9 +562,19 @@ def check_sums_in_eager_order(backend, device, replays, pattern, direct):
 @pytest.mark.parametrize("pattern", list(SUMS))
 def test_merged_stack_sums_gradients_in_eagers_order(backend, device, replays, pattern, direct):
     """A parameter three blocks of a stack hold gets its gradients added in eager's order (the
-    last block's first), whether the node hands them to autograd or writes .grad itself."""
+    last block's first), whether the node hands them to autograd or writes .grad itself; blocks
+    with an auxiliary loss between them stay apart (eager adds its gradient last), and the
+    report says so."""
     report = check_sums_in_eager_order(backend, device, replays, pattern, direct)
     assert report.segments == SUMS[pattern][2]
+    if pattern == "aux_per_block":
+        assert [u.split(" (eager code")[0] for u in report.unmerged] == [
+            "h.0 (Block) and h.1 (Block)",
+            "h.1 (Block) and h.2 (Block)",
+        ]
+        assert "not merged: h.0 (Block) and h.1 (Block)" in str(report)
+    else:
+        assert report.unmerged == []
 
 
 def test_planted_bug_repeated_parameter_summed_in_member_order_is_caught(
@@ -576,3 +595,13 @@ def test_planted_bug_direct_grads_adding_each_gradient_into_grad_is_caught(
     monkeypatch.setattr(direct_grads, "_summed", lambda params, grads: (params, grads))
     with pytest.raises(AssertionError, match="not equal"):
         check_sums_in_eager_order(backend, device, replays, "tied_weight", None)
+
+
+def test_planted_bug_stack_merged_across_an_auxiliary_loss_is_caught(
+    backend, device, replays, monkeypatch
+):
+    if backend != "emulated":
+        pytest.skip("bitwise only on the emulated backend")
+    monkeypatch.setattr(manager, "_autograd_nodes", lambda: 0)  # nothing seen between calls
+    with pytest.raises(AssertionError, match="not equal"):
+        check_sums_in_eager_order(backend, device, replays, "aux_per_block", None)
