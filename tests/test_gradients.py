@@ -26,6 +26,7 @@ import tgraph
 from tgraph.layers import replay as bridge
 from tgraph.layers.captured import ParamRoute
 from tgraph.layers.grads import GradHandOff, ParamGradOutputs, UnusedOutputs
+from tgraph.layers.record import NoteBackward
 
 
 def check_parity(backend, device):
@@ -205,8 +206,9 @@ def test_inplace_change_of_an_output_before_backward_is_an_error(backend, device
 
 
 def test_second_backward_through_a_replay_is_a_stale_backward_error(backend, device):
-    """One backward per forward: a second backward (retain_graph=True) would read buffers the
-    first already consumed, so it raises tgraph.StaleBackwardError, catchable on its own."""
+    """One backward per forward: a second backward (retain_graph=True) that the recorded
+    iteration did not show would read buffers the first already consumed, so it raises
+    tgraph.StaleBackwardError, catchable on its own, naming the cause and fixes that work."""
     torch.manual_seed(0)
     mod = Scaled().to(device)
     tgraph.enable(mod, backend=backend)
@@ -215,9 +217,112 @@ def test_second_backward_through_a_replay_is_a_stale_backward_error(backend, dev
     tgraph.create_graphs()
     loss = mod(x).sum()
     loss.backward(retain_graph=True)
-    with pytest.raises(tgraph.StaleBackwardError, match="after its graph buffers were reused"):
+    with pytest.raises(tgraph.StaleBackwardError, match="second backward through one forward"):
         loss.backward()
     assert issubclass(tgraph.StaleBackwardError, RuntimeError)
+    tgraph.reset()  # the fix the message names: record such a step
+    eager = copy.deepcopy(mod)
+    twice = [mod, eager]
+    for m in twice:
+        m.zero_grad(set_to_none=True)
+        loss = m(x).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    with pytest.warns(tgraph.GraphFallbackWarning, match="backward ran more than once"):
+        tgraph.create_graphs()
+    for m in twice:  # now runs eagerly, as eager does
+        loss = m(x).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    torch.testing.assert_close(mod.lin.weight.grad, eager.lin.weight.grad, rtol=0, atol=0)
+
+
+class Head(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class MultiTask(nn.Module):
+    """A shared trunk and one head per task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(Scaled(), Scaled())
+        self.heads = nn.ModuleList(Head() for _ in range(2))
+
+
+def per_task_step(m: MultiTask, opt, x: torch.Tensor) -> list[torch.Tensor]:
+    """PCGrad / GradNorm's pattern: one autograd.grad per task loss through the shared trunk
+    (its forward backed through once per task), then the trunk's gradients combined."""
+    h = m.trunk(x)
+    trunk = list(m.trunk.parameters())
+    per_task = []
+    for head in m.heads:
+        loss = head(h).square().mean()
+        per_task.append(torch.autograd.grad(loss, [*trunk, *head.parameters()], retain_graph=True))
+    for k, p in enumerate(trunk):
+        p.grad = per_task[0][k] + per_task[1][k]
+    for head, grads in zip(m.heads, per_task):
+        for p, g in zip(head.parameters(), grads[len(trunk) :]):
+            p.grad = g
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def check_backward_twice_stays_eager(backend, device, replays):
+    """The trunk, backed through twice per forward in the recorded step, stays eager (named,
+    warned); the heads, backed through once, replay; every step equals eager's (bitwise on the
+    emulated backend)."""
+    torch.manual_seed(0)
+    model = MultiTask().to(device)
+    eager = twin(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+    xs = torch.randn(4, 4, 8, device=device)
+    tgraph.enable(model, backend=backend)
+    for i, x in enumerate(xs):
+        before = replays[0]
+        got, want = per_task_step(model, opts[0], x), per_task_step(eager, opts[1], x)
+        if i == 0:
+            with pytest.warns(tgraph.GraphFallbackWarning, match="backward ran more than once"):
+                report = tgraph.create_graphs()
+            assert [e.split(" (its backward ran more")[0] for e in report.eager_modules] == [
+                "trunk.0 (Scaled)",
+                "trunk.1 (Scaled)",
+            ]
+        else:
+            assert replays[0] - before == 4  # each head: its forward and its backward
+        tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_backward_twice_in_the_recorded_step_stays_eager(backend, device, replays):
+    check_backward_twice_stays_eager(backend, device, replays)
+
+
+def test_planted_bug_backward_twice_not_noted_is_caught(backend, device, replays, monkeypatch):
+    def backward(ctx, *grads):  # notes the backward, never that it ran twice
+        ctx.record.add(ctx.runner, "bwd")
+        ctx.land()
+        return (None, None, None, *grads)
+
+    monkeypatch.setattr(NoteBackward, "backward", staticmethod(backward))
+    with pytest.raises(pytest.fail.Exception, match="DID NOT WARN"):
+        check_backward_twice_stays_eager(backend, device, replays)
+
+
+def test_backward_twice_in_the_recorded_step_is_refused_under_strict(backend, device):
+    torch.manual_seed(0)
+    model = MultiTask().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tgraph.enable(model, backend=backend, strict=True)
+    per_task_step(model, opt, torch.randn(4, 8, device=device))
+    with pytest.raises(tgraph.CaptureError, match="backward ran more than once for one forward"):
+        tgraph.create_graphs()
 
 
 def test_unused_output_gives_no_gradient(backend, device):

@@ -40,7 +40,7 @@ def test_ten_steps_match_eager(backend, device, which, merge):
         id(r.segment or r): r.segment or r for r in tgraph.layers.manager._manager.all_runners()
     }
     for u in units.values():  # every block parameter gets its gradient from the backward graph
-        members = u.runners if merge else [u]
+        members = u.runners[::-1] if merge else [u]  # the last member's first (_find_params)
         assert [id(p) for p in u.state.route.params] == [
             id(p) for r in members for p in r.module.parameters()
         ]

@@ -16,6 +16,7 @@ import torch.nn as nn
 from layer_models import ATOL, RTOL
 
 import tgraph
+from tgraph.layers import capture
 from tgraph.layers.grads import MainGradFlags, MainGradFusion
 
 
@@ -258,7 +259,7 @@ class Stack(nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def _fused_vs_eager(backend, device, model, merge=True):
+def _fused_vs_eager(backend, device, model, merge=True, exact=False):
     eager = copy.deepcopy(model)
     ddp, ddp_eager = MegatronLikeDDP(model), MegatronLikeDDP(eager)
     tgraph.enable(model, backend=backend, strict=True, merge=merge, main_grad_fusion=True)
@@ -271,9 +272,10 @@ def _fused_vs_eager(backend, device, model, merge=True):
 
     step(model, ddp, xs[0])
     tgraph.create_graphs()
+    tol = dict(rtol=0, atol=0) if exact and backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
     for x in xs[1:]:
         for (got, _, _), (want, _, _) in zip(step(model, ddp, x), step(eager, ddp_eager, x)):
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "per-block"])
@@ -298,6 +300,22 @@ def test_fusion_adds_each_parameter_once(backend, device, monkeypatch):
     monkeypatch.setattr(torch, "_foreach_add_", recording)
     _fused_vs_eager(backend, device, Stack(order=[0, 0, 1]).to(device))
     assert seen and all(len(ids) == len(set(ids)) for ids in seen)
+
+
+def test_fusion_sums_a_repeated_parameter_in_eagers_order(backend, device):
+    """A block called three times in a merged stack: main_grad gets the sum of its gradients
+    added up as autograd adds them before megatron's hook, the last call's first (bitwise on
+    the emulated backend; on CUDA a graph may pick another cuBLAS algorithm: within RTOL)."""
+    torch.manual_seed(0)
+    _fused_vs_eager(backend, device, Stack(order=[0, 0, 0, 1]).to(device), exact=True)
+
+
+def test_planted_bug_fusion_sum_in_member_order_is_caught(backend, device, monkeypatch):
+    if backend != "emulated":
+        pytest.skip("bitwise only on the emulated backend")
+    monkeypatch.setattr(capture, "reversed", list, raising=False)  # _find_params' member order
+    with pytest.raises(AssertionError, match="not equal"):
+        test_fusion_sums_a_repeated_parameter_in_eagers_order(backend, device)
 
 
 def test_blocks_with_different_fusion_settings_are_not_merged(backend, device):

@@ -6,9 +6,10 @@ import contextlib
 
 import pytest
 import torch
-from layer_models import ATOL, RTOL, MLPNet, mlp_batches, twin
+from layer_models import ATOL, RTOL, MLPNet, mlp_batches, tiny_gpt, twin
 
 import tgraph
+from tgraph.layers import capture, direct_grads, manager
 from tgraph.layers import replay as bridge
 
 
@@ -476,3 +477,131 @@ def test_stack_left_midway_without_backward_replays_next_time(backend, device):
         del h
         torch.testing.assert_close(model(x2, y2), eager(x2, y2), rtol=RTOL, atol=ATOL)
     assert tgraph.eager_calls() == 0
+
+
+# ------------------------------------------------- gradient sums in eager's order
+# Autograd adds up a tensor's gradients in the order its backward reaches them; a float sum of
+# three or more terms depends on that order. A merged stack must add them up as eager does.
+
+
+def _head_loss(m, h, y):
+    return torch.nn.functional.cross_entropy(m.lm_head(m.ln_f(h)).flatten(0, 1), y.flatten())
+
+
+def _block_thrice(m, x, y):  # one block called three times in one stack (ALBERT-style)
+    h = x
+    for _ in range(3):
+        h = m.h[0](h)
+    return _head_loss(m, h, y)
+
+
+def _tied_weight(m, x, y):  # every block holds the same MLP weight
+    h = x
+    for b in m.h:
+        h = b(h)
+    return _head_loss(m, h, y)
+
+
+def _aux_per_block(m, x, y):  # an auxiliary loss on every block's output, as it comes
+    h, loss = x, 0.0
+    for w, b in zip([0.2, 0.3, 1.0], m.h):
+        h = b(h)
+        loss = loss + w * _head_loss(m, h, y)
+    return loss
+
+
+def _tie(m):
+    for b in m.h[1:]:
+        b.mlp.c_fc.weight = m.h[0].mlp.c_fc.weight
+
+
+# pattern: (loss, tie the weight, merged stacks, replays per microbatch)
+SUMS = {
+    "block_thrice": (_block_thrice, False, 1, 2),
+    "tied_weight": (_tied_weight, True, 1, 2),
+    "aux_per_block": (_aux_per_block, False, 0, 6),  # not merged: 3 blocks, 2 graphs each
+}
+
+
+def check_sums_in_eager_order(backend, device, replays, pattern, direct):
+    """Graphed and eager twins, AdamW, two microbatches a step (the second accumulates into
+    .grad): the parameters bitwise equal after every step on the emulated backend (on CUDA a
+    graph may pick another cuBLAS algorithm: within RTOL)."""
+    loss_fn, tie, segments, per_micro = SUMS[pattern]
+    model = tiny_gpt(device)
+    if tie:
+        _tie(model)
+    eager = twin(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+    tgraph.enable(model, backend=backend, strict=True, direct_grads=direct)
+    g = torch.Generator().manual_seed(0)
+
+    def batch():  # a block's input (the embeddings) and the targets
+        return torch.randn(2, 8, 32, generator=g), torch.randint(0, 256, (2, 8), generator=g)
+
+    steps = [[batch(), batch()] for _ in range(4)]
+    report = None
+    for i, micro in enumerate(steps):
+        before = replays[0]
+        for m, opt in zip((model, eager), opts):
+            for x, y in micro:
+                loss_fn(m, x.to(device), y.to(device)).backward()
+                if i == 0 and m is model and report is None:
+                    report = tgraph.create_graphs()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if i:
+            assert replays[0] - before == per_micro * len(micro)
+        tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, **tol, msg=lambda m, i=i, n=n: f"step {i}, {n}: {m}")
+    return report
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "autograd"])
+@pytest.mark.parametrize("pattern", list(SUMS))
+def test_merged_stack_sums_gradients_in_eagers_order(backend, device, replays, pattern, direct):
+    """A parameter three blocks of a stack hold gets its gradients added in eager's order (the
+    last block's first), whether the node hands them to autograd or writes .grad itself; blocks
+    with an auxiliary loss between them stay apart (eager adds its gradient last), and the
+    report says so."""
+    report = check_sums_in_eager_order(backend, device, replays, pattern, direct)
+    assert report.segments == SUMS[pattern][2]
+    if pattern == "aux_per_block":
+        assert [u.split(" (eager code")[0] for u in report.unmerged] == [
+            "h.0 (Block) and h.1 (Block)",
+            "h.1 (Block) and h.2 (Block)",
+        ]
+        assert "not merged: h.0 (Block) and h.1 (Block)" in str(report)
+    else:
+        assert report.unmerged == []
+
+
+def test_planted_bug_repeated_parameter_summed_in_member_order_is_caught(
+    backend, device, replays, monkeypatch
+):
+    if backend != "emulated":
+        pytest.skip("bitwise only on the emulated backend")
+    monkeypatch.setattr(capture, "reversed", list, raising=False)  # _find_params' member order
+    with pytest.raises(AssertionError, match="not equal"):
+        check_sums_in_eager_order(backend, device, replays, "block_thrice", False)
+
+
+def test_planted_bug_direct_grads_adding_each_gradient_into_grad_is_caught(
+    backend, device, replays, monkeypatch
+):
+    if backend != "emulated":
+        pytest.skip("bitwise only on the emulated backend")
+    monkeypatch.setattr(direct_grads, "_summed", lambda params, grads: (params, grads))
+    with pytest.raises(AssertionError, match="not equal"):
+        check_sums_in_eager_order(backend, device, replays, "tied_weight", None)
+
+
+def test_planted_bug_stack_merged_across_an_auxiliary_loss_is_caught(
+    backend, device, replays, monkeypatch
+):
+    if backend != "emulated":
+        pytest.skip("bitwise only on the emulated backend")
+    monkeypatch.setattr(manager, "_autograd_nodes", lambda: 0)  # nothing seen between calls
+    with pytest.raises(AssertionError, match="not equal"):
+        check_sums_in_eager_order(backend, device, replays, "aux_per_block", None)

@@ -5,8 +5,9 @@ warning every fallback to eager gives (:class:`GraphFallbackWarning`).
 * :class:`ReplayOrderError`: a backward would read saved activations that another unit's backward
   graph overwrote, because the backwards ran in an order the pool is not safe for
   (:mod:`tgraph.pool`);
-* :class:`StaleBackwardError`: a backward ran after its unit's graph buffers were reused by a
-  newer forward (a second backward with ``retain_graph=True``, or a backward of an old step).
+* :class:`StaleBackwardError`: a second backward through one forward of a graphed unit (outputs
+  kept with ``retain_graph=True`` and backed through again) that the recorded iteration did not
+  show (a recorded one leaves the unit eager).
 """
 
 from __future__ import annotations
@@ -27,4 +28,5 @@ class ReplayOrderError(RuntimeError):
 
 
 class StaleBackwardError(RuntimeError):
-    """A backward ran after its unit's graph buffers were reused by a newer forward."""
+    """A second backward through one forward of a graphed unit: its graph's backward replays
+    once per forward."""

@@ -122,9 +122,14 @@ class CaptureReport:
     """The graphs' memory by kind."""
     entry: str = "layers"
     """Which entry captured: ``"layers"``, ``"FullIterationGraph"`` or ``"OptimizerGraph"``."""
+    unmerged: list[str] = field(default_factory=list)
+    """Neighbouring graphed modules called back to back and left in separate graphs because eager
+    code between their calls would see their gradients summed in another order (per-layer)."""
 
     def __str__(self) -> str:
         eager = f"; eager: {', '.join(self.eager_modules)}" if self.eager_modules else ""
+        if self.unmerged:
+            eager += f"; not merged: {', '.join(self.unmerged)}"
         made = (
             f"{self.graphs} graphs for {self.runners} runners ({self.segments} merged stacks)"
             if self.entry == "layers"

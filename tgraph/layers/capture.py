@@ -158,7 +158,9 @@ class GraphedUnit:
     #: why the unit runs eagerly although it was recorded (its capture failed), set by
     #: :func:`tgraph.create_graphs`; None for a captured unit
     left_eager: str | None = None
-    refused: str | None = None  # why the recorded call cannot be graphed (manager._record_call)
+    #: why the recorded call cannot be graphed (set while recording: manager._record_call,
+    #: record.NoteBackward)
+    refused: str | None = None
     #: the runner whose recorded call recorded this one (a module inside a unit that
     #: ``GraphableModule.graphs_parts`` lets fall back to its parts), or None
     within: Any = None
@@ -257,13 +259,19 @@ class GraphedUnit:
         self.draft.memory = m
 
     def _find_params(self, inputs: list[torch.Tensor]) -> None:
-        """The parameters the forward's autograd graph reaches: module order, then leaves
-        from outside (e.g. weights tied from another module)."""
+        """The parameters the forward's autograd graph reaches: module order, the last member's
+        first, then leaves from outside (e.g. weights tied from another module).
+
+        A parameter several members hold (a block called twice in a merged stack, a weight tied
+        across blocks) has one leaf per member: the node hands autograd one gradient per leaf,
+        which autograd adds up in the order of the node's inputs. Eager adds them in the order
+        the backward reaches them, the last member's first: so that order, bitwise the same
+        sum once three or more add up."""
         rg_outs = [self.draft.static_outputs[i] for i in self.draft.out_rg]
         static_in = {id(t) for t in self.head.draft.static_inputs}
         reached = [t for t in reached_leaves(rg_outs) if id(t) not in static_in]
         reached_ids = {id(t) for t in reached}
-        for r in self.members:
+        for r in reversed(self.members):
             for p in r.module.parameters():
                 alias = r.draft.aliases[id(p)]
                 if id(alias) in reached_ids:

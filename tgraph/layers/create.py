@@ -36,11 +36,13 @@ def create_graphs() -> CaptureReport:
     graph, in recorded order, then bake each unit's capture result.
 
     A unit that cannot be graphed (its capture fails: a host sync such as ``.item()``, a CPU
-    tensor copied to the GPU, a data-dependent shape; or hooks on its submodules that
-    ``enable(capturable_hooks=True)`` did not declare) stays eager: the report's
+    tensor copied to the GPU, a data-dependent shape; hooks on its submodules that
+    ``enable(capturable_hooks=True)`` did not declare; or the recorded iteration backed
+    through one of its forwards twice, ``retain_graph=True``) stays eager: the report's
     ``eager_modules`` names it with the reason and a :class:`tgraph.GraphFallbackWarning`
     says so once; every other unit is graphed. A merged stack with such a member is split,
-    so that its other members are graphed one by one.
+    so that its other members are graphed one by one. Neighbours between whose calls eager code
+    made autograd nodes are not merged (the report's ``unmerged`` names them).
 
     Returns:
         A :class:`CaptureReport` (also logged at INFO).
@@ -69,7 +71,8 @@ def create_graphs() -> CaptureReport:
     try:
         eager = _undeclared_hooks(runners)  # runner -> why it stays eager
         eager.update(_refused(runners, eager))
-        chains = mergeable_chains(m.record.events)
+        unmerged: list[str] = []
+        chains = mergeable_chains(m.record.events, unmerged)
         m.segments = [Segment(c) for c in _without(chains, eager)]
         alone = _alone(runners, eager)
         eager.update(alone)
@@ -84,7 +87,7 @@ def create_graphs() -> CaptureReport:
             r.left_eager = f"it was recorded inside {r.within}, which is graphed whole"
             r.draft.call.samples = []
         runners = [r for r in runners if r not in parts_unused]
-        _by_parts(runners, eager)
+        _by_parts(runners, eager, alone)
     except BaseException:
         for f in factories:
             f.synchronize()
@@ -121,6 +124,7 @@ def create_graphs() -> CaptureReport:
         + _leave_eager(m, {r: why for r, why in eager.items() if r not in alone})
         + _left_plain(alone),
         memory=memory.memory_report(caps, grads_at_capture=grads_alive),
+        unmerged=unmerged,
     )
     logger.info("%s", m.report)
     return m.report
@@ -288,15 +292,17 @@ def _inside_graphed_whole(runners: list[Runner], eager: dict[Runner, str]) -> li
     ]
 
 
-def _by_parts(runners: list[Runner], eager: dict[Runner, str]) -> None:
-    """Units that could not be captured whole and whose recorded parts were all captured: their
+def _by_parts(runners: list[Runner], eager: dict[Runner, str], plain: dict[Runner, str]) -> None:
+    """Units that could not be captured whole and whose recorded parts were all captured (or
+    left to plain calls, ``plain``: a final norm graphed only merged, found alone): their
     calls run their own code plainly around the parts' replays (:attr:`Runner.by_parts`)."""
     parts: dict[Runner, list[Runner]] = {}
     for r in runners:
         if r.within is not None:
             parts.setdefault(r.within, []).append(r)
     for o, inner in parts.items():
-        if o in eager and all(r not in eager for r in inner):
+        graphed = [r for r in inner if r not in eager]
+        if o in eager and graphed and all(r in plain for r in inner if r in eager):
             o.by_parts = True
             eager[o] = f"{eager[o]}; the graphed modules inside it keep their own graphs"
 
@@ -344,7 +350,8 @@ def _undeclared_hooks(runners: list[Runner]) -> dict[Runner, str]:
 
 def _refused(runners: list[Runner], eager: dict[Runner, str]) -> dict[Runner, str]:
     """Runners whose recorded call showed they cannot be graphed (a forward returning tensors
-    inside an object a replay cannot refill): the reason each stays eager; under
+    inside an object a replay cannot refill, a forward backed through twice): the reason each
+    stays eager; under
     ``strict=True``, the error instead."""
     found = {r: r.refused for r in runners if r.refused is not None and r not in eager}
     for r, why in found.items():

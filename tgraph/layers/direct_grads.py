@@ -220,6 +220,8 @@ class DirectRoute:
                 if all(map(is_not, have, repeat(None))):  # zeroed in place, or accumulating
                     torch._foreach_add_(have, gs)
                     return out
+        if not self.unique:  # a parameter the node differentiates more than once
+            params, gs = _summed(params, gs)
         targets, addends, hooked = [], [], []
         for p, g in zip(params, gs):
             if g is None or not p.requires_grad:  # frozen since the forward: as AccumulateGrad
@@ -240,11 +242,7 @@ class DirectRoute:
                 targets.append(p.grad)
                 addends.append(g)
         if targets:
-            if self.unique:
-                torch._foreach_add_(targets, addends)
-            else:  # one destination twice in one _foreach_add_ races on CUDA
-                for t, g in zip(targets, addends):
-                    t.add_(g)
+            torch._foreach_add_(targets, addends)
         for p, g in hooked:
             _accumulate_with_hooks(p, g)
         return out
@@ -252,6 +250,22 @@ class DirectRoute:
 
 _requires_grad = attrgetter("requires_grad")
 _grad = attrgetter("grad")
+
+
+def _summed(params: list[torch.Tensor], grads: list) -> tuple[list[torch.Tensor], list]:
+    """Each parameter once, with the sum of its gradients in ``grads``' order (None where it
+    has none), as AccumulateGrad gets it: autograd adds up a leaf's gradients in its input
+    buffer first, in the order they arrive (for a merged stack's node, the order of its inputs:
+    :meth:`tgraph.layers.capture.GraphedUnit._find_params`), and accumulates the sum into
+    ``.grad`` once, calling the leaf's hooks once."""
+    sums: dict[int, list] = {}
+    for p, g in zip(params, grads):
+        have = sums.get(id(p))
+        if have is None:
+            sums[id(p)] = [p, g]
+        elif g is not None:
+            have[1] = g if have[1] is None else have[1] + g
+    return [p for p, _ in sums.values()], [g for _, g in sums.values()]
 
 
 def _accumulate_with_hooks(p: torch.Tensor, g: torch.Tensor) -> None:

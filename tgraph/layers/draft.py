@@ -40,6 +40,8 @@ class RecordedCall:
     rng_before: bytes = b""  # the generators' position before its forward (tgraph.rng.position)
     rng_after: bytes = b""  # ... and after it
     region: int = 0  # the autograd Function whose forward it ran in (tgraph.rng.forward_region)
+    nodes_before: int = -1  # autograd's node counter before its forward (torch's sequence number)
+    nodes_after: int = -1  # ... and after its call, the node that notes its backward included
 
 
 @dataclass(eq=False)

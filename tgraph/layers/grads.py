@@ -16,6 +16,8 @@ back through autograd are untouched (their hook accumulates eagerly, as in eager
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -143,11 +145,9 @@ class MainGradFusion:
             self._params = [params[idx[0]] for idx in self._groups]
             self._targets = [p.main_grad for p in self._params]
         if self._groups:
-            # one addend per parameter: duplicate destinations in one _foreach_add_ race on CUDA
-            sums = [
-                grads[idx[0]] if len(idx) == 1 else torch.stack([grads[i] for i in idx]).sum(0)
-                for idx in self._groups
-            ]
+            # one addend per parameter (duplicate destinations in one _foreach_add_ race on
+            # CUDA), added up in the order autograd would: that of the leaves (_find_params)
+            sums = [functools.reduce(operator.add, [grads[i] for i in idx]) for idx in self._groups]
             torch._foreach_add_([p.main_grad for p in self._params], sums)
         return [None if m else g for g, m in zip(grads, self._mask)]
 

@@ -255,6 +255,7 @@ class _Manager:
         if first:  # where a merged stack may not reorder random draws (tgraph.layers.segment)
             call.rng_before = rng.position(runner.device)
             call.region = rng.forward_region()
+            call.nodes_before = _autograd_nodes()  # ... nor eager autograd code
         if type(runner.module).graphs_parts:  # its graphable modules record their calls too
             self.outer.append(runner)
             try:
@@ -283,6 +284,8 @@ class _Manager:
         else:  # no backward: the runner stays busy while its outputs live
             hold_while_alive(runner.state, [o for o in outs if all(o is not t for t in inputs)])
         self.record.note_outputs(runner, outs)
+        if first:
+            call.nodes_after = _autograd_nodes()
         return out
 
     def _plain_call(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -320,6 +323,8 @@ _TRAINING = operator.attrgetter("training")
 _settings = verify.settings
 _inference_mode = torch.is_inference_mode_enabled
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+# autograd's node counter: the sequence number its next node gets (this thread's)
+_autograd_nodes = torch._C._autograd._get_sequence_nr
 
 
 def _verified(state) -> bool:

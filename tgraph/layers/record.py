@@ -151,13 +151,24 @@ class Turns:
         return Turns([r for r, phase in events if phase == "fwd" and id(r) in ids], runners)
 
 
+#: why a runner whose recorded forward was backed through twice stays eager
+BACKWARD_TWICE = (
+    "its backward ran more than once for one forward in the recorded iteration (outputs kept "
+    "with retain_graph=True and backed through again, e.g. one torch.autograd.grad per loss as "
+    "in PCGrad or GradNorm), and a graph's backward replays once per forward"
+)
+
+
 class NoteBackward(torch.autograd.Function):
     """Identity on the outputs of a recorded call; its backward logs ``(runner, "bwd")``, then
-    calls ``land`` (the runner's flight ends: :meth:`tgraph.layers.replay.Flight.land`)."""
+    calls ``land`` (the runner's flight ends: :meth:`tgraph.layers.replay.Flight.land`). A
+    second backward through the same call (``retain_graph=True``) marks the runner refused
+    (:data:`BACKWARD_TWICE`): create_graphs() leaves it eager."""
 
     @staticmethod
     def forward(ctx, record: Record, runner: Runner, land: Callable[[], None], *outputs):
         ctx.record, ctx.runner, ctx.land = record, runner, land
+        ctx.backed = False
         # An unused output's gradient stays None, as without tgraph: the parameters only it
         # reaches keep .grad None (a zero gradient would still move them through AdamW).
         ctx.set_materialize_grads(False)
@@ -166,6 +177,9 @@ class NoteBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.backed:
+            ctx.runner.refused = BACKWARD_TWICE
+        ctx.backed = True
         ctx.record.add(ctx.runner, "bwd")
         ctx.land()
         return (None, None, None, *grads)

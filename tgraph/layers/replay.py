@@ -497,11 +497,15 @@ class GraphedCall(torch.autograd.Function):
                 "module eagerly for this loss: call it with a signature that was not recorded, "
                 "or tgraph.disable(model) for the gradient-penalty step."
             )
-        if state.inflight.token != id(flight):
+        if state.inflight.token != id(flight):  # landed: only this node's backward lands it
             raise StaleBackwardError(
-                f"backward through {cap.name} ran after its graph buffers were reused by a newer "
-                "forward (a second backward with retain_graph=True, or a backward of an old step). "
-                "Graphed modules support one backward per forward; use tgraph.reset() to go eager."
+                f"tgraph: a second backward through one forward of the graphed {cap.name}: its "
+                "first backward already ran (outputs kept with retain_graph=True and backed "
+                "through again, e.g. one torch.autograd.grad per loss as PCGrad or GradNorm "
+                "take). A graph's backward replays once per forward, after which the pool reuses "
+                "the forward's saved activations. Record a step that does this (tgraph.reset(), "
+                "one such step, then tgraph.create_graphs(), which leaves the modules backed "
+                "through more than once eager), or run the model eagerly (tgraph.disable(model))."
             )
         try:
             ctx.saved_tensors  # noqa: B018 - unpacking checks the version counters

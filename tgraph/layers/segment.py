@@ -4,10 +4,10 @@ When the record shows runners r0, r1, ..., rk called back to back (rj's forward 
 r(j-1)'s, every tensor input of rj being either an output of r(j-1) or the very tensor r0 also
 took, such as an attention mask passed to every layer, and at least one being an output of
 r(j-1)) and backed through in exactly the reverse order, with no random number drawn in between
-from the generators the graphs draw from, and no member that draws any called in another
-autograd Function's forward than an earlier one (a reentrant checkpoint per block reads the
-generators' state there), nothing eager can sit between them that the graphs would need to
-see (or whose draws they would reorder). They are
+from the generators the graphs draw from, no autograd node made in between, and no member that
+draws any called in another autograd Function's forward than an earlier one (a reentrant
+checkpoint per block reads the generators' state there), nothing eager can sit between them
+that the graphs would need to see (or whose draws or gradient sums they would reorder). They are
 then captured as one *segment*: one forward graph running all k+1 modules and one backward graph
 (``autograd.grad`` of every module's outputs), bridged into autograd as one node. A step then
 pays two replays and one autograd node for the whole stack instead of 2(k+1) of each.
@@ -31,7 +31,9 @@ that step's numbers in another order than eager too: the same warning (strict ra
 same eager stack from then on (:func:`tgraph.layers.replay.leave`). Every module's outputs
 are outputs of the node, so a
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
-added in the backward graph.
+added in the backward graph, before those from inside the stack, which is eager's order for code
+that ran after the stack. Code between two members that uses an output (an auxiliary loss per
+block) has its gradient added after them in eager, so its members stay apart (``BETWEEN``).
 
 A segment is a :class:`tgraph.layers.capture.GraphedUnit` like a runner; only its forward differs. Its
 capture result's ``slices`` and ``sources`` say which outputs each member returns and where each later
@@ -47,9 +49,19 @@ from tgraph.layers.capture import GraphedUnit, run_warmup, warmup_passes
 from tgraph.layers.runner import Runner, named
 from tgraph.layers.shortcut import MemberModes
 
+BETWEEN = (
+    "eager code between their calls made autograd nodes, e.g. an auxiliary loss on the first "
+    "one's output: merged, the stack's backward would add that code's gradient to the ones "
+    "inside the stack in another order than eager, off in the last bits"
+)
 
-def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
-    """Chains of at least two runners that may be merged (see the module docstring)."""
+
+def mergeable_chains(
+    events: list[tuple[Runner, str]], unmerged: list[str] | None = None
+) -> list[list[Runner]]:
+    """Chains of at least two runners that may be merged (see the module docstring).
+    ``unmerged`` gets the neighbours left apart only because eager autograd code ran between
+    their calls, with the reason."""
     first: dict[tuple[int, str], int] = {}
     for i, (r, phase) in enumerate(events):
         first.setdefault((id(r), phase), i)
@@ -87,7 +99,13 @@ def mergeable_chains(events: list[tuple[Runner, str]]) -> list[list[Runner]]:
         bp, bn = first.get((id(prev), "bwd")), first.get((id(nxt), "bwd"))
         if bp is None and bn is None:
             return not prev.grad_mode
-        return bp is not None and bn is not None and bp == bn + 1
+        if bp is None or bn is None or bp != bn + 1:
+            return False
+        if call.nodes_before != prev.draft.call.nodes_after:  # gradients summed otherwise
+            if unmerged is not None:
+                unmerged.append(f"{named(prev.module)} and {named(nxt.module)} ({BETWEEN})")
+            return False
+        return True
 
     chains: list[list[Runner]] = []
     for r in order:
