@@ -245,6 +245,20 @@ def test_a_module_change_after_capture_is_captured_again(backend, device, change
     assert recaptured[0] == 1  # the new graphs replay
 
 
+def test_a_capture_again_after_a_long_prompt(backend, device, replays):
+    """The last prompt's length stays in the prefill buffers: a re-capture after a prompt
+    longer than the smallest prefill bucket warms up every bucket from a clean one-token
+    prompt (the smallest would index its last position past its width)."""
+    model = tiny_gpt(device)
+    graphed, eager = engines(model, backend, **SHAPE)
+    recaptured = recaptures(graphed)
+    ps = prompts(2, lengths=(3, 20))  # the 20-token prompt is prefilled last, in bucket 32
+    old = assert_graphed_equal_eager(graphed, eager, replays, ps)
+    replace_head(model, device)
+    assert assert_graphed_equal_eager(graphed, eager, replays, ps) != old
+    assert recaptured[0] == 1
+
+
 def test_a_hook_removed_after_capture_is_captured_again(backend, device, replays):
     """A hook present at capture is baked in; removing it captures again (the old tokens)."""
     model = tiny_gpt(device)

@@ -212,6 +212,13 @@ class PrefillBuffers:
         self.floats = torch.tensor([0.0, 1.0], dtype=torch.float32, device=device)
         self.token = torch.zeros(1, dtype=torch.int64, device=device)
 
+    def reset(self) -> None:
+        """A one-token greedy prompt in slot 0 (before warmup and capture: every bucket's
+        program indexes its last position, ``length - 1``, within its width; a re-capture
+        after a longer prompt would otherwise index past the smallest buckets)."""
+        self.ints.copy_(torch.tensor([0, 1, 0, self.vocab_size]))
+        self.floats.copy_(torch.tensor([0.0, 1.0]))
+
     def inputs(self, width: int) -> PrefillInputs:
         """Views for a prompt padded to ``width`` tokens."""
         return PrefillInputs(self.tokens[:width], self.ints[1:2], self.ints[0:1])

@@ -204,6 +204,8 @@ class DecodeEngine:
         """Capture every bucket (largest first, one pool) and note the weights they read."""
         allocated = self.factory.memory_allocated()
         uses = memory_uses(self._modules)  # the user's; those the capture adds are the engine's
+        self.buffers.reset()  # a re-capture: the last batch's rows and prompt are in them
+        self.prompt_buffers.reset()
         with self._serving():
             self.decode_graphs.capture()
             self.prefill_graphs.capture()
