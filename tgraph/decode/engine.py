@@ -29,6 +29,11 @@ to the EMA tensors), or by :meth:`DecodeEngine.recapture`; never old tokens.
 So is a change to what the forwards run: a submodule replaced (``model.lm_head = ...``), a hook
 added or removed, an attribute they read (``LayerNorm.eps``) changed: generate() captures again.
 
+Hooks (:mod:`tgraph.decode.hooks`): a forward hook on a module the adapter never calls (a decoder
+layer, the model) is refused, naming it: it would never run. Under graphs a hook on a module it
+calls would run at capture only, so it is refused too unless ``capturable_hooks=True``; the
+eager engine (``use_graphs=False``) runs such hooks at every call.
+
 Sampling (:mod:`tgraph.decode.sampling`) draws each request's tokens from its own counter-based
 stream keyed by its seed and position, so a seeded request gives the same tokens in any slot,
 bucket or company, with or without graphs.
@@ -73,6 +78,7 @@ from tgraph.decode.batch import (
 )
 from tgraph.decode.buffers import DecodeBuffers, PrefillBuffers
 from tgraph.decode.graph_runner import BucketGraphs
+from tgraph.decode.hooks import HookCheck
 from tgraph.decode.interface import as_decode_model
 from tgraph.decode.kv_cache import KVCache
 from tgraph.decode.requests import Prompt, Request, make_requests
@@ -107,10 +113,15 @@ class DecodeEngine:
         progress: show a progress bar over capture.
         lookahead: launch the next decode step before reading the current step's tokens on the
             host (see the module docstring).
+        capturable_hooks: capture the forward hooks on the modules the adapter calls as part of
+            the graphs (pure tensor code: their effect replays, their Python runs at capture
+            and on eagerly served batches only). By default the graphed engine refuses them,
+            naming each; hooks on modules the adapter never calls are refused either way.
 
     Raises:
         ValueError: a size out of range, or an unknown backend.
         TypeError: ``model`` does not implement the decode interface.
+        RuntimeError: a hook the engine cannot honour (:mod:`tgraph.decode.hooks`).
         tgraph.CaptureError: capturing a bucket failed.
     """
 
@@ -126,9 +137,11 @@ class DecodeEngine:
         backend: str = "auto",
         progress: bool = True,
         lookahead: bool = True,
+        capturable_hooks: bool = False,
     ) -> None:
         self.decoder = d = as_decode_model(model)
         self._modules = served_modules(model, d)  # whose weights the graphs read
+        self.hooks = HookCheck(d, self._modules, graphs=use_graphs, capturable=capturable_hooks)
         # The model's mode while the engine runs it (eval for the toy GPT), restored after.
         self._serving = getattr(d, "serving", None) or contextlib.nullcontext
         self.lookahead = lookahead
@@ -184,6 +197,7 @@ class DecodeEngine:
         )
         self.weights: BakedWeights | None = None
         self._generating = False
+        self.hooks.check()  # before any capture: an error names the hook, not the capture
         if self.factory is not None:
             self._capture()
 
@@ -204,6 +218,7 @@ class DecodeEngine:
         """Capture every bucket (largest first, one pool) and note the weights they read."""
         allocated = self.factory.memory_allocated()
         uses = memory_uses(self._modules)  # the user's; those the capture adds are the engine's
+        self.hooks.check()  # recapture(): a hook added since
         self.buffers.reset()  # a re-capture: the last batch's rows and prompt are in them
         self.prompt_buffers.reset()
         with self._serving():
@@ -247,6 +262,7 @@ class DecodeEngine:
         generate() no user code runs between its prefills and steps: checked once, at its start."""
         if self._generating:
             return
+        self.hooks.check()  # raises: a hook the engine cannot honour
         why = None if self.weights is None else self.weights.check()
         if why is None and self.cache.dtype != self.decoder.dtype:  # use_graphs=False
             why = f"the model's dtype changed from {self.cache.dtype} to {self.decoder.dtype}"

@@ -53,6 +53,11 @@ The parts are read from the model at the first call after any write to one of it
 embedding replaced after capture, or an attention's ``scaling`` changed, is what the engine's
 re-capture (its check finds the change before the next call) and its eager runs serve.
 
+Hooks: the adapter calls the modules :meth:`TransformersDecoder.called_modules` names (their
+forward and hooks run); a hook on any other module (a decoder layer, its attention, an RMSNorm
+run as ``F.rms_norm``, the model) would never run, and the engine refuses it
+(:mod:`tgraph.decode.hooks`).
+
 Registration is lazy (:data:`tgraph.decode.interface.LAZY_ADAPTERS`): importing tgraph does not
 import transformers; the first model whose class lives in ``transformers`` that reaches
 :func:`~tgraph.decode.as_decode_model` imports this module, which registers its adapters.
@@ -207,6 +212,24 @@ class TransformersDecoder:
         _count_writes_to(tuple(self.model.modules()))  # a module swapped in is watched too
         self._parts, self._epoch = parts, _module_epoch[0]
         return parts
+
+    def called_modules(self) -> list[nn.Module]:
+        """The modules :meth:`prefill` and :meth:`decode_step` call, whose forward and hooks
+        run (with their submodules): the embedding (GPT-2's positions too), the rotary module,
+        each layer's projections and MLP, the norms not run as ``F.rms_norm`` and ``lm_head``.
+        The engine refuses a hook on any other module (:mod:`tgraph.decode.hooks`)."""
+        p = self.parts()
+        out = [p.embed, p.positions, p.rotary, p.final_norm, p.lm_head]
+        for layer in p.layers:
+            if self.gpt2:
+                attn = layer.attn
+                out += [layer.ln_1, attn.c_attn, attn.c_proj, layer.ln_2, layer.mlp]
+            else:
+                attn = layer.self_attn
+                out += [layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj]
+                out += [attn._modules.get("q_norm"), attn._modules.get("k_norm")]  # Qwen3
+                out += [attn.o_proj, layer.post_attention_layernorm, layer.mlp]
+        return [m for m in out if m is not None and not _fused(m)]  # rms_norm runs those
 
     def _read(self) -> Parts:
         model = self.model
