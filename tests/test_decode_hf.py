@@ -390,8 +390,69 @@ def test_ignoring_the_sliding_window_is_caught(family, monkeypatch):
     model = make(family, torch.device("cpu"))
     ps = prompts()
     want = reference(model, ps)
-    monkeypatch.setattr(transformers_decode, "_window", lambda attn, config: None)
+    monkeypatch.setattr(transformers_decode, "_window", lambda layer, attn, config: None)
     assert engine(model, "emulated", use_graphs=False).generate(ps, NEW_TOKENS) != want
+
+
+def set_window(model, window) -> None:
+    model.config.sliding_window = window
+
+
+def window_on_layer_0(model) -> None:
+    model.config.layer_types[0] = "sliding_attention"  # the list written in place
+
+
+@pytest.mark.parametrize(
+    "family, change",
+    [("mistral-window", lambda m: set_window(m, None)), ("mistral-window", lambda m: set_window(m, 4)),
+     ("qwen2-window", lambda m: set_window(m, 4)), ("qwen2-window", window_on_layer_0)],
+    ids=["mistral-off", "mistral-4", "qwen2-4", "qwen2-layer-types"],
+)  # fmt: skip
+def test_a_config_window_changed_after_capture_is_served(family, change, backend, device, replays):
+    """transformers' forward reads ``config.sliding_window`` (and Qwen2's ``layer_types``) at
+    every call: changed after capture, the next generate captures again and its tokens are
+    generate's of the changed model, replayed; an eager engine built before serves it too."""
+    model = make(family, device)
+    ps = prompts()
+    eng = engine(model, backend)
+    eager = engine(model, backend, use_graphs=False)
+    recaptured = recaptures(eng)
+    old = eng.generate(ps, NEW_TOKENS)
+    eager.generate(ps, NEW_TOKENS)
+    change(model)
+    want = reference(model, ps)
+    assert want != old  # the window matters here: the old one's tokens would show
+    before = replays[0]
+    assert eng.generate(ps, NEW_TOKENS) == want
+    assert replays[0] - before >= NEW_TOKENS and eng.stats.eager_steps == 0
+    assert recaptured[0] == 1
+    assert eng.generate(ps, NEW_TOKENS) == want and recaptured[0] == 1  # the new graphs replay
+    assert eager.generate(ps, NEW_TOKENS) == want
+
+
+def test_the_adapter_reads_its_parts_anew_after_a_config_change():
+    """The adapter's parts are cached between module writes; a config value they read changed
+    in between is read at the next call (a hand-written step, no module write in between)."""
+    from tgraph.integrations.transformers_decode import TransformersDecoder
+
+    decoder = TransformersDecoder(make("mistral-window", torch.device("cpu")))
+    assert decoder.parts().windows == (WINDOW, WINDOW)
+    decoder.model.config.sliding_window = 3
+    assert decoder.parts().windows == (3, 3)
+
+
+def test_a_config_size_changed_after_capture_names_the_fix(backend, device):
+    """``config.num_hidden_layers`` lowered (transformers' forward then runs fewer layers): the
+    KV cache is sized for the old count, so the next call raises, naming the fix."""
+    model = make("llama-gqa", device)
+    for use_graphs in (True, False):
+        model.config.num_hidden_layers = 2
+        eng = engine(model, backend, use_graphs=use_graphs)
+        eng.generate(prompts(), 2)
+        model.config.num_hidden_layers = 1
+        with pytest.raises(RuntimeError, match=r"n_layer changed from 2 to 1 .*build a new "
+                           "DecodeEngine"):  # fmt: skip
+            eng.generate(prompts(), 2)
 
 
 def steer_by(strength: dict):

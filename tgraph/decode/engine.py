@@ -27,7 +27,9 @@ had at capture. A sync that replaces them (``load_state_dict(sd, assign=True)``)
 copy into that memory before each call (only while no other tensor uses it: an EMA swap hands it
 to the EMA tensors), or by :meth:`DecodeEngine.recapture`; never old tokens.
 So is a change to what the forwards run: a submodule replaced (``model.lm_head = ...``), a hook
-added or removed, an attribute they read (``LayerNorm.eps``) changed: generate() captures again.
+added or removed, an attribute they read (``LayerNorm.eps``) or a configuration value the
+decoder reads (``config_values()``: Mistral's ``config.sliding_window``) changed: generate()
+captures again.
 
 Hooks (:mod:`tgraph.decode.hooks`): a forward hook on a module the adapter never calls (a decoder
 layer, the model) is refused, naming it: it would never run. Under graphs a hook on a module it
@@ -226,7 +228,10 @@ class DecodeEngine:
             self.prefill_graphs.capture()
         # a serving() context sets the mode the model runs in; without one, the model's own
         self.weights = BakedWeights(
-            self._modules, uses, modes=self._serving is contextlib.nullcontext
+            self._modules,
+            uses,
+            modes=self._serving is contextlib.nullcontext,
+            config=getattr(self.decoder, "config_values", None),
         )
         self.buffers.reset()  # warmups moved the padding rows' tokens; start clean
         st = self.stats
