@@ -395,8 +395,168 @@ def test_ignoring_the_sliding_window_is_caught(family, monkeypatch):
     model = make(family, torch.device("cpu"))
     ps = prompts()
     want = reference(model, ps)
-    monkeypatch.setattr(transformers_decode, "_window", lambda attn, config: None)
+    monkeypatch.setattr(transformers_decode, "_window", lambda layer, attn, config: None)
     assert engine(model, "emulated", use_graphs=False).generate(ps, NEW_TOKENS) != want
+
+
+def set_window(model, window) -> None:
+    model.config.sliding_window = window
+
+
+def window_on_layer_0(model) -> None:
+    model.config.layer_types[0] = "sliding_attention"  # the list written in place
+
+
+@pytest.mark.parametrize(
+    "family, change",
+    [("mistral-window", lambda m: set_window(m, None)), ("mistral-window", lambda m: set_window(m, 4)),
+     ("qwen2-window", lambda m: set_window(m, 4)), ("qwen2-window", window_on_layer_0)],
+    ids=["mistral-off", "mistral-4", "qwen2-4", "qwen2-layer-types"],
+)  # fmt: skip
+def test_a_config_window_changed_after_capture_is_served(family, change, backend, device, replays):
+    """transformers' forward reads ``config.sliding_window`` (and Qwen2's ``layer_types``) at
+    every call: changed after capture, the next generate captures again and its tokens are
+    generate's of the changed model, replayed; an eager engine built before serves it too."""
+    model = make(family, device)
+    ps = prompts()
+    eng = engine(model, backend)
+    eager = engine(model, backend, use_graphs=False)
+    recaptured = recaptures(eng)
+    old = eng.generate(ps, NEW_TOKENS)
+    eager.generate(ps, NEW_TOKENS)
+    change(model)
+    want = reference(model, ps)
+    assert want != old  # the window matters here: the old one's tokens would show
+    before = replays[0]
+    assert eng.generate(ps, NEW_TOKENS) == want
+    assert replays[0] - before >= NEW_TOKENS and eng.stats.eager_steps == 0
+    assert recaptured[0] == 1
+    assert eng.generate(ps, NEW_TOKENS) == want and recaptured[0] == 1  # the new graphs replay
+    assert eager.generate(ps, NEW_TOKENS) == want
+
+
+def test_the_adapter_reads_its_parts_anew_after_a_config_change():
+    """The adapter's parts are cached between module writes; a config value they read changed
+    in between is read at the next call (a hand-written step, no module write in between)."""
+    from tgraph.integrations.transformers_decode import TransformersDecoder
+
+    decoder = TransformersDecoder(make("mistral-window", torch.device("cpu")))
+    assert decoder.parts().windows == (WINDOW, WINDOW)
+    decoder.model.config.sliding_window = 3
+    assert decoder.parts().windows == (3, 3)
+
+
+def test_a_config_size_changed_after_capture_names_the_fix(backend, device):
+    """``config.num_hidden_layers`` lowered (transformers' forward then runs fewer layers): the
+    KV cache is sized for the old count, so the next call raises, naming the fix."""
+    model = make("llama-gqa", device)
+    for use_graphs in (True, False):
+        model.config.num_hidden_layers = 2
+        eng = engine(model, backend, use_graphs=use_graphs)
+        eng.generate(prompts(), 2)
+        model.config.num_hidden_layers = 1
+        with pytest.raises(RuntimeError, match=r"n_layer changed from 2 to 1 .*build a new "
+                           "DecodeEngine"):  # fmt: skip
+            eng.generate(prompts(), 2)
+
+
+def steer_by(strength: dict):
+    """A forward hook adding ``strength["alpha"]`` times a direction to a module's output
+    (a layer's MLP: activation steering), counting its calls."""
+
+    def steer(module, args, out):
+        strength["calls"] += 1
+        return out + strength["alpha"] * torch.linspace(-1, 1, out.shape[-1], device=out.device)
+
+    return steer
+
+
+BYPASSED = [
+    ("llama-gqa", ""),
+    ("llama-gqa", "model"),
+    ("llama-gqa", "model.layers.0"),
+    ("llama-gqa", "model.layers.0.self_attn"),
+    ("llama-gqa", "model.layers.1.input_layernorm"),  # run as F.rms_norm
+    ("llama-gqa", "model.norm"),
+    ("qwen3", "model.layers.0.self_attn.q_norm"),
+    ("gpt2", "transformer.h.1"),
+    ("gpt2", "transformer.h.0.attn"),
+    ("gpt2", "transformer.h.0.attn.resid_dropout"),  # called only by the attention's forward
+]
+
+
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("family, where", BYPASSED, ids=lambda v: v or "the model")
+def test_a_hook_the_adapter_never_runs_is_refused(family, where, use_graphs, backend, device):
+    """The adapter runs a layer's parts, never the layer's, its attention's, an RMSNorm's or
+    the model's forward: a hook there (activation steering on a decoder layer, the probe's
+    case) would never run, and the tokens would be the unhooked model's. Refused by name."""
+    model = make(family, device)
+    model.get_submodule(where).register_forward_hook(steer_by({"alpha": 3.0, "calls": 0}))
+    name = where or "the model"
+    with pytest.raises(RuntimeError, match=rf"^DecodeEngine: {name} has the forward hook "
+                       r"steer_by\.<locals>\.steer, which would never run"):  # fmt: skip
+        engine(model, backend, use_graphs=use_graphs)
+    model.get_submodule(where)._forward_hooks.clear()
+    eng = engine(model, backend, use_graphs=use_graphs)
+    eng.generate(prompts(), 2)
+    model.get_submodule(where).register_forward_pre_hook(lambda m, args: None)
+    with pytest.raises(RuntimeError, match=rf"^DecodeEngine: {name} has the forward pre-hook"):
+        eng.generate(prompts(), 2)  # registered after capture: the next call
+
+
+def test_hooks_on_the_modules_the_adapter_calls(backend, device, replays):
+    """A steering hook on an MLP: the eager engine runs it at every call (a strength changed
+    between calls is honoured: generate's tokens of the hooked model); the graphed engine
+    refuses it unless capturable_hooks=True, which captures it and replays its effect."""
+    model = make("llama-gqa", device)
+    ps = prompts()
+    strength = {"alpha": 0.0, "calls": 0}
+    model.model.layers[0].mlp.register_forward_hook(steer_by(strength))
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp has the forward hook "
+                       r"steer_by\.<locals>\.steer, which a graph would run at capture only"):  # fmt: skip
+        engine(model, backend)
+    eager = engine(model, backend, use_graphs=False)
+    seen = []
+    for alpha in (0.0, 4.0):
+        strength["alpha"] = alpha
+        want = reference(model, ps)
+        strength["calls"] = 0
+        assert eager.generate(ps, NEW_TOKENS) == want
+        assert strength["calls"] == len(ps) + eager.stats.decode_steps  # every prefill and step
+        seen.append(want)
+    assert seen[0] != seen[1]  # the strength matters: a frozen one would show
+    graphed = engine(model, backend, capturable_hooks=True)  # captured at alpha 4
+    strength["calls"] = 0
+    before = replays[0]
+    assert graphed.generate(ps, NEW_TOKENS) == seen[1]
+    assert replays[0] - before >= NEW_TOKENS and strength["calls"] == 0  # replays, no Python
+
+
+def test_transformers_own_hooks_are_served(backend, device, replays):
+    """transformers' output-recording hooks (installed on every layer and attention at the
+    first ``output_hidden_states`` call, for good, inert otherwise) and
+    ``enable_input_require_grads``' hook on the embedding do nothing for decode: served,
+    replayed; the recording hooks installed after capture do not even capture again."""
+    model = make("llama-gqa", device)
+    ps = prompts()
+    want = reference(model, ps)
+    ids = torch.tensor([ps[0]], device=device)
+    with torch.no_grad():
+        model(ids, output_hidden_states=True)
+    assert model.model.layers[0]._forward_hooks  # the recording hooks are there
+    model.enable_input_require_grads()
+    fresh = make("llama-gqa", device)
+    late = engine(fresh, backend)
+    recaptured = recaptures(late)
+    late.generate(ps, 2)
+    with torch.no_grad():
+        fresh(ids, output_hidden_states=True)  # installed after capture
+    for eng in (engine(model, backend), late):
+        before = replays[0]
+        assert eng.generate(ps, NEW_TOKENS) == want
+        assert replays[0] - before >= NEW_TOKENS
+    assert recaptured[0] == 0
 
 
 def test_unsupported_architecture_is_named():

@@ -231,9 +231,10 @@ def ln_eps(model, device) -> None:
 def test_a_module_change_after_capture_is_captured_again(backend, device, change, replays):
     """A change to what the forwards run (a submodule replaced, a hook added, an attribute they
     read): generate() captures again and its tokens equal the eager engine's, not the old ones;
-    the next call replays the new graphs without capturing again."""
+    the next call replays the new graphs without capturing again. (The hook negates: pure
+    tensor code, which capturable_hooks=True lets the graphs capture.)"""
     model = tiny_gpt(device)
-    graphed, eager = engines(model, backend, **SHAPE)
+    graphed, eager = engines(model, backend, capturable_hooks=True, **SHAPE)
     recaptured = recaptures(graphed)
     ps = prompts(3)
     old = assert_graphed_equal_eager(graphed, eager, replays, ps)
@@ -269,10 +270,11 @@ def test_a_recapture_after_any_request_serves_the_next(backend, device, last, ho
 
 
 def test_a_hook_removed_after_capture_is_captured_again(backend, device, replays):
-    """A hook present at capture is baked in; removing it captures again (the old tokens)."""
+    """A hook present at capture is baked in (capturable_hooks=True); removing it captures
+    again (the old tokens)."""
     model = tiny_gpt(device)
     handle = model.lm_head.register_forward_hook(lambda module, args, out: -out)
-    graphed, eager = engines(model, backend, **SHAPE)
+    graphed, eager = engines(model, backend, capturable_hooks=True, **SHAPE)
     recaptured = recaptures(graphed)
     ps = prompts(3)
     hooked = assert_graphed_equal_eager(graphed, eager, replays, ps)

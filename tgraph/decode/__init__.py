@@ -9,6 +9,7 @@ Files, one concept each:
 * ``graph_runner.py``: capture (largest first, one pool) and replay of the programs.
 * ``weights.py``: the parameters and buffers the graphs read, checked before each call; a
   replaced one (``load_state_dict(assign=True)``) followed by a copy or a re-capture.
+* ``hooks.py``: the forward hooks on the served model the engine can honour (the rest refused).
 * ``buffers.py``: the static inputs, ``set_batch``/``copy_from``/``advance``.
 * ``sampling.py``: greedy/temperature/top-k/top-p with per-request counter-based streams.
 * ``kv_cache.py``: the preallocated KV cache, one slot per row.

@@ -27,7 +27,14 @@ had at capture. A sync that replaces them (``load_state_dict(sd, assign=True)``)
 copy into that memory before each call (only while no other tensor uses it: an EMA swap hands it
 to the EMA tensors), or by :meth:`DecodeEngine.recapture`; never old tokens.
 So is a change to what the forwards run: a submodule replaced (``model.lm_head = ...``), a hook
-added or removed, an attribute they read (``LayerNorm.eps``) changed: generate() captures again.
+added or removed, an attribute they read (``LayerNorm.eps``) or a configuration value the
+decoder reads (``config_values()``: Mistral's ``config.sliding_window``) changed: generate()
+captures again.
+
+Hooks (:mod:`tgraph.decode.hooks`): a forward hook on a module the adapter never calls (a decoder
+layer, the model) is refused, naming it: it would never run. Under graphs a hook on a module it
+calls would run at capture only, so it is refused too unless ``capturable_hooks=True``; the
+eager engine (``use_graphs=False``) runs such hooks at every call.
 
 Sampling (:mod:`tgraph.decode.sampling`) draws each request's tokens from its own counter-based
 stream keyed by its seed and position, so a seeded request gives the same tokens in any slot,
@@ -73,6 +80,7 @@ from tgraph.decode.batch import (
 )
 from tgraph.decode.buffers import DecodeBuffers, PrefillBuffers
 from tgraph.decode.graph_runner import BucketGraphs
+from tgraph.decode.hooks import HookCheck
 from tgraph.decode.interface import as_decode_model
 from tgraph.decode.kv_cache import KVCache
 from tgraph.decode.requests import Prompt, Request, as_int, eos_ids, make_requests
@@ -108,10 +116,15 @@ class DecodeEngine:
         progress: show a progress bar over capture.
         lookahead: launch the next decode step before reading the current step's tokens on the
             host (see the module docstring).
+        capturable_hooks: capture the forward hooks on the modules the adapter calls as part of
+            the graphs (pure tensor code: their effect replays, their Python runs at capture
+            and on eagerly served batches only). By default the graphed engine refuses them,
+            naming each; hooks on modules the adapter never calls are refused either way.
 
     Raises:
         ValueError: a size out of range, or an unknown backend.
         TypeError: ``model`` does not implement the decode interface.
+        RuntimeError: a hook the engine cannot honour (:mod:`tgraph.decode.hooks`).
         tgraph.CaptureError: capturing a bucket failed.
     """
 
@@ -127,9 +140,11 @@ class DecodeEngine:
         backend: str = "auto",
         progress: bool = True,
         lookahead: bool = True,
+        capturable_hooks: bool = False,
     ) -> None:
         self.decoder = d = as_decode_model(model)
         self._modules = served_modules(model, d)  # whose weights the graphs read
+        self.hooks = HookCheck(d, self._modules, graphs=use_graphs, capturable=capturable_hooks)
         # The model's mode while the engine runs it (eval for the toy GPT), restored after.
         self._serving = getattr(d, "serving", None) or contextlib.nullcontext
         self.lookahead = lookahead
@@ -192,6 +207,7 @@ class DecodeEngine:
         )
         self.weights: BakedWeights | None = None
         self._generating = False
+        self.hooks.check()  # before any capture: an error names the hook, not the capture
         if self.factory is not None:
             self._capture()
 
@@ -213,6 +229,7 @@ class DecodeEngine:
         """Capture every bucket (largest first, one pool) and note the weights they read."""
         allocated = self.factory.memory_allocated()
         uses = memory_uses(self._modules)  # the user's; those the capture adds are the engine's
+        self.hooks.check()  # recapture(): a hook added since
         # The warmups and captures run every bucket on whatever the buffers hold: after a
         # generate() that is its last requests (a prompt longer than a smaller bucket, rows
         # live near max_seq_len that each warmup would move past it). Start from padding.
@@ -225,7 +242,10 @@ class DecodeEngine:
             self.prefill_graphs.capture()
         # a serving() context sets the mode the model runs in; without one, the model's own
         self.weights = BakedWeights(
-            self._modules, uses, modes=self._serving is contextlib.nullcontext
+            self._modules,
+            uses,
+            modes=self._serving is contextlib.nullcontext,
+            config=getattr(self.decoder, "config_values", None),
         )
         self.buffers.reset()  # warmups moved the padding rows' tokens; start clean
         st = self.stats
@@ -261,6 +281,7 @@ class DecodeEngine:
         generate() no user code runs between its prefills and steps: checked once, at its start."""
         if self._generating:
             return
+        self.hooks.check()  # raises: a hook the engine cannot honour
         why = None if self.weights is None else self.weights.check()
         if why is None and self.cache.dtype != self.decoder.dtype:  # use_graphs=False
             why = f"the model's dtype changed from {self.cache.dtype} to {self.decoder.dtype}"

@@ -31,6 +31,13 @@ methods is served; nothing here knows any particular model (the toy GPT's implem
         # optional: serving() -> a context manager the engine enters around capture and every
         # generate/prefill/decode call (the toy GPT's switches the model to eval mode inside
         # and restores its train/eval mode after).
+        # optional: called_modules() -> the modules the two methods call (module(x): their
+        # forward and hooks run, with their submodules). The engine refuses a forward hook on
+        # any other served module, which would never run (tgraph.decode.hooks). Without it,
+        # every module is taken to be called.
+        # optional: config_values() -> {name: value} of the Python values outside the modules
+        # that the methods read (a config's sliding_window): compared before each call, a
+        # change captures the graphs again (the methods must read them anew at each call).
 
 Rules for both methods (they are captured as CUDA graphs): no host syncs (``.item()``,
 printing, boolean-mask indexing), no shapes that depend on tensor values, no new CPU tensors, no

@@ -30,12 +30,17 @@ torch's hook counter moved (or a hook was present at capture), the attributes an
 when the module epoch moved (a write through ``nn.Module``'s setters to a served module).
 PEFT adapter state (disabled, merged, the active adapters and their scales:
 :mod:`tgraph.peft_state`), which PEFT writes in place where no epoch sees it, is compared at
-every check: ``merge_adapter()``, ``set_scale``, ``set_adapter`` capture again.
+every check: ``merge_adapter()``, ``set_scale``, ``set_adapter`` capture again. So are the
+configuration values the decoder reads outside the modules (its optional ``config_values()``:
+the transformers adapter's ``config.sliding_window``, ``config.layer_types``), which a config
+object's plain attribute write changes where no epoch sees it: a few values, compared at every
+check.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from itertools import chain
 from operator import attrgetter, getitem
 
@@ -73,10 +78,16 @@ class BakedWeights:
         uses_before: :func:`tgraph.baked.memory_uses` of ``modules`` before the capture.
         modes: also ask for a re-capture when a module's train/eval mode changed (when the
             engine does not set the mode itself: a decoder without ``serving()``).
+        config: the decoder's ``config_values`` (name -> value of each configuration value
+            its methods read), compared at every check; None: it reads none.
     """
 
     def __init__(
-        self, modules: list[nn.Module], uses_before: dict[int, int], modes: bool = False
+        self,
+        modules: list[nn.Module],
+        uses_before: dict[int, int],
+        modes: bool = False,
+        config: Callable[[], dict[str, object]] | None = None,
     ) -> None:
         named = {
             id(m): (f"{i}.{name}" if len(modules) > 1 else name, m)
@@ -107,6 +118,8 @@ class BakedWeights:
         self._adapter_names = tuple(n for n, _ in adapters)
         self._adapters = tuple(m for _, m in adapters)
         self._adapter_states = tuple(map(adapter_state, self._adapters))
+        self._config = config
+        self._config_values = None if config is None else config()  # as the graphs baked them
         # the train/eval mode the graphs ran in (Baked leaves it to the per-layer call key)
         self._training = tuple(map(_training, self.baked.mods)) if modes else None
         # last: every alias the engine keeps (the inventory's too) is made by now
@@ -147,6 +160,13 @@ class BakedWeights:
         b = self.baked
         if self._adapters and tuple(map(adapter_state, self._adapters)) != self._adapter_states:
             return self._changed_adapters()
+        if self._config is not None and (now := self._config()) != self._config_values:
+            was = self._config_values
+            name = next(k for k in (*now, *was) if now.get(k) != was.get(k))
+            return (
+                f"{name} changed from {was.get(name)!r} to {now.get(name)!r} after capture "
+                "(the graphs baked the value in)"
+            )
         epoch = RemovableHandle.next_id  # moves whenever a hook is registered anywhere
         if epoch != self._hook_epoch or b.any_hooks:
             why = b.changed_hooks(scan=True)

@@ -13,8 +13,9 @@ against the engine's static :class:`~tgraph.decode.KVCache` (no transformers ``C
 exists inside a graph), with the mask the config implies:
 
 * causal, and a sliding window on each layer that has one (Mistral's ``sliding_window``;
-  Qwen2/Qwen3 layers whose ``layer_types`` entry is ``"sliding_attention"``): a query at
-  position ``q`` sees keys ``q - window < k <= q``, transformers' ``sliding_window_overlay``;
+  Qwen2/Qwen3 layers whose ``layer_types`` entry is ``"sliding_attention"``), read from the
+  config as transformers' forward reads it at every call: a query at position ``q`` sees keys
+  ``q - window < k <= q``, transformers' ``sliding_window_overlay``;
 * grouped KV heads (``num_key_value_heads < num_attention_heads``) are cached once per KV head.
   A decode step folds each group's query heads into the query dimension, ``(B, n_kv, groups,
   hd)``, so they read their shared keys in place instead of a repeated copy; prefill repeats the
@@ -48,10 +49,17 @@ Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
 a supported one whose ``forward`` (of the model, its base model, a layer, an attention or a
 norm replaced above) is not transformers' own: the adapter never calls those methods.
 
-The parts are read from the model at the first call after any write to one of its modules
-(:meth:`TransformersDecoder.parts`), not kept from construction: a head, layer, norm or
-embedding replaced after capture, or an attention's ``scaling`` changed, is what the engine's
-re-capture (its check finds the change before the next call) and its eager runs serve.
+The parts are read from the model at the first call after any write to one of its modules or
+a change of the config values they read (:meth:`TransformersDecoder.parts`,
+:meth:`~TransformersDecoder.config_values`), not kept from construction: a head, layer, norm or
+embedding replaced after capture, an attention's ``scaling`` or the config's ``sliding_window``
+changed, is what the engine's re-capture (its check finds the change before the next call) and
+its eager runs serve.
+
+Hooks: the adapter calls the modules :meth:`TransformersDecoder.called_modules` names (their
+forward and hooks run); a hook on any other module (a decoder layer, its attention, an RMSNorm
+run as ``F.rms_norm``, the model) would never run, and the engine refuses it
+(:mod:`tgraph.decode.hooks`).
 
 Registration is lazy (:data:`tgraph.decode.interface.LAZY_ADAPTERS`): importing tgraph does not
 import transformers; the first model whose class lives in ``transformers`` that reaches
@@ -122,10 +130,12 @@ class TransformersDecoder:
             (:attr:`serving`), each module in its own train/eval mode after. Its weights are used in place
             (reallocated ones, by a sync or ``model.to(dtype)``, are followed by the engine's
             weight check; to move the model to another device, build a new engine). Its parts
-            are read anew after a write to one of its modules (:meth:`parts`): a submodule
-            replaced (``model.lm_head = ...``, a decoder layer, the final norm, the embedding)
-            or an attribute changed (``self_attn.scaling``) is served by the next eager call and
-            by the graphs the engine captures again, which its check before each call does.
+            are read anew after a write to one of its modules or a change of the config values
+            they read (:meth:`parts`): a submodule replaced (``model.lm_head = ...``, a decoder
+            layer, the final norm, the embedding), an attribute changed
+            (``self_attn.scaling``) or ``config.sliding_window`` changed is served by the next
+            eager call and by the graphs the engine captures again, which its check before
+            each call does.
         tokenizer: optional transformers tokenizer for text prompts (``encode``/``decode``).
             Without one, a model of at least 256 tokens gets a byte-level tokenizer (UTF-8
             bytes are token ids, as tgraph's toy corpus uses); a smaller one takes ids only.
@@ -151,9 +161,11 @@ class TransformersDecoder:
         cfg = model.config
         self.max_positions = cfg.n_positions if self.gpt2 else cfg.max_position_embeddings
         self.device = model.get_input_embeddings().weight.device
+        self._config_keys = _config_keys(model.config, self.gpt2)
         self.shape = self._read().shape
-        self._parts: Parts | None = None  # read at this module epoch
+        self._parts: Parts | None = None  # read at this module epoch, with these config values
         self._epoch = -1
+        self._config: dict[str, object] = {}
         watch_module_writes()  # idempotent: the module epoch parts() reads
         self.n_layer, self.n_head, self.groups, self.head_dim, self.vocab_size = self.shape
         self.n_query_heads = self.n_head * self.groups
@@ -177,12 +189,25 @@ class TransformersDecoder:
 
     # -- the model's parts ------------------------------------------------------------------
 
+    def config_values(self) -> dict[str, object]:
+        """The config values the parts are read from (``config.sliding_window``, the shape's
+        sizes), by name; lists as tuples (a list written in place is a change). The engine
+        compares them before each call and captures again when one changed. Read from the
+        config's ``__dict__`` (about 1.5 us; ``getattr`` through transformers' attribute map
+        costs several times that), where a write to any of them lands."""
+        values = vars(self.model.config)
+        return {
+            f"config.{k}": tuple(v) if isinstance(v := values.get(k), list) else v
+            for k in self._config_keys
+        }
+
     def parts(self) -> Parts:
         """The model's parts now (:class:`Parts`), checked as at construction.
 
         Read at the first call (:meth:`serving`, a prefill, a decode step) after a write to
         any of the model's modules through ``nn.Module``'s setters (the module epoch of
-        :mod:`tgraph.baked`, which the engine's check reads too), else the last read's: a read
+        :mod:`tgraph.baked`, which the engine's check reads too) or a change of
+        :meth:`config_values` (a few attribute reads per call), else the last read's: a read
         costs about 0.3 ms for a 32-layer model, which an eager step would otherwise pay every
         time. A write that bypasses the setters (``m.__dict__[k] = v``) is not seen, as the
         engine's check does not see it (README, "What a graph keeps").
@@ -192,7 +217,8 @@ class TransformersDecoder:
             RuntimeError: the model's shape changed since the engine sized its KV cache and
                 buffers (``resize_token_embeddings``, a layer added): build a new engine.
         """
-        if self._epoch == _module_epoch[0]:
+        config = self.config_values()
+        if self._epoch == _module_epoch[0] and config == self._config:
             return self._parts
         parts = self._read()
         if parts.shape != self.shape:
@@ -205,8 +231,26 @@ class TransformersDecoder:
                 f"{was}); build a new DecodeEngine for the changed model"
             )
         _count_writes_to(tuple(self.model.modules()))  # a module swapped in is watched too
-        self._parts, self._epoch = parts, _module_epoch[0]
+        self._parts, self._epoch, self._config = parts, _module_epoch[0], config
         return parts
+
+    def called_modules(self) -> list[nn.Module]:
+        """The modules :meth:`prefill` and :meth:`decode_step` call, whose forward and hooks
+        run (with their submodules): the embedding (GPT-2's positions too), the rotary module,
+        each layer's projections and MLP, the norms not run as ``F.rms_norm`` and ``lm_head``.
+        The engine refuses a hook on any other module (:mod:`tgraph.decode.hooks`)."""
+        p = self.parts()
+        out = [p.embed, p.positions, p.rotary, p.final_norm, p.lm_head]
+        for layer in p.layers:
+            if self.gpt2:
+                attn = layer.attn
+                out += [layer.ln_1, attn.c_attn, attn.c_proj, layer.ln_2, layer.mlp]
+            else:
+                attn = layer.self_attn
+                out += [layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj]
+                out += [attn._modules.get("q_norm"), attn._modules.get("k_norm")]  # Qwen3
+                out += [attn.o_proj, layer.post_attention_layernorm, layer.mlp]
+        return [m for m in out if m is not None and not _fused(m)]  # rms_norm runs those
 
     def _read(self) -> Parts:
         model = self.model
@@ -481,7 +525,7 @@ def _rotary_parts(model: nn.Module) -> Parts:
         final_norm=base.norm,
         lm_head=model.lm_head,
         scales=tuple(layer.self_attn.scaling for layer in layers),
-        windows=tuple(_window(layer.self_attn, cfg) for layer in layers),
+        windows=tuple(_window(i, layer.self_attn, cfg) for i, layer in enumerate(layers)),
     )
 
 
@@ -507,17 +551,33 @@ def _gpt2_parts(model: nn.Module) -> Parts:
     )
 
 
-def _window(attn: nn.Module, config) -> int | None:
-    """The sliding window of one attention layer, or None for full attention.
-
-    Qwen2/Qwen3 set ``attn.sliding_window`` per layer from ``layer_types``; Mistral reads
-    ``config.sliding_window`` for every layer (transformers' Mistral mask does the same).
+def _window(layer: int, attn: nn.Module, config) -> int | None:
+    """The sliding window of one attention layer, or None for full attention, as
+    transformers' SDPA forward reads it at every call: Mistral's mask uses
+    ``config.sliding_window`` for every layer; Qwen2/Qwen3 pick each layer's mask by
+    ``config.layer_types`` and make the sliding one with ``config.sliding_window`` (the
+    attention's own ``sliding_window``, set from them at construction, is read only by other
+    attention kernels). Without ``layer_types`` (older configs), the attention's attribute.
     """
-    if "sliding_window" in vars(attn):  # (not hasattr: a miss raises, per layer per read)
-        return attn.sliding_window
     if config.model_type == "mistral":
         return getattr(config, "sliding_window", None)
-    return None
+    types = getattr(config, "layer_types", None)
+    if config.model_type in ("qwen2", "qwen3") and types is not None:
+        return config.sliding_window if types[layer] == "sliding_attention" else None
+    return vars(attn).get("sliding_window")  # (not getattr: a miss raises, per layer per read)
+
+
+def _config_keys(cfg, gpt2: bool) -> tuple[str, ...]:
+    """The config entries :func:`_gpt2_parts` (``gpt2``) or :func:`_rotary_parts` (and
+    :func:`_window`) read."""
+    if gpt2:
+        return ("n_head", "n_embd", "vocab_size", "add_cross_attention")
+    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    if cfg.model_type == "mistral":
+        keys += ("sliding_window",)
+    elif cfg.model_type in ("qwen2", "qwen3"):
+        keys += ("sliding_window", "layer_types")
+    return keys
 
 
 def _gpt2_scale(attn: nn.Module, layer: int) -> float:

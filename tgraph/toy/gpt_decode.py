@@ -50,6 +50,17 @@ class GPTDecoder:
         """The model's dtype now: the KV cache follows a ``model.to(dtype)`` at re-capture."""
         return self.model.wte.weight.dtype
 
+    def called_modules(self) -> list[torch.nn.Module]:
+        """The modules :meth:`prefill` and :meth:`decode_step` call, whose forward and hooks
+        run: ``wte``, ``wpe``, each block's norms, ``attn.c_attn`` (through ``split_heads``),
+        ``attn.c_proj`` and ``mlp``, ``ln_f`` and ``lm_head``; never a block's or its
+        attention's forward, so the engine refuses hooks there (:mod:`tgraph.decode.hooks`)."""
+        m = self.model
+        out = [m.wte, m.wpe, m.ln_f, m.lm_head]
+        for block in m.h:
+            out += [block.ln_1, block.attn.c_attn, block.attn.c_proj, block.ln_2, block.mlp]
+        return out
+
     @staticmethod
     def encode(text: str) -> list[int]:
         """Byte tokenizer of the toy GPT."""
