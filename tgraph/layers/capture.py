@@ -58,6 +58,7 @@ from tgraph.layers.grads import (
     GradHandOff,
     MainGradFlags,
     MainGradFusion,
+    own_storages,
     reached_leaves,
 )
 from tgraph.memory import UnitMemory, tensor_bytes
@@ -291,9 +292,12 @@ class GraphedUnit:
         )
         n = len(head.draft.in_rg)
         rest = self.draft.fusion.apply(self.draft.leaves, self.draft.params, list(grads[n:]))
-        others = [*grads[:n], *head.draft.static_inputs, *self.draft.static_outputs]
+        others = [*head.draft.static_inputs, *self.draft.static_outputs]
         others += [*self.draft.static_grad_outputs, *self.draft.leaves]
-        return (*grads[:n], *self.draft.param_out.own(rest, others))
+        # each input gradient alone on its storage (not the grad-output buffer, which the next
+        # backward rewrites and debug mode poisons), then each parameter gradient
+        ins = own_storages(list(grads[:n]), others, whole=False)
+        return (*ins, *self.draft.param_out.own(rest, [*ins, *others]))
 
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph; its

@@ -221,26 +221,10 @@ class ParamGradOutputs:
     def own(self, grads: list[torch.Tensor | None], others: list) -> list[torch.Tensor]:
         """Inside the captured function: the present gradients, each on a storage of its own
         (one shared with another gradient or with one of ``others``, the graph's other static
-        tensors, or laid out otherwise, is copied)."""
+        tensors, or laid out otherwise, is copied: :func:`own_storages`)."""
         self._n = len(grads)
-        taken = {t.untyped_storage()._cdata for t in others if isinstance(t, torch.Tensor)}
-        self._index, out = [], []
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            storage = g.untyped_storage()
-            if (
-                storage._cdata in taken
-                or g.storage_offset()
-                or not g.is_contiguous()
-                or storage.nbytes() != g.numel() * g.element_size()
-            ):
-                g = g.clone(memory_format=torch.contiguous_format)
-                storage = g.untyped_storage()
-            taken.add(storage._cdata)
-            self._index.append(i)
-            out.append(g)
-        return out
+        self._index = [i for i, g in enumerate(grads) if g is not None]
+        return [g for g in own_storages(grads, others, whole=True) if g is not None]
 
     def set_outputs(self, outputs: list[torch.Tensor]) -> None:
         """After capture: the backward graph's parameter-gradient outputs (what :meth:`own`
@@ -251,6 +235,34 @@ class ParamGradOutputs:
     def present(self) -> bool:
         """Whether the graph returns any parameter gradient."""
         return bool(self._index)
+
+
+def own_storages(
+    grads: list[torch.Tensor | None], others: list, whole: bool
+) -> list[torch.Tensor | None]:
+    """Inside a captured backward: ``grads`` (None stays None), each on a storage that no other
+    of them and none of ``others`` (the graph's other static tensors) uses; one that shares
+    its storage is copied. A buffer alone on its storage is what the hand-off's counts and
+    rescues work on (:class:`GradHandOff`). ``whole``: also copy a gradient laid out other than
+    contiguously over all of its storage (a parameter's, :class:`ParamGradOutputs`)."""
+    taken = {t.untyped_storage()._cdata for t in others if isinstance(t, torch.Tensor)}
+    out: list[torch.Tensor | None] = []
+    for g in grads:
+        if g is not None:
+            storage = g.untyped_storage()
+            if storage._cdata in taken or (
+                whole
+                and (
+                    g.storage_offset()
+                    or not g.is_contiguous()
+                    or storage.nbytes() != g.numel() * g.element_size()
+                )
+            ):
+                g = g.clone(memory_format=torch.contiguous_format)
+                storage = g.untyped_storage()
+            taken.add(storage._cdata)
+        out.append(g)
+    return out
 
 
 class GradHandOff:
