@@ -21,8 +21,10 @@ Ownership and aliasing (what a user of the outputs must know):
   are views of them, valid until this unit's next forward replay, which cannot happen while the
   unit is in flight (awaiting its backward). Another graph that may reuse their memory replays
   only after they are moved out of the pool (:mod:`tgraph.pool`).
-* ``static_grads`` (input gradients) are written by every backward replay and handed to
-  autograd, which consumes them before this unit's next backward. Parameter gradients stay
+* ``static_grads`` (input gradients) are written by every backward replay, each alone on its
+  storage, and handed to autograd as aliases, protected as the parameter gradients' are (a
+  caller may keep them: ``torch.autograd.grad(loss, x)``, a tensor hook, a leaf's ``.grad``;
+  older PyTorch: copies; :class:`tgraph.layers.grads.GradHandOff`). Parameter gradients stay
   where the capture's autograd made them, one static buffer each
   (:class:`tgraph.layers.grads.ParamGradOutputs`). Each backward hands autograd aliases of those
   buffers, which AccumulateGrad adopts as ``.grad`` without a copy: they *are* static memory, so the pool's ledger
@@ -295,7 +297,8 @@ class GraphedUnit:
         others = [*head.draft.static_inputs, *self.draft.static_outputs]
         others += [*self.draft.static_grad_outputs, *self.draft.leaves]
         # each input gradient alone on its storage (not the grad-output buffer, which the next
-        # backward rewrites and debug mode poisons), then each parameter gradient
+        # backward rewrites and debug mode poisons; GradHandOff moves held aliases off it),
+        # then each parameter gradient
         ins = own_storages(list(grads[:n]), others, whole=False)
         return (*ins, *self.draft.param_out.own(rest, [*ins, *others]))
 
@@ -420,7 +423,7 @@ class GraphedUnit:
         route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         track_outputs(cap, st)
-        st.grads = GradHandOff(cap.param_out, st.route)
+        st.grads = GradHandOff(cap.param_out, st.route, cap.static_grads)
         for r in self.members:
             r.call_template = r.draft.call.template  # the shadow verifier's eager run
         self.cap, self.draft = cap, None  # the capture result holds what a replay needs
