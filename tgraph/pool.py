@@ -69,7 +69,7 @@ class PoolLedger:
         # id(token) -> (owner, low, weak reference to the token): the outputs keep their token
         # alive, the ledger must not (a token whose outputs are all freed leaves at once)
         self._held: dict[int, tuple[Any, int, weakref.ref]] = {}
-        # id(owner) -> (its rescue of the parameter gradients, its backward's index, the
+        # id(owner) -> (its rescue of the handed-out gradients, its backward's index, the
         # buffers' storages and the uses of them that are tgraph's own)
         self._grads: dict[int, tuple[Callable[[], None], float, tuple[int, ...], int]] = {}
 
@@ -95,18 +95,19 @@ class PoolLedger:
         storages: tuple[int, ...],
         own: int,
     ) -> None:
-        """``owner``'s backward (capture ``low``) handed autograd aliases of its parameter
-        gradient buffers (``storages``, ``UntypedStorage._cdata``, used ``own`` times in all
-        by tgraph); ``rescue`` moves them out (:meth:`tgraph.layers.grads.GradHandOff.rescue`),
+        """``owner``'s backward (capture ``low``) handed autograd aliases of its gradient
+        buffers (parameters' and inputs': ``storages``, ``UntypedStorage._cdata``, used ``own``
+        times in all by tgraph); ``rescue`` moves them out (:meth:`tgraph.layers.grads.GradHandOff.rescue`),
         called only while something else still views one; it returns why it could not, or
         None."""
         self._grads[id(owner)] = (rescue, low, storages, own)
 
     def rescue_outputs(self, index: float, owner: Any) -> str | None:
         """Before ``owner`` replays a graph of capture ``index``: move what the caller holds
-        out of the memory that graph may reuse: outputs of other units, and parameter gradients
-        (``.grad``) that are aliases of a backward's static buffers (``owner``'s own too: its
-        backward rewrites them, its forward may reuse them). Returns why a gradient
+        out of the memory that graph may reuse: outputs of other units, and gradients (a
+        parameter's ``.grad``, an input gradient the caller kept) that are aliases of a
+        backward's static buffers (``owner``'s own too: its backward rewrites them, its forward
+        may reuse them). Returns why a gradient
         could not be moved (the replay must not run), else None."""
         if self._held:
             for ref in [

@@ -7,9 +7,9 @@ result (:class:`tgraph.layers.captured.Captured`) and its
 gradients into the static grad-output buffers, :func:`replay_backward` replays the backward
 graph (from the forward's generator offset when the unit recomputes), :func:`after_backward`
 sets the ``main_grad`` flags the graph skips (and poisons the input buffers in debug mode), and
-:func:`grads_for_autograd` hands autograd the static input gradients and the parameter
-gradients (aliases of their static buffers, which the pool's ledger moves out from under
-them before a replay may overwrite them: :class:`tgraph.layers.grads.ParamGradOutputs`).
+:func:`grads_for_autograd` hands autograd the input gradients and the parameter gradients
+(aliases of their static buffers, which the pool's ledger moves out from under them before a
+replay may overwrite them: :class:`tgraph.layers.grads.GradHandOff`).
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def grads_for_autograd(
     active: tuple[bool, ...] | None = None,
     raw: bool = False,
 ) -> list[torch.Tensor | None]:
-    """Input gradients (static) + parameter gradients (aliases of their static buffers, which
-    the pool's ledger protects, or copies of them; see ParamGradOutputs).
+    """Input gradients + parameter gradients: aliases of their static buffers, which the pool's
+    ledger protects, or copies of them (:class:`tgraph.layers.grads.GradHandOff`).
 
     ``active``: per differentiable output, whether autograd gave it a gradient; inputs and
     parameters that only inactive outputs reach get None (:class:`tgraph.layers.grads.UnusedOutputs`).
@@ -94,8 +94,8 @@ def grads_for_autograd(
     kept = cap.fusion.keep(hand.for_autograd(raw))
     if not kept and state.route.autograd_params:  # the anchor leaf (see autograd_params)
         kept = [None]
-    grads = [*cap.static_grads, *kept]
-    if hand.present and not hand.copying:  # rescued before the buffers may be overwritten
+    grads = [*hand.for_inputs(), *kept]
+    if hand.aliased:  # rescued before the buffers may be overwritten
         cap.ledger.hold_grads(state, cap.bwd_index, hand.rescue, hand.storages, hand.baseline)
     if active is not None and not all(active):
         for pos in cap.unused.none_positions(active, state.none_at):

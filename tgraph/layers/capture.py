@@ -21,8 +21,10 @@ Ownership and aliasing (what a user of the outputs must know):
   are views of them, valid until this unit's next forward replay, which cannot happen while the
   unit is in flight (awaiting its backward). Another graph that may reuse their memory replays
   only after they are moved out of the pool (:mod:`tgraph.pool`).
-* ``static_grads`` (input gradients) are written by every backward replay and handed to
-  autograd, which consumes them before this unit's next backward. Parameter gradients stay
+* ``static_grads`` (input gradients) are written by every backward replay, each alone on its
+  storage, and handed to autograd as aliases, protected as the parameter gradients' are (a
+  caller may keep them: ``torch.autograd.grad(loss, x)``, a tensor hook, a leaf's ``.grad``;
+  older PyTorch: copies; :class:`tgraph.layers.grads.GradHandOff`). Parameter gradients stay
   where the capture's autograd made them, one static buffer each
   (:class:`tgraph.layers.grads.ParamGradOutputs`). Each backward hands autograd aliases of those
   buffers, which AccumulateGrad adopts as ``.grad`` without a copy: they *are* static memory, so the pool's ledger
@@ -58,6 +60,7 @@ from tgraph.layers.grads import (
     GradHandOff,
     MainGradFlags,
     MainGradFusion,
+    own_storages,
     reached_leaves,
 )
 from tgraph.memory import UnitMemory, tensor_bytes
@@ -299,9 +302,13 @@ class GraphedUnit:
         )
         n = len(head.draft.in_rg)
         rest = self.draft.fusion.apply(self.draft.leaves, self.draft.params, list(grads[n:]))
-        others = [*grads[:n], *head.draft.static_inputs, *self.draft.static_outputs]
+        others = [*head.draft.static_inputs, *self.draft.static_outputs]
         others += [*self.draft.static_grad_outputs, *self.draft.leaves]
-        return (*grads[:n], *self.draft.param_out.own(rest, others))
+        # each input gradient alone on its storage (not the grad-output buffer, which the next
+        # backward rewrites and debug mode poisons; GradHandOff moves held aliases off it),
+        # then each parameter gradient
+        ins = own_storages(list(grads[:n]), others, whole=False)
+        return (*ins, *self.draft.param_out.own(rest, [*ins, *others]))
 
     def capture_backward(self, factory: GraphFactory) -> None:
         """Capture ``autograd.grad(outputs, inputs + params)`` into the backward graph; its
@@ -424,7 +431,7 @@ class GraphedUnit:
         route(cap, st, baked.live())
         st.grad_out_zero = [True] * len(cap.static_grad_outputs)
         track_outputs(cap, st)
-        st.grads = GradHandOff(cap.param_out, st.route)
+        st.grads = GradHandOff(cap.param_out, st.route, cap.static_grads)
         for r in self.members:
             r.call_template = r.draft.call.template  # the shadow verifier's eager run
         self.cap, self.draft = cap, None  # the capture result holds what a replay needs

@@ -221,26 +221,10 @@ class ParamGradOutputs:
     def own(self, grads: list[torch.Tensor | None], others: list) -> list[torch.Tensor]:
         """Inside the captured function: the present gradients, each on a storage of its own
         (one shared with another gradient or with one of ``others``, the graph's other static
-        tensors, or laid out otherwise, is copied)."""
+        tensors, or laid out otherwise, is copied: :func:`own_storages`)."""
         self._n = len(grads)
-        taken = {t.untyped_storage()._cdata for t in others if isinstance(t, torch.Tensor)}
-        self._index, out = [], []
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            storage = g.untyped_storage()
-            if (
-                storage._cdata in taken
-                or g.storage_offset()
-                or not g.is_contiguous()
-                or storage.nbytes() != g.numel() * g.element_size()
-            ):
-                g = g.clone(memory_format=torch.contiguous_format)
-                storage = g.untyped_storage()
-            taken.add(storage._cdata)
-            self._index.append(i)
-            out.append(g)
-        return out
+        self._index = [i for i, g in enumerate(grads) if g is not None]
+        return [g for g in own_storages(grads, others, whole=True) if g is not None]
 
     def set_outputs(self, outputs: list[torch.Tensor]) -> None:
         """After capture: the backward graph's parameter-gradient outputs (what :meth:`own`
@@ -253,27 +237,82 @@ class ParamGradOutputs:
         return bool(self._index)
 
 
+def own_storages(
+    grads: list[torch.Tensor | None], others: list, whole: bool
+) -> list[torch.Tensor | None]:
+    """Inside a captured backward: ``grads`` (None stays None), each on a storage that no other
+    of them and none of ``others`` (the graph's other static tensors) uses; one that shares
+    its storage is copied. A buffer alone on its storage is what the hand-off's counts and
+    rescues work on (:class:`GradHandOff`). ``whole``: also copy a gradient laid out other than
+    contiguously over all of its storage (a parameter's, :class:`ParamGradOutputs`)."""
+    taken = {t.untyped_storage()._cdata for t in others if isinstance(t, torch.Tensor)}
+    out: list[torch.Tensor | None] = []
+    for g in grads:
+        if g is not None:
+            storage = g.untyped_storage()
+            if storage._cdata in taken or (
+                whole
+                and (
+                    g.storage_offset()
+                    or not g.is_contiguous()
+                    or storage.nbytes() != g.numel() * g.element_size()
+                )
+            ):
+                g = g.clone(memory_format=torch.contiguous_format)
+                storage = g.untyped_storage()
+            taken.add(storage._cdata)
+        out.append(g)
+    return out
+
+
 class GradHandOff:
-    """What handing one unit's parameter gradients to autograd changes at replays; its
-    :class:`ParamGradOutputs` (``plan``) stays as captured.
+    """What handing one unit's gradients to autograd changes at replays: the parameter
+    gradients (its :class:`ParamGradOutputs`, ``plan``, stays as captured) and the input
+    gradients (``inputs``: the capture result's ``static_grads``).
+
+    Input gradients leave the backward graph in static buffers too, each alone on its storage
+    (:func:`own_storages`), and a caller may keep them: ``torch.autograd.grad(loss, x)``, a
+    tensor hook that stores its gradient (saliency, Grad-CAM), a leaf's ``.grad``. So autograd
+    gets fresh detached aliases of them, counted on their storages with the parameter
+    gradients', and :meth:`rescue` moves held ones to a copy before a replay may overwrite
+    them. Where the memory cannot be moved (PyTorch < 2.13) autograd gets copies of the input
+    gradients instead: a view kept elsewhere could not be re-pointed, and nothing says at
+    the backward whether it will be kept.
 
     Created when the unit's capture result is baked, when nothing but tgraph uses the static
     buffers; it lives in the unit's replay state (:class:`tgraph.layers.captured.ReplayState`),
     whose ``route.params`` (the parameters the gradients go to) :meth:`rescue` reads.
     """
 
-    __slots__ = ("plan", "route", "storages", "uses", "baseline", "copying")
+    __slots__ = (
+        "plan",
+        "route",
+        "inputs",
+        "copies_inputs",
+        "handed",
+        "storages",
+        "uses",
+        "baseline",
+        "copying",
+    )
 
-    def __init__(self, plan: ParamGradOutputs, route) -> None:
+    def __init__(self, plan: ParamGradOutputs, route, inputs: tuple = ()) -> None:
         self.plan = plan
         self.route = route
+        self.inputs: tuple[torch.Tensor | None, ...] = inputs
+        self.copies_inputs = not swaps_storage()  # else aliases, moved out when held
         self._count()
         self.copying = False  # hands out copies (a view of a buffer was kept: rescue)
         self.watch_hooks()
 
     def _count(self) -> None:
-        """The buffers' storages and the uses of them that are tgraph's own."""
-        self.storages = tuple(b.untyped_storage()._cdata for b in self.plan.bufs)
+        """The storages of the buffers handed out as aliases (the parameter gradients' first,
+        then the input gradients') and the uses of them that are tgraph's own."""
+        bufs = self.plan.bufs
+        if not self.copies_inputs:
+            bufs += tuple(b for b in self.inputs if b is not None)
+        self.handed = bufs
+        self.storages = tuple(b.untyped_storage()._cdata for b in bufs)
         self.uses = use_counts(self.storages)
         self.baseline = sum(self.uses)
 
@@ -296,6 +335,12 @@ class GradHandOff:
     def present(self) -> bool:
         return self.plan.present
 
+    @property
+    def aliased(self) -> bool:
+        """Whether a backward hands autograd aliases of static memory (which the pool's ledger
+        must have moved out before a replay may overwrite it)."""
+        return bool(self.storages) and not self.copying
+
     def for_autograd(self, raw: bool = False) -> list:
         """Per-parameter gradients for autograd after a replay: aliases of the buffers (``raw``:
         the buffers themselves, for a caller that only adds them into ``.grad`` tensors)."""
@@ -311,21 +356,31 @@ class GradHandOff:
             out[i] = t
         return out
 
+    def for_inputs(self) -> list[torch.Tensor | None]:
+        """Per static input, its gradient for autograd after a replay (None where the input
+        gets none): a fresh alias of its buffer, or a copy (:attr:`copies_inputs`)."""
+        if self.copies_inputs:
+            return [None if b is None else b.clone() for b in self.inputs]
+        return [None if b is None else _detach(b) for b in self.inputs]
+
     def held_elsewhere(self, on_it: int = 0) -> bool:
-        """Whether something besides tgraph and ``on_it`` ``.grad`` tensors views a buffer
-        (a gradient a hook kept, say), which writing into it would overwrite."""
-        return sum(use_counts(self.storages)) > self.baseline + on_it
+        """Whether something besides tgraph and ``on_it`` ``.grad`` tensors views a parameter
+        gradient buffer (a gradient a hook kept, say), which writing into it would
+        overwrite."""
+        n = len(self.plan.bufs)
+        return sum(use_counts(self.storages[:n])) > sum(self.uses[:n]) + on_it
 
     @torch.no_grad()
     def rescue(self) -> str | None:
         """Before the buffers may be overwritten: if anything still views one (a ``.grad``
-        being accumulated, a gradient a hook kept), move it to a copy (one copy per buffer
-        still held; :class:`ParamGradOutputs` says how). Returns why it could not (a view
-        of a gradient kept elsewhere, on PyTorch < 2.13), else None."""
+        being accumulated, a gradient a hook kept, an input gradient the caller kept), move it
+        to a copy (one copy per buffer still held; :class:`ParamGradOutputs` says how).
+        Returns why it could not (a view of a gradient kept elsewhere, on PyTorch < 2.13),
+        else None."""
         now = use_counts(self.storages)
         if sum(now) <= self.baseline:
             return None
-        bufs = self.plan.bufs
+        bufs = self.handed
         held = [k for k, (n, own) in enumerate(zip(now, self.uses)) if n > own]
         if swaps_storage():
             for k in held:  # every alias views a copy, the buffer not
@@ -341,8 +396,8 @@ class GradHandOff:
                 if k not in copies:
                     copies[k] = bufs[k].untyped_storage().clone()
                 g.set_(copies[k], g.storage_offset(), g.shape, g.stride())
-        if self.held_elsewhere():  # from now on this unit hands out copies, which nothing pins
-            self.copying = True
+        if sum(use_counts(self.storages)) > self.baseline:  # from now on copies, which
+            self.copying = True  # nothing pins
             return (
                 "a view of a parameter gradient that a graph's backward handed out (other than "
                 "the parameter's .grad) is still held where this graph would overwrite it, "
