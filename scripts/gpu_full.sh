@@ -5,7 +5,7 @@
 # .te/prune, .whl. BENCH=1 adds the HF Llama cells and the toy against the floor (bench_train.py,
 # as gpu_check.sh's perf check). Output: $OUT (summaries; every log and JSON in logs.tgz).
 # About 4 minutes, 8 with BENCH=1 (HF_MODES: the HF cells' modes; CELLS: the cells, ';'-separated). PROFILES: the host-time scripts to run (default both);
-# TREE: the commit to name in env.txt (the device's .git may be stale).
+# SHARDS: pytest processes (default 4). TREE: the commit to name in env.txt (the device's .git may be stale).
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT" /tmp/w
 { date -u; git log -1 --format='the device copy of .git: %h (often stale)' 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; echo "tree ${TREE:-unknown}"; } > "$OUT/env.txt" 2>&1
@@ -20,7 +20,7 @@ OMP_NUM_THREADS=2 MASTER_PORT=29620 timeout ${CPU_LIMIT:-300} python -m pytest -
   ${CPU_TESTS:-tests/test_megatron_optimizer_graph.py tests/test_hf_models.py tests/test_fail_closed_python.py tests/test_reentrant.py} \
   > /tmp/w/pytest_cpu_device_torch.log 2>&1 &
 cpu=$!
-timeout ${PYTEST_LIMIT:-330} bash scripts/pytest_shards.sh /tmp/w/pytest 4 -rs > "$OUT/pytest_summary.txt" 2>&1; echo "pytest-cuda rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
+timeout ${PYTEST_LIMIT:-330} bash scripts/pytest_shards.sh /tmp/w/pytest ${SHARDS:-4} -rs > "$OUT/pytest_summary.txt" 2>&1; echo "pytest-cuda rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
 wait $cpu; echo "pytest-cpu-device-torch rc=$? $((SECONDS-t0))s" >> "$OUT/stages.txt"
 { echo "== emulated tests under the device's torch"; grep -E "^(FAILED|ERROR)|passed|failed" /tmp/w/pytest_cpu_device_torch.log | tail -20; } >> "$OUT/pytest_summary.txt"
 for s in ${PROFILES:-profile_host profile_host_no_epoch}; do
