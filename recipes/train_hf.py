@@ -30,9 +30,9 @@ validation, checkpoints, the run directory's rules, metrics, Ctrl-C and torchrun
 trainer's (``gpt_training/``, that of ``recipes/train_gpt.py``), and so are its protections.
 Checkpoints go to ``--out/checkpoints/step_NNNNNN``: ``save_pretrained`` output (``config.json``,
 ``model.safetensors``: ``AutoModelForCausalLM.from_pretrained(dir)`` loads it), ``checkpoint.json``
-(the sha256 of every tensor and of ``trainer.pt``, verified on resume) and ``trainer.pt``
-(optimizer, step, RNG states, config). ``--resume latest`` without ``--steps`` continues to the
-run's own total (a fresh run's is 200).
+(the sha256 of every tensor, of ``config.json`` and of ``trainer.pt``, verified on resume) and
+``trainer.pt`` (optimizer, step, RNG states, config). ``--resume latest`` without ``--steps``
+continues to the run's own total (a fresh run's is 200).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch.nn.functional as F
 from gpt_training import cli
-from gpt_training.checkpointing import RunDirectoryError
+from gpt_training.checkpointing import RunDirectoryError, earlier_checkpoints_hint
 from gpt_training.config import (
     GRAPH_MODES,
     NONFINITE_MODES,
@@ -63,10 +63,11 @@ from gpt_training.spec import (
     ModelSpec,
     load_verified_into,
     read_manifest,
+    verify_files,
     write_manifest,
 )
 
-from tgraph.toy.checkpoint import unwrap
+from tgraph.toy.checkpoint import CheckpointError, unwrap
 
 VOCAB = 256  # the corpus is bytes
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2)
@@ -179,10 +180,9 @@ def build_config(cfg: HFTrainConfig):
     if cfg.config:
         try:
             hf = AutoConfig.from_pretrained(cfg.config)
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except (OSError, *_config_errors()) as e:
             raise ModelError(
-                f"--config {cfg.config} cannot be read as a transformers config: {first}"
+                f"--config {cfg.config} cannot be read as a transformers config: {_first_line(e)}"
             ) from e
         if hf.vocab_size < VOCAB:
             raise ModelError(f"--config {cfg.config}: vocab_size {hf.vocab_size} < {VOCAB} (bytes)")
@@ -214,6 +214,23 @@ def build_config(cfg: HFTrainConfig):
         kw["n_inner"] = kw.pop("intermediate_size")
         kw.pop("num_key_value_heads")
     return AutoConfig.for_model(model_type, **kw)
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What building a transformers config raises for values it refuses: ValueError, or (the
+    strict dataclasses of transformers 5) huggingface_hub's validation error."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, StrictDataclassError)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of what ``e`` says, or of its cause's (a validator's own ValueError)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 # config.json fields that record a save, not the model: compared by neither side of a resume
@@ -291,7 +308,7 @@ class HFSpec(ModelSpec):
 
     def save_weights(self, model, directory, extra):
         unwrap(model).save_pretrained(directory, safe_serialization=True)
-        write_manifest(Path(directory), extra)
+        write_manifest(Path(directory), extra, files=("config.json",))
 
     def read_extra(self, directory):
         return read_manifest(Path(directory)).get("extra")
@@ -302,10 +319,20 @@ class HFSpec(ModelSpec):
     def check_resume(self, cfg, directory):
         """The model config this run builds (``build_config``: ``--config``'s file as it reads
         now) against the checkpoint's ``config.json``: a file edited since the checkpoint was
-        written builds another model whose shapes may still fit the weights."""
+        written builds another model whose shapes may still fit the weights. A ``config.json``
+        missing, damaged (its sha256 is in the manifest) or unreadable refuses the checkpoint
+        (``CheckpointError``) like any other damaged file of it."""
         from transformers import AutoConfig
 
-        saved = AutoConfig.from_pretrained(directory).to_dict()
+        try:
+            verify_files(Path(directory))
+            saved = AutoConfig.from_pretrained(directory).to_dict()
+        except (OSError, *_config_errors()) as e:  # CheckpointError is a ValueError
+            raise CheckpointError(
+                f"cannot resume from {directory}: its config.json cannot be used "
+                f"({_first_line(e)}). "
+                f"{earlier_checkpoints_hint(Path(directory))}"
+            ) from e
         now = build_config(cfg).to_dict()
         differ = config_differences(now, saved)
         if differ:
