@@ -313,3 +313,39 @@ def test_a_damaged_or_missing_checkpoint_config_is_one_line(run, backend, device
     refused("config.json' is not a valid JSON file")
     config.write_bytes(intact)
     run("r", "--graph", "none", "--steps", "6", "--resume", "latest")  # intact again: resumes
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--n-embd", "36", "--n-head", "4"], "RoPE requires an even rotary dimension"),
+        (["--config", "t5"], "is a 't5' config, which no causal LM"),
+        (["--arch", "mixtral", "--experts", "bogus"], "invalid choice: 'bogus'"),
+        (["--arch", "mixtral", "--experts", "eager"], "--experts eager runs transformers' loop"),
+        (["--experts", "eager", "--graph", "full"], "--experts eager"),
+    ],
+    ids=["odd-rope-head", "t5", "bogus-experts", "eager-experts-layer", "eager-experts-full"],
+)
+def test_models_that_cannot_be_built_or_graphed_are_one_line(tmp_path, capsys, flags, message):
+    """Before: tracebacks from transformers (the config's validation, AutoModelForCausalLM of
+    a t5 config, an unknown experts implementation) and from graph_layers (eager experts),
+    each after --out was created. Now one line, exit code 2, nothing written."""
+    if flags[:2] == ["--config", "t5"]:
+        config = tmp_path / "t5.json"
+        config.write_text(json.dumps({"model_type": "t5", "vocab_size": 256, "d_model": 32}))
+        flags = ["--config", str(config)]
+    if flags[-2:] == ["--graph", "full"]:
+        flags = ["--arch", "qwen3_moe", *flags]
+    out = tmp_path / "run"
+    err = _one_line_exit_2(capsys, [*TINY, *flags, "--out", str(out)])
+    assert message in err, err
+    assert not out.exists()
+
+
+def test_graph_layers_refusing_the_model_is_a_model_error():
+    """graph_layers' own refusal (ValueError) reaches the command line as a ModelError (one
+    line, exit code 2): experts on the eager loop, met past the config check."""
+    cfg = th.HFTrainConfig(arch="mixtral", n_layer=1, n_embd=32, n_head=2, experts="eager")
+    model = th.HF_SPEC.build(cfg, torch.device("cpu"))
+    with pytest.raises(th.ModelError, match=r"--graph model cannot graph this model: .*eager"):
+        th.HF_SPEC.enable_model_graph(model, "emulated")

@@ -113,6 +113,8 @@ class DataConfig(ConfigGroup):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_counts(("batch_size",))
+        if not -(2**63) <= self.seed < 2**63:  # torch's generators take 64-bit seeds
+            raise self._invalid("seed", "use an integer from -2**63 to 2**63 - 1")
         if not 0.0 < self.val_fraction < 1.0:
             raise self._invalid(
                 "val_fraction", "use a fraction strictly between 0 and 1 (e.g. 0.05)"
