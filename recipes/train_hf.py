@@ -30,9 +30,9 @@ validation, checkpoints, the run directory's rules, metrics, Ctrl-C and torchrun
 trainer's (``gpt_training/``, that of ``recipes/train_gpt.py``), and so are its protections.
 Checkpoints go to ``--out/checkpoints/step_NNNNNN``: ``save_pretrained`` output (``config.json``,
 ``model.safetensors``: ``AutoModelForCausalLM.from_pretrained(dir)`` loads it), ``checkpoint.json``
-(the sha256 of every tensor and of ``trainer.pt``, verified on resume) and ``trainer.pt``
-(optimizer, step, RNG states, config). ``--resume latest`` without ``--steps`` continues to the
-run's own total (a fresh run's is 200).
+(the sha256 of every tensor, of ``config.json`` and of ``trainer.pt``, verified on resume) and
+``trainer.pt`` (optimizer, step, RNG states, config). ``--resume latest`` without ``--steps``
+continues to the run's own total (a fresh run's is 200).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch.nn.functional as F
 from gpt_training import cli
-from gpt_training.checkpointing import RunDirectoryError
+from gpt_training.checkpointing import RunDirectoryError, earlier_checkpoints_hint
 from gpt_training.config import (
     GRAPH_MODES,
     NONFINITE_MODES,
@@ -63,13 +63,15 @@ from gpt_training.spec import (
     ModelSpec,
     load_verified_into,
     read_manifest,
+    verify_files,
     write_manifest,
 )
 
-from tgraph.toy.checkpoint import unwrap
+from tgraph.toy.checkpoint import CheckpointError, unwrap
 
 VOCAB = 256  # the corpus is bytes
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2)
+EXPERTS = ("batched_mm", "grouped_mm", "eager")  # --experts: transformers' implementations
 # --arch presets: transformers model_type and what that family needs beyond the common sizes
 ARCHS = {
     "llama": ("llama", {}),
@@ -135,9 +137,14 @@ class HFStepConfig(RunOnly):
     """How the transformers model runs its layers (the same numbers either way)."""
 
     experts: str = "batched_mm"
-    """MoE experts_implementation (grouped_mm on GPUs)."""
+    """MoE experts_implementation: batched_mm, grouped_mm (graphed on a GPU only in bfloat16, not this recipe's float32) or eager (a host sync per expert: --graph none only)."""
     gradient_checkpointing: bool = False
     """Recompute the decoder layers in the backward (non-reentrant)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.experts not in EXPERTS:
+            raise self._invalid("experts", f"use --experts {', '.join(EXPERTS)}")
 
 
 @dataclass(kw_only=True)
@@ -156,7 +163,12 @@ class HFTrainConfig(
 
     graph_modes = ("none", "layer", "layer+opt", "model", "full")
     default_steps = 200
-    cli_choices = {"graph": GRAPH_MODES, "on_nonfinite": NONFINITE_MODES, "arch": sorted(ARCHS)}
+    cli_choices = {
+        "graph": GRAPH_MODES,
+        "on_nonfinite": NONFINITE_MODES,
+        "arch": sorted(ARCHS),
+        "experts": EXPERTS,
+    }
     cli_aliases = {"keep_checkpoints": ["--keep"]}  # the recipe's own flag before the port
 
     out: str = "runs/hf"
@@ -173,17 +185,27 @@ class HFTrainConfig(
 
 
 def build_config(cfg: HFTrainConfig):
-    """The transformers config of ``--config`` or of the ``--arch`` preset."""
-    from transformers import AutoConfig
+    """The transformers config of ``--config`` or of the ``--arch`` preset.
+
+    Raises:
+        ModelError: a config file transformers cannot read or that holds no causal LM, too few
+            positions or tokens, or preset sizes transformers refuses (RoPE's even head size).
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     if cfg.config:
         try:
             hf = AutoConfig.from_pretrained(cfg.config)
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except (OSError, *_config_errors()) as e:
             raise ModelError(
-                f"--config {cfg.config} cannot be read as a transformers config: {first}"
+                f"--config {cfg.config} cannot be read as a transformers config: {_first_line(e)}"
             ) from e
+        if type(hf) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ModelError(
+                f"--config {cfg.config} is a {hf.model_type!r} config, which no causal LM of "
+                "transformers (AutoModelForCausalLM) is built from; pass a decoder-only model's "
+                "config"
+            )
         if hf.vocab_size < VOCAB:
             raise ModelError(f"--config {cfg.config}: vocab_size {hf.vocab_size} < {VOCAB} (bytes)")
         positions = getattr(hf, "max_position_embeddings", None)
@@ -213,7 +235,47 @@ def build_config(cfg: HFTrainConfig):
     if model_type == "gpt2":  # GPT-2 spells its MLP width n_inner and has no GQA
         kw["n_inner"] = kw.pop("intermediate_size")
         kw.pop("num_key_value_heads")
-    return AutoConfig.for_model(model_type, **kw)
+    try:
+        return AutoConfig.for_model(model_type, **kw)
+    except _config_errors() as e:  # the config's own validation (a RoPE head size that is odd)
+        sizes = f"--n-embd {cfg.n_embd} --n-head {cfg.n_head}"
+        raise ModelError(
+            f"--arch {cfg.arch} {sizes}: transformers refuses the config ({_first_line(e)}); "
+            "pick other sizes"
+        ) from e
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What building a transformers config raises for values it refuses: ValueError, or (the
+    strict dataclasses of transformers 5) huggingface_hub's validation error."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, StrictDataclassError)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of what ``e`` says, or of its cause's (a validator's own ValueError)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _is_moe(config) -> bool:
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
+def _graph_layers(net, whole: bool, backend: str, compile: bool) -> None:  # noqa: A002
+    """``graph_layers`` of the model; its refusal of the model (``ValueError``: MoE experts it
+    cannot graph, no decoder layers) as a :class:`ModelError` (one line, exit code 2)."""
+    from tgraph.integrations import transformers as tg_hf
+
+    try:
+        tg_hf.graph_layers(unwrap(net), whole=whole, backend=backend, compile=compile)
+    except ValueError as e:
+        mode = "model" if whole else "layer"
+        raise ModelError(f"--graph {mode} cannot graph this model: {_first_line(e)}") from e
 
 
 # config.json fields that record a save, not the model: compared by neither side of a resume
@@ -238,15 +300,19 @@ class HFSpec(ModelSpec):
     clip_in_optimizer_order = True  # eager clipping sums the norm as OptimizerGraph does
 
     def check(self, cfg):
-        build_config(cfg)
+        hf = build_config(cfg)
+        if cfg.experts == "eager" and cfg.graph != "none" and _is_moe(hf):
+            raise ModelError(
+                "--experts eager runs transformers' loop over the experts, a host sync per "
+                f"expert, which no graph can hold (--graph {cfg.graph}): use --experts "
+                "batched_mm, or --graph none"
+            )
 
     def build(self, cfg, device):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(build_config(cfg), attn_implementation="sdpa")
-        if getattr(model.config, "num_experts", None) or getattr(
-            model.config, "num_local_experts", None
-        ):
+        if _is_moe(model.config):
             model.set_experts_implementation(cfg.experts)
         if cfg.gradient_checkpointing:  # non-reentrant: the only kind a backward graph can run
             kwargs = {"use_reentrant": False}
@@ -275,14 +341,10 @@ class HFSpec(ModelSpec):
         return self.loss(net, x, y, use_cache=kv_heads < config.num_attention_heads)
 
     def enable_graphs(self, net, backend, compile=False):  # noqa: A002 - enable's option
-        from tgraph.integrations import transformers as tg_hf
-
-        tg_hf.graph_layers(unwrap(net), backend=backend, compile=compile)
+        _graph_layers(net, whole=False, backend=backend, compile=compile)
 
     def enable_model_graph(self, net, backend, compile=False):  # noqa: A002
-        from tgraph.integrations import transformers as tg_hf
-
-        tg_hf.graph_layers(unwrap(net), whole=True, backend=backend, compile=compile)
+        _graph_layers(net, whole=True, backend=backend, compile=compile)
 
     def disable_graphs(self, net):
         from tgraph.integrations import transformers as tg_hf
@@ -291,7 +353,7 @@ class HFSpec(ModelSpec):
 
     def save_weights(self, model, directory, extra):
         unwrap(model).save_pretrained(directory, safe_serialization=True)
-        write_manifest(Path(directory), extra)
+        write_manifest(Path(directory), extra, files=("config.json",))
 
     def read_extra(self, directory):
         return read_manifest(Path(directory)).get("extra")
@@ -302,10 +364,20 @@ class HFSpec(ModelSpec):
     def check_resume(self, cfg, directory):
         """The model config this run builds (``build_config``: ``--config``'s file as it reads
         now) against the checkpoint's ``config.json``: a file edited since the checkpoint was
-        written builds another model whose shapes may still fit the weights."""
+        written builds another model whose shapes may still fit the weights. A ``config.json``
+        missing, damaged (its sha256 is in the manifest) or unreadable refuses the checkpoint
+        (``CheckpointError``) like any other damaged file of it."""
         from transformers import AutoConfig
 
-        saved = AutoConfig.from_pretrained(directory).to_dict()
+        try:
+            verify_files(Path(directory))
+            saved = AutoConfig.from_pretrained(directory).to_dict()
+        except (OSError, *_config_errors()) as e:  # CheckpointError is a ValueError
+            raise CheckpointError(
+                f"cannot resume from {directory}: its config.json cannot be used "
+                f"({_first_line(e)}). "
+                f"{earlier_checkpoints_hint(Path(directory))}"
+            ) from e
         now = build_config(cfg).to_dict()
         differ = config_differences(now, saved)
         if differ:

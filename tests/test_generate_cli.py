@@ -207,7 +207,7 @@ def _expect_refusal(capsys, ckpt: Path, *messages: str) -> None:
 @pytest.fixture
 def hf_checkpoint(tmp_path) -> Path:
     """A checkpoint as recipes/train_hf.py writes it: save_pretrained, the manifest of its
-    tensors' sha256 (gpt_training.spec.write_manifest) and trainer.pt."""
+    tensors' and config.json's sha256 (gpt_training.spec.write_manifest) and trainer.pt."""
     transformers = pytest.importorskip("transformers")
     from gpt_training.spec import write_manifest
 
@@ -219,13 +219,14 @@ def hf_checkpoint(tmp_path) -> Path:
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
     transformers.LlamaForCausalLM(config).save_pretrained(ckpt)
     (ckpt / "trainer.pt").write_bytes(b"the optimizer state")
-    write_manifest(ckpt, {"step": 2})
+    write_manifest(ckpt, {"step": 2}, files=("config.json",))
     return ckpt
 
 
 def test_train_hf_checkpoint_is_served_only_when_its_weights_verify(hf_checkpoint, capsys):
     """Before: generate served damaged weights, or weights without a manifest, and exited 0;
-    a resume refuses both."""
+    a resume refuses both. So is a config.json edited since (the same shapes, another
+    activation: it used to be served)."""
     served = generate("--ckpt", str(hf_checkpoint), "--prompt", "ab")
     assert len(served) == 1 and "(LlamaForCausalLM)" in capsys.readouterr().out
     weights = hf_checkpoint / "model.safetensors"
@@ -233,6 +234,11 @@ def test_train_hf_checkpoint_is_served_only_when_its_weights_verify(hf_checkpoin
     _flip_weight_bytes(weights)
     _expect_refusal(capsys, hf_checkpoint, "model.safetensors is corrupt", "checkpoint.json")
     weights.write_bytes(intact)
+    config = hf_checkpoint / "config.json"
+    intact = config.read_text()
+    config.write_text(json.dumps({**json.loads(intact), "hidden_act": "relu"}))
+    _expect_refusal(capsys, hf_checkpoint, "config.json is corrupt", "checkpoint.json")
+    config.write_text(intact)
     (hf_checkpoint / "checkpoint.json").unlink()
     _expect_refusal(capsys, hf_checkpoint, "has no checkpoint.json", "cannot be verified")
     (hf_checkpoint / "trainer.pt").unlink()  # a save_pretrained directory of another origin

@@ -26,6 +26,7 @@ from gpt_training import trainer  # recipes/ is on sys.path: tests/conftest.py
 from killed_runs import Killed, killed_after_checkpoint
 from safetensors.torch import load_file
 
+from tgraph.toy import corpus
 from tgraph.toy.corpus import BatchSampler
 
 pytest.importorskip("transformers", reason="needs transformers (pip install 'tgraph[dev]')")
@@ -192,6 +193,27 @@ def test_clip_and_decay_out_of_range_are_one_line_before_anything_is_written(
     assert main(recipe, f"--out={out}", flag) == 2
     name = flag[2:].split("=")[0].replace("-", "_")
     assert f"{name}=" in one_line_error(capsys) and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--seed=99999999999999999999", "seed=99999999999999999999 is invalid: use an integer"),
+        ("--val-fraction=0.999999", "the 'train' split is empty with val_fraction=0.999999"),
+        ("--val-fraction=1e-9", "the 'val' split is empty with val_fraction=1e-09"),
+        ("--block-size=100000000", "cannot hold a window of block_size=100000000"),
+    ],
+    ids=["seed", "no-train-files", "no-val-files", "block-size"],
+)
+def test_data_the_corpus_cannot_give_is_one_line_before_anything_is_written(
+    recipe, flag, message, tmp_path, monkeypatch, capsys
+):
+    """Before: tracebacks from torch.manual_seed and from the corpus, after --out was created
+    (and, for the toy GPT, a 100M-position embedding built)."""
+    monkeypatch.setattr(trainer, "load_split", corpus.load_split)  # the real split, by file
+    out = tmp_path / "run"
+    assert main(recipe, f"--out={out}", flag) == 2
+    assert message in one_line_error(capsys) and not out.exists()
 
 
 def test_help_words_every_graph_mode(recipe, capsys):

@@ -237,8 +237,27 @@ def test_skip_mode_skips_nonfinite_steps(tmp_path, monkeypatch):
     summary = tg.train(cfg(out, on_nonfinite="skip"))
     assert summary["skipped_steps"] == 1 and math.isfinite(summary["final_train_loss"])
     assert all(torch.isfinite(t).all() for t in params(out / "checkpoints" / "latest").values())
-    with pytest.raises(ValueError, match="TrainConfig.on_nonfinite=.*skip needs --graph none"):
+    with pytest.raises(ValueError, match=r"on_nonfinite=.*skip needs --graph none, layer or model"):
         cfg(out, on_nonfinite="skip", graph="full")
+
+
+def test_skip_mode_skips_nonfinite_steps_of_the_whole_model_graph(tmp_path, monkeypatch):
+    """--graph model keeps the optimizer step eager, so it can skip (the refusal of skip with
+    --graph full or layer+opt used to name none and layer alone): a nan loss, made from the
+    graph's loss outside it, skips its step and the graphed model replays on."""
+    real, calls = tg.GPT_SPEC.loss, []
+
+    def loss(net, x, y):
+        out = real(net, x, y)
+        calls.append(net.training)
+        return out * float("nan") if net.training and calls.count(True) == 3 else out
+
+    monkeypatch.setattr(tg.GPT_SPEC, "loss", loss)
+    out = tmp_path / "run"
+    summary = tg.train(cfg(out, on_nonfinite="skip", graph="model"))
+    assert summary["skipped_steps"] == 1 and math.isfinite(summary["final_train_loss"])
+    assert summary["eager_calls"] == 0
+    assert all(torch.isfinite(t).all() for t in params(out / "checkpoints" / "latest").values())
 
 
 def test_damaged_checkpoint_is_refused_and_names_an_earlier_one(finished, tmp_path):

@@ -41,6 +41,7 @@ def _load_recipe():
 
 th = _load_recipe()
 from gpt_training import trainer  # noqa: E402  (recipes/ is on sys.path: tests/conftest.py)
+from gpt_training.spec import saved_form  # noqa: E402
 from gpt_training.step import FULL_WARMUP  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def run(tmp_path, backend, device, monkeypatch):
         assert th.main(argv) == 0
         latest = out / "checkpoints" / "latest"
         model = AutoModelForCausalLM.from_pretrained(latest)
-        assert set(load_file(latest / "model.safetensors")) <= set(model.state_dict())
+        assert set(load_file(latest / "model.safetensors")) <= set(saved_form(model))
         return {k: v.clone() for k, v in model.state_dict().items()}
 
     return go
@@ -133,9 +134,15 @@ class Killed(Exception):
     pass
 
 
-def test_a_killed_run_resumes_bit_for_bit(run, backend, monkeypatch):
-    """Killed right after its step-2 checkpoint, the run continues from it as if never stopped."""
-    straight = run("straight", "--steps", "4")
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_a_killed_run_resumes_bit_for_bit(run, backend, arch, monkeypatch, tmp_path):
+    """Killed right after its step-2 checkpoint, the run continues from it as if never stopped:
+    the same weights and AdamW state. An MoE model (transformers 5 holds its experts fused,
+    ``save_pretrained`` writes them one by one) resumes too: before, its own checkpoint was
+    refused (the file's names are not the model's). CPU runs are bit for bit with one thread
+    (tests/conftest.py); MoE's gradients are not with several (README)."""
+    flags = ("--arch", arch, "--steps", "4")
+    straight = run("straight", *flags)
     save = trainer.save_checkpoint
 
     def save_then_die(*args, **kwargs):
@@ -144,10 +151,15 @@ def test_a_killed_run_resumes_bit_for_bit(run, backend, monkeypatch):
 
     monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
     with pytest.raises(Killed):
-        run("killed", "--steps", "4")
+        run("killed", *flags)
     monkeypatch.setattr(trainer, "save_checkpoint", save)
-    resumed = run("killed", "--steps", "4", "--resume", "latest")
+    resumed = run("killed", *flags, "--resume", "latest")
     torch.testing.assert_close(resumed, straight, **tol(backend))
+    states = [
+        torch.load(tmp_path / n / "checkpoints/latest/trainer.pt", weights_only=True)["optimizer"]
+        for n in ("killed", "straight")
+    ]
+    torch.testing.assert_close(states[0], states[1], **tol(backend))
 
 
 def test_a_fresh_run_into_an_out_with_checkpoints_is_refused(run, capsys):
@@ -231,3 +243,109 @@ def test_a_config_file_edited_since_the_checkpoint_is_refused(
     assert "Restore the config" in err and "another --out" in err, err
     after = {p: p.read_bytes() for p in (tmp_path / "edited").rglob("*") if p.is_file()}
     assert after == before  # nothing written: no step-4 checkpoint, metrics and config as they were
+
+
+def test_moe_weights_load_through_transformers_and_must_save_back_the_same(tmp_path, monkeypatch):
+    """``save_pretrained`` writes an MoE layer's experts one by one (mixtral: renamed too); the
+    model holds them fused. ``load_verified_into`` converts the verified tensors with
+    transformers' loading, then requires the model to save back exactly those tensors: a
+    conversion that does not invert ``save_pretrained``'s is refused, never trained on."""
+    from gpt_training.spec import load_verified_into, write_manifest
+
+    from tgraph.toy.checkpoint import CheckpointError
+
+    cfg = th.HFTrainConfig(arch="mixtral", n_layer=1, n_embd=32, n_head=2)
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    model = th.HF_SPEC.build(cfg, cpu)
+    model.save_pretrained(tmp_path)
+    write_manifest(tmp_path, {}, files=("config.json",))
+    assert not set(load_file(tmp_path / "model.safetensors")) <= set(model.state_dict())
+    fresh = th.HF_SPEC.build(cfg, cpu)  # other random weights
+    load_verified_into(fresh, tmp_path)
+    torch.testing.assert_close(fresh.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+    real = type(model).from_pretrained
+
+    def one_expert_off(*args, **kwargs):
+        twin = real(*args, **kwargs)
+        twin.model.layers[0].mlp.experts.down_proj.data[1] += 1
+        return twin
+
+    monkeypatch.setattr(type(model), "from_pretrained", one_expert_off)
+    with pytest.raises(
+        CheckpointError, match=r"does not give back the saved tensors \[.*experts\.1"
+    ):
+        load_verified_into(th.HF_SPEC.build(cfg, cpu), tmp_path)
+
+
+def test_a_damaged_or_missing_checkpoint_config_is_one_line(run, backend, device, tmp_path, capsys):
+    """Before: a traceback from transformers (config.json was neither in the manifest nor read
+    with a guard). Its sha256 is in checkpoint.json now; damaged or missing, or unreadable in an
+    older checkpoint that records no sha256 of it: one line (exit code 1) naming the file and
+    the earlier checkpoint, and nothing written."""
+    run("r", "--graph", "none", "--steps", "4")
+    out = tmp_path / "r"
+    ckpt = out / "checkpoints" / "step_000004"
+    config, intact = ckpt / "config.json", (ckpt / "config.json").read_bytes()
+    argv = [*TINY, "--graph", "none", "--steps", "6", "--resume", "latest", "--out", str(out),
+            "--device", device.type, "--backend", backend]  # fmt: skip
+
+    def refused(why: str) -> None:
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            th.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert why in err and "--resume " in err and "step_000002" in err, err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    config.write_bytes(intact[:100])
+    refused("config.json is corrupt")
+    config.unlink()
+    refused("config.json is missing")
+    manifest = ckpt / "checkpoint.json"
+    body = json.loads(manifest.read_text())
+    del body["files"]  # an older save's manifest
+    manifest.write_text(json.dumps(body))
+    config.write_bytes(intact[:100])
+    refused("config.json' is not a valid JSON file")
+    config.write_bytes(intact)
+    run("r", "--graph", "none", "--steps", "6", "--resume", "latest")  # intact again: resumes
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--n-embd", "36", "--n-head", "4"], "RoPE requires an even rotary dimension"),
+        (["--config", "t5"], "is a 't5' config, which no causal LM"),
+        (["--arch", "mixtral", "--experts", "bogus"], "invalid choice: 'bogus'"),
+        (["--arch", "mixtral", "--experts", "eager"], "--experts eager runs transformers' loop"),
+        (["--experts", "eager", "--graph", "full"], "--experts eager"),
+    ],
+    ids=["odd-rope-head", "t5", "bogus-experts", "eager-experts-layer", "eager-experts-full"],
+)
+def test_models_that_cannot_be_built_or_graphed_are_one_line(tmp_path, capsys, flags, message):
+    """Before: tracebacks from transformers (the config's validation, AutoModelForCausalLM of
+    a t5 config, an unknown experts implementation) and from graph_layers (eager experts),
+    each after --out was created. Now one line, exit code 2, nothing written."""
+    if flags[:2] == ["--config", "t5"]:
+        config = tmp_path / "t5.json"
+        config.write_text(json.dumps({"model_type": "t5", "vocab_size": 256, "d_model": 32}))
+        flags = ["--config", str(config)]
+    if flags[-2:] == ["--graph", "full"]:
+        flags = ["--arch", "qwen3_moe", *flags]
+    out = tmp_path / "run"
+    err = _one_line_exit_2(capsys, [*TINY, *flags, "--out", str(out)])
+    assert message in err, err
+    assert not out.exists()
+
+
+def test_graph_layers_refusing_the_model_is_a_model_error():
+    """graph_layers' own refusal (ValueError) reaches the command line as a ModelError (one
+    line, exit code 2): experts on the eager loop, met past the config check."""
+    cfg = th.HFTrainConfig(arch="mixtral", n_layer=1, n_embd=32, n_head=2, experts="eager")
+    model = th.HF_SPEC.build(cfg, torch.device("cpu"))
+    with pytest.raises(th.ModelError, match=r"--graph model cannot graph this model: .*eager"):
+        th.HF_SPEC.enable_model_graph(model, "emulated")

@@ -306,6 +306,25 @@ def test_cli_reports_a_bad_checkpoint_without_a_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_step_the_full_graph_cannot_capture_is_one_line(tmp_path, monkeypatch, capsys):
+    """tgraph's refusal to capture (CaptureError: here a loss read on the host, .item(), inside
+    the full step) ends the run with one line and exit code 2, not a traceback."""
+    real = tg.GPT_SPEC.loss
+
+    def loss_read_on_the_host(net, x, y):
+        out = real(net, x, y)
+        _ = out.item()
+        return out
+
+    monkeypatch.setattr(tg.GPT_SPEC, "loss", loss_read_on_the_host)
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"]
+    with pytest.raises(SystemExit) as exit_info:
+        tg.main([*argv, "--no-progress", "--device=cpu", "--graph=full", f"--out={tmp_path}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: --graph full cannot capture this step: ") and ".item()" in err
+
+
 # -- two processes under torchrun (gloo) --------------------------------------------------------
 
 

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
+from tgraph import CaptureError
 from tgraph.toy.checkpoint import CheckpointError
 
 from .checkpointing import RunDirectoryError, latest_checkpoint
 from .config import DEFAULT_STEPS, GRAPH_MODE_HELP, RunOnly, TrainConfig
 from .parallel import exit_now
 from .spec import GPT_SPEC, ModelError, ModelSpec
-from .trainer import NonFiniteLossError, TrainingInterrupted, train
+from .trainer import DataError, NonFiniteLossError, TrainingInterrupted, train
 
 EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT (128 + 2)
 
@@ -124,8 +125,11 @@ def run_cli(cfg: TrainConfig, rank: int, spec: ModelSpec = GPT_SPEC) -> int:
     """Train; report the errors a user can act on in one line. Returns the exit code."""
     try:
         train(cfg, spec)
-    except (RunDirectoryError, ModelError) as e:
+    except (RunDirectoryError, ModelError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except CaptureError as e:  # tgraph refuses to capture what the step does
+        print(f"error: --graph {cfg.graph} cannot capture this step: {e}", file=sys.stderr)
         return 2
     except (CheckpointError, FileNotFoundError, NonFiniteLossError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -152,7 +156,8 @@ def main(
     description: str = "",
 ) -> None:
     """A recipe's ``main``: parse, train, exit with the code of what happened (0, 1: a bad
-    checkpoint or non-finite loss, 2: a bad argument or run directory, 130: Ctrl-C)."""
+    checkpoint or non-finite loss, 2: a bad argument or run directory, or a step the graph mode
+    cannot capture, 130: Ctrl-C)."""
     cfg = parse_config(argv, config_cls, description)
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(

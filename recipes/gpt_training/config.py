@@ -31,6 +31,7 @@ GRAPH_MODE_HELP = {  # --help's words for each mode; a recipe lists its own (Run
     "full": "the whole training step as one graph",
 }
 NONFINITE_MODES = ("stop", "skip")
+CAPTURED_STEPS = ("full", "layer+opt")  # modes whose optimizer step is a graph: no skip
 DEFAULT_STEPS = 2000  # a fresh run's --steps when none is given
 
 
@@ -113,6 +114,8 @@ class DataConfig(ConfigGroup):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_counts(("batch_size",))
+        if not -(2**63) <= self.seed < 2**63:  # torch's generators take 64-bit seeds
+            raise self._invalid("seed", "use an integer from -2**63 to 2**63 - 1")
         if not 0.0 < self.val_fraction < 1.0:
             raise self._invalid(
                 "val_fraction", "use a fraction strictly between 0 and 1 (e.g. 0.05)"
@@ -203,11 +206,15 @@ class StepConfig(RunOnly):
             raise self._invalid("backend", "use --backend auto, cuda or emulated")
         if self.on_nonfinite not in NONFINITE_MODES:
             raise self._invalid("on_nonfinite", "use --on-nonfinite stop or skip")
-        if self.on_nonfinite == "skip" and self.graph in ("full", "layer+opt"):
+        if self.on_nonfinite == "skip" and self.graph in CAPTURED_STEPS:
             # A captured step always applies its update: the host cannot skip part of a graph.
+            modes = [
+                m for m in getattr(self, "graph_modes", GRAPH_MODES) if m not in CAPTURED_STEPS
+            ]
             raise self._invalid(
                 "on_nonfinite",
-                f"skip needs --graph none or layer; use stop with --graph {self.graph}",
+                f"skip needs --graph {', '.join(modes[:-1])} or {modes[-1]} (an eager optimizer "
+                f"step); use stop with --graph {self.graph}",
             )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise self._invalid("device", "use --device auto, cpu, cuda or cuda:N")

@@ -12,12 +12,16 @@ The model part of a checkpoint carries a manifest with the sha256 of every tenso
 ``extra`` entry, in which the trainer records ``trainer.pt``'s sha256: nothing resumes unverified.
 The toy GPT's manifest is ``tgraph.toy.checkpoint``'s ``config.json``; a model that owns
 ``config.json`` (transformers' ``save_pretrained``) uses :func:`write_manifest` and
-:func:`read_manifest` (``checkpoint.json`` beside its ``*.safetensors`` files).
+:func:`read_manifest` (``checkpoint.json`` beside its ``*.safetensors`` files; it records the
+sha256 of that ``config.json`` too).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -180,9 +184,10 @@ def _weight_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def write_manifest(directory: Path, extra: dict) -> None:
-    """Record the sha256 of every tensor in ``directory``'s ``*.safetensors`` files, and
-    ``extra``, in ``directory/checkpoint.json`` (written last, atomically)."""
+def write_manifest(directory: Path, extra: dict, files: tuple[str, ...] = ()) -> None:
+    """Record the sha256 of every tensor in ``directory``'s ``*.safetensors`` files, of the
+    other ``files`` named (a ``config.json`` the model is read with), and ``extra``, in
+    ``directory/checkpoint.json`` (written last, atomically)."""
     from safetensors.torch import load_file
 
     sha = {}
@@ -191,6 +196,8 @@ def write_manifest(directory: Path, extra: dict) -> None:
     if not sha:
         raise CheckpointError(f"{directory}: no *.safetensors files were written")
     body = {"format": MANIFEST_FORMAT, "version": 1, "sha256": sha, "extra": extra}
+    if files:
+        body["files"] = {n: hashlib.sha256((directory / n).read_bytes()).hexdigest() for n in files}
     checkpoint.atomic_write_bytes(
         directory / MANIFEST_NAME, (json.dumps(body, indent=2) + "\n").encode()
     )
@@ -217,9 +224,36 @@ def read_manifest(directory: Path) -> dict:
     return body
 
 
+def verify_files(directory: Path, body: dict | None = None) -> None:
+    """Check the files besides the weights that ``directory``'s manifest (``body``, read when
+    None) records (``write_manifest(files=...)``: a transformers ``config.json``) against their
+    sha256. A manifest that records none (an older save) checks nothing.
+
+    Raises:
+        FileNotFoundError: no manifest.
+        CheckpointError: a recorded file missing or changed.
+    """
+    body = read_manifest(directory) if body is None else body
+    recorded = body.get("files", {})
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{directory / MANIFEST_NAME} records no file checksums it can read")
+    for name, digest in sorted(recorded.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path} is missing (its sha256 is recorded in {MANIFEST_NAME}); the checkpoint "
+                "was edited"
+            )
+        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            raise CheckpointError(
+                f"{path} is corrupt: its sha256 differs from the one recorded in "
+                f"{MANIFEST_NAME} when it was saved (damaged on disk or edited after saving)"
+            )
+
+
 def load_verified(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of ``directory``'s ``*.safetensors`` files, each checked against the sha256
-    recorded in its manifest.
+    recorded in its manifest (and the other files it records: :func:`verify_files`).
 
     Raises:
         FileNotFoundError: no manifest.
@@ -227,7 +261,9 @@ def load_verified(directory: Path) -> dict[str, torch.Tensor]:
     """
     from safetensors.torch import load_file
 
-    recorded = read_manifest(directory)["sha256"]
+    body = read_manifest(directory)
+    verify_files(directory, body)
+    recorded = body["sha256"]
     files = {f.name: f for f in _weight_files(directory)}
     if set(files) != set(recorded):
         raise CheckpointError(
@@ -249,10 +285,30 @@ def load_verified(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def saved_form(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors under the names a checkpoint of it holds: its ``state_dict()``, but
+    for a transformers model whose weights ``save_pretrained`` writes in another layout than
+    it holds them (transformers 5 keeps an MoE layer's experts fused, ``experts.gate_up_proj``,
+    and writes them one by one, ``experts.0.gate_proj.weight``), the layout written: its
+    conversion mapping reversed, as ``save_pretrained`` computes it."""
+    state = model.state_dict()
+    hf = sys.modules.get("transformers")  # a transformers model has imported it
+    if hf is None or not isinstance(model, hf.PreTrainedModel):
+        return state
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 writes every weight as it holds it
+        return state
+    return revert_weight_conversion(model, state)
+
+
 def load_verified_into(model: torch.nn.Module, directory: Path) -> None:
     """Copy the weights of ``directory`` (``*.safetensors`` and their manifest) into ``model``,
-    each verified first (:func:`load_verified`): names and shapes strictly, except the tied
-    weights ``save_pretrained`` leaves out (gpt2's ``lm_head``), which share a loaded tensor.
+    each verified first (:func:`load_verified`): names and shapes strictly, against the layout
+    the model saves (:func:`saved_form`), except the tied weights ``save_pretrained`` leaves out
+    (gpt2's ``lm_head``), which share a loaded tensor. A layout other than the model's own (fused
+    MoE experts) is converted by transformers' loading (``from_pretrained``), and the model must
+    then save back to exactly the verified tensors.
 
     Raises:
         FileNotFoundError: no manifest.
@@ -260,21 +316,37 @@ def load_verified_into(model: torch.nn.Module, directory: Path) -> None:
     """
     state = load_verified(directory)
     own = model.state_dict()
-    shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
+    saved = saved_form(model)
+    shapes = [k for k in saved.keys() & state.keys() if saved[k].shape != state[k].shape]
     # load_state_dict would cast integers into a float weight silently (an edited header)
     shapes += [
         k
-        for k in own.keys() & state.keys()
-        if own[k].is_floating_point() != state[k].is_floating_point()
+        for k in saved.keys() & state.keys()
+        if saved[k].is_floating_point() != state[k].is_floating_point()
     ]
-    unexpected = sorted(state.keys() - own.keys())
+    unexpected = sorted(state.keys() - saved.keys())
     if shapes or unexpected:
         raise CheckpointError(
             f"checkpoint {directory} does not match the model of this run: unexpected keys "
             f"{unexpected}, shape or dtype mismatches {sorted(set(shapes))}"
         )
-    model.load_state_dict(state, strict=False)
-    loaded = {own[k].data_ptr() for k in state}
-    missing = sorted(k for k in own.keys() - state.keys() if own[k].data_ptr() not in loaded)
+    loaded = {saved[k].data_ptr() for k in state}
+    missing = sorted(k for k in saved.keys() - state.keys() if saved[k].data_ptr() not in loaded)
     if missing:
         raise CheckpointError(f"checkpoint {directory} lacks the weights {missing}")
+    if saved.keys() == own.keys():
+        model.load_state_dict(state, strict=False)
+        return
+    twin = type(model).from_pretrained(None, config=copy.deepcopy(model.config), state_dict=state)
+    model.load_state_dict(twin.state_dict())
+    again = saved_form(model)
+    differ = sorted(
+        k
+        for k in state
+        if again[k].dtype != state[k].dtype or not torch.equal(again[k].cpu(), state[k])
+    )
+    if differ:  # a conversion that does not invert save_pretrained's: never train on guesses
+        raise CheckpointError(
+            f"checkpoint {directory}: transformers' conversion of its weights to the model's "
+            f"layout does not give back the saved tensors {differ[:5]}"
+        )

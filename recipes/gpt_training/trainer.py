@@ -58,6 +58,12 @@ class NonFiniteLossError(RuntimeError):
     """The loss (or the weights) became nan or inf; the run stopped before checkpointing it."""
 
 
+class DataError(ValueError):
+    """The corpus cannot give the data the command line asks for: a split that
+    ``--val-fraction`` leaves empty, windows longer than a shard (exit code 2, like a bad
+    argument)."""
+
+
 class TrainingInterrupted(Exception):
     """Ctrl-C (SIGINT): the run stopped at a step boundary after writing a checkpoint."""
 
@@ -191,11 +197,12 @@ def _every(n: int, done: int) -> bool:
 def _setup(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> Run:
     """Everything before the first step: resume, build, the step, ``config.json``, metrics."""
     spec.check(cfg)  # a model that cannot be built is refused before --out is touched
+    sampler, val_batches = _load_data(cfg, env)  # and so is data the corpus cannot give
     cfg, state, resume_dir = _resume(cfg, env, spec)
     start = state["step"] if state else 0
     # The cosine horizon of the run's first start, kept by every resume (see optim.lr_at).
     decay = state.get("lr_decay_steps", state["config"]["steps"]) if state else cfg.steps
-    model, opt, sampler, val_batches = _build(cfg, env, state, resume_dir, spec)
+    model, opt = _build(cfg, env, state, resume_dir, spec, sampler)
     out = Path(cfg.out)
     if env.is_main:
         logger.info(
@@ -258,40 +265,52 @@ def _resume(
 
 
 def _build(
-    cfg: TrainConfig, env: DistEnv, state: dict | None, resume_dir: Path | None, spec: ModelSpec
-) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSampler, list]:
-    """The model, its optimizer, this rank's data; restored from ``state`` when resuming."""
+    cfg: TrainConfig,
+    env: DistEnv,
+    state: dict | None,
+    resume_dir: Path | None,
+    spec: ModelSpec,
+    sampler: BatchSampler,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer; they and ``sampler`` restored from ``state`` when resuming."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = spec.build(cfg, env.device)
     if resume_dir:
         load_model_weights(model, resume_dir, spec)
     torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout stream
-    sampler, val_batches = _load_data(cfg, env)
     opt = spec.make_optimizer(model, cfg, env.device)
     if state:
         spec.load_optimizer(opt, state["optimizer"], env.device)
         set_rng_state(state["rng"][env.rank], sampler, env.device)
         logger.info("resumed from %s at step %d", resume_dir, state["step"])
-    return model, opt, sampler, val_batches
+    return model, opt
 
 
 def _load_data(cfg: TrainConfig, env: DistEnv) -> tuple[BatchSampler, list]:
-    """This rank's training sampler and its fixed validation batches."""
+    """This rank's training sampler and its fixed validation batches.
+
+    Raises:
+        DataError: a split ``--val-fraction`` leaves empty, or a ``--block-size`` window longer
+            than this rank's shard of a split.
+    """
     data_kw = dict(
         val_fraction=cfg.val_fraction,
         rank=env.rank,
         world_size=env.world_size,
         include_tests=cfg.include_tests,
     )
-    sampler = BatchSampler(
-        load_split("train", **data_kw),
-        cfg.batch_size,
-        cfg.block_size,
-        seed=cfg.seed + 100_003 * (env.rank + 1),
-    )
-    val_batches = fixed_batches(
-        load_split("val", **data_kw), cfg.batch_size, cfg.block_size, cfg.eval_batches
-    )
+    try:
+        sampler = BatchSampler(
+            load_split("train", **data_kw),
+            cfg.batch_size,
+            cfg.block_size,
+            seed=cfg.seed + 100_003 * (env.rank + 1),
+        )
+        val_batches = fixed_batches(
+            load_split("val", **data_kw), cfg.batch_size, cfg.block_size, cfg.eval_batches
+        )
+    except ValueError as e:  # tgraph.toy.corpus's refusals: an empty split, a shard too short
+        raise DataError(f"the corpus cannot serve this run: {e}") from e
     return sampler, val_batches
 
 

@@ -153,8 +153,9 @@ def load_split(
     files = split_files(list_sources(root, include_tests=include_tests), split, val_fraction)
     if not files:
         raise ValueError(
-            f"the {split!r} split is empty with val_fraction={val_fraction}; "
-            "choose a val_fraction strictly between 0 and 1"
+            f"the {split!r} split is empty with val_fraction={val_fraction}: files are split "
+            f"whole, and none falls in it; choose a "
+            f"{'smaller' if split == 'train' else 'larger'} val_fraction (e.g. 0.05)"
         )
     ends = []  # ends[i]: stream offset just past file i
     total = 0
