@@ -17,6 +17,7 @@ from layer_models import ATOL, RTOL, MLPBlock, TwoOut, gpt_batches, tiny_gpt, tw
 
 import tgraph
 from tgraph.layers.direct_grads import DirectRoute
+from tgraph.layers.record import Record
 
 
 def _train(model, batches, backend=None, *, accumulate=1, lr=0.1, before=None, **enable):
@@ -298,21 +299,25 @@ def test_gradients_asked_for_get_eagers(backend, device, asked, how, direct, swa
 @pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad"])
 @pytest.mark.parametrize("forwards", [1, 2])
 def test_a_parameter_of_two_units_gets_eagers_gradient(backend, device, how, forwards):
-    """Recorded with two forwards before their backward, each block is two units (one per
+    """Recorded with two forwards before their backwards, each block is two units (one per
     call in flight) writing the same parameters: asked for one, the engine's entry must ask
     for both units' anchors (found in review on HF Llama: it asked for one, the other unit's,
     and autograd said the parameter was unused), and hand back their sum when both ran.
-    Strict: every call replays."""
+    Recorded with a backward each (one backward through both would leave the parameters to
+    autograd: test_a_parameter_also_reached_elsewhere_accumulates_as_eager), the later
+    forward's first, as the summed loss later runs them. Strict: every call replays."""
     torch.manual_seed(0)
     model = MLPNetLike(device)
     eager = copy.deepcopy(model)
     tgraph.enable(model, backend=backend, strict=True)
     xs = [torch.randn(4, 16, device=device) for _ in range(2)]
-    sum(model(x).sum() for x in xs).backward()  # the recorded step: two forwards in flight
+    losses = [model(x).sum() for x in xs]  # the recorded step: two forwards in flight
+    for loss in reversed(losses):
+        loss.backward()
     model.zero_grad(set_to_none=True)
     tgraph.create_graphs()
     routes = [u.state.route.direct for u in tgraph.layers.manager._manager.units]
-    assert len(routes) == 2 and all(routes)
+    assert len(routes) == 2 and all(len(r.params) == len(r.kept) for r in routes)
     w = model.blocks[1].fc1.weight
     for m in (model, eager):
         loss = sum(m(x).pow(2).sum() for x in xs[:forwards])
@@ -522,3 +527,100 @@ def test_the_default_under_torch_distributed_keeps_autograds_path(backend, devic
         assert tgraph.eager_calls() == 0
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------ a parameter reached through a unit and elsewhere
+# Autograd adds up a leaf's gradients before it accumulates them into .grad: G + (o + g). A node
+# writing its share into .grad apart rounds (G + o) + g once .grad holds an earlier microbatch's.
+
+
+class TanhBlock(tgraph.GraphableModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class SharedUse(nn.Module):
+    """Two graphed blocks and an eager head; ``how`` says where the first block's weight has
+    another use: eager code before the blocks or after them, the second block (tied), or a
+    second call of the first block in flight in the same backward (``twice``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b, self.head = TanhBlock(), TanhBlock(), nn.Linear(8, 1)
+        if how == "tied":
+            self.b.fc.weight = self.a.fc.weight
+
+    def forward(self, x):
+        w = self.a.fc.weight
+        if self.how == "twice":
+            return self.head(self.a(self.a(x))).square().mean() + self.head(self.a(x)).mean()
+        if self.how == "before":
+            side = (x @ w.t()).sum(-1, keepdim=True)
+            return (self.head(self.b(self.a(x))) + side).square().mean()
+        h = self.b(self.a(x))
+        side = (h @ w.t()).sum(-1, keepdim=True) if self.how == "after" else 0.0
+        return (self.head(h) + side).square().mean()
+
+
+def check_shared_use(backend, device, replays, how, merge):
+    """Graphed (direct gradients by default) and eager twins, two microbatches a step, SGD:
+    every gradient bitwise eager's on the emulated backend (CUDA: within RTOL). Strict: every
+    call after the recorded one replays, counted. Returns the graphed model and the
+    parameters its units write directly."""
+    torch.manual_seed(0)
+    model = SharedUse(how).to(device)
+    eager = twin(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
+    tgraph.enable(model, backend=backend, strict=True, merge=merge)
+    g = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(4, 8, generator=g).to(device) for _ in range(2)] for _ in range(4)]
+    tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+    for i, micro in enumerate(steps):
+        before = replays[0]
+        for m, opt in zip((model, eager), opts):
+            for x in micro:
+                m(x).backward()
+                if i == 0 and m is model and not tgraph.layers.manager._manager.captured:
+                    tgraph.create_graphs()
+            grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+            if m is model:
+                got = grads
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for k, (p, q) in enumerate(zip(got, grads)):
+            torch.testing.assert_close(p, q, **tol, msg=lambda s, i=i, k=k: f"step {i}, {k}: {s}")
+        units = tgraph.layers.manager._manager.units
+        if i:
+            assert replays[0] - before == 2 * len(units) * len(micro)
+    assert tgraph.eager_calls() == 0
+    return model, [p for u in units for p in u.state.route.direct.params]
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per_module"])
+@pytest.mark.parametrize("how", ["before", "after", "tied", "twice"])
+def test_a_parameter_also_reached_elsewhere_accumulates_as_eager(
+    backend, device, replays, how, merge
+):
+    """A parameter that the recorded backward reached through a unit and elsewhere too keeps
+    autograd's path (its AccumulateGrad adds the two up first, as eager's does); the units
+    still write their other parameters themselves, and a merged stack the weight its blocks
+    tie (it sums the two itself). Found by a probe: written directly, the first block's
+    weight was up to 9.5e-7 off eager's from the second microbatch on."""
+    model, direct = check_shared_use(backend, device, replays, how, merge)
+    assert any(p is model.a.fc.weight for p in direct) == (how == "tied" and merge)
+    assert any(p is model.b.fc.bias for p in direct) == (how != "twice")  # twice: b unused
+
+
+def test_planted_bug_a_parameter_reached_elsewhere_written_directly_is_caught(
+    backend, device, replays, monkeypatch
+):
+    if backend != "emulated":
+        pytest.skip("bitwise only on the emulated backend")
+    monkeypatch.setattr(Record, "reached_elsewhere", lambda self, members: set())
+    with pytest.raises(AssertionError, match="not equal"):
+        check_shared_use(backend, device, replays, "before", False)

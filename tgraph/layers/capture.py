@@ -357,12 +357,15 @@ class GraphedUnit:
     def roots(self) -> list[torch.nn.Module]:
         return [r.module for r in self.members]
 
-    def bake(self, internal: dict[int, list[torch.Tensor]]) -> None:
+    def bake(self, internal: dict[int, list[torch.Tensor]], shared: set[int] = frozenset()) -> None:
         """After every capture of the pool: freeze the capture into :attr:`cap` with what the
         graphs baked in (:class:`tgraph.baked.Baked`) and how much of their memory tgraph
         alone uses (a re-pointed parameter's old memory may then be written; one swapped into
         another tensor may not), and set the replay state up. ``internal``: per static buffer's
-        data pointer, tgraph's own tensors on it (all units')."""
+        data pointer, tgraph's own tensors on it (all units'). ``shared``: ids of parameters the
+        recorded iteration's backward reached through this unit and elsewhere too
+        (:meth:`tgraph.layers.record.Record.reached_elsewhere`), which keep autograd's path
+        under direct gradients."""
         stored = tuple(r.draft.stored for r in self.members)
         skip = {id(m): {k for m2, k, _ in st if m2 is m} for st in stored for m, _, _ in st}
         baked = Baked.of(self.labelled_modules(), self.roots(), skip=skip)
@@ -407,7 +410,10 @@ class GraphedUnit:
             params=tuple(p if id(p) not in where else None for p in self.draft.params),
             param_out=self.draft.param_out,
             fusion=self.draft.fusion,
-            direct=DirectGrads(self.direct_grads),
+            direct=DirectGrads(
+                self.direct_grads,
+                tuple(self.draft.fusion.keep([id(p) in shared for p in self.draft.params])),
+            ),
             flags=self.draft.flags,
             unused=self.draft.unused,
             baked=baked,

@@ -17,7 +17,7 @@ from tgraph.backend import GraphFactory, resolve_backend
 from tgraph.baked import describe_hooks, memory_uses
 from tgraph.errors import GraphFallbackWarning
 from tgraph.guards import CaptureError, explain_capture_failure
-from tgraph.layers import verify
+from tgraph.layers import direct_grads, verify
 from tgraph.layers.captured import InFlight
 from tgraph.layers.enable import reset_layer_graphs
 from tgraph.layers.manager import _Manager, _manager
@@ -56,6 +56,7 @@ def create_graphs() -> CaptureReport:
     """
     m = _manager
     runners = _recorded_runners(m)
+    direct_grads.observe_backwards(None)  # the recorded iteration is over
     start = time.perf_counter()
     # before the capture takes aliases: the uses of the parameters' memory that are not tgraph's
     uses_before = memory_uses(m.modules)
@@ -100,7 +101,7 @@ def create_graphs() -> CaptureReport:
         f.synchronize()
     m.segments = [seg for seg in m.segments if seg.head.segment is seg and seg.head in runners]
     units = list(dict.fromkeys(r.segment or r for r in runners if r not in eager))
-    _bake(units, uses_before)
+    _bake(units, uses_before, {u: m.record.reached_elsewhere(u.members) for u in units})
     m.captured, m.units = True, units
     for mod in m.modules:
         st = mod._tgraph
@@ -307,18 +308,19 @@ def _by_parts(runners: list[Runner], eager: dict[Runner, str], plain: dict[Runne
             eager[o] = f"{eager[o]}; the graphed modules inside it keep their own graphs"
 
 
-def _bake(units: list, uses_before: dict[int, int]) -> None:
+def _bake(units: list, uses_before: dict[int, int], shared: dict) -> None:
     """Each unit's frozen capture result, once every graph of the pool exists; each learns which
     tensors on its static buffers are tgraph's own (the others are held by the caller), and
     which uses of its parameters' memory (``uses_before``: :func:`tgraph.baked.memory_uses`
-    before the capture)."""
+    before the capture). ``shared``: per unit, its parameters that the recorded backward also
+    reached elsewhere (:meth:`tgraph.layers.record.Record.reached_elsewhere`)."""
     internal: dict[int, list[torch.Tensor]] = {}
     for u in units:
         ins = (x for r in u.members for x in r.draft.static_inputs)
         for t in [*u.draft.static_outputs, *ins]:
             internal.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     for u in units:
-        u.bake(internal)
+        u.bake(internal, shared[u])
     for u in units:
         u.count_uses(uses_before)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import compress, repeat
 from operator import attrgetter, is_, is_not
 
@@ -40,7 +40,14 @@ class DirectGrads:
     engine's entry (:func:`_guard_inputs`) asks for the anchor of a directly written parameter
     in its place and hands back that parameter's gradient, and the node writes no ``.grad``
     the call did not ask for. Parameters with tensor hooks, non-contiguous, non-leaf or
-    subclassed ones keep autograd's path. Never direct: units under torch.distributed (DDP,
+    subclassed ones keep autograd's path, and so do those that a backward of the recorded
+    iteration reached through the unit and elsewhere too (``shared``: eager code outside the
+    unit, such as a head that reuses a block's weight, another unit, or another call of the unit
+    in flight; :meth:`tgraph.layers.record.Record.note_backward`): autograd adds up a leaf's
+    gradients before it accumulates them into ``.grad``, which writing one's share into
+    ``.grad`` apart would round otherwise once ``.grad`` holds an earlier microbatch's
+    (``(G + o) + g`` where eager computes ``G + (o + g)``). Such a use that only begins after
+    the recorded iteration is not seen. Never direct: units under torch.distributed (DDP,
     FSDP and megatron-core hook the parameters' gradient accumulators, which would not run) or
     a torch.func transform; by default a unit finding either at a forward goes back to
     autograd's path for good, and ``direct_grads=True`` refuses them. Not seen: hooks
@@ -50,8 +57,10 @@ class DirectGrads:
     (``direct_grads=False`` runs them).
     """
 
-    def __init__(self, enabled: bool | None = None) -> None:
+    def __init__(self, enabled: bool | None = None, shared: tuple[bool, ...] = ()) -> None:
         self.enabled = enabled  # None: wherever it is exact (chosen, not asked for)
+        # per parameter of the node (fused ones left out): reached elsewhere too in the record
+        self.shared = shared
 
     @staticmethod
     def refuse_distributed() -> None:
@@ -72,7 +81,7 @@ class DirectGrads:
             self.enabled = False
             return None
         self.refuse_distributed()
-        return DirectRoute(kept, device)
+        return DirectRoute(kept, device, self.shared)
 
     def leave(self, name: str) -> None:
         """At a forward under a torch.func transform or torch.distributed: the default goes
@@ -131,9 +140,12 @@ class DirectRoute:
         "__weakref__",
     )
 
-    def __init__(self, kept: list[torch.Tensor], device: torch.device) -> None:
+    def __init__(
+        self, kept: list[torch.Tensor], device: torch.device, shared: tuple[bool, ...] = ()
+    ) -> None:
         self.kept = kept  # per parameter gradient the node's backward computes
-        self.mask = tuple(map(_direct, kept))
+        shared = shared or (False,) * len(kept)  # reached elsewhere too: autograd's path
+        self.mask = tuple(_direct(p) and not s for p, s in zip(kept, shared, strict=True))
         self.keeps = tuple(not m for m in self.mask)  # those that keep autograd's path
         self.params = list(compress(kept, self.mask))
         self.unique = len(set(map(id, self.params))) == len(self.params)
@@ -320,6 +332,8 @@ def _guard_inputs(run):
     falsy test."""
 
     def run_backward(t_outputs, *args, **kwargs):
+        if _observer[0] is not None and _graph_task_id() == -1:  # per-layer graphs record
+            _observer[0](t_outputs)
         inputs = args[3] if len(args) > 3 else kwargs.get("inputs")
         if not inputs or not _ROUTES or _unguarded[0]:
             return run(t_outputs, *args, **kwargs)
@@ -357,6 +371,28 @@ def _guard_inputs(run):
 
     run_backward._tgraph_guard = True
     return run_backward
+
+
+_observer: list[Callable[[tuple], None] | None] = [None]  # sees each backward's roots
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+
+
+def observe_backwards(observer: Callable[[tuple], None] | None) -> None:
+    """While per-layer graphs record: ``observer`` sees the roots of every backward and
+    ``autograd.grad`` started outside a backward pass (the record finds there the parameters a
+    unit and other code both reach, which keep autograd's path:
+    :meth:`tgraph.layers.record.Record.note_backward`); None: none. Nothing is observed where
+    direct gradients stay off: torch.distributed initialized, or no engine's entry to wrap
+    (another PyTorch)."""
+    if observer is not None:
+        if not _guardable() or distributed():
+            return
+        _install_guard()
+    _observer[0] = observer
+
+
+def observing() -> bool:
+    return _observer[0] is not None
 
 
 def _set(args: tuple, kwargs: dict, i: int, name: str, value) -> tuple[tuple, dict]:

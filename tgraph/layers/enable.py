@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from tgraph.backend import check_backend_name
 from tgraph.baked import watch_module_writes
-from tgraph.layers.direct_grads import DirectGrads
+from tgraph.layers.direct_grads import DirectGrads, observe_backwards
 from tgraph.layers.manager import GraphableModule, _manager, _ModuleState, _param_slots
 from tgraph.layers.runner import compile_options_of, compiled_call, warn_skipped_call
 
@@ -170,6 +170,7 @@ def reset_layer_graphs() -> None:
         mod._tgraph.warned.clear()
         mod._tgraph.plain = False
     _manager.record.clear()
+    observe_backwards(None)
     _manager.captured = False
     _manager.report = None
     _manager.eager_calls = 0

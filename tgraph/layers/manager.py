@@ -42,7 +42,7 @@ from tgraph.baked import _epoch as _module_epoch
 from tgraph.baked import call_with_own_hooks, hooks_run_outside, watched
 from tgraph.errors import GraphFallbackError, GraphFallbackWarning
 from tgraph.layers import capture as _unit
-from tgraph.layers import verify
+from tgraph.layers import direct_grads, verify
 from tgraph.layers.capture import graphed_region
 from tgraph.layers.grads import GradHandOff
 from tgraph.layers.record import NoteBackward, Record, Turns
@@ -256,16 +256,30 @@ class _Manager:
             call.rng_before = rng.position(runner.device)
             call.region = rng.forward_region()
             call.nodes_before = _autograd_nodes()  # ... nor eager autograd code
-        if type(runner.module).graphs_parts:  # its graphable modules record their calls too
-            self.outer.append(runner)
-            try:
-                out = module_call(runner.module)(*args, **kwargs)
-            finally:
-                self.outer.pop()
-        else:
-            out = self._plain_call(runner.module, args, kwargs)
+        if runner.direct_grads is not False and not direct_grads.observing():
+            direct_grads.observe_backwards(self.record.note_backward)
+        span = self.record.open_call(runner, _autograd_nodes())  # the nodes it makes
+        try:
+            if type(runner.module).graphs_parts:  # its graphable modules record their calls too
+                self.outer.append(runner)
+                try:
+                    out = module_call(runner.module)(*args, **kwargs)
+                finally:
+                    self.outer.pop()
+            else:
+                out = self._plain_call(runner.module, args, kwargs)
+            if first:
+                call.rng_after = rng.position(runner.device)
+            out = self._note_outputs(runner, out, inputs)
+        finally:
+            self.record.close_call(span, _autograd_nodes())
         if first:
-            call.rng_after = rng.position(runner.device)
+            call.nodes_after = span.hi
+        return out
+
+    def _note_outputs(self, runner: Runner, out, inputs: list):
+        """The recorded call's outputs, with the node that notes their backward on those that
+        require grad."""
         outs, template = split(out)
         holder = next(filter(None, map(tensor_holder, template.leaves)), None)
         if holder is not None and verify.settings.rules:
@@ -284,8 +298,6 @@ class _Manager:
         else:  # no backward: the runner stays busy while its outputs live
             hold_while_alive(runner.state, [o for o in outs if all(o is not t for t in inputs)])
         self.record.note_outputs(runner, outs)
-        if first:
-            call.nodes_after = _autograd_nodes()
         return out
 
     def _plain_call(self, module: nn.Module, args: tuple, kwargs: dict):

@@ -22,12 +22,19 @@ run while an earlier one awaits its backward, gets one runner per layer and micr
 TransformerEngine graphs it. Reusing one runner per in-flight depth there cannot be safe in
 one pool: stage 0 of ``F0 F1 B0 F2 B1 ...`` would replay the graph of ``F0`` (captured before
 ``F1``'s activations existed) while ``F1`` awaits its backward.
+
+The record also notes which autograd nodes each recorded call made (a :class:`Span` of
+autograd's node counter) and, at each recorded backward, which calls' nodes (or eager code's)
+hand a gradient to each leaf (:meth:`Record.note_backward`): a parameter that a unit and
+something else both reach keeps autograd's path under direct gradients
+(:meth:`Record.reached_elsewhere`).
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -48,6 +55,11 @@ class Record:
         self._first: dict[int, list] = {}
         self._producers: dict[int, tuple[weakref.ref, Runner, int]] = {}
         self._consumers: dict[int, tuple[weakref.ref, list[tuple[Runner, int]]]] = {}
+        self._spans: list[Span] = []  # every recorded call's autograd nodes
+        self._open: list[Span] = []  # ... the calls in progress, innermost last
+        # per leaf that one recorded backward reached from several places: the leaf, and the
+        # innermost span of each place (None: eager code outside every recorded call)
+        self._shared: list[tuple[weakref.ref, set[Span | None]]] = []
 
     def add(self, runner: Runner, phase: Phase) -> None:
         first = self._first.get(id(runner))
@@ -108,11 +120,105 @@ class Record:
             return []
         return list(entry[1])
 
+    def open_call(self, runner: Runner, nodes: int) -> Span:
+        """A recorded call of ``runner`` starts; ``nodes``: autograd's node counter now."""
+        span = Span(runner, nodes, self._open[-1] if self._open else None)
+        self._spans.append(span)
+        self._open.append(span)
+        return span
+
+    def close_call(self, span: Span, nodes: int) -> None:
+        """The call of ``span`` ended (returned or raised); ``nodes``: the counter now."""
+        span.hi = nodes
+        self._open.remove(span)
+
+    def note_backward(self, roots: Iterable[torch.Tensor]) -> None:
+        """A backward (or ``autograd.grad``) of the recorded iteration starts from ``roots``:
+        note each leaf that it reaches from more than one place, a place being the innermost
+        recorded call whose nodes hand the leaf a gradient, or eager code. Autograd adds up a
+        leaf's gradients before accumulating them into ``.grad``; a unit writing ``.grad`` itself
+        must leave such a leaf to autograd (:meth:`reached_elsewhere`). Recording only: one walk
+        of the graph per backward."""
+        if not self._spans:
+            return
+        spans = sorted(self._spans, key=_outer_first)
+        starts = [s.lo for s in spans]
+        places: dict[int, tuple[torch.Tensor, set[Span | None]]] = {}
+        seen: dict[int, object] = {}  # wrappers kept alive: their ids stay unique (reached_leaves)
+        stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if id(fn) in seen:
+                continue
+            seen[id(fn)] = fn
+            for nxt, _ in fn.next_functions:
+                if nxt is None:
+                    continue
+                leaf = getattr(nxt, "variable", None)  # an AccumulateGrad node
+                if leaf is None:
+                    stack.append(nxt)
+                    continue
+                place = _innermost(spans, starts, fn._sequence_nr())
+                places.setdefault(id(leaf), (leaf, set()))[1].add(place)
+        for leaf, where in places.values():
+            if len(where) > 1:
+                self._shared.append((weakref.ref(leaf), where))
+
+    def reached_elsewhere(self, members: Iterable[Runner]) -> set[int]:
+        """Ids of the leaves that a recorded backward reached both through calls of
+        ``members`` (a unit's runners, or runners recorded inside theirs) and from elsewhere
+        (eager code, another unit, another call in flight)."""
+        ids = {id(r) for r in members}
+
+        def ours(place: Span | None) -> bool:
+            while place is not None:
+                if id(place.runner) in ids:
+                    return True
+                place = place.outer
+            return False
+
+        found = set()
+        for ref, where in self._shared:
+            leaf = ref()
+            mine = [ours(p) for p in where]
+            if leaf is not None and any(mine) and not all(mine):
+                found.add(id(leaf))
+        return found
+
     def clear(self) -> None:
         self.events.clear()
         self._first.clear()
         self._producers.clear()
         self._consumers.clear()
+        self._spans.clear()
+        self._open.clear()
+        self._shared.clear()
+
+
+class Span:
+    """The autograd nodes one recorded call made: sequence numbers ``lo`` to ``hi`` (autograd's
+    node counter, this thread's, before and after the call; ``hi`` unknown while it runs), and
+    the recorded call it ran inside (``outer``: a whole model's, whose parts record too)."""
+
+    __slots__ = ("runner", "lo", "hi", "outer")
+
+    def __init__(self, runner: Runner, lo: int, outer: Span | None) -> None:
+        self.runner, self.lo, self.hi, self.outer = runner, lo, math.inf, outer
+
+
+def _outer_first(span: Span) -> tuple:
+    return span.lo, -span.hi
+
+
+def _innermost(spans: list[Span], starts: list[int], seq: int) -> Span | None:
+    """The innermost span holding node ``seq`` (``spans`` sorted by :func:`_outer_first`,
+    ``starts`` their ``lo``), or None. Calls nest or follow each other, so the spans holding
+    it are the last one starting at or before it and its outer ones."""
+    i = bisect_right(starts, seq) - 1
+    span = spans[i] if i >= 0 else None
+    while span is not None and seq >= span.hi:
+        span = span.outer
+    return span
 
 
 class Turns:
