@@ -57,7 +57,11 @@ carries every layer's state (above), and a call it was not recorded with (no ``l
 ``torch.cuda.is_current_stream_capturing()`` to skip its host syncs; the capture takes that
 branch (an explicit causal mask where eager passes SDPA's causal flag), and the warmup before it
 takes the same one (:func:`tgraph.emulated.emulated_capture`). Whether that branch computes
-eager's bits depends on the attention kernel and the transformers version. Measured
+eager's bits depends on the attention kernel and the transformers version. With grouped k/v
+heads the mask makes transformers repeat k and v in Python (``repeat_kv``) where eager lets SDPA
+group them (``enable_gqa``): the backward adds each group's gradients up in another order, so
+the gradients before the attention differ by rounding (1.5e-8 to 3e-8 on the CPU at head dim
+8), inside the verifier's tolerance; per-layer graphs give eager's bits there. Measured
 (``scripts/probe_hf_mask_path.py``, an H100, transformers 5.17, no attention mask): fp32 bit for
 bit; bf16 within rounding (another SDPA kernel: the loss 5e-5 off), which the shadow verifier's
 tolerance passes; per-layer graphs are bit for bit there. transformers 5.25 takes the same
