@@ -6,10 +6,10 @@ import contextlib
 
 import pytest
 import torch
-from layer_models import ATOL, RTOL, MLPNet, mlp_batches, tiny_gpt, twin
+from layer_models import ATOL, RTOL, MLPBlock, MLPNet, mlp_batches, tiny_gpt, twin
 
 import tgraph
-from tgraph.layers import capture, direct_grads, manager
+from tgraph.layers import capture, direct_grads, manager, record
 from tgraph.layers import replay as bridge
 
 
@@ -605,3 +605,82 @@ def test_planted_bug_stack_merged_across_an_auxiliary_loss_is_caught(
     monkeypatch.setattr(manager, "_autograd_nodes", lambda: 0)  # nothing seen between calls
     with pytest.raises(AssertionError, match="not equal"):
         check_sums_in_eager_order(backend, device, replays, "aux_per_block", None)
+
+
+def _hooked_step(blocks, device, seed: int, how: str | None, at: int = 0):
+    """Three blocks called in a row; a hook or retain_grad() on block ``at``'s output. Returns
+    that output's gradient as the hook saw it (None: not seen)."""
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(seed)).to(device)
+    hs = [x]
+    for b in blocks:
+        hs.append(b(hs[-1]))
+    seen, h = [], hs[at + 1]
+    if how == "hook":
+        h.register_hook(seen.append)
+    elif how == "retain_grad":
+        h.retain_grad()
+    hs[-1].square().mean().backward()
+    return (seen[0] if seen else None) if how == "hook" else h.grad
+
+
+def check_hooked_inner_output(backend, device, replays, how):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(MLPBlock(16) for _ in range(3)).to(device)
+    eager = twin(blocks)
+    tgraph.enable(blocks, backend=backend, strict=True)
+    tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+    report = None
+    for i in range(3):
+        before = replays[0]
+        got = _hooked_step(blocks, device, i, how)
+        want = _hooked_step(eager, device, i, how)
+        if i == 0:
+            report = tgraph.create_graphs()
+        else:  # block 0 alone (forward, backward), blocks 1 and 2 merged (forward, backward)
+            assert replays[0] - before == 4 and tgraph.eager_calls() == 0
+        assert got is not None, f"step {i}: the hook saw no gradient"
+        torch.testing.assert_close(got, want, **tol)
+        for p, q in zip(blocks.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **tol)
+        blocks.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    return report
+
+
+@pytest.mark.parametrize("how", ["hook", "retain_grad"])
+def test_hook_on_inner_output_recorded_keeps_its_block_apart(backend, device, replays, how):
+    """A hook (or retain_grad()) on a block's output, there in the recorded step too, keeps
+    that block out of the stack: the hook sees eager's gradient at every replay, and the
+    report names the pair left apart."""
+    report = check_hooked_inner_output(backend, device, replays, how)
+    assert report.segments == 1
+    assert [u.split(" (the recorded")[0] for u in report.unmerged] == [
+        "0 (MLPBlock) and 1 (MLPBlock)"
+    ]
+    assert "retain_grad() on the first one's output" in report.unmerged[0]
+
+
+def test_planted_bug_hooked_block_merged_is_caught(backend, device, replays, monkeypatch):
+    """Without the record's hook check the block is merged; the replay's check then raises
+    (without that too, the hook would see nothing: test_hook_on_inner_output_after_capture_raises
+    fails when it is planted)."""
+    monkeypatch.setattr(record, "_hooked", lambda ref: False)  # the record sees no hook
+    with pytest.raises(tgraph.GraphFallbackError, match="module 0 of the merged stack"):
+        check_hooked_inner_output(backend, device, replays, "hook")
+
+
+@pytest.mark.parametrize("how", ["hook", "retain_grad"])
+def test_hook_on_inner_output_after_capture_raises(backend, device, replays, how):
+    """A hook on an inner output of a merged stack that the recorded step did not show cannot
+    get its gradient from the stack's backward graph: the backward raises, never a silent
+    None, and names the fix."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(MLPBlock(16) for _ in range(3)).to(device)
+    tgraph.enable(blocks, backend=backend, strict=True)
+    _hooked_step(blocks, device, 0, None)
+    assert tgraph.create_graphs().segments == 1
+    before = replays[0]
+    _hooked_step(blocks, device, 1, how, at=2)  # the last block's output: its own gradient
+    assert replays[0] - before == 2 and tgraph.eager_calls() == 0
+    with pytest.raises(tgraph.GraphFallbackError, match=r"module 1 of the merged stack.*merge="):
+        _hooked_step(blocks, device, 2, how, at=1)

@@ -2,6 +2,8 @@
 warning every fallback to eager gives (:class:`GraphFallbackWarning`).
 
 * :class:`GraphFallbackError`: under ``strict=True``, a graphed call matched no captured graph;
+  in any mode, a merged stack's backward found a hook on an inner output that the recorded
+  iteration did not show (its graph cannot give that hook its gradient);
 * :class:`ReplayOrderError`: a backward would read saved activations that another unit's backward
   graph overwrote, because the backwards ran in an order the pool is not safe for
   (:mod:`tgraph.pool`);
@@ -19,7 +21,9 @@ class GraphFallbackWarning(UserWarning):
 
 
 class GraphFallbackError(RuntimeError):
-    """Under ``strict=True``: a graphed call matched no captured graph (the message says why)."""
+    """Under ``strict=True``: a graphed call matched no captured graph (the message says why).
+    In any mode: a merged stack's backward found a hook or ``retain_grad()`` on an inner
+    output that the recorded iteration did not show."""
 
 
 class ReplayOrderError(RuntimeError):

@@ -402,6 +402,7 @@ class GraphedUnit:
             ),
             templates=tuple(r.draft.out_template for r in self.members),
             slices=tuple(self._member_slices()),
+            inner=tuple(i for i in self.draft.out_rg if i < self._member_slices()[-1].start),
             sources=tuple(tuple(src) for src in self._member_sources()),
             static_grad_outputs=tuple(self.draft.static_grad_outputs),
             static_grads=tuple(self.draft.static_grads),

@@ -100,6 +100,9 @@ class Captured:
     # (tgraph.layers.shortcut.MemberModes)
     modes: Any = None
     rng_read: Any = None  # ... and where its generators stand, read cheaply (tgraph.rng.reader)
+    # a merged stack: its outputs that require grad of every member but the last, whose
+    # gradients from inside the stack its backward graph adds (checked for hooks at backward)
+    inner: tuple[int, ...] = ()
 
     @property
     def members(self) -> int:

@@ -42,6 +42,7 @@ class RecordedCall:
     region: int = 0  # the autograd Function whose forward it ran in (tgraph.rng.forward_region)
     nodes_before: int = -1  # autograd's node counter before its forward (torch's sequence number)
     nodes_after: int = -1  # ... and after its call, the node that notes its backward included
+    hooked: bool = False  # its recorded backward found a hook or retain_grad() on an output
 
 
 @dataclass(eq=False)

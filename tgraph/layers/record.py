@@ -269,7 +269,9 @@ class NoteBackward(torch.autograd.Function):
     """Identity on the outputs of a recorded call; its backward logs ``(runner, "bwd")``, then
     calls ``land`` (the runner's flight ends: :meth:`tgraph.layers.replay.Flight.land`). A
     second backward through the same call (``retain_graph=True``) marks the runner refused
-    (:data:`BACKWARD_TWICE`): create_graphs() leaves it eager."""
+    (:data:`BACKWARD_TWICE`): create_graphs() leaves it eager. A hook or ``retain_grad()`` on
+    an output, found in its backward, keeps the runner apart from the next one
+    (:data:`tgraph.layers.segment.HOOKED`)."""
 
     @staticmethod
     def forward(ctx, record: Record, runner: Runner, land: Callable[[], None], *outputs):
@@ -279,13 +281,26 @@ class NoteBackward(torch.autograd.Function):
         # reaches keep .grad None (a zero gradient would still move them through AdamW).
         ctx.set_materialize_grads(False)
         # clones, not views: the caller may modify a recorded output in place, as in eager mode
-        return tuple(o.clone() for o in outputs)
+        outs = tuple(o.clone() for o in outputs)
+        ctx.outs = [weakref.ref(o) for o in outs]  # weak: no cycle through this node
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
         if ctx.backed:
             ctx.runner.refused = BACKWARD_TWICE
         ctx.backed = True
+        draft = ctx.runner.draft  # (None once captured)
+        if draft is not None and any(map(_hooked, ctx.outs)):
+            draft.call.hooked = True
         ctx.record.add(ctx.runner, "bwd")
         ctx.land()
         return (None, None, None, *grads)
+
+
+def _hooked(ref: weakref.ref) -> bool:
+    """Whether the tensor ``ref`` points at has a hook (``register_hook``) or retains its
+    gradient: a merged stack's backward sums an inner output's gradient out of autograd's
+    sight (:data:`tgraph.layers.segment.HOOKED`)."""
+    t = ref()
+    return t is not None and (bool(t._backward_hooks) or t.retains_grad)

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from tgraph import rng
 from tgraph.baked import _epoch as _module_epoch
 from tgraph.baked import recording_outputs
-from tgraph.errors import StaleBackwardError
+from tgraph.errors import GraphFallbackError, StaleBackwardError
 from tgraph.layers import verify
 from tgraph.layers.backward import (
     after_backward,
@@ -479,6 +479,8 @@ class GraphedCall(torch.autograd.Function):
         for i in cap.fresh_outputs:  # a loss: kept across steps by callers, so a copy
             outs[i] = outs[i].clone()
         outs = tuple(outs)
+        if cap.inner:  # a merged stack's inner outputs, for the backward's hook check (weak:
+            ctx.inner = [weakref.ref(outs[i]) for i in cap.inner]  # no cycle through the node)
         # The backward graph may read the outputs as saved activations: saving them lets
         # autograd check their version counters (an in-place change raises, as in eager).
         # Keeping them on ctx instead would make a reference cycle through the autograd node.
@@ -515,6 +517,12 @@ class GraphedCall(torch.autograd.Function):
                 "graph reads the graph's static outputs, so the gradient would be wrong. Clone "
                 "the output before modifying it (y = block(x).clone())."
             ) from exc
+        if cap.inner:
+            for i, ref in zip(cap.inner, ctx.inner):
+                t = ref()
+                if t is not None and (t._backward_hooks or t.retains_grad):
+                    flight.land()
+                    raise GraphFallbackError(hooked_inner(cap, i))
         cap.fusion.check()
         direct = state.route.direct
         asked = None if direct is None else direct.request(cap.name, cap.direct.enabled is True)
@@ -541,6 +549,20 @@ class GraphedCall(torch.autograd.Function):
             n = len(cap.static_grads)
             result[n:] = direct.deliver(result[n:], asked, moved, adding)
         return (None, None, None, *result)
+
+
+def hooked_inner(cap: Captured, i: int) -> str:
+    """Why a merged stack's backward refuses: a hook or ``retain_grad()`` on output ``i``,
+    an inner member's, which the recorded iteration did not show."""
+    j = next(j for j, s in enumerate(cap.slices) if s.start <= i < s.stop)
+    return (
+        f"tgraph: a hook or retain_grad() on an output of module {j} of the merged stack "
+        f"{cap.name}, which the recorded iteration did not show: the stack's backward graph adds "
+        "that output's gradient from the next module inside itself, so the hook would never see "
+        "it. Record a step with the hook (tgraph.reset(), one such step, then "
+        "tgraph.create_graphs(), which keeps that module apart), or pass merge=False to "
+        "tgraph.enable."
+    )
 
 
 _apply = super(torch.autograd.Function, GraphedCall).apply

@@ -55,13 +55,20 @@ BETWEEN = (
     "inside the stack in another order than eager, off in the last bits"
 )
 
+HOOKED = (
+    "the recorded iteration's backward found a hook or retain_grad() on the first one's "
+    "output: merged, the stack's backward would add that output's gradient from the next one "
+    "inside its graph, where the hook never sees it"
+)
+
 
 def mergeable_chains(
     events: list[tuple[Runner, str]], unmerged: list[str] | None = None
 ) -> list[list[Runner]]:
     """Chains of at least two runners that may be merged (see the module docstring).
     ``unmerged`` gets the neighbours left apart only because eager autograd code ran between
-    their calls, with the reason."""
+    their calls (:data:`BETWEEN`) or a hook watched the first one's output's gradient
+    (:data:`HOOKED`), with the reason."""
     first: dict[tuple[int, str], int] = {}
     for i, (r, phase) in enumerate(events):
         first.setdefault((id(r), phase), i)
@@ -104,6 +111,10 @@ def mergeable_chains(
         if call.nodes_before != prev.draft.call.nodes_after:  # gradients summed otherwise
             if unmerged is not None:
                 unmerged.append(f"{named(prev.module)} and {named(nxt.module)} ({BETWEEN})")
+            return False
+        if prev.draft.call.hooked:  # its output's whole gradient must reach autograd
+            if unmerged is not None:
+                unmerged.append(f"{named(prev.module)} and {named(nxt.module)} ({HOOKED})")
             return False
         return True
 
