@@ -602,7 +602,8 @@ def test_planted_bug_stack_merged_across_an_auxiliary_loss_is_caught(
 ):
     if backend != "emulated":
         pytest.skip("bitwise only on the emulated backend")
-    monkeypatch.setattr(manager, "_autograd_nodes", lambda: 0)  # nothing seen between calls
+    for where in (manager, bridge):  # nothing seen between calls, recorded or replayed
+        monkeypatch.setattr(where, "_autograd_nodes", lambda: 0)
     with pytest.raises(AssertionError, match="not equal"):
         check_sums_in_eager_order(backend, device, replays, "aux_per_block", None)
 
@@ -684,3 +685,63 @@ def test_hook_on_inner_output_after_capture_raises(backend, device, replays, how
     assert replays[0] - before == 2 and tgraph.eager_calls() == 0
     with pytest.raises(tgraph.GraphFallbackError, match=r"module 1 of the merged stack.*merge="):
         _hooked_step(blocks, device, 2, how, at=1)
+
+
+def _aux_after_capture(backend, device, replays, strict, direct, aux_from=2, steps=5):
+    """A stack merged without code between its blocks, then an auxiliary loss on every block's
+    output from step ``aux_from`` on (AdamW, graphed and eager twins): the parameters bitwise
+    equal after every step on the emulated backend. Returns the eager calls per step."""
+    model = tiny_gpt(device)
+    eager = twin(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+    tgraph.enable(model, backend=backend, strict=strict, direct_grads=direct)
+    g = torch.Generator().manual_seed(0)
+    tol = dict(rtol=0, atol=0) if backend == "emulated" else dict(rtol=RTOL, atol=ATOL)
+    calls = []
+    for i in range(steps):
+        x, y = torch.randn(2, 8, 32, generator=g), torch.randint(0, 256, (2, 8), generator=g)
+        loss_fn = _aux_per_block if i >= aux_from else _tied_weight  # (no tie: a plain stack)
+        before, eager_before = replays[0], tgraph.eager_calls()
+        for m, opt in zip((model, eager), opts):
+            loss_fn(m, x.to(device), y.to(device)).backward()
+            if i == 0 and m is model:
+                assert tgraph.create_graphs().segments == 1
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if 0 < i < aux_from:  # the stack replays whole, every member answered by the graph
+            assert replays[0] - before == 2 and tgraph.eager_calls() == eager_before
+        calls.append(tgraph.eager_calls() - eager_before)
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, **tol, msg=lambda m, i=i, n=n: f"step {i}, {n}: {m}")
+    return calls
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "autograd"])
+@pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict"])
+def test_auxiliary_loss_between_blocks_after_capture_is_seen(
+    backend, device, replays, strict, direct
+):
+    """An auxiliary loss between the blocks of a merged stack that starts only after capture
+    makes autograd nodes between the members' calls (the recorded stack made none): the next
+    member's call sees autograd's node counter moved since the previous member's outputs were
+    handed out. That step warns (strict raises) and its later members run eagerly, as does the
+    whole stack from then on: the gradients are summed in eager's order (bitwise on the emulated
+    backend), where the merged backward would add the auxiliary loss's in another."""
+    if strict:
+        with pytest.raises(tgraph.GraphFallbackError, match="made autograd nodes after capture"):
+            _aux_after_capture(backend, device, replays, strict, direct)
+        return
+    with pytest.warns(tgraph.GraphFallbackWarning, match="made autograd nodes after capture"):
+        calls = _aux_after_capture(backend, device, replays, strict, direct)
+    assert calls == [0, 0, 2, 3, 3]  # step 2: the later members; then the whole stack
+
+
+def test_planted_bug_auxiliary_loss_after_capture_unseen_is_caught(
+    backend, device, replays, monkeypatch
+):
+    if backend != "emulated":
+        pytest.skip("bitwise only on the emulated backend")
+    for where in (bridge, manager):  # take() sees no node made between the calls
+        monkeypatch.setattr(where, "_autograd_nodes", lambda: 0)
+    with pytest.raises(AssertionError, match="not equal"):
+        _aux_after_capture(backend, device, replays, False, None)

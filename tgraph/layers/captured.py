@@ -177,6 +177,7 @@ class StackCursor:
         "shapes",
         "modes_at",
         "rng_at",
+        "nodes_at",
     )
 
     def __init__(self) -> None:
@@ -191,6 +192,8 @@ class StackCursor:
         self.shapes: dict = {}  # member -> its calls' tgraph.layers.shortcut.Shape, once learned
         self.modes_at = -1  # module epoch when members' training flags were last found as keyed
         self.rng_at: object = None  # where the generators stood after the replay (rng_read)
+        # autograd's node counter when the previous member's outputs were handed out
+        self.nodes_at = -1
 
     def release(self) -> None:
         """Forget the replayed stack's outputs and head inputs (its last member took its

@@ -202,6 +202,8 @@ class _Manager:
                         r.state.stack.shapes[j] = shape
                     elif not j and len(r.cap.slices) > 1:
                         remember_head(r.state.stack, args, kwargs)
+                    if r.segment is not None:  # what the next member's take() compares with
+                        r.state.stack.nodes_at = _autograd_nodes()
                     return _outputs(r, j, out)
                 if not j and out is not BUSY and cap is not None:
                     r.state.verify_next = True  # an event: the next replay is verified
@@ -236,6 +238,7 @@ class _Manager:
                     turns = state.turns.get(r.key)
                     if turns is not None:
                         turns.took(r)
+                r.state.stack.nodes_at = _autograd_nodes()  # (take() compares)
                 return _outputs(r, j, out)
         return None
 

@@ -46,6 +46,7 @@ _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _grad_enabled = torch._C.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
+_autograd_nodes = torch._C._autograd._get_sequence_nr  # autograd's node counter, this thread
 _dist = torch.distributed
 
 
@@ -78,6 +79,13 @@ LEFT_AFTER_DRAW = (
     "its numbers again, or drew none where the replay had, so that step's random numbers "
     "differ from eager's; it runs eagerly from now on (to graph such steps, record them, then "
     "tgraph.reset() and tgraph.create_graphs(), or pass merge=False to tgraph.enable)"
+)
+NODES_BETWEEN = (
+    "eager code between the calls of its modules made autograd nodes after capture (an "
+    "auxiliary loss on a module's output?): merged, the stack's backward would add that code's "
+    "gradients to the ones inside the stack in another order than eager, off in the last bits; "
+    "it runs eagerly from now on (record that code, then tgraph.reset() and "
+    "tgraph.create_graphs(), to graph its modules apart)"
 )
 DIFFERENT_SHARED_INPUT = (
     "an input captured as another graphed module's output buffer arrived as a different tensor"
@@ -223,6 +231,11 @@ def take(cap: Captured, state: ReplayState, j: int, tensors: list) -> list | Non
     if cap.rng_read is not None and cap.rng_read() != stack.rng_at:
         leave(cap, state, DRAWN_BETWEEN)
         return None
+    # the recorded stack made no node between its calls (tgraph.layers.segment): code that
+    # does now would have its gradients summed in another order than eager
+    if _autograd_nodes() != stack.nodes_at and cap.needs_backward:
+        leave(cap, state, NODES_BETWEEN)
+        return None
     stack.next = j + 1
     if j + 1 == len(pending):
         stack.release()
@@ -236,10 +249,12 @@ def leave(cap: Captured, state: ReplayState, why: str = LEFT_AFTER_DRAW) -> None
     and no position of the generators is known to be eager's from here. That step's numbers
     differ from eager's, which cannot be undone after the fact: the member's fallback says so
     (strict raises) and the stack runs eagerly from now on (``why``: :data:`LEFT_AFTER_DRAW`,
-    or :data:`DRAWN_BETWEEN` where the generators moved between its calls). Called off the hot
-    path only (a member that takes its part never gets here)."""
+    or :data:`DRAWN_BETWEEN` where the generators moved between its calls). A stack whose
+    backward would sum gradients in another order than eager (:data:`NODES_BETWEEN`) runs
+    eagerly from now on too, drawing or not. Called off the hot path only (a member that takes
+    its part never gets here)."""
     stack = state.stack
-    if stack.pending is not None and cap.rng_read is not None:
+    if stack.pending is not None and (cap.rng_read is not None or why is NODES_BETWEEN):
         stack.fell_back = state.wrong = why
     stack.release()
 

@@ -33,7 +33,11 @@ are outputs of the node, so a
 caller may also use intermediate outputs (e.g. collect hidden states); their gradients are
 added in the backward graph, before those from inside the stack, which is eager's order for code
 that ran after the stack. Code between two members that uses an output (an auxiliary loss per
-block) has its gradient added after them in eager, so its members stay apart (``BETWEEN``).
+block) has its gradient added after them in eager, so its members stay apart (``BETWEEN``;
+so do members with nodes between them that no backward reaches, such as logging outside
+``torch.no_grad()``: the node counter cannot tell them apart). Code between the members
+that makes nodes only after capture leaves the stack at that step (an exact eager fallback
+with a warning; :data:`tgraph.layers.replay.NODES_BETWEEN`).
 
 A segment is a :class:`tgraph.layers.capture.GraphedUnit` like a runner; only its forward differs. Its
 capture result's ``slices`` and ``sources`` say which outputs each member returns and where each later
@@ -50,9 +54,12 @@ from tgraph.layers.runner import Runner, named
 from tgraph.layers.shortcut import MemberModes
 
 BETWEEN = (
-    "eager code between their calls made autograd nodes, e.g. an auxiliary loss on the first "
-    "one's output: merged, the stack's backward would add that code's gradient to the ones "
-    "inside the stack in another order than eager, off in the last bits"
+    "eager code between their calls made autograd nodes: an auxiliary loss on the first one's "
+    "output (merged, the stack's backward would add that code's gradient to the ones inside "
+    "the stack in another order than eager, off in the last bits), or nodes no backward "
+    "reaches, which tgraph cannot tell apart (h.norm().detach() outside torch.no_grad(), a "
+    "custom autograd.Function even under no_grad: run such logging under torch.no_grad() "
+    "with plain ops to merge them)"
 )
 
 HOOKED = (
