@@ -12,6 +12,7 @@ or frozen.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -209,3 +210,86 @@ def test_backward_hooks_are_served(backend, device, replays):
     before = replays[0]
     assert graphed.generate(prompts(3), NEW) == eager.generate(prompts(3), NEW)
     assert replays[0] - before >= NEW
+
+
+def steered_forward(mlp, state: dict):
+    """An instance ``forward`` as accelerate's ``add_hook_to_module`` or a patch sets one: the
+    module's own forward, steered by ``state["alpha"]`` (read at each call)."""
+    stock = mlp.forward
+
+    def forward(x):
+        out = stock(x)
+        return out + state["alpha"] * direction(out)
+
+    return forward
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["at_build", "after_capture"])
+def test_under_graphs_an_instance_forward_on_a_called_module_is_refused(backend, device, after):
+    """A forward set on the instance of a module the adapter calls replaces its computation;
+    graphs would freeze the Python around it (the steering strength at capture): refused like
+    a forward hook, at construction or at the first call after it appears."""
+    model = tiny_gpt(device).eval()
+    mlp, state = model.h[0].mlp, {"alpha": 1.0}
+    if after:
+        eng = DecodeEngine(model, backend=backend, progress=False, **SHAPE)
+        eng.generate(prompts(2), 2)
+    mlp.forward = steered_forward(mlp, state)
+    msg = r"^DecodeEngine: h\.0\.mlp has the instance forward .*capture only.*del module\.forward"
+    with pytest.raises(RuntimeError, match=msg):
+        if after:
+            eng.generate(prompts(2), 2)
+        else:
+            DecodeEngine(model, backend=backend, progress=False, **SHAPE)
+
+
+def test_the_eager_engine_runs_an_instance_forward_at_every_call(device):
+    """use_graphs=False runs a called module's instance forward at every step: a strength
+    changed between calls is honoured (the steered model's own tokens)."""
+    model = tiny_gpt(device).eval()
+    state = {"alpha": 0.0}
+    model.h[0].mlp.forward = steered_forward(model.h[0].mlp, state)
+    eng = DecodeEngine(model, use_graphs=False, progress=False, **SHAPE)
+    ps, seen = prompts(3), []
+    for alpha in (0.0, 3.0):
+        state["alpha"] = alpha
+        got = eng.generate(ps, NEW)
+        assert got == full_forward_greedy(model, ps)
+        seen.append(got)
+    assert seen[0] != seen[1]  # the strength matters: a frozen forward would show
+
+
+class _SteeredAttention(torch.nn.Module):
+    """Mixed into the toy attention's class: a subclass with a forward of its own."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y + direction(y)
+
+
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("how", ["instance", "subclass"])
+@pytest.mark.parametrize("after", [False, True], ids=["at_build", "after_build"])
+def test_a_forward_of_its_own_on_a_bypassed_module_is_refused(backend, device, how, after,
+                                                              use_graphs):  # fmt: skip
+    """The decoder runs a block's and its attention's parts, never their forward: a forward
+    set on the instance (accelerate's add_hook_to_module) or a subclass's override would
+    silently not run. Refused, naming the module, graphs or not, at build or after."""
+    model = tiny_gpt(device).eval()
+    eng = None
+    if after:
+        eng = DecodeEngine(model, use_graphs=use_graphs, backend=backend, progress=False, **SHAPE)
+        eng.generate(prompts(2), 2)
+    if how == "instance":
+        block = model.h[0]
+        block.forward = functools.partial(type(block).forward, block)
+        msg = r"h\.0 runs a forward set on the Block instance"
+    else:
+        attn = model.h[1].attn
+        attn.__class__ = type("Steered", (_SteeredAttention, type(attn)), {})
+        msg = r"h\.1\.attn runs _SteeredAttention\.forward"
+    with pytest.raises((TypeError, RuntimeError), match=rf"^DecodeEngine .*{msg}|{msg}"):
+        if after:
+            eng.generate(prompts(2), 2)
+        else:
+            DecodeEngine(model, use_graphs=use_graphs, backend=backend, progress=False, **SHAPE)

@@ -14,6 +14,9 @@ records nothing at replays.
 * a forward or forward-pre hook on a module the adapter never calls (``called_modules()`` of
   the decoder; a decoder without it is taken to call all of its modules), and a global forward
   hook (``register_module_forward_hook``), which runs only around the modules the adapter calls;
+* a ``forward`` set on a module instance (accelerate's ``add_hook_to_module`` sets one, a
+  patch such as ``mlp.forward = steered`` too) as a forward hook of that module: it replaces
+  the module's computation where the adapter calls the module, and never runs elsewhere;
 * under graphs, any other forward hook, unless the engine was built with
   ``capturable_hooks=True``, which declares them pure tensor code whose effect the graphs keep
   (the per-layer graphs' rule, ``tgraph.enable(capturable_hooks=True)``).
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from itertools import repeat
 from operator import getitem
 
 import torch.nn as nn
@@ -69,6 +73,8 @@ class _Scanned:
     sub_ids: tuple[int, ...]
     hook_tables: tuple[dict, ...]
     hook_keys: tuple[tuple, ...]
+    dicts: tuple[dict, ...]
+    forwards: tuple[int, ...]
 
     @classmethod
     def of(cls, mods: tuple[nn.Module, ...]) -> _Scanned:
@@ -86,6 +92,8 @@ class _Scanned:
             sub_ids=tuple(id(t[k]) for t, k in subs),
             hook_tables=hooks,
             hook_keys=tuple(map(tuple, hooks)),
+            dicts=tuple(map(vars, mods)),
+            forwards=_forwards(map(vars, mods)),
         )
 
     def same_hooks(self) -> bool:
@@ -97,9 +105,15 @@ class _Scanned:
                 tuple(map(len, self.sub_tables)) == self.sub_sizes
                 and tuple(map(id, map(getitem, self.sub_slots, self.sub_keys))) == self.sub_ids
                 and tuple(map(type, self.mods)) == self.classes
+                and _forwards(self.dicts) == self.forwards
             )
         except KeyError:
             return False
+
+
+def _forwards(dicts) -> tuple[int, ...]:
+    """The id of each module's instance ``forward`` (that of None where it has none)."""
+    return tuple(map(id, map(dict.get, dicts, repeat("forward"))))
 
 
 class HookCheck:
@@ -148,6 +162,21 @@ class HookCheck:
         called = getattr(self.decoder, "called_modules", None)
         run = None if called is None else {id(m) for c in called() for m in c.modules()}
         for name, m in named:
+            own = vars(m).get("forward")  # accelerate's add_hook_to_module sets one
+            if own is not None:
+                hf_hook = vars(m).get("_hf_hook")
+                kind = "instance forward" + (
+                    f" of accelerate's {type(hf_hook).__name__} hook" if hf_hook is not None else ""
+                )
+                remove = (
+                    "accelerate's remove_hook_from_module(module)"
+                    if hf_hook is not None
+                    else "del module.forward"
+                )
+                if run is not None and id(m) not in run:
+                    raise RuntimeError(_never_runs(name or "the model", kind, own, remove))
+                if self.graphs and not self.capturable:
+                    raise RuntimeError(_baked(name or "the model", kind, own, remove))
             for table, kind in _FORWARD_HOOKS:
                 for fn in vars(m)[table].values():
                     if _inert_for_decode(fn):
@@ -175,11 +204,11 @@ def _inert_for_decode(fn: object) -> bool:
     return hf is not None and getattr(fn, "func", None) is hf._no_cache_by_default
 
 
-def _never_runs(where: str, kind: str, fn: object) -> str:
+def _never_runs(where: str, kind: str, fn: object, remove: str = "handle.remove()") -> str:
     return (
         f"DecodeEngine: {where} has the {kind} {_name(fn)}, which would never run: the decode "
         "adapter runs that module's parts, never its forward, so the tokens would be the "
-        "unhooked model's. Remove the hook (handle.remove()), register it on a module the "
+        f"unhooked model's. Remove the hook ({remove}), register it on a module the "
         "adapter calls (an mlp, a projection, lm_head), or generate with the model's own "
         "generate()"
     )
@@ -194,11 +223,11 @@ def _global(kind: str, fn: object) -> str:
     )
 
 
-def _baked(where: str, kind: str, fn: object) -> str:
+def _baked(where: str, kind: str, fn: object, remove: str = "handle.remove()") -> str:
     return (
         f"DecodeEngine: {where} has the {kind} {_name(fn)}, which a graph would run at capture "
         "only (a replay runs kernels, not Python: state the hook reads is frozen, a recording "
-        "hook records nothing). Remove it, serve with use_graphs=False (hooks run at every "
+        f"hook records nothing). Remove it ({remove}), serve with use_graphs=False (hooks run at every "
         "call), or, if it is pure tensor code whose effect belongs in the graphs, pass "
         "capturable_hooks=True to DecodeEngine"
     )

@@ -165,6 +165,51 @@ def as_decode_model(model: object) -> DecodeModel:
     )
 
 
+def refuse_own_forward(
+    model: torch.nn.Module, bypassed: list[torch.nn.Module], *, stock: str
+) -> None:
+    """Raise where one of ``bypassed`` runs a ``forward`` that is not the stock one: a
+    subclass's override, a method patched onto the class or set on the instance (accelerate's
+    ``add_hook_to_module`` sets one). For adapters that run a module's parts, not its
+    ``forward``.
+
+    Such an adapter never calls these modules' ``forward``, so their own computation would
+    silently not happen. tgraph's graphable classes (:meth:`tgraph.GraphableModule.of`, the
+    transformers integration's layer classes) wrap the stock ``forward`` and pass.
+
+    Args:
+        model: the served model (names the module in the error).
+        bypassed: the modules whose ``forward`` the adapter never calls.
+        stock: the module-name prefix of the stock classes (``"transformers."``): a
+            ``forward`` defined there, on a class defined there, is the stock one.
+
+    Raises:
+        TypeError: naming the module, the method and the fix.
+    """
+    for m in bypassed:
+        if "forward" in m.__dict__:
+            what = f"a forward set on the {type(m).__name__} instance"
+        else:
+            owner = next(
+                c
+                for c in type(m).__mro__
+                if "forward" in c.__dict__ and "_tgraph_hf_base" not in c.__dict__
+            )
+            source = getattr(owner.__dict__["forward"], "__module__", None) or "?"
+            if owner.__module__.startswith(stock) and source.startswith(stock):
+                continue
+            what = f"{owner.__qualname__}.forward (from {source})"
+        names = {id(m): n or "the model" for n, m in model.named_modules()}
+        raise TypeError(
+            f"DecodeEngine cannot serve {type(model).__name__}: {names[id(m)]} runs {what}, "
+            f"not the stock forward ({stock.rstrip('.')}), which the decode adapter never calls "
+            "(it runs the model's parts with its own KV cache and attention), so the tokens "
+            "would be the stock model's. Serve a model of the stock classes (a change inside a "
+            "part the forward calls, such as lm_head or mlp, is kept), or implement "
+            "prefill/decode_step (tgraph.decode.interface) for your class"
+        )
+
+
 def _is_peft_model(model: object) -> bool:
     """peft's ``PeftModel`` (duck-typed: no import of peft), which wraps the served model at
     ``base_model.model``."""

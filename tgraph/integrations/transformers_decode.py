@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from tgraph.baked import _count_writes_to, watch_module_writes
 from tgraph.baked import _epoch as _module_epoch
 from tgraph.decode.buffers import PrefillInputs, StepInputs
-from tgraph.decode.interface import ServedInEval, as_decode_model
+from tgraph.decode.interface import ServedInEval, as_decode_model, refuse_own_forward
 from tgraph.decode.kv_cache import KVCache
 
 try:
@@ -255,7 +255,7 @@ class TransformersDecoder:
     def _read(self) -> Parts:
         model = self.model
         parts = _gpt2_parts(model) if self.gpt2 else _rotary_parts(model)
-        _refuse_own_forward(model, self._bypassed(parts))
+        refuse_own_forward(model, self._bypassed(parts), stock="transformers.")
         return parts
 
     def _bypassed(self, parts: Parts) -> list[nn.Module]:
@@ -459,41 +459,6 @@ def _family(model: nn.Module) -> str | None:
         if cls is not None and isinstance(model, cls):
             return name
     return None
-
-
-def _refuse_own_forward(model: nn.Module, bypassed: list[nn.Module]) -> None:
-    """Raise where one of ``bypassed`` runs a ``forward`` that is not transformers' own: a
-    subclass's override, a method patched onto the class or set on the instance.
-
-    The adapter calls the parts of these modules, not their ``forward`` (module docstring), so
-    their own computation would silently not happen. tgraph's graphable layer classes
-    (:func:`tgraph.integrations.transformers.graph_layers`) wrap the stock ``forward`` and pass.
-
-    Raises:
-        TypeError: naming the module, the method and the fix.
-    """
-    for m in bypassed:
-        if "forward" in m.__dict__:
-            what = f"a forward set on the {type(m).__name__} instance"
-        else:
-            owner = next(
-                c
-                for c in type(m).__mro__
-                if "forward" in c.__dict__ and "_tgraph_hf_base" not in c.__dict__
-            )
-            source = getattr(owner.__dict__["forward"], "__module__", None) or "?"
-            if owner.__module__.startswith("transformers.") and source.startswith("transformers."):
-                continue
-            what = f"{owner.__qualname__}.forward (from {source})"
-        names = {id(m): n or "the model" for n, m in model.named_modules()}
-        raise TypeError(
-            f"DecodeEngine cannot serve {type(model).__name__}: {names[id(m)]} runs {what}, "
-            "not transformers' own forward, which the decode adapter never calls (it runs the "
-            "model's parts with its own KV cache and attention), so the tokens would be the "
-            "stock model's. Serve a model of the stock classes (a change inside a part the "
-            "forward calls, such as lm_head or mlp, is kept), or implement prefill/decode_step "
-            "(tgraph.decode.interface) for your class"
-        )
 
 
 def _rotary_parts(model: nn.Module) -> Parts:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tgraph.decode.buffers import PrefillInputs, StepInputs
-from tgraph.decode.interface import ServedInEval, as_decode_model
+from tgraph.decode.interface import ServedInEval, as_decode_model, refuse_own_forward
 from tgraph.decode.kv_cache import KVCache
 from tgraph.toy import gpt as gpt_model
 
@@ -44,6 +44,7 @@ class GPTDecoder:
         self.vocab_size = cfg.vocab_size
         self.max_positions = cfg.block_size
         self.device = model.wte.weight.device
+        self.called_modules()  # raises: a forward it would bypass
 
     @property
     def dtype(self) -> torch.dtype:
@@ -53,9 +54,17 @@ class GPTDecoder:
     def called_modules(self) -> list[torch.nn.Module]:
         """The modules :meth:`prefill` and :meth:`decode_step` call, whose forward and hooks
         run: ``wte``, ``wpe``, each block's norms, ``attn.c_attn`` (through ``split_heads``),
-        ``attn.c_proj`` and ``mlp``, ``ln_f`` and ``lm_head``; never a block's or its
-        attention's forward, so the engine refuses hooks there (:mod:`tgraph.decode.hooks`)."""
+        ``attn.c_proj`` and ``mlp``, ``ln_f`` and ``lm_head``; never the model's, a block's or
+        its attention's forward, so the engine refuses hooks there (:mod:`tgraph.decode.hooks`,
+        which asks again after any change to the module tree).
+
+        Raises:
+            TypeError: one of those bypassed modules runs a forward of its own (a subclass's,
+                one set on the instance): it would silently not run.
+        """
         m = self.model
+        bypassed = [m, *m.h, *(block.attn for block in m.h)]
+        refuse_own_forward(m, bypassed, stock=gpt_model.__name__)
         out = [m.wte, m.wpe, m.ln_f, m.lm_head]
         for block in m.h:
             out += [block.ln_1, block.attn.c_attn, block.attn.c_proj, block.ln_2, block.mlp]
