@@ -276,10 +276,20 @@ def test_numpy_and_tensor_scalars_are_the_numbers_they_hold(backend, device):
         torch.tensor(12),
         [np.int32(12), torch.tensor(12, dtype=torch.int32), 12],
     ]
-    ids = [[np.int64(t) for t in ps[0]], torch.tensor(ps[1]), ps[2]]
+    ids = [[np.int64(t) for t in ps[0]], torch.tensor(ps[1]), np.array(ps[2], dtype=np.int32)]
     for settings in scalars:
         for limit in limits:
             assert graphed.generate(ids, limit, **settings) == want
+    with pytest.raises(ValueError, match="request 0: a tensor prompt holds token ids"):
+        graphed.generate([np.array(ps[0], dtype=np.float32)], 4)
+
+
+def test_a_compiled_wrapper_is_refused_naming_the_module_it_wraps(device):
+    """torch.compile(model) is an OptimizedModule without the decode interface: the refusal
+    names the fix (the wrapped module), not the interface's missing methods."""
+    compiled = torch.compile(tiny_gpt(device))
+    with pytest.raises(TypeError, match=r"torch.compile wrapper OptimizedModule: .*_orig_mod"):
+        DecodeEngine(compiled, max_batch_size=2, max_seq_len=64, progress=False)
 
 
 def test_text_prompts_return_text(backend, device):

@@ -152,13 +152,19 @@ def as_decode_model(model: object) -> DecodeModel:
             "is captured again), or merge the adapters into it first: "
             "DecodeEngine(peft_model.merge_and_unload(), ...)"
         )
+    if isinstance(model, torch.nn.Module) and hasattr(model, "_orig_mod"):
+        raise TypeError(
+            f"DecodeEngine cannot serve the torch.compile wrapper {type(model).__name__}: pass "
+            "the module it wraps, DecodeEngine(compiled._orig_mod, ...) (the engine captures "
+            "the model's own code; modules compiled inside it are served as they are)"
+        )
     missing = [
         name
         for name in DecodeModel.__annotations__.keys() | {"prefill", "decode_step"}
         if not hasattr(model, name)
     ]
     raise TypeError(
-        f"DecodeEngine cannot serve a {type(model).__name__}: it lacks {sorted(missing)} of the "
+        f"DecodeEngine cannot serve this {type(model).__name__}: it lacks {sorted(missing)} of the "
         "decode interface and no adapter is registered for its type; implement prefill and "
         "decode_step as described in tgraph.decode.interface, or register an adapter with "
         "@tgraph.decode.as_decode_model.register"

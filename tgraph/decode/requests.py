@@ -113,6 +113,8 @@ def _as_ids(i: int, prompt: Prompt, encode: Callable[[str], list[int]] | None) -
                 "pass token-id lists instead"
             )
         return list(encode(prompt))
+    if type(prompt).__module__ == "numpy" and getattr(prompt, "ndim", 0) >= 1:
+        prompt = torch.from_numpy(prompt)  # an array of ids: as a tensor prompt (no copy)
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1:
             raise ValueError(
