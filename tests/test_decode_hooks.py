@@ -259,6 +259,20 @@ def test_the_eager_engine_runs_an_instance_forward_at_every_call(device):
     assert seen[0] != seen[1]  # the strength matters: a frozen forward would show
 
 
+def test_a_compiled_called_module_is_served_not_taken_for_a_hook(backend, device, replays):
+    """torch.compile(module) is a wrapper whose instance forward is the module's own code,
+    compiled: not a hook. A compiled called module is served under graphs, replayed, with the
+    tokens of the eager engine and of the model's own forward."""
+    model = tiny_gpt(device).eval()
+    model.h[0].mlp = torch.compile(model.h[0].mlp, backend="eager")
+    graphed, eager = engines(model, backend, **SHAPE)
+    ps = prompts(3)
+    before = replays[0]
+    got = graphed.generate(ps, NEW)
+    assert replays[0] - before >= NEW
+    assert got == eager.generate(ps, NEW) == full_forward_greedy(model, ps)
+
+
 class _SteeredAttention(torch.nn.Module):
     """Mixed into the toy attention's class: a subclass with a forward of its own."""
 

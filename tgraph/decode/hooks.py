@@ -14,7 +14,8 @@ records nothing at replays.
 * a forward or forward-pre hook on a module the adapter never calls (``called_modules()`` of
   the decoder; a decoder without it is taken to call all of its modules), and a global forward
   hook (``register_module_forward_hook``), which runs only around the modules the adapter calls;
-* a ``forward`` set on a module instance (accelerate's ``add_hook_to_module`` sets one, a
+* a ``forward`` set on a module instance (not ``torch.compile``'s wrapper, whose forward is the
+  module's own code; accelerate's ``add_hook_to_module`` sets one, a
   patch such as ``mlp.forward = steered`` too) as a forward hook of that module: it replaces
   the module's computation where the adapter calls the module, and never runs elsewhere;
 * under graphs, any other forward hook, unless the engine was built with
@@ -163,7 +164,7 @@ class HookCheck:
         run = None if called is None else {id(m) for c in called() for m in c.modules()}
         for name, m in named:
             own = vars(m).get("forward")  # accelerate's add_hook_to_module sets one
-            if own is not None:
+            if own is not None and not _compiled(m):
                 hf_hook = vars(m).get("_hf_hook")
                 kind = "instance forward" + (
                     f" of accelerate's {type(hf_hook).__name__} hook" if hf_hook is not None else ""
@@ -194,6 +195,13 @@ class HookCheck:
         mods = tuple(m for _, m in named)
         _count_writes_to(mods)  # a write to any of them moves the module epoch
         self._scanned = _Scanned.of(mods)
+
+
+def _compiled(m: nn.Module) -> bool:
+    """``torch.compile(module)``'s wrapper, whose instance ``forward`` is the wrapped module's
+    own computation, compiled (served as the module itself, as before the wrapper)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return dynamo is not None and isinstance(m, dynamo.OptimizedModule)
 
 
 def _inert_for_decode(fn: object) -> bool:
