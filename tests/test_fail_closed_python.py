@@ -263,6 +263,36 @@ def test_a_global_read_by_the_forward_changed_after_capture_is_not_replayed(back
     assert_never_silent(msgs, r"SCALE")
 
 
+class _AttributeBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x):
+        return x + self.scale * self.fc2(torch.tanh(self.fc1(x)))
+
+
+scale = 0  # a module-level name the forward of _AttributeBlock reads only as an attribute
+
+
+def _count(i, model, opt):
+    global scale
+    scale = i  # a script's loop variable, say
+
+
+def test_a_global_named_like_an_attribute_the_forward_reads_is_not_a_read(backend, device):
+    """``self.scale`` puts ``scale`` in the code's names, but the forward reads no global
+    ``scale``: a module-level variable of that name changing at every step must not stop the
+    replays (it made every call eager, or raise under strict)."""
+    try:
+        _, _, msgs = _twins(
+            device, lambda: Net(_AttributeBlock), before=_count, backend=backend, strict=True
+        )
+    finally:
+        _count(0, None, None)
+    assert msgs == [] and tgraph.eager_calls() == 0
+
+
 # -- the shadow verifier --------------------------------------------------------------------------
 
 

@@ -19,6 +19,8 @@ offloading managers) and containers mutated in place are not compared: the shado
 from __future__ import annotations
 
 import dataclasses
+import dis
+import functools
 import random
 import sys
 import types
@@ -42,6 +44,19 @@ def unread(m: nn.Module) -> frozenset[str]:
     return NOT_READ | getattr(type(m), "unread_attributes", frozenset())
 
 
+@functools.lru_cache(maxsize=1024)
+def global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` loads as globals (``LOAD_GLOBAL``), nested code (a comprehension, a
+    lambda) included, in order of first use. Not ``co_names``, which also holds the attribute
+    and method names it reads: ``self.scale`` names ``scale`` there, and a script's loop
+    variable ``scale`` would look like a global the forward reads."""
+    names = [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += global_names(const)
+    return tuple(dict.fromkeys(names))
+
+
 def forward_globals(modules: list[nn.Module]) -> list[tuple[str, dict, list[str]]]:
     """The module-level names the ``forward`` of each module's class reads that hold plain
     values or functions, as ``(where, globals dict, names)``: a graph keeps what they held at
@@ -54,7 +69,7 @@ def forward_globals(modules: list[nn.Module]) -> list[tuple[str, dict, list[str]
             continue
         g = fn.__globals__
         keys = found.setdefault(id(g), (f"global {g.get('__name__')}", g, []))[2]
-        for k in code.co_names:
+        for k in global_names(code):
             if k in g and k not in keys and (plain(g[k]) or isinstance(g[k], types.FunctionType)):
                 keys.append(k)
     return [entry for entry in found.values() if entry[2]]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tgraph.python_state import plain
+from tgraph.python_state import global_names, plain
 
 _CELL = attrgetter("cell_contents")
 # a module's own tables besides its submodules: tensors (checked elsewhere) and hooks
@@ -146,7 +146,7 @@ class Reach:
                 self._cell_names.append(f"closure variable {name!r} of {where}")
             self._value(v, name, deeper=True, note=False)
         g = fn.__globals__
-        names = [k for k in dict.fromkeys(code.co_names) if k in g]
+        names = [k for k in global_names(code) if k in g]
         self._table(g, "global", deeper=True, keys=names, attrs=True)
 
     def _object(self, obj: Any, where: str, deeper: bool) -> None:
