@@ -354,6 +354,35 @@ def test_batch_views_written_in_place_are_refused(backend, device, when):
         assert step.num_graphs == 1
 
 
+def test_a_batch_tensor_whose_grad_the_step_writes_is_refused(backend, device):
+    """A batch tensor that requires grad, whose gradient the step's backward computes (x + delta,
+    an adversarial perturbation the caller trains): the graph's static copy of it is a leaf, so
+    no replay could reach delta's .grad (it would stay as the warmup left it). The capture
+    refuses in one line, before the step runs."""
+    model = make_model(device, p=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def fn(batch):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = tgraph.FullIterationGraph(fn, warmup_steps=WARMUP, backend=backend)
+    batches = make_batches(device, WARMUP + 1)
+    delta = torch.zeros_like(batches[0][0], requires_grad=True)
+    for x, y in batches[:WARMUP]:
+        step((x + delta, y))  # eager: the gradient reaches delta
+    assert delta.grad is not None
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batches[WARMUP]
+    with pytest.raises(ValueError, match=r"wrote \.grad of batch tensor 0 .*autograd\.grad"):
+        step((x + delta, y))  # the graph's copy of x + delta is a leaf: delta would get nothing
+    torch.testing.assert_close([p.detach() for p in model.parameters()], before, rtol=0, atol=0)
+
+
 def _own_mode_run(backend, device, graphed, n=8):
     """fn calls model.train() itself; before every step the loop calls model.eval() and runs a
     validation forward; after it, a forward that reads the mode the step left (dropout)."""

@@ -381,6 +381,7 @@ class FullIterationGraph:
             # the batch tensors fn writes in place (x.mul_(0.5)): copied back after each replay
             mutated = tuple(i for i, s in enumerate(static) if s._version != versions[i])
             _refuse_shared_writes(tensors, mutated)
+            _refuse_batch_grads(static)
         except BaseException as exc:
             entry.phase = Phase.FAILED
             step.fail(exc)  # undone; a CaptureError naming the cause (a ValueError as is)
@@ -515,6 +516,27 @@ def _mode_moved(entry: _Entry) -> bool:
     exists before the capture instead of being created inside the graph at every replay."""
     mode = entry.warm_mode
     return mode is not None and StepMode.now(mode.modules, mode.params).differs_from(mode)
+
+
+def _refuse_batch_grads(static: list[torch.Tensor]) -> None:
+    """Refuse a step whose backward computed a gradient for a batch tensor that requires grad
+    (an adversarial perturbation, an input to explain; ``x + delta`` too): the graph's static
+    copy, a leaf, receives it in its ``.grad``, and no replay can hand it to the tensor the
+    caller passes or to the graph that made it (eager's ``delta.grad`` would stay as the warmup
+    left it, silently).
+
+    Raises:
+        ValueError: naming the batch tensor and the fix.
+    """
+    for i, s in enumerate(static):
+        if s.grad is not None:
+            raise ValueError(
+                f"FullIterationGraph: the step's backward wrote .grad of batch tensor {i} (it "
+                "requires grad); a replay cannot hand .grad to the tensor passed at the next "
+                "call. Return the gradient from the step instead (g = torch.autograd.grad(loss, "
+                "x, retain_graph=True)[0]), or make the tensor a parameter of a module the step "
+                "trains."
+            )
 
 
 def _refuse_shared_writes(tensors: list[torch.Tensor], written: tuple[int, ...]) -> None:
