@@ -383,6 +383,48 @@ def test_a_batch_tensor_whose_grad_the_step_writes_is_refused(backend, device):
     torch.testing.assert_close([p.detach() for p in model.parameters()], before, rtol=0, atol=0)
 
 
+def _param_hooks(kind: str, at: int, handles: list):
+    """Before step ``at``: a hook halving a parameter's gradient added (``add``), or the one
+    added before step 0 removed (``remove``); a tensor hook or a post-accumulate hook."""
+
+    def halve(g):
+        return g * 0.5
+
+    def halve_grad(p):
+        p.grad.mul_(0.5)
+
+    def before(i, model):
+        p = next(model.parameters())
+        if (kind.startswith("add") and i == at) or (kind.startswith("remove") and i == 0):
+            hook = p.register_hook(halve) if kind.endswith("tensor") else None
+            hook = hook or p.register_post_accumulate_grad_hook(halve_grad)
+            handles.append(hook)
+        if kind.startswith("remove") and i == at:
+            handles.pop().remove()
+
+    return before
+
+
+@pytest.mark.parametrize("kind", ["add_tensor", "add_post", "remove_tensor", "remove_post"])
+def test_a_parameter_hook_added_or_removed_after_capture_is_seen(backend, device, kind, replays):
+    """A parameter's gradient hook ran inside the captured backward, so the graph replays the
+    hooks of capture: one added (or removed) after capture makes the next call warn and capture
+    again, with eager's numbers, and the new graph replays."""
+    want = run(backend, device, False, _param_hooks(kind, 5, []), n=10)
+    hooks, at_change = _param_hooks(kind, 5, []), []
+
+    def before(i, model):
+        hooks(i, model)
+        if i == 5:
+            at_change.append(replays[0])
+
+    with pytest.warns(tgraph.GraphFallbackWarning, match="gradient hooks of parameter 0"):
+        got = run(backend, device, True, before, n=10)
+    torch.testing.assert_close(got[0], want[0], **tol(backend))
+    torch.testing.assert_close(got[1], want[1], **tol(backend))
+    assert at_change[0] >= 2 and replays[0] > at_change[0]  # replayed before and after
+
+
 def _own_mode_run(backend, device, graphed, n=8):
     """fn calls model.train() itself; before every step the loop calls model.eval() and runs a
     validation forward; after it, a forward that reads the mode the step left (dropout)."""

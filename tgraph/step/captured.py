@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from tgraph.backend import GraphFactory
 from tgraph.baked import Baked
@@ -137,6 +138,7 @@ class CapturedStep:
     end_mode: StepMode | None = None  # the flags fn left, where fn changed them: set after replays
     mutated_inputs: tuple[int, ...] = ()  # static inputs the step writes: copied back
     reach: Reach | None = None  # the objects fn reached at capture (a replaced one: recapture)
+    param_hooks: ParamHooks | None = None  # the parameters' gradient hooks the backward ran
 
     def change(self) -> str | None:
         """Why the graph no longer fits what it baked in (the optimizers' layout or numbers,
@@ -152,7 +154,47 @@ class CapturedStep:
             why = self.baked.changed()
         if why is None and self.reach is not None:
             why = self.reach.change()
+        if why is None and self.param_hooks is not None:
+            why = self.param_hooks.change()
         return why
 
 
-__all__ = ["CapturedStep", "Phase", "StepMode"]
+def _hook_counts(params: tuple[torch.Tensor, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (len(p._backward_hooks or ()), len(p._post_accumulate_grad_hooks or ())) for p in params
+    )
+
+
+class ParamHooks:
+    """The parameters' own gradient hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``) when a whole step was captured: its backward ran
+    them, so the graph replays their effect, and a hook added or removed since would be ignored
+    or kept. Read only when torch's hook counter moved (a hook registered anywhere), or at every
+    check where a parameter had hooks at capture (a removal moves no counter)."""
+
+    __slots__ = ("params", "counts", "epoch", "hooked")
+
+    def __init__(self, params: tuple[torch.Tensor, ...]) -> None:
+        self.params = params
+        self.counts = _hook_counts(params)
+        self.epoch = RemovableHandle.next_id
+        self.hooked = any(map(any, self.counts))
+
+    def change(self) -> str | None:
+        epoch = RemovableHandle.next_id
+        if epoch == self.epoch and not self.hooked:
+            return None
+        now = _hook_counts(self.params)
+        if now == self.counts:
+            self.epoch = epoch
+            return None
+        i = next(i for i, (a, b) in enumerate(zip(now, self.counts)) if a != b)
+        return (
+            f"the gradient hooks of parameter {i} (shape {tuple(self.params[i].shape)}) changed "
+            "after capture (tensor or post-accumulate hooks now: "
+            f"{now[i][0]} and {now[i][1]}, at capture {self.counts[i][0]} and "
+            f"{self.counts[i][1]}); the step's graph replays the hooks present at capture only"
+        )
+
+
+__all__ = ["CapturedStep", "ParamHooks", "Phase", "StepMode"]

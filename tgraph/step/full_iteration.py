@@ -123,7 +123,7 @@ from tgraph.memory import CaptureReport, MemoryReport, tensor_bytes
 from tgraph.signature import call_key, first_difference, split
 from tgraph.step import capture as step_capture
 from tgraph.step.capture import StepCapture
-from tgraph.step.captured import CapturedStep, Phase, StepMode
+from tgraph.step.captured import CapturedStep, ParamHooks, Phase, StepMode
 from tgraph.step.host_state import grad_scaler_settings
 from tgraph.step.hyperparams import HyperParams
 from tgraph.step.nonfinite import SkipNonfiniteStep
@@ -404,6 +404,8 @@ class FullIterationGraph:
             mutated_inputs=mutated,
             # the objects fn reaches, as fn left them: one replaced later is a change
             reach=Reach(self._step_fn),
+            # the parameters' gradient hooks its backward ran: one added or removed is a change
+            param_hooks=ParamHooks(tuple(params)),
         )
         logger.info(
             "FullIterationGraph: captured on %s in %.3fs, %.1f MiB",
