@@ -38,6 +38,7 @@ removed, a replay order that corrupts on a GPU corrupts on the CPU too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable
@@ -309,9 +310,12 @@ def saved_activations(outputs: list[Any]) -> list[torch.Tensor]:
         # The packed values (_raw_saved_*), never the unpacked ones: unpacking a tensor saved
         # under torch.utils.checkpoint would recompute it. A checkpoint keeps only its inputs.
         names = [n for n in dir(node) if n.startswith("_raw_saved_")]
-        values = [getattr(node, n) for n in names]
-        if not names and hasattr(node, "saved_tensors"):  # a custom autograd.Function's context
-            values.append(node.saved_tensors)
+        if not names and hasattr(type(node), "saved_tensors"):  # a custom Function's context
+            names = ["saved_tensors"]
+        values = []
+        for n in names:  # none where a backward freed them (a custom Function raises then)
+            with contextlib.suppress(RuntimeError):
+                values.append(getattr(node, n))
         for v in values:
             for t in v if isinstance(v, (tuple, list)) else (v,):
                 found += _packed_tensors(t)
