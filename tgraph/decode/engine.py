@@ -148,14 +148,14 @@ class DecodeEngine:
         # The model's mode while the engine runs it (eval for the toy GPT), restored after.
         self._serving = getattr(d, "serving", None) or contextlib.nullcontext
         self.lookahead = lookahead
-        if as_int(max_batch_size) is None:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        max_batch_size = as_int(max_batch_size)
+        given, max_batch_size = max_batch_size, as_int(max_batch_size)
+        if max_batch_size is None:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {given!r}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if as_int(max_seq_len) is None:
-            raise ValueError(f"max_seq_len must be an int, got {max_seq_len!r}")
-        max_seq_len = as_int(max_seq_len)
+        given, max_seq_len = max_seq_len, as_int(max_seq_len)
+        if max_seq_len is None:
+            raise ValueError(f"max_seq_len must be an int, got {given!r}")
         if not 1 <= max_seq_len <= d.max_positions:
             raise ValueError(
                 f"max_seq_len must be in [1, {d.max_positions}] (the model's positions), got "

@@ -293,6 +293,8 @@ class GradHandOff:
         "storages",
         "uses",
         "baseline",
+        "param_storages",
+        "param_baseline",
         "copying",
     )
 
@@ -315,6 +317,8 @@ class GradHandOff:
         self.storages = tuple(b.untyped_storage()._cdata for b in bufs)
         self.uses = use_counts(self.storages)
         self.baseline = sum(self.uses)
+        n = len(self.plan.bufs)  # the parameter gradients' part (held_elsewhere)
+        self.param_storages, self.param_baseline = self.storages[:n], sum(self.uses[:n])
 
     def watch_hooks(self) -> None:
         """Where storage memory cannot be swapped: hand out copies from now on if a parameter
@@ -367,8 +371,7 @@ class GradHandOff:
         """Whether something besides tgraph and ``on_it`` ``.grad`` tensors views a parameter
         gradient buffer (a gradient a hook kept, say), which writing into it would
         overwrite."""
-        n = len(self.plan.bufs)
-        return sum(use_counts(self.storages[:n])) > sum(self.uses[:n]) + on_it
+        return sum(use_counts(self.param_storages)) > self.param_baseline + on_it
 
     @torch.no_grad()
     def rescue(self) -> str | None:
